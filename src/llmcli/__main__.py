@@ -1,0 +1,3 @@
+from llmcli.cli import main
+
+main()

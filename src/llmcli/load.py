@@ -1,0 +1,204 @@
+"""Local files → (model, tokenizer) on a device, ready for inference.
+
+Device auto: CUDA if present, else Apple MPS, else CPU. Dtype auto: bf16 where the GPU supports it,
+else fp16 on GPUs, fp32 on CPU (CPU half-precision matmuls are slow or missing on many machines).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmcli.errors import LlmcliError, ModelLoadError
+from llmcli.resolve import ResolvedModel
+from llmcli.settings import LoadSettings
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {value: key for key, value in _DTYPES.items()}
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    generation_config: dict[str, Any]  # generation_config.json as written, for sampling defaults
+    eos_token_ids: frozenset[int]
+    context_length: int
+    weight_bytes: int
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
+
+
+def quiet_libraries() -> None:
+    """Our own progress and errors are the only ones the user should see."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", module="transformers")
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def choose_device(requested: str) -> torch.device:
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LlmcliError(
+            f"--device {requested} was asked for, but torch sees no CUDA GPU (torch {torch.__version__})",
+            "use --device cpu, or install a CUDA build of torch",
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise LlmcliError(f"--device {requested} was asked for, but MPS is not available", "use --device cpu")
+    return device
+
+
+def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def configure_cpu_threads(threads: int | None) -> int:
+    """One intra-op thread per core we may run on.
+
+    More threads than cores makes OpenMP workers spin against each other, and when another
+    process holds a core, a barrier-synchronised team stalls on the busiest core every matmul.
+    """
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
+
+
+def read_generation_config(folder: Path) -> dict[str, Any]:
+    path = folder / "generation_config.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def eos_ids(*sources: Any) -> frozenset[int]:
+    """Every end-of-sequence id named anywhere: chat models often end turns with a token
+    (e.g. <|im_end|>) that only the tokenizer or the generation config knows about."""
+    ids: set[int] = set()
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def context_length_of(config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def weight_bytes_of(model: Any) -> int:
+    """Bytes of the weights as they sit in memory, counting tied tensors once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = tensor.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_libraries()
+    device = choose_device(settings.device)
+    dtype = choose_dtype(settings.dtype, device)
+    if device.type == "cpu":
+        configure_cpu_threads(settings.threads)
+    folder = resolved.path
+    common = {"trust_remote_code": settings.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **common)
+        from_pretrained = functools.partial(
+            AutoModelForCausalLM.from_pretrained,
+            folder,
+            dtype=dtype,
+            device_map=str(device),
+            use_safetensors=None if settings.allow_pickle else True,
+            **common,
+        )
+        try:
+            model = from_pretrained(attn_implementation="sdpa")
+        except ValueError as error:
+            if "sdpa" not in str(error).lower():
+                raise
+            model = from_pretrained()  # an architecture without SDPA support: its own attention
+    except (ValueError, OSError, KeyError, ImportError) as error:
+        raise _load_error(resolved, error) from error
+    except torch.OutOfMemoryError as error:
+        raise LlmcliError(
+            f"out of memory while loading {resolved.name} on {device} in {DTYPE_NAMES.get(dtype)}",
+            "try a smaller --dtype, or --device cpu",
+        ) from error
+    model.eval()
+    generation_config = read_generation_config(folder)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=resolved.name,
+        device=device,
+        dtype=dtype,
+        generation_config=generation_config,
+        eos_token_ids=eos_ids(
+            generation_config.get("eos_token_id"),
+            getattr(model.generation_config, "eos_token_id", None),
+            getattr(model.config, "eos_token_id", None),
+            tokenizer.eos_token_id,
+        ),
+        context_length=context_length_of(model.config),
+        weight_bytes=weight_bytes_of(model),
+    )
+
+
+def _load_error(resolved: ResolvedModel, error: Exception) -> LlmcliError:
+    text = str(error)
+    if "trust_remote_code" in text:
+        return ModelLoadError(
+            f"{resolved.name} needs code from its repository to load",
+            "pass --trust-remote-code only if you trust its author",
+        )
+    first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return ModelLoadError(f"cannot load {resolved.name} from {resolved.path}: {first_line}")

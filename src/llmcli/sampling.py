@@ -1,0 +1,95 @@
+"""Sampling as small pure functions on logits of shape [batch, vocab].
+
+Each filter sets the logits it removes to -inf and leaves the rest untouched, so filters compose.
+The order is transformers' own (repetition penalty, temperature, top-k, top-p, min-p), and each
+function is tested to equal its transformers `LogitsProcessor` twin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmcli.settings import SamplingParams
+
+_REMOVED = -float("inf")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty: for every token already seen, divide a positive logit by `penalty`
+    and multiply a negative one, so the token always becomes less likely (for penalty > 1)."""
+    if penalty == 1.0 or seen_ids.numel() == 0:
+        return logits
+    seen = torch.gather(logits, 1, seen_ids)
+    penalised = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits.scatter(1, seen_ids, penalised)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """p ∝ exp(logit / T): T < 1 sharpens the distribution, T > 1 flattens it."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k highest logits (ties with the k-th are kept too). k = 0 keeps all."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth_best = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_best, _REMOVED)
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus: keep the smallest set of most likely tokens whose probability mass reaches p.
+
+    Sorted ascending, a token is dropped when the mass of it and everything less likely is
+    ≤ 1 - p; the most likely token always stays.
+    """
+    if p >= 1.0:
+        return logits
+    ascending, order = torch.sort(logits, descending=False, dim=-1)
+    mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = mass_up_to <= 1 - p
+    drop_sorted[..., -1] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, _REMOVED)
+
+
+def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep tokens whose probability is at least min_p × the top token's probability."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    drop = probs < threshold
+    # The most likely token always stays, even when min_p = 1 and there is a tie at the top.
+    drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return logits.masked_fill(drop, _REMOVED)
+
+
+def process_logits(logits: torch.Tensor, seen_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Every enabled rule, in transformers' order. Greedy only needs the repetition penalty."""
+    logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    if params.greedy:
+        return logits
+    logits = apply_temperature(logits, params.temperature)
+    logits = filter_top_k(logits, params.top_k)
+    logits = filter_top_p(logits, params.top_p)
+    return filter_min_p(logits, params.min_p)
+
+
+def pick_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The next token id per row, shape [batch]: argmax when greedy, else a draw from softmax."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = logits.float().softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

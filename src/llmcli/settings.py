@@ -1,0 +1,124 @@
+"""Typed settings, their validation, and how the layers of defaults combine.
+
+Precedence for sampling: what the user gave > the model's generation_config.json > built-in.
+Only keys actually written in generation_config.json count: transformers' GenerationConfig
+fills in its own defaults (top_k=50, temperature=1.0), which are not the model author's choice.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from llmcli.errors import UsageError
+
+# llama.cpp's defaults: a mild temperature, min-p to cut the junk tail, no repetition penalty.
+BUILTIN_SAMPLING: dict[str, Any] = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.95,
+    "min_p": 0.05,
+    "repetition_penalty": 1.0,
+    "max_new_tokens": 512,
+}
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What the user asked for; `None` means "not given, take the next layer's value"."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> SamplingSettings:
+        """Refuse impossible values before anything slow happens."""
+        checks = [
+            (self.temperature, lambda v: v >= 0, "--temperature must be ≥ 0 (0 means greedy)"),
+            (self.top_k, lambda v: v >= 0, "--top-k must be ≥ 0 (0 turns it off)"),
+            (self.top_p, lambda v: 0 < v <= 1, "--top-p must be in (0, 1] (1 turns it off)"),
+            (self.min_p, lambda v: 0 <= v <= 1, "--min-p must be in [0, 1] (0 turns it off)"),
+            (self.repetition_penalty, lambda v: v > 0, "--repetition-penalty must be > 0 (1 turns it off)"),
+            (self.max_new_tokens, lambda v: v >= 1, "--max-new-tokens must be ≥ 1"),
+        ]
+        for value, ok, message in checks:
+            if value is not None and (value != value or not ok(value)):  # value != value: NaN
+                raise UsageError(f"{message}, got {value}")
+        if any(s == "" for s in self.stop):
+            raise UsageError("--stop needs a non-empty string")
+        return self
+
+    def resolve(self, generation_config: dict[str, Any]) -> SamplingParams:
+        """Fill every unset value from the model's generation_config.json, then the built-ins."""
+        from_model = _sampling_from_generation_config(generation_config)
+        values: dict[str, Any] = {}
+        for name in BUILTIN_SAMPLING:
+            given = getattr(self, name)
+            values[name] = given if given is not None else from_model.get(name, BUILTIN_SAMPLING[name])
+        return SamplingParams(**values, seed=self.seed, stop=self.stop)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Fully resolved sampling values, as the engine uses them."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 512
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def with_(self, **changes: Any) -> SamplingParams:
+        return replace(self, **changes)
+
+
+def _sampling_from_generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling values a model's author wrote down, in our names."""
+    picked = {name: config[name] for name in BUILTIN_SAMPLING if config.get(name) is not None}
+    # An author who says do_sample=false means greedy, whatever temperature is also written.
+    if config.get("do_sample") is False:
+        picked["temperature"] = 0.0
+    return picked
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+
+    def validate(self) -> LoadSettings:
+        device_kind = self.device.split(":", 1)[0]
+        if device_kind not in DEVICES:
+            raise UsageError(f"--device must be one of {', '.join(DEVICES)} (or cuda:N), got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError(f"--threads must be ≥ 1, got {self.threads}")
+        return self
+
+
+def model_spec_from(flag: str | None) -> str | None:
+    """The model the user named: the flag, else $LLMCLI_MODEL, else None (use the default)."""
+    return flag or os.environ.get("LLMCLI_MODEL") or None

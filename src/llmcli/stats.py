@@ -1,0 +1,35 @@
+"""Timings of one generation call, measured with a monotonic clock, never estimated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0  # tokens of the prompt, cached or not
+    prefilled_tokens: int = 0  # tokens actually run through the model in the prefill pass
+    completion_tokens: int = 0  # tokens sampled, the end-of-sequence token included
+    ttft_s: float = 0.0  # request start → first token sampled (prefill + first sample)
+    decode_s: float = 0.0  # first token → last token
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prompt_tokens - self.prefilled_tokens
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefilled_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first, over the time they took: the steady decode rate."""
+        steps = self.completion_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.prompt_tokens} prompt tok, {self.completion_tokens} completion tok · "
+            f"TTFT {self.ttft_s:.3f} s · prefill {self.prefill_tok_s:.1f} tok/s · "
+            f"decode {self.decode_tok_s:.1f} tok/s"
+        )

@@ -1,0 +1,110 @@
+"""Tiny models built offline in seconds: a BPE tokenizer trained on local text, random weights.
+
+Used by the session fixtures in conftest.py; also importable by scripts/ for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Once upon a time there was a small model that answered questions quickly.",
+    "Local models run on one GPU, or on a CPU when there is none.",
+    "Streaming text appears token by token, as soon as each character is complete.",
+    "Emoji split across tokens: 😀 🎉 🚀 👍🏽 and a family 👨‍👩‍👧.",
+    "Chinese and Japanese: 你好，世界。今天天气很好。こんにちは、世界。日本語のテキスト。",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000, and punctuation: ;:,.!?()[]{}",
+    "def main():\n    print('hello world')\n\nif __name__ == '__main__':\n    main()\n",
+    "A stop string may span the boundary between two tokens, and must never be printed.",
+]
+
+
+def train_tokenizer(vocab_size: int = 400, style: str = "bytelevel"):
+    """A BPE tokenizer: GPT-2/Qwen style ("bytelevel"), or Llama-2 style ("metaspace": ▁ for
+    spaces, <0xNN> byte fallback for characters it never saw, and a stripped leading space)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if style == "bytelevel":
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        special_tokens, alphabet = SPECIAL_TOKENS, pre_tokenizers.ByteLevel.alphabet()
+    else:
+        backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<|endoftext|>"))
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        special_tokens, alphabet = SPECIAL_TOKENS + [f"<0x{b:02X}>" for b in range(256)], []
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size + len(special_tokens),
+        special_tokens=special_tokens,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS * 20, trainer)
+    if style != "bytelevel":
+        # Byte tokens were reserved as "special" to get fixed ids; in Llama they are ordinary vocab,
+        # which matters: skip_special_tokens must not drop them when decoding.
+        data = json.loads(backend.to_str())
+        for token in data["added_tokens"]:
+            token["special"] = token["content"] in SPECIAL_TOKENS
+        backend = Tokenizer.from_str(json.dumps(data))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(folder: Path, arch: str, *, chat_template: bool = True, seed: int = 0) -> Path:
+    """Save a 2-layer `arch` ("llama" or "qwen2") model with random weights and a trained tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = train_tokenizer()
+    if not chat_template:
+        tokenizer.chat_template = None
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    shape = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "bos_token_id": pad,
+    }
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.
+    model = model_class(config_class(**shape, initializer_range=0.2))
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
