@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,17 +12,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import build_tiny_model
 
+_TEST_HOME = Path(tempfile.mkdtemp(prefix="llmcli-test-home-"))
 
-@pytest.fixture(scope="session", autouse=True)
-def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """No test reads or writes the real user's caches, and none reaches the network."""
-    home = tmp_path_factory.mktemp("home")
-    os.environ["XDG_CACHE_HOME"] = str(home / "cache")
-    os.environ["HF_HOME"] = str(home / "hf")
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No test reads or writes the real user's files, and none reaches the network.
+
+    Set before test modules are collected: huggingface_hub reads its environment at import.
+    """
+    os.environ["XDG_CACHE_HOME"] = str(_TEST_HOME / "cache")
+    os.environ["XDG_CONFIG_HOME"] = str(_TEST_HOME / "config")
+    os.environ["XDG_STATE_HOME"] = str(_TEST_HOME / "state")
+    os.environ["HF_HOME"] = str(_TEST_HOME / "hf")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ.pop("LLMCLI_MODEL", None)
-    os.environ.pop("LLMCLI_CACHE_DIR", None)
-    return home
+    for name in ("LLMCLI_MODEL", "LLMCLI_CACHE_DIR", "HF_HUB_CACHE", "HF_ENDPOINT"):
+        os.environ.pop(name, None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_TEST_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
