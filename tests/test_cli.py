@@ -228,3 +228,10 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_prompt_longer_than_the_context_is_refused_with_numbers(tiny_llama: Path) -> None:
+    proc = run_cli("generate", "-m", str(tiny_llama), "--raw", stdin=("word " * 400).encode())
+    err = proc.stderr.decode()
+    assert proc.returncode == EXIT_FAILURE
+    assert "the model's context holds 256" in err and err.count("\n") == 1
