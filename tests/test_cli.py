@@ -235,3 +235,18 @@ def test_prompt_longer_than_the_context_is_refused_with_numbers(tiny_llama: Path
     err = proc.stderr.decode()
     assert proc.returncode == EXIT_FAILURE
     assert "the model's context holds 256" in err and err.count("\n") == 1
+
+
+def test_loading_spinner_shows_only_on_a_terminal(tiny_llama: Path) -> None:
+    import pexpect
+
+    child = pexpect.spawn(
+        LLMCLI[0],
+        [*LLMCLI[1:], "generate", "-m", str(tiny_llama), "-t", "0", "-n", "5", "hi"],
+        env={**os.environ, "TERM": "xterm-256color"},
+        timeout=60,
+    )
+    child.expect("Loading")  # rich's status line, on the terminal's stderr
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

@@ -26,6 +26,12 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    epilog=(
+        "[bold]Examples[/]\n\n"
+        '  llmcli generate "Name the capital of France."\n\n'
+        '  git diff | llmcli generate -m Qwen/Qwen2.5-0.5B-Instruct "Write a commit message for:"\n\n'
+        "Run [bold]llmcli COMMAND --help[/] for a command's options."
+    ),
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -12,7 +12,6 @@ Pickled weights (`*.bin`, `*.pt`) can run code when loaded, so they are refused 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import threading
 from collections.abc import Callable
@@ -107,7 +106,7 @@ def resolve_model(
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or os.sep * 2 in spec or spec.count("/") > 1
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1
 
 
 def check_weights(folder: Path, *, allow_pickle: bool) -> None:
