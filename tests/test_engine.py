@@ -9,6 +9,8 @@ from llmcli.conversation import build_messages, prompt_ids
 from llmcli.engine import Engine
 from llmcli.settings import SamplingParams
 
+from tiny_models import TINY_CONTEXT
+
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 
 
@@ -124,15 +126,17 @@ def test_prompt_longer_than_context_is_refused(loaded_tiny) -> None:
     from llmcli.errors import ContextOverflowError
 
     engine = Engine(loaded_tiny.model, loaded_tiny.eos_token_ids, loaded_tiny.context_length)
-    with pytest.raises(ContextOverflowError, match="256"):
-        engine.generate([5] * 300, GREEDY, loaded_tiny.tokenizer)
+    with pytest.raises(ContextOverflowError, match=str(TINY_CONTEXT)):
+        engine.generate([5] * (TINY_CONTEXT + 40), GREEDY, loaded_tiny.tokenizer)
 
 
 def test_reply_is_bounded_by_the_context(loaded_tiny) -> None:
     engine = Engine(loaded_tiny.model, frozenset(), loaded_tiny.context_length)
-    generation = engine.generate([5] * 250, GREEDY.with_(max_new_tokens=100), loaded_tiny.tokenizer)
+    generation = engine.generate(
+        [5] * (TINY_CONTEXT - 6), GREEDY.with_(max_new_tokens=100), loaded_tiny.tokenizer
+    )
     list(generation)
-    assert len(generation.result.token_ids) == 256 - 250
+    assert len(generation.result.token_ids) == 6
     assert generation.result.finish_reason == "length"
 
 

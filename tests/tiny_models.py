@@ -16,6 +16,7 @@ CHATML_TEMPLATE = (
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CONTEXT = 1024  # room for a 10-turn chat
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
@@ -90,7 +91,7 @@ def build_tiny_model(folder: Path, arch: str, *, chat_template: bool = True, see
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": TINY_CONTEXT,
         "eos_token_id": eos,
         "pad_token_id": pad,
         "bos_token_id": pad,

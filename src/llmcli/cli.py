@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from llmcli import __version__
-from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, LlmcliError
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, LlmcliError, UsageError
 from llmcli.settings import LoadSettings, SamplingSettings, model_spec_from
 
 app = typer.Typer(
@@ -172,26 +172,9 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     with handled_errors():
-        sampling = SamplingSettings(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            stop=tuple(stop or ()),
-        ).validate()
-        load = LoadSettings(
-            device=device,
-            dtype=dtype,
-            threads=threads,
-            trust_remote_code=trust_remote_code,
-            allow_pickle=allow_pickle,
-        ).validate()
+        sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop)
+        load = _loading(device, dtype, threads, trust_remote_code, allow_pickle)
         if raw and system:
-            from llmcli.errors import UsageError
-
             raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
         from llmcli.frontends.generate import GenerateRequest, run
 
@@ -207,6 +190,106 @@ def generate(
         )
         code = run(request)
     raise typer.Exit(code)
+
+
+CHAT_EPILOG = """\
+[bold]Examples[/]
+
+  llmcli chat
+
+  llmcli chat -m Qwen/Qwen2.5-0.5B-Instruct -s "Answer in one sentence." --markdown
+
+  printf 'Hi!\\nWhat did I just say?\\n' | llmcli chat --json -t 0
+
+On a terminal: Esc then Enter (or a block between \"\"\" lines) for multiline input, Tab completes \
+slash commands, Ctrl-C stops a reply and keeps the conversation, Ctrl-D leaves. /help lists the commands.
+
+With stdin not a terminal, each line is one user message (or slash command) and each reply is \
+printed in turn; --json prints one object per turn instead.
+"""
+
+
+@app.command(epilog=CHAT_EPILOG)
+def chat(
+    model: ModelOption = None,
+    system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+    ctx: Annotated[
+        int | None,
+        typer.Option("--ctx", help="Use at most this many tokens of context (default: the model's)."),
+    ] = None,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Render finished replies as markdown.")
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="With stdin not a terminal: one JSON object per turn.")
+    ] = False,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    min_p: MinPOption = None,
+    repetition_penalty: RepetitionPenaltyOption = None,
+    max_new_tokens: MaxNewTokensOption = None,
+    seed: SeedOption = None,
+    stop: StopOption = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
+    allow_pickle: AllowPickleOption = False,
+) -> None:
+    """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
+    with handled_errors():
+        sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop)
+        load = _loading(device, dtype, threads, trust_remote_code, allow_pickle)
+        if ctx is not None and ctx < 16:
+            raise UsageError(f"--ctx must be at least 16 tokens, got {ctx}")
+        from llmcli.frontends.repl import ChatRequest, run
+
+        request = ChatRequest(
+            model=model_spec_from(model),
+            system=system,
+            context_length=ctx,
+            markdown=markdown,
+            json=json_output,
+            sampling=sampling,
+            load=load,
+        )
+        code = run(request)
+    raise typer.Exit(code)
+
+
+def _sampling(
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    repetition_penalty: float | None,
+    max_new_tokens: int | None,
+    seed: int | None,
+    stop: list[str] | None,
+) -> SamplingSettings:
+    return SamplingSettings(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        stop=tuple(stop or ()),
+    ).validate()
+
+
+def _loading(
+    device: str, dtype: str, threads: int | None, trust_remote_code: bool, allow_pickle: bool
+) -> LoadSettings:
+    return LoadSettings(
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+    ).validate()
 
 
 def _version_callback(value: bool) -> None:

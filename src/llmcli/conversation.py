@@ -1,16 +1,35 @@
-"""Messages → the exact token ids the model sees.
+"""Messages and the exact token ids the model sees for them.
 
-With a chat template, messages are rendered by the template and tokenized without adding
-special tokens: the template writes its own BOS, and letting the tokenizer add one more would
-give the model a double BOS it never saw in training. Without a template the prompt is plain
-text: the system text, a blank line, then the user text, tokenized as a plain string would be.
+One-shot prompts (`prompt_ids`): with a chat template, messages are rendered by the template and
+tokenized without adding special tokens (the template writes its own BOS; letting the tokenizer
+add one more would give the model a double BOS). Without a template the prompt is plain text.
+
+Chats (`Conversation`) keep the token sequence the model actually saw, generated tokens
+included: re-tokenizing a reply's text does not give back the tokens the model sampled (the
+tokenizer may split the same text differently), so a chat that re-rendered everything each turn
+would lose its cache after the first reply. Each turn instead renders the whole chat as text,
+keeps the longest prefix of the held ids whose text the rendering starts with, and tokenizes only
+the rest. Usually that rest is just the new message and its framing. When the template rewrites
+earlier turns (Qwen3-style templates drop old <think> blocks; others trim whitespace), the kept
+prefix ends where the rewrite starts, and the engine re-prefills from there.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-Message = dict[str, str]
+from llmcli.errors import ContextOverflowError, LlmcliError
+
+Message = dict[str, Any]
+
+# The chat format for models without a chat template: plain labelled turns. The reply is cut at
+# the next "\nUser:" so a base model does not go on to write the user's side too.
+PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
+PLAIN_STOP = "\nUser:"
+TRANSCRIPT_VERSION = 1
 
 
 def build_messages(user_text: str, system: str | None = None) -> list[Message]:
@@ -21,29 +40,232 @@ def build_messages(user_text: str, system: str | None = None) -> list[Message]:
     return messages
 
 
+def _template_view(messages: list[Message]) -> list[dict[str, str]]:
+    """Only what templates know about: our own keys (e.g. "interrupted") stay out."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:
     """The template's text for these messages. Templates that refuse a system role (Gemma's,
     Mistral's older ones) get the system text folded into the first user message instead."""
     from jinja2.exceptions import TemplateError
 
+    view = _template_view(messages)
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            view, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except TemplateError:
-        if not messages or messages[0]["role"] != "system" or len(messages) < 2:
+        if not view or view[0]["role"] != "system" or len(view) < 2:
             raise
-        system, first, *rest = messages
+        system, first, *rest = view
         merged = {"role": first["role"], "content": f"{system['content']}\n\n{first['content']}"}
         return tokenizer.apply_chat_template(
             [merged, *rest], add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
 
+def render_plain(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    """The fallback chat format: "<bos>{system}\\n\\nUser: …\\nAssistant: …\\n"."""
+    parts = [tokenizer.bos_token or ""]
+    for message in messages:
+        if message["role"] == "system":
+            parts.append(f"{message['content']}\n\n")
+        else:
+            parts.append(f"{PLAIN_ROLES.get(message['role'], message['role'] + ': ')}{message['content']}\n")
+    if add_generation_prompt:
+        parts.append(PLAIN_ROLES["assistant"].rstrip())
+    return "".join(parts)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    if has_chat_template(tokenizer):
+        return render_chat(tokenizer, messages, add_generation_prompt)
+    return render_plain(tokenizer, messages, add_generation_prompt)
+
+
 def prompt_ids(tokenizer: Any, messages: list[Message], *, raw: bool = False) -> list[int]:
     """Token ids for a one-shot prompt: the chat template when the model has one, unless `raw`."""
-    if raw or not getattr(tokenizer, "chat_template", None):
+    if raw or not has_chat_template(tokenizer):
         text = "\n\n".join(m["content"] for m in messages)
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
     text = render_chat(tokenizer, messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def decode_exact(tokenizer: Any, ids: list[int]) -> str:
+    """Text of `ids` with special tokens and spacing exactly as the template writes them."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def ids_for_text(tokenizer: Any, held: list[int], text: str) -> list[int]:
+    """Token ids for `text` that keep the longest prefix of `held` whose text `text` starts with.
+
+    The held ids are what the model saw (its own sampled tokens included), so they are kept
+    as they are; only the remainder of `text` is tokenized. A binary search finds the prefix,
+    so a long chat costs a few decodes, not one per token.
+    """
+    low, high = 0, len(held)  # decode(held[:low]) is a prefix of text; find the largest such
+    if text.startswith(decode_exact(tokenizer, held)):
+        low = high
+    while low < high:
+        middle = (low + high + 1) // 2
+        if text.startswith(decode_exact(tokenizer, held[:middle])):
+            low = middle
+        else:
+            high = middle - 1
+    covered = len(decode_exact(tokenizer, held[:low]))
+    rest = text[covered:]
+    new = tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
+    return held[:low] + list(new)
+
+
+@dataclass
+class Exchange:
+    """What one turn added, for /undo and /retry."""
+
+    user: str
+    reply: str
+    finish_reason: str
+
+
+@dataclass
+class Conversation:
+    """A chat: its messages and the exact token ids the model has seen for them.
+
+    No terminal code and no tensors: the engine owns the cache, and reuses whatever prefix of
+    `ids` it still holds.
+    """
+
+    tokenizer: Any
+    context_length: int
+    system: str | None = None
+    messages: list[Message] = field(default_factory=list)  # user/assistant, alternating
+    ids: list[int] = field(default_factory=list)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return () if has_chat_template(self.tokenizer) else (PLAIN_STOP,)
+
+    def _all_messages(self, extra: list[Message] | None = None) -> list[Message]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages + (extra or [])
+
+    def _render_ids(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+        if not messages:
+            return []
+        return ids_for_text(self.tokenizer, self.ids, render(self.tokenizer, messages, add_generation_prompt))
+
+    def prompt_for(self, user_text: str, reply_room: int) -> tuple[list[int], int]:
+        """Prompt ids for a new user message, and how many oldest exchanges had to be dropped.
+
+        Nothing changes here: the caller commits the turn only once it has a reply. The prompt
+        plus `reply_room` tokens must fit in the context; the oldest exchanges go first, the
+        system prompt always stays.
+        """
+        user = {"role": "user", "content": user_text}
+        for dropped in range(0, len(self.messages) // 2 + 1):
+            kept = self.messages[2 * dropped :]
+            head = [{"role": "system", "content": self.system}] if self.system else []
+            ids = self._render_ids([*head, *kept, user], add_generation_prompt=True)
+            if len(ids) + reply_room <= self.context_length:
+                return ids, dropped
+        raise ContextOverflowError(
+            f"this message needs {len(ids)} tokens with the system prompt, plus {reply_room} for the reply; "
+            f"the context holds {self.context_length}",
+            "shorten the message, or lower max_new_tokens with /set",
+        )
+
+    def commit(
+        self,
+        user_text: str,
+        prompt: list[int],
+        dropped: int,
+        reply: str,
+        reply_ids: list[int],
+        finish_reason: str,
+    ) -> None:
+        """Record a finished (or interrupted) turn: its messages and the exact ids of both."""
+        del self.messages[: 2 * dropped]
+        self.messages.append({"role": "user", "content": user_text})
+        assistant: Message = {"role": "assistant", "content": reply}
+        if finish_reason == "interrupted":
+            assistant["interrupted"] = True
+        self.messages.append(assistant)
+        self.ids = prompt + reply_ids
+
+    def last_exchange(self) -> Exchange | None:
+        if len(self.messages) < 2:
+            return None
+        user, assistant = self.messages[-2], self.messages[-1]
+        finish = "interrupted" if assistant.get("interrupted") else "stop"
+        return Exchange(user=user["content"], reply=assistant["content"], finish_reason=finish)
+
+    def undo(self) -> Exchange | None:
+        """Drop the last exchange; the ids go back to what the remaining messages render to."""
+        last = self.last_exchange()
+        if last is not None:
+            del self.messages[-2:]
+            self.ids = self._render_ids(self._all_messages(), add_generation_prompt=False)
+        return last
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self.ids = []
+
+    def set_system(self, text: str | None) -> None:
+        """A new system prompt: earlier turns stay; the engine re-prefills from the first change."""
+        self.system = text or None
+        self.ids = self._render_ids(self._all_messages(), add_generation_prompt=False)
+
+    def history_ids(self) -> list[int]:
+        """The ids of the whole chat as it stands (what a loaded chat prefills)."""
+        return self._render_ids(self._all_messages(), add_generation_prompt=False)
+
+    # Transcripts -------------------------------------------------------------------------------
+
+    def to_transcript(self, model: str, settings: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "version": TRANSCRIPT_VERSION,
+            "model": model,
+            "system": self.system,
+            "settings": settings,
+            "messages": self.messages,
+        }
+
+    def load_transcript(self, data: dict[str, Any]) -> None:
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict)
+            and m.get("role") in ("user", "assistant")
+            and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise LlmcliError("the transcript's messages must be a list of user/assistant messages")
+        self.system = data.get("system") or None
+        self.messages = [dict(m) for m in messages]
+        self.ids = []
+        self.ids = self.history_ids()
+
+
+def read_transcript(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.expanduser().read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise LlmcliError(f"no such file: {path}") from error
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise LlmcliError(f"cannot read {path} as a chat transcript: {error}") from error
+    if not isinstance(data, dict) or data.get("version") != TRANSCRIPT_VERSION:
+        raise LlmcliError(f"{path} is not an llmcli chat transcript (version {TRANSCRIPT_VERSION})")
+    return data
+
+
+def write_transcript(path: Path, data: dict[str, Any]) -> None:
+    try:
+        path.expanduser().write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    except OSError as error:
+        raise LlmcliError(f"cannot write {path}: {error.strerror}") from error

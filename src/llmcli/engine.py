@@ -51,15 +51,44 @@ class Engine:
         self.cached_ids = []
 
     def crop_to(self, keep: int) -> None:
-        """Forget cached tokens past the first `keep`."""
+        """Forget cached tokens past the first `keep`.
+
+        Layer by layer, because a forward pass interrupted by Ctrl-C may have appended to some
+        layers and not to others: after this, every layer holds exactly `keep` positions.
+        """
         del self.cached_ids[keep:]
         if self.cache is None:
             return
-        # The cache's own length is the truth: an interrupted forward pass may have appended to it.
-        drop = self.cache.get_seq_length() - keep
-        if drop > 0:
-            # A negative count removes that many tokens, in transformers 4.4x and 5.x alike.
-            self.cache.crop(-drop)
+        for layer in self.cache.layers:
+            extra = layer.get_seq_length() - keep
+            if extra > 0:
+                # A negative count removes that many tokens, in transformers 4.5x and 5.x alike.
+                layer.crop(-extra)
+
+    def restore_consistency(self) -> None:
+        """After an interrupted call: make the cache hold exactly `cached_ids` again."""
+        self.crop_to(len(self.cached_ids))
+
+    def reuse_prefix(self, ids: list[int]) -> int:
+        """Crop the cache to its longest common prefix with `ids`; return how many tokens it keeps.
+
+        At least one token of `ids` is left to run, since the next token's logits come from it.
+        """
+        keep = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)
+        self.crop_to(keep)
+        return keep
+
+    def warm(self, ids: list[int]) -> int:
+        """Bring the cache to hold `ids` (a loaded chat), prefilling only what is not cached yet.
+        Returns the number of tokens prefilled."""
+        if not ids:
+            self.crop_to(0)
+            return 0
+        keep = min(common_prefix_length(self.cached_ids, ids), len(ids))
+        self.crop_to(keep)
+        if keep < len(ids):
+            self.prefill(ids[keep:])
+        return len(ids) - keep
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> torch.Tensor:
@@ -101,6 +130,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason = "interrupted"  # until the loop says otherwise
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.prefill_logits: torch.Tensor | None = None  # the first step's logits, for exactness checks
         # Room left in the context bounds the reply as much as --max-new-tokens does.
         self._budget = min(params.max_new_tokens, engine.context_length - len(prompt_ids))
 
@@ -110,7 +140,9 @@ class Generation:
             yield piece
 
     def interrupt(self) -> None:
+        """Ctrl-C arrived: whatever the loop was doing, the cache must match `cached_ids` again."""
         self.finish_reason = "interrupted"
+        self._engine.restore_consistency()
 
     @property
     def result(self) -> GenerationResult:
@@ -124,11 +156,10 @@ class Generation:
     def _run(self) -> Iterator[str]:
         engine, params, stats = self._engine, self._params, self.stats
         start = time.perf_counter()
-        reused = common_prefix_length(engine.cached_ids, self._prompt_ids)
-        reused = min(reused, len(self._prompt_ids) - 1)  # at least one token must run to get logits
-        engine.crop_to(reused)
+        reused = engine.reuse_prefix(self._prompt_ids)
         stats.prefilled_tokens = len(self._prompt_ids) - reused
         logits = engine.prefill(self._prompt_ids[reused:])
+        self.prefill_logits = logits
         generator = make_generator(params.seed, engine.device) if not params.greedy else None
         seen = torch.tensor([self._prompt_ids], dtype=torch.long, device=engine.device)
         first_token_at = start

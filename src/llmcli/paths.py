@@ -17,3 +17,9 @@ def cache_dir() -> Path:
 
 def gguf_cache_dir() -> Path:
     return cache_dir() / "gguf"
+
+
+def state_dir() -> Path:
+    """$XDG_STATE_HOME/llmcli, else ~/.local/state/llmcli: the REPL's input history lives here."""
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base).expanduser() / "llmcli"

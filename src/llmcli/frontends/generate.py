@@ -7,13 +7,13 @@ joined as "<arguments>\n\n<stdin>". Either alone is the whole prompt.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from llmcli.frontends import terminal
+from llmcli.frontends.loading import load_with_feedback
 from llmcli.settings import LoadSettings, SamplingSettings
 
 
@@ -60,22 +60,9 @@ def run(request: GenerateRequest) -> int:
     stdin = sys.stdin.buffer if sys.stdin is not None else None
     prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
 
-    from llmcli.resolve import resolve_model
-
-    def announce_conversion(path: Any) -> None:
-        terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
-
-    # No spinner here: a download or a GGUF conversion shows its own progress bar.
-    resolved = resolve_model(
-        request.model, allow_pickle=request.load.allow_pickle, on_convert=announce_conversion
-    )
-    with terminal.status(f"Loading {resolved.name}…"):
-        from llmcli.engine import Engine
-        from llmcli.load import load_model
-
-        loaded = load_model(resolved, request.load)
-
+    loaded = load_with_feedback(request.model, request.load)
     from llmcli.conversation import build_messages, prompt_ids
+    from llmcli.engine import Engine
 
     ids = prompt_ids(loaded.tokenizer, build_messages(prompt, request.system), raw=request.raw)
     params = request.sampling.resolve(loaded.generation_config)
@@ -128,13 +115,7 @@ class StdoutSink:
             sys.stdout.write(text)
             sys.stdout.flush()
         except BrokenPipeError:
-            self._detach()
+            self.closed = True
+            terminal.detach_stdout()
             return False
         return True
-
-    def _detach(self) -> None:
-        """Point stdout at /dev/null so the interpreter's final flush cannot fail noisily."""
-        self.closed = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)

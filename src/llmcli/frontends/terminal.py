@@ -26,7 +26,15 @@ def stderr_is_terminal() -> bool:
 
 
 def stdin_is_terminal() -> bool:
-    return sys.stdin is None or sys.stdin.isatty()
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def detach_stdout() -> None:
+    """After the reader of stdout went away (`| head`): point stdout at /dev/null, so that the
+    interpreter's final flush cannot fail with a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 @contextlib.contextmanager

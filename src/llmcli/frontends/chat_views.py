@@ -1,0 +1,96 @@
+"""How a chat shows itself: rich on a terminal, plain text or JSON lines in a pipe."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from llmcli.engine import GenerationResult
+from llmcli.frontends import terminal
+from llmcli.frontends.chat_session import TurnReport
+
+
+class TerminalView:
+    """The interactive REPL: the reply streams as plain text (or live markdown), then one dim line."""
+
+    def __init__(self, console: Console, markdown: bool = False) -> None:
+        self.console = console
+        self.markdown = markdown
+        self._text = ""
+        self._live: Any = None
+
+    def reply_start(self) -> None:
+        self._text = ""
+        if self.markdown:
+            from rich.live import Live
+            from rich.markdown import Markdown
+
+            self._live = Live(
+                Markdown(""), console=self.console, refresh_per_second=8, vertical_overflow="visible"
+            )
+            self._live.start()
+
+    def reply_piece(self, text: str) -> None:
+        self._text += text
+        if self._live is not None:
+            from rich.markdown import Markdown
+
+            self._live.update(Markdown(self._text))
+        else:
+            self.console.file.write(text)
+            self.console.file.flush()
+
+    def reply_end(self, result: GenerationResult, turn: TurnReport) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        elif self._text and not self._text.endswith("\n"):
+            self.console.file.write("\n")
+        self.console.print(turn.line(), style="dim", markup=False, highlight=False)
+
+    def info(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def notice(self, text: str) -> None:
+        self.console.print(text, style="yellow", markup=False, highlight=False)
+
+    def error(self, text: str) -> None:
+        self.console.print(f"error: {text}", style="bold red", markup=False, highlight=False)
+
+
+class PlainView:
+    """Scripted chat: each reply on stdout, followed by a newline; everything else on stderr."""
+
+    def reply_start(self) -> None:
+        pass
+
+    def reply_piece(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def reply_end(self, result: GenerationResult, turn: TurnReport) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    def info(self, text: str) -> None:
+        terminal.note(text)
+
+    def notice(self, text: str) -> None:
+        terminal.note(text)
+
+    def error(self, text: str) -> None:
+        terminal.error(text)
+
+
+class JsonView(PlainView):
+    """Scripted chat with --json: one object per turn on stdout, nothing else there."""
+
+    def reply_piece(self, text: str) -> None:
+        pass
+
+    def reply_end(self, result: GenerationResult, turn: TurnReport) -> None:
+        sys.stdout.write(json.dumps(turn.as_dict(), ensure_ascii=False) + "\n")
+        sys.stdout.flush()

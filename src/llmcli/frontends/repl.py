@@ -1,0 +1,154 @@
+"""`llmcli chat`: the interactive REPL on a terminal, line-per-message chat in a pipe."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.completion import CompleteEvent, Completer, Completion
+from prompt_toolkit.document import Document
+from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+from rich.console import Console
+
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
+from llmcli.frontends import terminal
+from llmcli.frontends.chat_session import COMMANDS, ChatSession, ChatView
+from llmcli.frontends.chat_views import JsonView, PlainView, TerminalView
+from llmcli.frontends.loading import load_with_feedback
+from llmcli.paths import state_dir
+from llmcli.settings import LoadSettings, SamplingSettings
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+BLOCK_QUOTE = '"""'
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    system: str | None
+    context_length: int | None
+    markdown: bool
+    json: bool
+    sampling: SamplingSettings
+    load: LoadSettings
+
+
+def run(request: ChatRequest) -> int:
+    interactive = terminal.stdin_is_terminal()
+    loaded = load_with_feedback(request.model, request.load)
+    params = request.sampling.resolve(loaded.generation_config)
+    console = Console(highlight=False)
+    view: ChatView
+    if interactive:
+        view = TerminalView(console, markdown=request.markdown)
+    else:
+        view = JsonView() if request.json else PlainView()
+    session = ChatSession(loaded, params, view, system=request.system, context_length=request.context_length)
+    if interactive:
+        return run_interactive(session, console)
+    return run_scripted(session, sys.stdin.buffer)
+
+
+def run_scripted(session: ChatSession, lines: Iterable[bytes]) -> int:
+    """One user message (or slash command) per line; replies in order. Exit 1 if anything failed."""
+    try:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                session.failed = True
+                session.view.error(f"line {number} of stdin is not valid UTF-8; skipped")
+                continue
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("/"):
+                if not session.command(line.strip()):
+                    break
+                continue
+            report = session.turn(line)
+            if report is not None and report.finish_reason == "interrupted":
+                return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        terminal.detach_stdout()
+        return EXIT_OK
+    return EXIT_FAILURE if session.failed else EXIT_OK
+
+
+def run_interactive(session: ChatSession, console: Console) -> int:
+    history_file = state_dir() / "history"
+    history_file.parent.mkdir(parents=True, exist_ok=True)
+    prompt = PromptSession(
+        history=FileHistory(str(history_file)),
+        key_bindings=_key_bindings(),
+        completer=SlashCompleter(),
+        complete_while_typing=False,
+        enable_open_in_editor=False,
+    )
+    continuation = PromptSession(history=InMemoryHistory(), key_bindings=_key_bindings())
+    loaded = session.loaded
+    console.print(
+        f"llmcli chat · {loaded.name} · {loaded.device} · {loaded.dtype_name} · "
+        f"context {session.context_length} tokens · /help for commands, Ctrl-D to leave",
+        style="dim",
+        markup=False,
+    )
+    while True:
+        try:
+            text = read_message(prompt, continuation)
+        except KeyboardInterrupt:
+            continue  # Ctrl-C at the prompt clears the line
+        except EOFError:
+            return EXIT_OK
+        if not text.strip():
+            continue
+        try:
+            if text.lstrip().startswith("/") and "\n" not in text.strip():
+                if not session.command(text.strip()):
+                    return EXIT_OK
+            else:
+                session.turn(text)
+        except KeyboardInterrupt:
+            continue  # landed between two steps of printing: nothing to undo
+
+
+def read_message(prompt: PromptSession[str], continuation: PromptSession[str]) -> str:
+    """One message: a line (Esc+Enter inserts newlines), or a block between \"\"\" lines."""
+    first = prompt.prompt(PROMPT)
+    stripped = first.strip()
+    if not stripped.startswith(BLOCK_QUOTE):
+        return first
+    body = stripped[len(BLOCK_QUOTE) :]
+    if body.endswith(BLOCK_QUOTE):
+        return body[: -len(BLOCK_QUOTE)].strip("\n")
+    lines = [body] if body else []
+    while True:
+        line = continuation.prompt(CONTINUATION)
+        if line.rstrip().endswith(BLOCK_QUOTE):
+            lines.append(line.rstrip()[: -len(BLOCK_QUOTE)])
+            return "\n".join(lines).strip("\n")
+        lines.append(line)
+
+
+def _key_bindings() -> KeyBindings:
+    bindings = KeyBindings()
+
+    @bindings.add("escape", "enter")
+    def _newline(event: KeyPressEvent) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return bindings
+
+
+class SlashCompleter(Completer):
+    """Tab completes slash commands; nothing else is completed."""
+
+    def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterator[Completion]:
+        text = document.text_before_cursor
+        if text.startswith("/") and " " not in text:
+            for name in COMMANDS:
+                if name.startswith(text):
+                    yield Completion(name, start_position=-len(text))
