@@ -1,0 +1,178 @@
+"""The interactive REPL through a real pseudo-terminal, and scripted chat through real pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from cli_helpers import run_cli
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+STATS_LINE = r"TTFT [0-9.]+ s · [0-9.]+ tok/s · prefilled (\d+) · reused (\d+) · context (\d+)/(\d+)"
+
+
+class Repl:
+    """A chat on a real pseudo-terminal, driven as a person would type."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
+        self.child = pexpect.spawn(
+            sys.executable,
+            ["-m", "llmcli", "chat", *args],
+            env=env,
+            timeout=90,
+            encoding="utf-8",
+            dimensions=(50, 200),
+        )
+        self.child.expect(">>>")
+
+    def send(self, line: str) -> str:
+        """Type a line; return what the program printed before its next prompt, without escapes."""
+        self.child.sendline(line)
+        self.child.expect("\r\n")  # prompt-toolkit redraws the prompt with the line before accepting it
+        self.child.expect(">>>")
+        return ANSI.sub("", self.child.before)
+
+    def turn(self, line: str) -> tuple[str, re.Match[str]]:
+        output = self.send(line)
+        stats = re.search(STATS_LINE, output)
+        assert stats, output
+        return output, stats
+
+    def quit(self) -> int:
+        self.child.sendcontrol("d")
+        self.child.expect(pexpect.EOF)
+        self.child.close()
+        return self.child.exitstatus
+
+
+def test_repl_turns_and_commands(tiny_llama: Path, tmp_path: Path) -> None:
+    repl = Repl("-m", str(tiny_llama), "-t", "0", "-n", "8", "-s", "Be brief.")
+    _, first = repl.turn("Hello there")
+    assert int(first.group(2)) == 0  # nothing cached yet
+    _, second = repl.turn("What is the capital of France?")
+    assert int(second.group(2)) > int(first.group(1))  # the first exchange is reused, not prefilled
+
+    assert "temperature = 0.7" in repl.send("/set temperature 0.7")
+    assert "--temperature must be ≥ 0" in repl.send("/set temperature -1")
+    assert "did you mean /undo?" in repl.send("/undp")
+
+    assert "dropped: What is the capital of France?" in repl.send("/undo")
+    assert "context" in repl.send("/show")
+    _, retried = repl.turn("/retry")  # regenerates the reply to "Hello there" from the cache
+    assert int(retried.group(1)) <= 2
+
+    transcript = tmp_path / "chat.json"
+    assert "saved 2 messages" in repl.send(f"/save {transcript}")
+    saved = json.loads(transcript.read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["Hello there"]
+    assert saved["system"] == "Be brief." and saved["settings"]["temperature"] == 0.7
+
+    assert "conversation cleared" in repl.send("/reset")
+    assert "context 0/" in repl.send("/show")
+    loaded = repl.send(f"/load {transcript}")
+    assert "loaded 2 messages" in loaded
+    _, after_load = repl.turn("And Italy?")
+    assert int(after_load.group(2)) > 0  # the loaded chat was prefilled when it was loaded
+
+    repl.child.send("half-typed message")
+    repl.child.sendcontrol("c")  # at the prompt: clears the line, sends nothing
+    repl.child.expect(">>>")
+    assert "4 exchanges" not in repl.send("/show")
+    assert repl.quit() == 0
+
+
+@pytest.mark.demo
+def test_ctrl_c_mid_reply_then_another_turn(loaded_demo) -> None:
+    repl = Repl("-t", "0", "-n", "400")
+    repl.child.sendline("Write a long story about a dragon who learns to read.")
+    repl.child.expect("dragon", timeout=60)  # the reply is streaming
+    time.sleep(1.0)
+    repl.child.sendcontrol("c")
+    repl.child.expect(r"· interrupted")
+    repl.child.expect(">>>")
+    output, stats = repl.turn("What is the capital of France?")
+    assert "Paris" in output
+    assert int(stats.group(2)) > 20  # the interrupted exchange stayed in the cache and was reused
+    show = repl.send("/show")
+    assert "2 exchanges" in show
+    assert repl.quit() == 0
+
+
+def test_scripted_chat_writes_one_json_object_per_turn(tiny_llama: Path) -> None:
+    script = "Hello there\nWhat is the capital of France?\n/undo\nAnd of Italy?\n"
+    proc = run_cli("chat", "-m", str(tiny_llama), "-t", "0", "-n", "8", "--json", stdin=script.encode())
+    assert proc.returncode == 0, proc.stderr.decode()
+    turns = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert len(turns) == 3
+    for turn in turns:
+        for field in (
+            "reply",
+            "prompt_tokens",
+            "prefilled_tokens",
+            "cached_tokens",
+            "completion_tokens",
+            "ttft_s",
+            "decode_tok_s",
+            "finish_reason",
+        ):
+            assert field in turn
+        assert turn["prompt_tokens"] == turn["prefilled_tokens"] + turn["cached_tokens"]
+    assert turns[0]["cached_tokens"] == 0
+    assert turns[1]["cached_tokens"] > turns[0]["prompt_tokens"] - 2
+    # After /undo, the third turn reuses the first exchange, not the undone second one.
+    assert turns[0]["prompt_tokens"] <= turns[2]["cached_tokens"] < turns[1]["prompt_tokens"]
+    assert "dropped: What is the capital of France?" in proc.stderr.decode()
+
+
+def test_scripted_chat_plain_output_and_exit_codes(tiny_llama: Path) -> None:
+    proc = run_cli("chat", "-m", str(tiny_llama), "-t", "0", "-n", "5", stdin=b"Hi\n\n/bogus\nBye\n")
+    assert proc.returncode == 1  # the unknown command is an error, and the chat went on
+    assert len(proc.stdout.decode().splitlines()) >= 2
+    assert b"\x1b" not in proc.stdout
+    assert "unknown command /bogus" in proc.stderr.decode()
+
+
+def test_scripted_chat_overflow_keeps_the_system_prompt_and_says_so(tiny_llama: Path) -> None:
+    script = "".join(f"Message number {n}: tell me something about the sea.\n" for n in range(12))
+    proc = run_cli(
+        "chat",
+        "-m",
+        str(tiny_llama),
+        "--ctx",
+        "160",
+        "-t",
+        "0",
+        "-n",
+        "12",
+        "-s",
+        "Stay on topic.",
+        "--json",
+        stdin=script.encode(),
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    turns = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert len(turns) == 12
+    assert any(turn["dropped_exchanges"] for turn in turns)
+    assert all(turn["context_used"] <= 160 for turn in turns)
+    assert (
+        "Context full: dropped the" in proc.stderr.decode()
+        and "the system prompt stays" in proc.stderr.decode()
+    )
+
+
+def test_scripted_chat_refuses_a_message_larger_than_the_context(tiny_llama: Path) -> None:
+    script = "Hello\n" + "word " * 400 + "\nStill here?\n"
+    proc = run_cli(
+        "chat", "-m", str(tiny_llama), "--ctx", "160", "-t", "0", "-n", "8", "--json", stdin=script.encode()
+    )
+    assert proc.returncode == 1
+    assert len(proc.stdout.decode().splitlines()) == 2  # the first and last messages were answered
+    assert "the context holds 160" in proc.stderr.decode()
