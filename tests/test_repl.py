@@ -41,9 +41,13 @@ class Repl:
         return ANSI.sub("", self.child.before)
 
     def turn(self, line: str) -> tuple[str, re.Match[str]]:
-        output = self.send(line)
+        """Send a message; return the reply's output and its stats line."""
+        self.child.sendline(line)
+        self.child.expect(STATS_LINE)
+        output = ANSI.sub("", self.child.before + self.child.after)
         stats = re.search(STATS_LINE, output)
         assert stats, output
+        self.child.expect(">>>")
         return output, stats
 
     def quit(self) -> int:
@@ -176,3 +180,19 @@ def test_scripted_chat_refuses_a_message_larger_than_the_context(tiny_llama: Pat
     assert proc.returncode == 1
     assert len(proc.stdout.decode().splitlines()) == 2  # the first and last messages were answered
     assert "the context holds 160" in proc.stderr.decode()
+
+
+def test_multiline_input_paste_and_markdown(tiny_llama: Path, tmp_path: Path) -> None:
+    repl = Repl("-m", str(tiny_llama), "-t", "0", "-n", "4", "--markdown")
+    repl.child.send("first line\x1b\rsecond line")  # Esc then Enter inserts a newline
+    repl.turn("")
+    repl.child.send("\x1b[200~pasted one\npasted two\x1b[201~")  # a bracketed paste keeps its newline
+    repl.turn("")
+    repl.child.sendline('"""')
+    repl.child.sendline("block one")
+    repl.turn('block two"""')
+    transcript = tmp_path / "multiline.json"
+    repl.send(f"/save {transcript}")
+    assert repl.quit() == 0
+    users = [m["content"] for m in json.loads(transcript.read_text())["messages"] if m["role"] == "user"]
+    assert users == ["first line\nsecond line", "pasted one\npasted two", "block one\nblock two"]
