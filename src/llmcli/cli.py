@@ -97,6 +97,35 @@ AllowPickleOption = Annotated[
     ),
 ]
 
+QuantOption = Annotated[
+    str, typer.Option(help="Quantize on load with bitsandbytes: none, int8 or int4.", rich_help_panel=LOADING)
+]
+QuantTypeOption = Annotated[str, typer.Option(help="For int4: nf4 or fp4.", rich_help_panel=LOADING)]
+DoubleQuantOption = Annotated[
+    bool, typer.Option(help="For int4: quantize the block scales too (smaller).", rich_help_panel=LOADING)
+]
+OffloadOption = Annotated[
+    bool,
+    typer.Option(
+        "--offload", help="Keep what does not fit on the GPU in CPU memory (slower).", rich_help_panel=LOADING
+    ),
+]
+MaxMemoryOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Use at most this much device memory, e.g. 8GB. Default: all that is free.",
+        rich_help_panel=LOADING,
+    ),
+]
+CtxOption = Annotated[
+    int | None,
+    typer.Option(
+        "--ctx",
+        help="Use at most this many tokens of context. Default: the model's.",
+        rich_help_panel=LOADING,
+    ),
+]
+
 GENERATE_EPILOG = """\
 [bold]Examples[/]
 
@@ -169,11 +198,29 @@ def generate(
     threads: ThreadsOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
     allow_pickle: AllowPickleOption = False,
+    quant: QuantOption = "none",
+    quant_type: QuantTypeOption = "nf4",
+    double_quant: DoubleQuantOption = True,
+    offload: OffloadOption = False,
+    max_memory: MaxMemoryOption = None,
+    ctx: CtxOption = None,
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     with handled_errors():
         sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop)
-        load = _loading(device, dtype, threads, trust_remote_code, allow_pickle)
+        load = _loading(
+            device,
+            dtype,
+            threads,
+            trust_remote_code,
+            allow_pickle,
+            quant,
+            quant_type,
+            double_quant,
+            offload,
+            max_memory,
+            ctx,
+        )
         if raw and system:
             raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
         from llmcli.frontends.generate import GenerateRequest, run
@@ -236,19 +283,33 @@ def chat(
     threads: ThreadsOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
     allow_pickle: AllowPickleOption = False,
+    quant: QuantOption = "none",
+    quant_type: QuantTypeOption = "nf4",
+    double_quant: DoubleQuantOption = True,
+    offload: OffloadOption = False,
+    max_memory: MaxMemoryOption = None,
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     with handled_errors():
         sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop)
-        load = _loading(device, dtype, threads, trust_remote_code, allow_pickle)
-        if ctx is not None and ctx < 16:
-            raise UsageError(f"--ctx must be at least 16 tokens, got {ctx}")
+        load = _loading(
+            device,
+            dtype,
+            threads,
+            trust_remote_code,
+            allow_pickle,
+            quant,
+            quant_type,
+            double_quant,
+            offload,
+            max_memory,
+            ctx,
+        )
         from llmcli.frontends.repl import ChatRequest, run
 
         request = ChatRequest(
             model=model_spec_from(model),
             system=system,
-            context_length=ctx,
             markdown=markdown,
             json=json_output,
             sampling=sampling,
@@ -281,14 +342,36 @@ def _sampling(
 
 
 def _loading(
-    device: str, dtype: str, threads: int | None, trust_remote_code: bool, allow_pickle: bool
+    device: str,
+    dtype: str,
+    threads: int | None,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+    quant: str,
+    quant_type: str,
+    double_quant: bool,
+    offload: bool,
+    max_memory: str | None,
+    ctx: int | None,
 ) -> LoadSettings:
+    from llmcli.memory import parse_size
+
+    try:
+        memory_limit = parse_size(max_memory) if max_memory else None
+    except ValueError as error:
+        raise UsageError(f"--max-memory: {error}") from error
     return LoadSettings(
         device=device,
         dtype=dtype,
         threads=threads,
         trust_remote_code=trust_remote_code,
         allow_pickle=allow_pickle,
+        quant=quant,
+        quant_type=quant_type,
+        double_quant=double_quant,
+        offload=offload,
+        max_memory=memory_limit,
+        context_length=ctx,
     ).validate()
 
 

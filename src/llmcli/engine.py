@@ -69,6 +69,11 @@ class Engine:
         """After an interrupted call: make the cache hold exactly `cached_ids` again."""
         self.crop_to(len(self.cached_ids))
 
+    def free_memory(self) -> None:
+        """Hand the allocator's cached blocks back after an out-of-memory error."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def reuse_prefix(self, ids: list[int]) -> int:
         """Crop the cache to its longest common prefix with `ids`; return how many tokens it keeps.
 

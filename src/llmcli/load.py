@@ -19,6 +19,18 @@ from typing import Any
 import torch
 
 from llmcli.errors import LlmcliError, ModelLoadError
+from llmcli.memory import (
+    FitRequest,
+    available_host_memory,
+    estimate_weight_bytes,
+    fits,
+    format_bytes,
+    free_memory,
+    kv_bytes_per_token,
+    measured_weight_bytes,
+    safetensors_shapes,
+)
+from llmcli.quant import bitsandbytes_config, check_quant_request, quant_label
 from llmcli.resolve import ResolvedModel
 from llmcli.settings import LoadSettings
 
@@ -35,8 +47,11 @@ class LoadedModel:
     dtype: torch.dtype
     generation_config: dict[str, Any]  # generation_config.json as written, for sampling defaults
     eos_token_ids: frozenset[int]
-    context_length: int
-    weight_bytes: int
+    context_length: int  # the context llmcli will use: the model's, or less (--ctx, or to fit memory)
+    weight_bytes: int  # measured from the tensors in memory
+    quant: str = "none"  # none, int8, int4-nf4, int4-fp4, or a pre-quantized checkpoint's method
+    kv_bytes_per_token: int = 0
+    notes: tuple[str, ...] = ()  # things the user should hear about (a context lowered to fit)
 
     @property
     def has_chat_template(self) -> bool:
@@ -46,6 +61,12 @@ class LoadedModel:
     def dtype_name(self) -> str:
         return DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
 
+    def memory_summary(self) -> str:
+        return (
+            f"weights {format_bytes(self.weight_bytes)} ({self.dtype_name}, quant {self.quant}) "
+            f"on {self.device} · KV cache {format_bytes(self.kv_bytes_per_token)}/token"
+        )
+
 
 def quiet_libraries() -> None:
     """Our own progress and errors are the only ones the user should see."""
@@ -54,6 +75,7 @@ def quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", module="transformers")
+    warnings.filterwarnings("ignore", module="bitsandbytes")
     if not sys.stderr.isatty():
         from huggingface_hub.utils import disable_progress_bars
 
@@ -166,25 +188,71 @@ def eos_ids(*sources: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def context_length_of(config: Any) -> int:
+def context_length_of(config: dict[str, Any]) -> int:
+    text = config.get("text_config") or config
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
+        value = text.get(name)
         if isinstance(value, int) and value > 0:
             return value
     return 2048
 
 
-def weight_bytes_of(model: Any) -> int:
-    """Bytes of the weights as they sit in memory, counting tied tensors once."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        key = tensor.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += tensor.numel() * tensor.element_size()
-    return total
+def read_config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {error}") from error
+
+
+def placement(device: torch.device, settings: LoadSettings) -> dict[str, Any]:
+    """Where the weights go: one device, or spread by accelerate over several GPUs (and, with
+    --offload, CPU memory), each within its free memory."""
+    if device.type != "cuda":
+        return {"device_map": str(device)}
+    gpus = [device.index] if device.index is not None else list(range(torch.cuda.device_count()))
+    if len(gpus) == 1 and not settings.offload:
+        return {"device_map": f"cuda:{gpus[0]}"}
+    max_memory: dict[Any, int] = {i: int(torch.cuda.mem_get_info(i)[0] * 0.9) for i in gpus}
+    if settings.max_memory:
+        max_memory = {i: min(free, settings.max_memory // len(gpus)) for i, free in max_memory.items()}
+    if settings.offload:
+        max_memory["cpu"] = int((available_host_memory() or 0) * 0.9)
+    return {"device_map": "auto", "max_memory": max_memory}
+
+
+def plan_context(
+    resolved: ResolvedModel,
+    settings: LoadSettings,
+    config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[int, str | None]:
+    """The context to use, checked against free memory before anything is loaded."""
+    model_context = context_length_of(config)
+    context = min(model_context, settings.context_length or model_context)
+    limits = [
+        b for b in (free_memory(device, offload=settings.offload), settings.max_memory) if b is not None
+    ]
+    budget = min(limits) if limits else None
+    shapes = safetensors_shapes(resolved.path)
+    if budget is None or not shapes:
+        return context, None
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    return fits(
+        FitRequest(
+            name=resolved.name,
+            device=str(device),
+            shapes=shapes,
+            dtype_bytes=dtype_bytes,
+            dtype_name=DTYPE_NAMES.get(dtype, str(dtype)),
+            quant=settings.quant,
+            double_quant=settings.double_quant,
+            kv_per_token=kv_bytes_per_token(config, dtype_bytes),
+            context=context,
+            context_given=settings.context_length is not None,
+            budget=budget,
+        )
+    )
 
 
 def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
@@ -196,6 +264,9 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     if device.type == "cpu":
         configure_cpu_threads(settings.threads)
     folder = resolved.path
+    config = read_config(folder)
+    check_quant_request(settings.quant, device.type, resolved.source, config)
+    context, context_note = plan_context(resolved, settings, config, device, dtype)
     common = {"trust_remote_code": settings.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)
@@ -203,8 +274,11 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
             AutoModelForCausalLM.from_pretrained,
             folder,
             dtype=dtype,
-            device_map=str(device),
             use_safetensors=None if settings.allow_pickle else True,
+            quantization_config=bitsandbytes_config(
+                settings.quant, settings.quant_type, settings.double_quant, compute_dtype=dtype
+            ),
+            **placement(device, settings),
             **common,
         )
         try:
@@ -216,12 +290,10 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     except (ValueError, OSError, KeyError, ImportError) as error:
         raise _load_error(resolved, error) from error
     except torch.OutOfMemoryError as error:
-        raise LlmcliError(
-            f"out of memory while loading {resolved.name} on {device} in {DTYPE_NAMES.get(dtype)}",
-            "try a smaller --dtype, or --device cpu",
-        ) from error
+        raise out_of_memory_error(resolved, settings, device, dtype) from error
     model.eval()
     generation_config = read_generation_config(folder)
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -235,8 +307,32 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
             getattr(model.config, "eos_token_id", None),
             tokenizer.eos_token_id,
         ),
-        context_length=context_length_of(model.config),
-        weight_bytes=weight_bytes_of(model),
+        context_length=context,
+        weight_bytes=measured_weight_bytes(model),
+        quant=quant_label(settings.quant, settings.quant_type, config),
+        kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
+        notes=(context_note,) if context_note else (),
+    )
+
+
+def out_of_memory_error(
+    resolved: ResolvedModel, settings: LoadSettings, device: torch.device, dtype: torch.dtype
+) -> LlmcliError:
+    """The fit check passed but the device ran out anyway (other processes, fragmentation):
+    the numbers we had, and what to try."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    free = free_memory(device)
+    shapes = safetensors_shapes(resolved.path)
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    needed = estimate_weight_bytes(shapes, dtype_bytes, settings.quant, settings.double_quant)
+    stronger = {"none": "--quant int8 or --quant int4, ", "int8": "--quant int4, ", "int4": ""}[
+        settings.quant
+    ]
+    return LlmcliError(
+        f"out of memory loading {resolved.name} on {device}: its weights need about {format_bytes(needed)}"
+        + (f" and {format_bytes(free)} is free now" if free is not None else ""),
+        f"try {stronger}--offload, or free the device",
     )
 
 

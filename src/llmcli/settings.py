@@ -25,6 +25,8 @@ BUILTIN_SAMPLING: dict[str, Any] = {
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+QUANTS = ("none", "int8", "int4")
+QUANT_TYPES = ("nf4", "fp4")
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,12 @@ class LoadSettings:
     threads: int | None = None
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    quant: str = "none"  # none, int8, int4 (bitsandbytes)
+    quant_type: str = "nf4"  # for int4: nf4 or fp4
+    double_quant: bool = True  # for int4: quantize the block scales too (~0.4 bits/weight saved)
+    offload: bool = False  # let accelerate keep what does not fit on the GPU in CPU memory
+    max_memory: int | None = None  # bytes llmcli may use on the device; default: all that is free
+    context_length: int | None = None  # --ctx: at most this many tokens of context
 
     def validate(self) -> LoadSettings:
         device_kind = self.device.split(":", 1)[0]
@@ -116,6 +124,14 @@ class LoadSettings:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"--threads must be ≥ 1, got {self.threads}")
+        if self.quant not in QUANTS:
+            raise UsageError(f"--quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if self.quant_type not in QUANT_TYPES:
+            raise UsageError(f"--quant-type must be one of {', '.join(QUANT_TYPES)}, got {self.quant_type!r}")
+        if self.context_length is not None and self.context_length < 16:
+            raise UsageError(f"--ctx must be at least 16 tokens, got {self.context_length}")
+        if self.offload and device_kind not in ("auto", "cuda"):
+            raise UsageError("--offload spreads a model over GPU and CPU memory: it needs --device cuda")
         return self
 
 

@@ -119,9 +119,8 @@ class ChatSession:
         self.loaded = loaded
         self.params = params
         self.view = view
-        length = min(loaded.context_length, context_length or loaded.context_length)
-        self.engine = Engine(loaded.model, loaded.eos_token_ids, length)
-        self.conversation = Conversation(loaded.tokenizer, length, system=system)
+        self.engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+        self.conversation = Conversation(loaded.tokenizer, loaded.context_length, system=system)
         self.last_turn: TurnReport | None = None
         self.totals = {"turns": 0, "prefilled_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
@@ -158,7 +157,7 @@ class ChatSession:
             generation.interrupt()  # keep what was generated; the cache matches it again
         except Exception as error:  # out of memory and the like: this turn is lost, the chat is not
             self.engine.restore_consistency()
-            self._fail(f"the reply failed: {type(error).__name__}: {error}".splitlines()[0])
+            self._fail(self._turn_failure(error))
             return None
         result = generation.result
         self.conversation.commit(
@@ -171,6 +170,15 @@ class ChatSession:
             self.totals[key] += getattr(report, key)
         self.view.reply_end(result, report)
         return report
+
+    def _turn_failure(self, error: Exception) -> str:
+        if type(error).__name__ == "OutOfMemoryError":
+            self.engine.free_memory()
+            return (
+                f"out of memory during the reply ({len(self.engine.cached_ids)} tokens cached); "
+                "the conversation is as it was — try /set max_new_tokens lower, /undo or /reset"
+            )
+        return f"the reply failed: {type(error).__name__}: {error}".splitlines()[0]
 
     def _fail(self, message: str) -> None:
         self.failed = True
@@ -220,8 +228,7 @@ class ChatSession:
         loaded = self.loaded
         settings = " · ".join(f"{k} {v!r}" for k, v in self.params.as_dict().items())
         self.view.info(
-            f"model {loaded.name} · {loaded.device} · {loaded.dtype_name} · "
-            f"{loaded.weight_bytes / 1e6:.0f} MB weights\n"
+            f"model {loaded.name} · {loaded.memory_summary()}\n"
             f"context {len(self.conversation.ids)}/{self.context_length} tokens · "
             f"{len(self.conversation.messages) // 2} exchanges · cache holds {len(self.engine.cached_ids)}\n"
             f"system {self.conversation.system or '(none)'}\n{settings}"

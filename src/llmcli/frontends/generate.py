@@ -91,14 +91,18 @@ def run(request: GenerateRequest) -> int:
             "weight_bytes": loaded.weight_bytes,
             "device": str(loaded.device),
             "dtype": loaded.dtype_name,
-            "quant": "none",
+            "quant": loaded.quant,
+            "kv_bytes_per_token": loaded.kv_bytes_per_token,
+            "context_length": loaded.context_length,
             "sampling": params.as_dict(),
         }
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     elif result.text and not result.text.endswith("\n"):
         out.write("\n")
     if request.stats:
-        terminal.note(f"{loaded.name} · {result.stats.summary()} · {result.finish_reason}")
+        terminal.note(
+            f"{loaded.name} · {result.stats.summary()} · {result.finish_reason} · {loaded.memory_summary()}"
+        )
     return exit_code
 
 

@@ -23,4 +23,7 @@ def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> Loaded
     with terminal.status(f"Loading {resolved.name}…"):
         from llmcli.load import load_model
 
-        return load_model(resolved, settings)
+        loaded = load_model(resolved, settings)
+    for note in loaded.notes:
+        terminal.note(note)
+    return loaded

@@ -30,7 +30,6 @@ BLOCK_QUOTE = '"""'
 class ChatRequest:
     model: str | None
     system: str | None
-    context_length: int | None
     markdown: bool
     json: bool
     sampling: SamplingSettings
@@ -47,7 +46,7 @@ def run(request: ChatRequest) -> int:
         view = TerminalView(console, markdown=request.markdown)
     else:
         view = JsonView() if request.json else PlainView()
-    session = ChatSession(loaded, params, view, system=request.system, context_length=request.context_length)
+    session = ChatSession(loaded, params, view, system=request.system)
     if interactive:
         return run_interactive(session, console)
     return run_scripted(session, sys.stdin.buffer)

@@ -1,0 +1,231 @@
+"""Memory: what the weights really take once loaded, what a model will need before it is loaded,
+and whether that fits in what the device has free.
+
+The estimate reads the safetensors headers (names, shapes; no weights) and the config, so the
+answer comes before a single byte is loaded. Quantized sizes follow bitsandbytes' formats:
+INT8 keeps one byte per weight plus an fp32 scale per output row; NF4/FP4 keep half a byte per
+weight plus an absmax per block of 64 (fp32, or 8-bit with double quantization). Embeddings,
+norms and the output head stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmcli.errors import LlmcliError
+
+_UNQUANTIZED_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "norm", "ln_")
+_INT4_BLOCK = 64
+# Below this many tokens of context a model is not worth loading: suggest something else instead.
+MIN_USEFUL_CONTEXT = 2048
+# Keep this share of free memory for activations, allocator slack and the CUDA context.
+_HEADROOM = 0.10
+
+
+def format_bytes(count: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
+def parse_size(text: str) -> int:
+    """'8GB', '7.5GiB', '500MB', '1e9' → bytes."""
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("kmgtib")
+    unit = cleaned[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"not a size: {text!r} (examples: 8GB, 7.5GiB, 500MB)") from error
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+# Measured ----------------------------------------------------------------------------------------
+
+
+def measured_weight_bytes(model: Any) -> int:
+    """Bytes of every tensor the weights occupy in memory, each counted once: parameters and
+    buffers, plus bitsandbytes' side tensors (INT8 row scales, 4-bit absmax and codebooks),
+    which are not parameters and which `get_memory_footprint` misses or miscounts."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in _weight_tensors(model):
+        if tensor.device.type == "meta" or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _weight_tensors(model: Any) -> Iterator[Any]:
+    import torch
+
+    for parameter in model.parameters():
+        yield parameter
+        scale = getattr(parameter, "SCB", None)
+        if isinstance(scale, torch.Tensor):
+            yield scale
+        state = getattr(parameter, "quant_state", None)
+        while state is not None:
+            for name in ("absmax", "code", "offset"):
+                value = getattr(state, name, None)
+                if isinstance(value, torch.Tensor):
+                    yield value
+            state = getattr(state, "state2", None)
+    yield from model.buffers()
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
+    """Keys and values of one token in every layer: layers × KV heads × head dim × 2 × dtype bytes."""
+    text = config.get("text_config") or config
+    layers = text.get("num_hidden_layers") or text.get("n_layer") or 0
+    heads = text.get("num_attention_heads") or text.get("n_head") or 1
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd") or 0) // heads
+    return layers * kv_heads * head_dim * 2 * dtype_bytes
+
+
+# Estimated -----------------------------------------------------------------------------------------
+
+
+def safetensors_shapes(folder: Path) -> dict[str, list[int]]:
+    """Tensor name → shape, from the headers of every *.safetensors file (no weights are read)."""
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                shapes[name] = entry["shape"]
+    return shapes
+
+
+def is_quantized_by_bitsandbytes(name: str, shape: list[int]) -> bool:
+    """Linear layers' weights: 2-D, and not embeddings, norms or the output head."""
+    return (
+        name.endswith(".weight") and len(shape) == 2 and not any(p in name for p in _UNQUANTIZED_NAME_PARTS)
+    )
+
+
+def estimate_weight_bytes(
+    shapes: dict[str, list[int]], dtype_bytes: int, quant: str, double_quant: bool = True
+) -> int:
+    total = 0.0
+    for name, shape in shapes.items():
+        count = 1
+        for size in shape:
+            count *= size
+        if quant == "none" or not is_quantized_by_bitsandbytes(name, shape):
+            total += count * dtype_bytes
+        elif quant == "int8":
+            total += count + shape[0] * 4
+        else:
+            total += count / 2 + count / _INT4_BLOCK * (1 if double_quant else 4)
+    return int(total)
+
+
+# Fit ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    name: str
+    device: str
+    shapes: dict[str, list[int]]
+    dtype_bytes: int
+    dtype_name: str
+    quant: str
+    double_quant: bool
+    kv_per_token: int
+    context: int  # the context wanted: --ctx, else the model's
+    context_given: bool  # the user asked for this context explicitly
+    budget: int  # bytes llmcli may use on the device
+
+
+def fits(request: FitRequest) -> tuple[int, str | None]:
+    """The context to use, and a note when it had to be lowered to fit. Raises when nothing fits.
+
+    A context the user did not ask for is lowered to what fits; one they asked for is not.
+    """
+    budget = int(request.budget * (1 - _HEADROOM))
+    weights = estimate_weight_bytes(request.shapes, request.dtype_bytes, request.quant, request.double_quant)
+    kv = request.kv_per_token * request.context
+    if weights + kv <= budget:
+        return request.context, None
+    room = (budget - weights) // request.kv_per_token if request.kv_per_token else 0
+    fitting_context = int(room // 256 * 256)
+    lowest = min(MIN_USEFUL_CONTEXT, request.context)
+    if fitting_context >= lowest and not request.context_given:
+        return fitting_context, (
+            f"Context limited to {fitting_context} tokens (of {request.context}) so the KV cache fits "
+            f"in the {format_bytes(request.budget)} available on {request.device}; --ctx to choose."
+        )
+    label = request.dtype_name if request.quant == "none" else request.quant
+    problem = (
+        f"{request.name} needs {format_bytes(weights)} of weights ({label}) + {format_bytes(kv)} of KV "
+        f"cache for {request.context} tokens, but only {format_bytes(request.budget)} is available on "
+        f"{request.device}"
+    )
+    raise LlmcliError(problem, f"try {nearest_fitting_option(request, budget, fitting_context, lowest)}")
+
+
+def nearest_fitting_option(request: FitRequest, budget: int, fitting_context: int, lowest: int) -> str:
+    if fitting_context >= lowest:
+        return f"--ctx {fitting_context}"
+    order = {"none": ("int8", "int4"), "int8": ("int4",), "int4": ()}[request.quant]
+    for quant in order:
+        weights = estimate_weight_bytes(request.shapes, request.dtype_bytes, quant, request.double_quant)
+        needed = weights + request.kv_per_token * request.context
+        if needed <= budget:
+            return f"--quant {quant} ({format_bytes(needed)} with the KV cache)"
+        if weights + request.kv_per_token * lowest <= budget:
+            context = int((budget - weights) // request.kv_per_token // 256 * 256)
+            return f"--quant {quant} --ctx {context}"
+    if request.device.startswith("cuda"):
+        return "--offload, to keep what does not fit in CPU memory (slower)"
+    return "a smaller model"
+
+
+def free_memory(device: Any, offload: bool = False) -> int | None:
+    """Bytes free where the model will live (all visible GPUs for device "cuda"), or None if unknown."""
+    import torch
+
+    if device.type == "cuda":
+        indices = [device.index] if device.index is not None else range(torch.cuda.device_count())
+        free = sum(torch.cuda.mem_get_info(i)[0] for i in indices)
+        return free + (available_host_memory() or 0) if offload else free
+    if device.type == "cpu":
+        return available_host_memory()
+    return None
+
+
+def available_host_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
