@@ -30,7 +30,7 @@ from llmcli.memory import (
     measured_weight_bytes,
     safetensors_shapes,
 )
-from llmcli.quant import bitsandbytes_config, check_quant_request, quant_label
+from llmcli.quant import bitsandbytes_config, check_quant_request, quant_label, silence_bitsandbytes
 from llmcli.resolve import ResolvedModel
 from llmcli.settings import LoadSettings
 
@@ -76,6 +76,7 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", module="transformers")
     warnings.filterwarnings("ignore", module="bitsandbytes")
+    silence_bitsandbytes()  # also for checkpoints that come quantized, without --quant
     if not sys.stderr.isatty():
         from huggingface_hub.utils import disable_progress_bars
 
@@ -204,6 +205,15 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {error}") from error
 
 
+def quantization(settings: LoadSettings, dtype: torch.dtype) -> dict[str, Any]:
+    """from_pretrained's quantization_config, only when quantizing on load: passing None would
+    switch off the quantization a pre-quantized checkpoint's config asks for."""
+    config = bitsandbytes_config(
+        settings.quant, settings.quant_type, settings.double_quant, compute_dtype=dtype
+    )
+    return {"quantization_config": config} if config is not None else {}
+
+
 def placement(device: torch.device, settings: LoadSettings) -> dict[str, Any]:
     """Where the weights go: one device, or spread by accelerate over several GPUs (and, with
     --offload, CPU memory), each within its free memory."""
@@ -275,9 +285,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
             folder,
             dtype=dtype,
             use_safetensors=None if settings.allow_pickle else True,
-            quantization_config=bitsandbytes_config(
-                settings.quant, settings.quant_type, settings.double_quant, compute_dtype=dtype
-            ),
+            **quantization(settings, dtype),
             **placement(device, settings),
             **common,
         )

@@ -4,7 +4,8 @@ and whether that fits in what the device has free.
 The estimate reads the safetensors headers (names, shapes; no weights) and the config, so the
 answer comes before a single byte is loaded. Quantized sizes follow bitsandbytes' formats:
 INT8 keeps one byte per weight plus an fp32 scale per output row; NF4/FP4 keep half a byte per
-weight plus an absmax per block of 64 (fp32, or 8-bit with double quantization). Embeddings,
+weight plus an absmax per block of 64 (fp32, or 8-bit with double quantization) and a small
+codebook per layer. Embeddings,
 norms and the output head stay in the compute dtype.
 """
 
@@ -21,6 +22,8 @@ from llmcli.errors import LlmcliError
 
 _UNQUANTIZED_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "norm", "ln_")
 _INT4_BLOCK = 64
+_INT4_CODEBOOK = 16 * 4 + 4  # the 16 NF4/FP4 levels in fp32, and an offset
+_NESTED_CODEBOOK = 256 * 4  # double quantization's 8-bit codebook in fp32
 # Below this many tokens of context a model is not worth loading: suggest something else instead.
 MIN_USEFUL_CONTEXT = 2048
 # Keep this share of free memory for activations, allocator slack and the CUDA context.
@@ -141,7 +144,10 @@ def estimate_weight_bytes(
         elif quant == "int8":
             total += count + shape[0] * 4
         else:
-            total += count / 2 + count / _INT4_BLOCK * (1 if double_quant else 4)
+            blocks = count / _INT4_BLOCK
+            total += count / 2 + _INT4_CODEBOOK
+            # Block scales: fp32, or 8-bit plus a second level (its own codebook, an fp32 per 256).
+            total += blocks + _NESTED_CODEBOOK + blocks / 256 * 4 if double_quant else blocks * 4
     return int(total)
 
 

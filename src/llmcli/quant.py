@@ -18,10 +18,7 @@ def check_quant_request(quant: str, device_type: str, source: str, config: dict[
     if quant == "none":
         return
     if source == "gguf":
-        raise UsageError(
-            f"--quant {quant} does not apply to a GGUF file: it is already quantized in its own format",
-            "drop --quant (llmcli dequantizes GGUF to fp16), or quantize a safetensors model instead",
-        )
+        raise gguf_refusal(quant)
     existing = config.get("quantization_config")
     if existing:
         method = existing.get("quant_method", "unknown") if isinstance(existing, dict) else "unknown"
@@ -39,6 +36,13 @@ def check_quant_request(quant: str, device_type: str, source: str, config: dict[
         raise LlmcliError(
             f"--quant {quant}: bitsandbytes does not run on {device_type}", "use --device cuda or cpu"
         )
+
+
+def gguf_refusal(quant: str) -> UsageError:
+    return UsageError(
+        f"--quant {quant} does not apply to a GGUF file: it is already quantized in its own format",
+        "drop --quant (llmcli dequantizes GGUF to fp16), or quantize a safetensors model instead",
+    )
 
 
 def bitsandbytes_config(quant: str, quant_type: str, double_quant: bool, compute_dtype: Any) -> Any:

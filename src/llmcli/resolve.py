@@ -85,7 +85,7 @@ def resolve_model(
     """
     spec = spec or default_model_spec()
     path = Path(spec).expanduser()
-    if path.suffix.lower() == ".gguf" or path.is_file():
+    if is_gguf_spec(spec):
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {spec} does not exist")
         from llmcli.gguf_import import converted_folder
@@ -103,6 +103,12 @@ def resolve_model(
         )
     folder = resolve_hub(repo_id, revision or None, allow_pickle=allow_pickle)
     return ResolvedModel(name=spec, path=folder, source="hub")
+
+
+def is_gguf_spec(spec: str) -> bool:
+    """A .gguf file, or any file (a folder or Hub id never is one)."""
+    path = Path(spec).expanduser()
+    return path.suffix.lower() == ".gguf" or path.is_file()
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -13,7 +13,12 @@ if TYPE_CHECKING:
 
 
 def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> LoadedModel:
-    from llmcli.resolve import resolve_model
+    from llmcli.quant import gguf_refusal
+    from llmcli.resolve import default_model_spec, is_gguf_spec, resolve_model
+
+    model_spec = model_spec or default_model_spec()
+    if settings.quant != "none" and is_gguf_spec(model_spec):
+        raise gguf_refusal(settings.quant)  # before a conversion that may take a minute
 
     def announce_conversion(path: Path) -> None:
         terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
