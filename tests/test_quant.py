@@ -225,7 +225,10 @@ def test_quant_on_a_prequantized_checkpoint_is_refused(tiny_llama: Path, tmp_pat
     loaded.tokenizer.save_pretrained(folder)
     as_is = run_cli("generate", "-m", str(folder), "--json", "-t", "0", "-n", "3", "hi")
     assert as_is.returncode == 0, as_is.stderr.decode()
-    assert json.loads(as_is.stdout)["quant"] == "bitsandbytes"
+    record = json.loads(as_is.stdout)
+    assert record["quant"] == "bitsandbytes"
+    stored = estimate_weight_bytes(safetensors_shapes(folder), 4, "stored")
+    assert abs(stored - record["weight_bytes"]) / record["weight_bytes"] < 0.05
     again = run_cli("generate", "-m", str(folder), "--quant", "int8", "hi")
     assert again.returncode == 2 and "already quantized (bitsandbytes)" in again.stderr.decode()
 

@@ -230,6 +230,12 @@ def placement(device: torch.device, settings: LoadSettings) -> dict[str, Any]:
     return {"device_map": "auto", "max_memory": max_memory}
 
 
+def estimate_mode(settings: LoadSettings, config: dict[str, Any]) -> str:
+    """How to size the weights: as quantized on load, or, for a checkpoint that comes quantized,
+    as they are stored (it loads as it is)."""
+    return "stored" if config.get("quantization_config") else settings.quant
+
+
 def plan_context(
     resolved: ResolvedModel,
     settings: LoadSettings,
@@ -255,7 +261,7 @@ def plan_context(
             shapes=shapes,
             dtype_bytes=dtype_bytes,
             dtype_name=DTYPE_NAMES.get(dtype, str(dtype)),
-            quant=settings.quant,
+            quant=estimate_mode(settings, config),
             double_quant=settings.double_quant,
             kv_per_token=kv_bytes_per_token(config, dtype_bytes),
             context=context,
@@ -298,7 +304,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     except (ValueError, OSError, KeyError, ImportError) as error:
         raise _load_error(resolved, error) from error
     except torch.OutOfMemoryError as error:
-        raise out_of_memory_error(resolved, settings, device, dtype) from error
+        raise out_of_memory_error(resolved, settings, config, device, dtype) from error
     model.eval()
     generation_config = read_generation_config(folder)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
@@ -324,7 +330,11 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
 
 
 def out_of_memory_error(
-    resolved: ResolvedModel, settings: LoadSettings, device: torch.device, dtype: torch.dtype
+    resolved: ResolvedModel,
+    settings: LoadSettings,
+    config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> LlmcliError:
     """The fit check passed but the device ran out anyway (other processes, fragmentation):
     the numbers we had, and what to try."""
@@ -333,7 +343,9 @@ def out_of_memory_error(
     free = free_memory(device)
     shapes = safetensors_shapes(resolved.path)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    needed = estimate_weight_bytes(shapes, dtype_bytes, settings.quant, settings.double_quant)
+    needed = estimate_weight_bytes(
+        shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant
+    )
     stronger = {"none": "--quant int8 or --quant int4, ", "int8": "--quant int4, ", "int4": ""}[
         settings.quant
     ]

@@ -111,17 +111,50 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
 # Estimated -----------------------------------------------------------------------------------------
 
 
-def safetensors_shapes(folder: Path) -> dict[str, list[int]]:
-    """Tensor name → shape, from the headers of every *.safetensors file (no weights are read)."""
-    shapes: dict[str, list[int]] = {}
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    shape: list[int]
+    itemsize: int  # bytes per element as stored in the file
+
+    @property
+    def count(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+def safetensors_shapes(folder: Path) -> dict[str, TensorHeader]:
+    """Tensor name → shape and stored element size, from the headers of every *.safetensors file
+    (no weights are read)."""
+    tensors: dict[str, TensorHeader] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with file.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))
         for name, entry in header.items():
             if name != "__metadata__":
-                shapes[name] = entry["shape"]
-    return shapes
+                tensors[name] = TensorHeader(entry["shape"], _ITEMSIZE.get(entry["dtype"], 4))
+    return tensors
 
 
 def is_quantized_by_bitsandbytes(name: str, shape: list[int]) -> bool:
@@ -132,17 +165,19 @@ def is_quantized_by_bitsandbytes(name: str, shape: list[int]) -> bool:
 
 
 def estimate_weight_bytes(
-    shapes: dict[str, list[int]], dtype_bytes: int, quant: str, double_quant: bool = True
+    tensors: dict[str, TensorHeader], dtype_bytes: int, quant: str, double_quant: bool = True
 ) -> int:
+    """Bytes the weights will take once loaded. `quant` "stored" means as they are in the files
+    (a checkpoint that comes quantized loads as it is)."""
     total = 0.0
-    for name, shape in shapes.items():
-        count = 1
-        for size in shape:
-            count *= size
-        if quant == "none" or not is_quantized_by_bitsandbytes(name, shape):
+    for name, tensor in tensors.items():
+        count = tensor.count
+        if quant == "stored":
+            total += count * tensor.itemsize
+        elif quant == "none" or not is_quantized_by_bitsandbytes(name, tensor.shape):
             total += count * dtype_bytes
         elif quant == "int8":
-            total += count + shape[0] * 4
+            total += count + tensor.shape[0] * 4
         else:
             blocks = count / _INT4_BLOCK
             total += count / 2 + _INT4_CODEBOOK
@@ -158,7 +193,7 @@ def estimate_weight_bytes(
 class FitRequest:
     name: str
     device: str
-    shapes: dict[str, list[int]]
+    shapes: dict[str, TensorHeader]
     dtype_bytes: int
     dtype_name: str
     quant: str
@@ -187,7 +222,7 @@ def fits(request: FitRequest) -> tuple[int, str | None]:
             f"Context limited to {fitting_context} tokens (of {request.context}) so the KV cache fits "
             f"in the {format_bytes(request.budget)} available on {request.device}; --ctx to choose."
         )
-    label = request.dtype_name if request.quant == "none" else request.quant
+    label = {"none": request.dtype_name, "stored": "as stored"}.get(request.quant, request.quant)
     problem = (
         f"{request.name} needs {format_bytes(weights)} of weights ({label}) + {format_bytes(kv)} of KV "
         f"cache for {request.context} tokens, but only {format_bytes(request.budget)} is available on "
@@ -199,7 +234,7 @@ def fits(request: FitRequest) -> tuple[int, str | None]:
 def nearest_fitting_option(request: FitRequest, budget: int, fitting_context: int, lowest: int) -> str:
     if fitting_context >= lowest:
         return f"--ctx {fitting_context}"
-    order = {"none": ("int8", "int4"), "int8": ("int4",), "int4": ()}[request.quant]
+    order = {"none": ("int8", "int4"), "int8": ("int4",)}.get(request.quant, ())
     for quant in order:
         weights = estimate_weight_bytes(request.shapes, request.dtype_bytes, quant, request.double_quant)
         needed = weights + request.kv_per_token * request.context
