@@ -3,6 +3,11 @@
 The engine owns the KV cache and the exact token ids it holds (`cached_ids`), so a later call
 whose prompt starts with those ids prefills only the rest. It never prints: a `Generation` yields
 text pieces and ends with a `GenerationResult`.
+
+Two caches: a DynamicCache that grows with the text, or (`fast`) a static cache preallocated for
+the whole context, whose fixed shapes let the one-token decode step be captured as a CUDA graph.
+Cropping a static cache is moving its write position back: what lies past it is never attended
+to (the causal mask stops at the current position) and is overwritten by the next tokens.
 """
 
 from __future__ import annotations
@@ -38,18 +43,33 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class Engine:
-    def __init__(self, model: Any, eos_token_ids: frozenset[int], context_length: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        eos_token_ids: frozenset[int],
+        context_length: int,
+        *,
+        static_cache: bool = False,
+        compile_decode: bool = False,
+    ) -> None:
         self.model = model
         self.device = model.device
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
+        self.static_cache = static_cache or compile_decode  # graphs need fixed shapes
         self.cache: Any = None
         self.cached_ids: list[int] = []  # exactly the tokens whose keys/values sit in `cache`
+        self._decode = self._decode_eager
+        if compile_decode:
+            from llmcli.fast import compile_decode_step
+
+            self._decode = compile_decode_step(self._decode_eager)
 
     def reset(self) -> None:
         self.cache = None
         self.cached_ids = []
 
+    @torch.inference_mode()  # the cache's tensors were made in inference mode
     def crop_to(self, keep: int) -> None:
         """Forget cached tokens past the first `keep`.
 
@@ -60,6 +80,13 @@ class Engine:
         if self.cache is None:
             return
         for layer in self.cache.layers:
+            if self.static_cache:
+                # transformers ≥ 5.2 keeps each static layer's write position in a tensor; older
+                # versions write where cache_position says, which we always pass.
+                position = getattr(layer, "cumulative_length", None)
+                if isinstance(position, torch.Tensor):
+                    position.fill_(keep)
+                continue
             extra = layer.get_seq_length() - keep
             if extra > 0:
                 # A negative count removes that many tokens, in transformers 4.5x and 5.x alike.
@@ -95,22 +122,41 @@ class Engine:
             self.prefill(ids[keep:])
         return len(ids) - keep
 
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache, StaticCache
+
+        if self.static_cache:
+            return StaticCache(config=self.model.config, max_cache_len=self.context_length)
+        return DynamicCache(config=self.model.config)
+
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Run `ids` after what is cached, in one pass; the logits for the next token, [1, vocab]."""
         if self.cache is None:
-            from transformers import DynamicCache
-
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = self._new_cache()
+        start = len(self.cached_ids)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=self.cache,
+            cache_position=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         self.cached_ids.extend(ids)
         return out.logits[:, -1, :]
 
     @torch.inference_mode()
     def decode_step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one sampled token (shape [1]); the logits for the one after it, [1, vocab]."""
-        out = self.model(input_ids=token.view(1, 1), past_key_values=self.cache, use_cache=True)
+        position = torch.tensor([len(self.cached_ids)], device=self.device)
+        return self._decode(token.view(1, 1), position)
+
+    def _decode_eager(self, input_ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, past_key_values=self.cache, cache_position=position, use_cache=True
+        )
         return out.logits[:, -1, :]
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Any) -> Generation:
