@@ -82,3 +82,14 @@ def test_static_cache_write_position_is_restored_after_an_interrupt(loaded_tiny)
     expected = run(dynamic, follow_up, loaded_tiny.tokenizer)
     assert got.result.stats.prefilled_tokens == 3
     assert got.result.token_ids == expected.result.token_ids
+
+
+def test_fast_flag_gives_the_same_text_through_the_cli(tiny_llama) -> None:
+    import json
+
+    from cli_helpers import run_cli
+
+    args = ["generate", "-m", str(tiny_llama), "-t", "0", "-n", "24", "--json", "Once upon a time"]
+    fast, slow = run_cli(*args, "--fast"), run_cli(*args, "--no-fast")
+    assert fast.returncode == 0 and slow.returncode == 0, fast.stderr.decode() + slow.stderr.decode()
+    assert json.loads(fast.stdout)["text"] == json.loads(slow.stdout)["text"]

@@ -117,6 +117,15 @@ MaxMemoryOption = Annotated[
         rich_help_panel=LOADING,
     ),
 ]
+FastOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--fast/--no-fast",
+        help="Static KV cache and a CUDA-graph decode step. Default: on with CUDA, off elsewhere.",
+        rich_help_panel=LOADING,
+        show_default=False,
+    ),
+]
 CtxOption = Annotated[
     int | None,
     typer.Option(
@@ -204,6 +213,7 @@ def generate(
     offload: OffloadOption = False,
     max_memory: MaxMemoryOption = None,
     ctx: CtxOption = None,
+    fast: FastOption = None,
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     with handled_errors():
@@ -220,6 +230,7 @@ def generate(
             offload,
             max_memory,
             ctx,
+            fast,
         )
         if raw and system:
             raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
@@ -288,6 +299,7 @@ def chat(
     double_quant: DoubleQuantOption = True,
     offload: OffloadOption = False,
     max_memory: MaxMemoryOption = None,
+    fast: FastOption = None,
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     with handled_errors():
@@ -304,6 +316,7 @@ def chat(
             offload,
             max_memory,
             ctx,
+            fast,
         )
         from llmcli.frontends.repl import ChatRequest, run
 
@@ -353,6 +366,7 @@ def _loading(
     offload: bool,
     max_memory: str | None,
     ctx: int | None,
+    fast: bool | None,
 ) -> LoadSettings:
     from llmcli.memory import parse_size
 
@@ -372,6 +386,7 @@ def _loading(
         offload=offload,
         max_memory=memory_limit,
         context_length=ctx,
+        fast=fast,
     ).validate()
 
 

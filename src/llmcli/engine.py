@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from llmcli.errors import ContextOverflowError
 from llmcli.sampling import make_generator, pick_token, process_logits
 from llmcli.settings import SamplingParams
 from llmcli.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from llmcli.load import LoadedModel
 
 
 @dataclass
@@ -65,9 +68,37 @@ class Engine:
 
             self._decode = compile_decode_step(self._decode_eager)
 
+    @classmethod
+    def for_loaded(cls, loaded: LoadedModel) -> Engine:
+        """The engine a loaded model asked for: graph-captured decode on a static cache where that
+        pays (CUDA, unless --no-fast), the dynamic cache elsewhere (--fast on CPU: static only)."""
+        return cls(
+            loaded.model,
+            loaded.eos_token_ids,
+            loaded.context_length,
+            static_cache=loaded.fast_decode,
+            compile_decode=loaded.fast_decode and loaded.device.type == "cuda",
+        )
+
     def reset(self) -> None:
-        self.cache = None
+        """Forget everything cached. A static cache keeps its memory: a CUDA graph replays on
+        those very addresses, and a new allocation would mean capturing it again."""
+        if self.static_cache:
+            self.crop_to(0)
+        else:
+            self.cache = None
         self.cached_ids = []
+
+    def warm_up(self) -> float:
+        """Pay the compile and capture cost now rather than in the first reply; seconds taken."""
+        start = time.perf_counter()
+        first = self.prefill([0])
+        token = first.argmax(dim=-1)
+        for _ in range(3):  # the first runs compile, the next ones record and replay the graph
+            self.decode_step(token)
+            self.cached_ids.append(int(token))
+        self.reset()
+        return time.perf_counter() - start
 
     @torch.inference_mode()  # the cache's tensors were made in inference mode
     def crop_to(self, keep: int) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from llmcli.errors import LlmcliError, ModelLoadError
+from llmcli.fast import fast_path_default
 from llmcli.memory import (
     FitRequest,
     available_host_memory,
@@ -52,6 +53,7 @@ class LoadedModel:
     quant: str = "none"  # none, int8, int4-nf4, int4-fp4, or a pre-quantized checkpoint's method
     kv_bytes_per_token: int = 0
     notes: tuple[str, ...] = ()  # things the user should hear about (a context lowered to fit)
+    fast_decode: bool = False  # decode on a static cache (and as a CUDA graph on CUDA)
 
     @property
     def has_chat_template(self) -> bool:
@@ -326,6 +328,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         quant=quant_label(settings.quant, settings.quant_type, config),
         kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
         notes=(context_note,) if context_note else (),
+        fast_decode=fast_path_default(device.type, settings.fast),
     )
 
 

@@ -115,6 +115,7 @@ class LoadSettings:
     offload: bool = False  # let accelerate keep what does not fit on the GPU in CPU memory
     max_memory: int | None = None  # bytes llmcli may use on the device; default: all that is free
     context_length: int | None = None  # --ctx: at most this many tokens of context
+    fast: bool | None = None  # static cache + graph-captured decode; None: on CUDA only
 
     def validate(self) -> LoadSettings:
         device_kind = self.device.split(":", 1)[0]

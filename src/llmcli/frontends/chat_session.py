@@ -114,12 +114,12 @@ class ChatSession:
         view: ChatView,
         *,
         system: str | None = None,
-        context_length: int | None = None,
+        engine: Engine | None = None,
     ) -> None:
         self.loaded = loaded
         self.params = params
         self.view = view
-        self.engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+        self.engine = engine or Engine.for_loaded(loaded)
         self.conversation = Conversation(loaded.tokenizer, loaded.context_length, system=system)
         self.last_turn: TurnReport | None = None
         self.totals = {"turns": 0, "prefilled_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}

@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from llmcli.frontends import terminal
-from llmcli.frontends.loading import load_with_feedback
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
 from llmcli.settings import LoadSettings, SamplingSettings
 
 
@@ -62,11 +62,10 @@ def run(request: GenerateRequest) -> int:
 
     loaded = load_with_feedback(request.model, request.load)
     from llmcli.conversation import build_messages, prompt_ids
-    from llmcli.engine import Engine
 
     ids = prompt_ids(loaded.tokenizer, build_messages(prompt, request.system), raw=request.raw)
     params = request.sampling.resolve(loaded.generation_config)
-    engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+    engine = engine_with_feedback(loaded)
     generation = engine.generate(ids, params, loaded.tokenizer)
     out = StdoutSink()
     exit_code = EXIT_OK

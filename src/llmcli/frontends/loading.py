@@ -9,6 +9,7 @@ from llmcli.frontends import terminal
 from llmcli.settings import LoadSettings
 
 if TYPE_CHECKING:
+    from llmcli.engine import Engine
     from llmcli.load import LoadedModel
 
 
@@ -32,3 +33,15 @@ def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> Loaded
     for note in loaded.notes:
         terminal.note(note)
     return loaded
+
+
+def engine_with_feedback(loaded: LoadedModel) -> Engine:
+    """The loaded model's engine; a graph-captured decode step is compiled now, with a spinner."""
+    from llmcli.engine import Engine
+
+    engine = Engine.for_loaded(loaded)
+    if loaded.fast_decode and loaded.device.type == "cuda":
+        with terminal.status("Capturing the decode step as a CUDA graph (once per process)…"):
+            seconds = engine.warm_up()
+        terminal.note(f"Decode step compiled and captured in {seconds:.1f} s.")
+    return engine

@@ -17,7 +17,7 @@ from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from llmcli.frontends import terminal
 from llmcli.frontends.chat_session import COMMANDS, ChatSession, ChatView
 from llmcli.frontends.chat_views import JsonView, PlainView, TerminalView
-from llmcli.frontends.loading import load_with_feedback
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
 from llmcli.paths import state_dir
 from llmcli.settings import LoadSettings, SamplingSettings
 
@@ -46,7 +46,7 @@ def run(request: ChatRequest) -> int:
         view = TerminalView(console, markdown=request.markdown)
     else:
         view = JsonView() if request.json else PlainView()
-    session = ChatSession(loaded, params, view, system=request.system)
+    session = ChatSession(loaded, params, view, system=request.system, engine=engine_with_feedback(loaded))
     if interactive:
         return run_interactive(session, console)
     return run_scripted(session, sys.stdin.buffer)
