@@ -332,6 +332,86 @@ def chat(
     raise typer.Exit(code)
 
 
+BENCH_EPILOG = """\
+[bold]Examples[/]
+
+  llmcli bench
+
+  llmcli bench --config configs/llama-3.1-8b.json --random-weights --device cuda --json
+
+  llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7
+
+Decode at batch 1 reads every weight once per token: "% of measured bandwidth" says how close \
+decoding comes to that floor, with the bandwidth measured on the spot by a large device copy.
+"""
+
+
+@app.command(epilog=BENCH_EPILOG)
+def bench(
+    model: ModelOption = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="Build the model from this config (file, folder or Hub id) instead of loading one."
+        ),
+    ] = None,
+    random_weights: Annotated[
+        bool,
+        typer.Option(
+            "--random-weights", help="With --config: random weights (speed does not depend on them)."
+        ),
+    ] = False,
+    prompt_lengths: Annotated[
+        str, typer.Option(help="Prompt lengths to time prefill at, comma-separated.")
+    ] = ("128,512,2048"),
+    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", help="Tokens per decode run.")] = 128,
+    runs: Annotated[int, typer.Option(help="Runs per figure; the median is reported.")] = 5,
+    baseline: Annotated[
+        bool, typer.Option("--generate/--no-generate", help="Also time model.generate on the same model.")
+    ] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+    quant: QuantOption = "none",
+    quant_type: QuantTypeOption = "nf4",
+    ctx: CtxOption = None,
+    fast: FastOption = None,
+) -> None:
+    """Measure prefill, time to first token, decode speed and memory, beside model.generate."""
+    with handled_errors():
+        if config and not random_weights:
+            raise UsageError("--config builds a model without its weights: add --random-weights")
+        if random_weights and not config:
+            raise UsageError("--random-weights needs --config CONFIG (a config.json, a folder, or a Hub id)")
+        if config and model:
+            raise UsageError("use either -m MODEL or --config CONFIG --random-weights, not both")
+        try:
+            lengths = [int(n) for n in prompt_lengths.split(",") if n.strip()]
+        except ValueError:
+            raise UsageError(
+                f"--prompt-lengths must be integers separated by commas, got {prompt_lengths!r}"
+            ) from None
+        if not lengths or min(lengths) < 1 or new_tokens < 2 or runs < 1:
+            raise UsageError("--prompt-lengths must be ≥ 1, --new-tokens ≥ 2 and --runs ≥ 1")
+        load = _loading(device, dtype, threads, False, False, quant, quant_type, True, False, None, ctx, fast)
+        from llmcli.frontends.bench import BenchRequest, run
+
+        code = run(
+            BenchRequest(
+                model=model_spec_from(model),
+                config=config,
+                prompt_lengths=lengths,
+                new_tokens=new_tokens,
+                runs=runs,
+                with_generate=baseline,
+                json=json_output,
+                load=load,
+            )
+        )
+    raise typer.Exit(code)
+
+
 def _sampling(
     temperature: float | None,
     top_k: int | None,

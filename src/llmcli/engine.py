@@ -206,7 +206,8 @@ class Generation:
         self._engine = engine
         self._prompt_ids = list(prompt_ids)
         self._params = params
-        self._detok = IncrementalDetokenizer(tokenizer)
+        # No tokenizer (a benchmark on random weights): tokens only, no text.
+        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stop = StopMatcher(params.stop)
         self._emitted: list[str] = []
         self.token_ids: list[int] = []
@@ -253,12 +254,13 @@ class Generation:
                 first_token_at = now
                 stats.ttft_s = now - start
             stats.decode_s = now - first_token_at
+            stats.token_times.append(now)
             self.token_ids.append(token_id)
             stats.completion_tokens = len(self.token_ids)
             if token_id in engine.eos_token_ids:
                 self.finish_reason = "stop"
                 break
-            piece = self._stop.feed(self._detok.push(token_id))
+            piece = self._stop.feed(self._detok.push(token_id) if self._detok else "")
             if piece:
                 yield piece
             if self._stop.stopped:
@@ -272,7 +274,7 @@ class Generation:
             logits = engine.decode_step(token)
             engine.cached_ids.append(token_id)
         # The end: a character the model left unfinished, and text held back as a possible stop string.
-        tail = self._stop.feed(self._detok.flush())
+        tail = self._stop.feed(self._detok.flush() if self._detok else "")
         if self._stop.stopped:
             self.finish_reason = "stop"
         else:

@@ -332,6 +332,59 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     )
 
 
+def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
+    """A model built from a config alone, with random weights: for benchmarks, where speed does
+    not depend on weight values, and no weights need downloading. `config_spec` is a config.json,
+    a folder holding one, or a Hub id whose config.json is fetched (cache first)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet_libraries()
+    device = choose_device(settings.device)
+    dtype = choose_dtype(settings.dtype, device)
+    if device.type == "cpu":
+        configure_cpu_threads(settings.threads)
+    config_file = _config_file(config_spec)
+    config = json.loads(config_file.read_text())
+    hf_config = AutoConfig.from_pretrained(
+        config_file.parent if config_file.name == "config.json" else config_file
+    )
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    except torch.OutOfMemoryError as error:
+        raise LlmcliError(
+            f"out of memory building {config_spec} on {device} in {DTYPE_NAMES.get(dtype)}"
+        ) from error
+    model.eval()
+    model_context = context_length_of(config)
+    return LoadedModel(
+        model=model,
+        tokenizer=None,
+        name=f"{config_spec} (random weights)",
+        device=device,
+        dtype=dtype,
+        generation_config={},
+        eos_token_ids=frozenset(),
+        context_length=min(model_context, settings.context_length or model_context),
+        weight_bytes=measured_weight_bytes(model),
+        kv_bytes_per_token=kv_bytes_per_token(config, torch.tensor([], dtype=dtype).element_size()),
+        fast_decode=fast_path_default(device.type, settings.fast),
+    )
+
+
+def _config_file(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path / "config.json"
+    from llmcli.resolve import hub_config_file
+
+    return hub_config_file(spec)
+
+
 def out_of_memory_error(
     resolved: ResolvedModel,
     settings: LoadSettings,

@@ -184,6 +184,26 @@ def resolve_hub(repo_id: str, revision: str | None, *, allow_pickle: bool) -> Pa
     return folder
 
 
+def hub_config_file(spec: str) -> Path:
+    """A Hub model's config.json alone (for building a model with random weights): cache first."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, _, revision = spec.partition("@")
+    if not _HUB_ID.match(repo_id):
+        raise ModelNotFoundError(f"config {spec!r} is not a file, a folder with config.json, or a Hub id")
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision or None, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise NetworkError(
+            f"{spec}'s config.json is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+        )
+    info = _hub_model_info(repo_id, revision or None, spec)
+    return Path(hf_hub_download(repo_id, "config.json", revision=info.sha))
+
+
 def _hub_model_info(repo_id: str, revision: str | None, spec: str) -> Any:
     """One metadata call, bounded in time even where DNS itself hangs, with Hub errors made readable."""
     from huggingface_hub import HfApi, constants

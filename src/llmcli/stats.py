@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -12,6 +13,13 @@ class GenerationStats:
     completion_tokens: int = 0  # tokens sampled, the end-of-sequence token included
     ttft_s: float = 0.0  # request start → first token sampled (prefill + first sample)
     decode_s: float = 0.0  # first token → last token
+    token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter at each token
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        """Seconds between consecutive tokens: the latency a reader sees while text streams."""
+        times = self.token_times
+        return [later - earlier for earlier, later in itertools.pairwise(times)]
 
     @property
     def cached_tokens(self) -> int:

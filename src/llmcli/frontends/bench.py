@@ -1,0 +1,48 @@
+"""`llmcli bench`: load (or build) the model, measure, print a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+from llmcli.errors import EXIT_OK
+from llmcli.frontends import terminal
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
+from llmcli.settings import LoadSettings
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    model: str | None
+    config: str | None
+    prompt_lengths: list[int]
+    new_tokens: int
+    runs: int
+    with_generate: bool
+    json: bool
+    load: LoadSettings
+
+
+def run(request: BenchRequest) -> int:
+    from llmcli.bench import render_table, run_bench
+
+    if request.config:
+        from llmcli.load import load_random
+
+        with terminal.status(f"Building {request.config} with random weights…"):
+            loaded = load_random(request.config, request.load)
+    else:
+        loaded = load_with_feedback(request.model, request.load)
+    engine = engine_with_feedback(loaded)
+    with terminal.status("Measuring…"):
+        report = run_bench(
+            loaded,
+            prompt_lengths=request.prompt_lengths,
+            new_tokens=request.new_tokens,
+            runs=request.runs,
+            with_generate=request.with_generate,
+            engine=engine,
+        )
+    sys.stdout.write((json.dumps(report.as_dict()) if request.json else render_table(report)) + "\n")
+    return EXIT_OK

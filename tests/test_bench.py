@@ -1,0 +1,103 @@
+"""`llmcli bench` end to end on tiny models, on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import run_cli
+
+REPORT_FIELDS = (
+    "model",
+    "device",
+    "dtype",
+    "quant",
+    "fast",
+    "weight_bytes",
+    "kv_bytes_per_token",
+    "runs",
+    "new_tokens",
+    "bandwidth_gb_s",
+    "prefill_tok_s",
+    "ttft_s",
+    "decode_tok_s",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "achieved_gb_s",
+    "roofline_pct",
+    "peak_memory_bytes",
+    "generate_ttft_s",
+    "generate_decode_tok_s",
+    "generate_achieved_gb_s",
+    "speedup_vs_generate",
+)
+QUICK = ["--runs", "2", "-n", "8", "--prompt-lengths", "16,32", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("fast", ["--no-fast", "--fast"])
+def test_bench_on_random_weights_reports_every_field(tiny_llama: Path, fast: str) -> None:
+    proc = run_cli(
+        "bench", "--config", str(tiny_llama / "config.json"), "--random-weights", "--json", fast, *QUICK
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    report = json.loads(proc.stdout)
+    assert set(REPORT_FIELDS) <= set(report)
+    assert report["fast"] is (fast == "--fast")
+    assert set(report["prefill_tok_s"]) == {"16", "32"}
+    for name in (
+        "bandwidth_gb_s",
+        "ttft_s",
+        "decode_tok_s",
+        "achieved_gb_s",
+        "roofline_pct",
+        "generate_decode_tok_s",
+        "speedup_vs_generate",
+        "weight_bytes",
+        "peak_memory_bytes",
+    ):
+        assert report[name] > 0, name
+    assert report["itl_p99_ms"] >= report["itl_p50_ms"] > 0
+    assert report["model"].endswith("(random weights)")
+
+
+def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
+    proc = run_cli("bench", "-m", str(tiny_llama), *QUICK)
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    for row in (
+        "prefill tok/s @ 16",
+        "TTFT ms @ 16",
+        "decode tok/s",
+        "inter-token ms p50 / p99",
+        "% of measured bandwidth",
+        "peak memory",
+        "model.generate",
+    ):
+        assert row in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--config", "x.json"], "add --random-weights"),
+        (["--random-weights"], "needs --config"),
+        (["--prompt-lengths", "a,b"], "--prompt-lengths must be integers"),
+    ],
+)
+def test_bench_usage_errors(args: list[str], message: str) -> None:
+    proc = run_cli("bench", *args)
+    assert proc.returncode == 2 and message in proc.stderr.decode()
+
+
+def test_shipped_configs_have_the_documented_sizes() -> None:
+    """configs/ holds the shapes the GPU benchmarks use (the GPU machine has no Hub)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = Path(__file__).parent.parent / "configs"
+    for name, billions in (("llama-3.2-1b.json", 1.236), ("llama-3.1-8b.json", 8.030)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(root / name))
+        assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.001)
