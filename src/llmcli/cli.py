@@ -146,6 +146,8 @@ GENERATE_EPILOG = """\
 
   llmcli generate -m ./model.gguf --stop "\\n\\n" --max-new-tokens 64 "Once upon a time"
 
+  llmcli generate --batch questions.txt --batch-size 16 --json > answers.jsonl
+
 With both arguments and stdin, the prompt is the arguments, a blank line, then stdin.
 Exit codes: 0 done, 1 failure, 2 usage error, 130 interrupted.
 """
@@ -163,6 +165,8 @@ def handled_errors() -> Iterator[None]:
         raise typer.Exit(error.exit_code) from None
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except typer.Exit:
+        raise
     except Exception as error:
         if os.environ.get("LLMCLI_DEBUG"):
             traceback.print_exc()
@@ -214,6 +218,13 @@ def generate(
     max_memory: MaxMemoryOption = None,
     ctx: CtxOption = None,
     fast: FastOption = None,
+    batch: Annotated[
+        str | None,
+        typer.Option(
+            help='Run every prompt in FILE (a line each, or JSON lines with "prompt"); - for stdin.'
+        ),
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Prompts per batch with --batch.")] = 8,
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     with handled_errors():
@@ -234,6 +245,26 @@ def generate(
         )
         if raw and system:
             raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
+        if batch is not None:
+            if prompt:
+                raise UsageError("--batch reads the prompts from its file: give no prompt arguments")
+            if batch_size < 1:
+                raise UsageError(f"--batch-size must be ≥ 1, got {batch_size}")
+            from llmcli.frontends import batch as batch_frontend
+
+            code = batch_frontend.run(
+                batch_frontend.BatchRequest(
+                    path=batch,
+                    batch_size=batch_size,
+                    model=model_spec_from(model),
+                    system=system,
+                    raw=raw,
+                    json=json_output,
+                    sampling=sampling,
+                    load=load,
+                )
+            )
+            raise typer.Exit(code)
         from llmcli.frontends.generate import GenerateRequest, run
 
         request = GenerateRequest(

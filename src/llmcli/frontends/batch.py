@@ -1,0 +1,138 @@
+"""`llmcli generate --batch FILE`: many prompts, batched, results in input order.
+
+The file holds one prompt per line, or JSON lines with a "prompt" (and an optional "system");
+"-" reads stdin. Output: each reply on its own line (replies may hold newlines: use --json, one
+object per prompt, when a program reads the output). A summary with the aggregate tokens/s goes
+to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmcli.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from llmcli.frontends import terminal
+from llmcli.frontends.loading import load_with_feedback
+from llmcli.settings import LoadSettings, SamplingSettings
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    prompt: str
+    system: str | None
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    path: str
+    batch_size: int
+    model: str | None
+    system: str | None
+    raw: bool
+    json: bool
+    sampling: SamplingSettings
+    load: LoadSettings
+
+
+def read_items(path: str, default_system: str | None) -> list[BatchItem]:
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).expanduser().read_bytes()
+    except OSError as error:
+        raise UsageError(f"cannot read --batch {path}: {error.strerror}") from error
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"--batch {path} is not valid UTF-8 (byte offset {error.start})") from error
+    items = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise UsageError(f"--batch {path}, line {number}: not valid JSON ({error.msg})") from error
+            if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+                raise UsageError(
+                    f'--batch {path}, line {number}: a JSON line needs a non-empty "prompt" string'
+                )
+            items.append(BatchItem(record["prompt"], record.get("system") or default_system))
+        else:
+            items.append(BatchItem(line, default_system))
+    if not items:
+        raise UsageError(f"--batch {path} holds no prompts")
+    return items
+
+
+def run(request: BatchRequest) -> int:
+    items = read_items(request.path, request.system)
+    loaded = load_with_feedback(request.model, request.load)
+    from llmcli.batch import generate_batch
+    from llmcli.conversation import build_messages, prompt_ids
+
+    params = request.sampling.resolve(loaded.generation_config)
+    prompts = [
+        prompt_ids(loaded.tokenizer, build_messages(i.prompt, i.system), raw=request.raw) for i in items
+    ]
+    failed = False
+    total_tokens = 0
+    start = time.perf_counter()
+    for first in range(0, len(items), request.batch_size):
+        indices = range(first, min(first + request.batch_size, len(items)))
+        fitting = [i for i in indices if len(prompts[i]) < loaded.context_length]
+        outcomes = (
+            generate_batch(
+                loaded.model,
+                loaded.tokenizer,
+                [prompts[i] for i in fitting],
+                params,
+                loaded.eos_token_ids,
+                loaded.context_length,
+                static_cache=loaded.fast_decode,
+            )
+            if fitting
+            else []
+        )
+        results = dict(zip(fitting, outcomes, strict=True))
+        for index in indices:
+            result = results.get(index)
+            if result is None:
+                failed = True
+                _report_too_long(index, len(prompts[index]), loaded.context_length, request.json)
+                continue
+            total_tokens += result.stats.completion_tokens
+            if request.json:
+                record = {
+                    "index": index,
+                    "text": result.text,
+                    "prompt_tokens": result.stats.prompt_tokens,
+                    "completion_tokens": result.stats.completion_tokens,
+                    "finish_reason": result.finish_reason,
+                }
+                _write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                _write(result.text + "\n")
+    seconds = time.perf_counter() - start
+    rate = total_tokens / seconds if seconds else 0.0
+    terminal.note(
+        f"{len(items)} prompts in batches of up to {request.batch_size}: "
+        f"{total_tokens} tokens in {seconds:.2f} s, {rate:.1f} tok/s aggregate"
+    )
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _report_too_long(index: int, tokens: int, context: int, as_json: bool) -> None:
+    message = f"prompt {index + 1} is {tokens} tokens; the context holds {context}"
+    if as_json:
+        _write(json.dumps({"index": index, "error": message}) + "\n")
+    else:
+        terminal.error(message)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
