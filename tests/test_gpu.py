@@ -54,3 +54,24 @@ def test_out_of_memory_in_a_chat_turn_keeps_the_chat(tiny_llama: Path) -> None:
     assert (session.conversation.messages, session.conversation.ids) == before
     assert len(session.engine.cached_ids) == session.engine.cache.get_seq_length()
     assert session.turn("Still there?") is not None
+
+
+def test_graph_captured_decode_equals_the_dynamic_path(tiny_llama: Path) -> None:
+    from llmcli.conversation import build_messages, prompt_ids
+    from llmcli.engine import Engine
+
+    resolved = ResolvedModel(name="tiny", path=tiny_llama, source="folder")
+    loaded = load_model(resolved, LoadSettings(device="cuda"))
+    ids = prompt_ids(loaded.tokenizer, build_messages("The capital of France is"))
+    params = SamplingParams(temperature=0.0, max_new_tokens=32)
+    dynamic = Engine(loaded.model, frozenset(), loaded.context_length)
+    fast = Engine(loaded.model, frozenset(), loaded.context_length, compile_decode=True)
+    assert fast.warm_up() > 0
+    runs = []
+    for engine in (dynamic, fast, fast):  # the second fast run replays the captured graph
+        engine.reset()
+        generation = engine.generate(ids, params, loaded.tokenizer)
+        list(generation)
+        runs.append(generation)
+    assert runs[1].result.token_ids == runs[0].result.token_ids == runs[2].result.token_ids
+    torch.testing.assert_close(runs[1].prefill_logits, runs[0].prefill_logits, rtol=2e-2, atol=2e-2)
