@@ -14,23 +14,7 @@ from llmcli.errors import EXIT_FAILURE, ModelLoadError, ModelNotFoundError, Netw
 from llmcli.resolve import DEFAULT_HUB_MODEL, default_model_spec, demo_gguf_path, resolve_model
 
 from cli_helpers import run_cli
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def put_in_hf_cache(model_folder: Path, hf_home: Path, repo_id: str) -> Path:
-    """Lay a model out as huggingface_hub's cache does: blobs, a snapshot per commit, refs/main."""
-    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    for file in model_folder.iterdir():
-        blob = repo / "blobs" / f"blob-{file.name}"
-        shutil.copy(file, blob)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    return snapshot
+from tiny_models import COMMIT, put_in_hf_cache
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ Used by the session fixtures in conftest.py; also importable by scripts/ for ben
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -109,3 +110,21 @@ def build_tiny_model(folder: Path, arch: str, *, chat_template: bool = True, see
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a made-up revision for the HF cache layout
+
+
+def put_in_hf_cache(model_folder: Path, hf_home: Path, repo_id: str) -> Path:
+    """Lay a model out as huggingface_hub's cache does: blobs, a snapshot per commit, refs/main."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in model_folder.iterdir():
+        blob = repo / "blobs" / f"blob-{file.name}"
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snapshot

@@ -6,24 +6,22 @@ usage errors answer at once, and the heavy modules load inside command bodies.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import traceback
-from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from llmcli import __version__
-from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, LlmcliError, UsageError
-from llmcli.settings import LoadSettings, SamplingSettings, model_spec_from
+from llmcli.cli_models import config_app, models_app
+from llmcli.cli_support import handled_errors
+from llmcli.errors import UsageError
+from llmcli.settings import LoadSettings, SamplingSettings, effective_settings
 
 app = typer.Typer(
     name="llmcli",
     help="Local chat and text generation with open-weight language models.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
     epilog=(
@@ -42,7 +40,23 @@ MODEL_HELP = (
 SAMPLING = "Sampling (default: the model's generation_config.json, else built-in)"
 LOADING = "Loading"
 
-ModelOption = Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP, show_default=False)]
+
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion for -m: aliases, then every model in the caches."""
+    from llmcli.catalog import model_names
+    from llmcli.user_config import load_user_config
+
+    try:
+        names = [*load_user_config().aliases, *model_names()]
+    except Exception:  # a broken config must not break the user's shell
+        names = model_names()
+    return [name for name in names if name.startswith(incomplete)]
+
+
+ModelOption = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help=MODEL_HELP, show_default=False, autocompletion=complete_model),
+]
 TemperatureOption = Annotated[
     float | None,
     typer.Option("--temperature", "-t", help="0 = greedy. Built-in 0.8.", rich_help_panel=SAMPLING),
@@ -153,37 +167,6 @@ Exit codes: 0 done, 1 failure, 2 usage error, 130 interrupted.
 """
 
 
-@contextlib.contextmanager
-def handled_errors() -> Iterator[None]:
-    """The one place errors become messages and exit codes. No tracebacks, unless LLMCLI_DEBUG is set."""
-    from llmcli.frontends import terminal
-
-    try:
-        yield
-    except LlmcliError as error:
-        terminal.error(error.one_line())
-        raise typer.Exit(error.exit_code) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    except typer.Exit:
-        raise
-    except Exception as error:
-        if os.environ.get("LLMCLI_DEBUG"):
-            traceback.print_exc()
-        terminal.error(_unexpected(error))
-        raise typer.Exit(EXIT_FAILURE) from None
-
-
-def _unexpected(error: Exception) -> str:
-    name = type(error).__name__
-    if name == "OutOfMemoryError":
-        return (
-            "out of memory while generating — try a shorter prompt, fewer --max-new-tokens, or --device cpu"
-        )
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"unexpected {name}: {first_line} (set LLMCLI_DEBUG=1 for the traceback)"
-
-
 @app.command(epilog=GENERATE_EPILOG)
 def generate(
     prompt: Annotated[
@@ -228,7 +211,13 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     with handled_errors():
-        sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop)
+        flags = _sampling_flags(
+            temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop
+        )
+        if raw and system:
+            raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
+        effective = effective_settings(model, {**flags, "system": system, "ctx": ctx})
+        sampling = effective.sampling
         load = _loading(
             device,
             dtype,
@@ -240,11 +229,10 @@ def generate(
             double_quant,
             offload,
             max_memory,
-            ctx,
+            effective.context_length,
             fast,
         )
-        if raw and system:
-            raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
+        system = None if raw else effective.system
         if batch is not None:
             if prompt:
                 raise UsageError("--batch reads the prompts from its file: give no prompt arguments")
@@ -256,7 +244,7 @@ def generate(
                 batch_frontend.BatchRequest(
                     path=batch,
                     batch_size=batch_size,
-                    model=model_spec_from(model),
+                    model=effective.model,
                     system=system,
                     raw=raw,
                     json=json_output,
@@ -269,7 +257,7 @@ def generate(
 
         request = GenerateRequest(
             prompt_words=tuple(prompt or ()),
-            model=model_spec_from(model),
+            model=effective.model,
             system=system,
             raw=raw,
             json=json_output,
@@ -334,7 +322,11 @@ def chat(
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     with handled_errors():
-        sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop)
+        flags = _sampling_flags(
+            temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop
+        )
+        effective = effective_settings(model, {**flags, "system": system, "ctx": ctx})
+        sampling = effective.sampling
         load = _loading(
             device,
             dtype,
@@ -346,14 +338,14 @@ def chat(
             double_quant,
             offload,
             max_memory,
-            ctx,
+            effective.context_length,
             fast,
         )
         from llmcli.frontends.repl import ChatRequest, run
 
         request = ChatRequest(
-            model=model_spec_from(model),
-            system=system,
+            model=effective.model,
+            system=effective.system,
             markdown=markdown,
             json=json_output,
             sampling=sampling,
@@ -430,7 +422,7 @@ def bench(
 
         code = run(
             BenchRequest(
-                model=model_spec_from(model),
+                model=None if config else effective_settings(model, {}).model,
                 config=config,
                 prompt_lengths=lengths,
                 new_tokens=new_tokens,
@@ -443,7 +435,7 @@ def bench(
     raise typer.Exit(code)
 
 
-def _sampling(
+def _sampling_flags(
     temperature: float | None,
     top_k: int | None,
     top_p: float | None,
@@ -452,17 +444,20 @@ def _sampling(
     max_new_tokens: int | None,
     seed: int | None,
     stop: list[str] | None,
-) -> SamplingSettings:
-    return SamplingSettings(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        stop=tuple(stop or ()),
-    ).validate()
+) -> dict[str, Any]:
+    """The sampling values given as flags; checked at once, before any layer below is read."""
+    flags = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "stop": tuple(stop or ()),
+    }
+    SamplingSettings(**flags).validate()
+    return flags
 
 
 def _loading(
@@ -503,7 +498,9 @@ def _loading(
 
 def _version_callback(value: bool) -> None:
     if value:
-        typer.echo(f"llmcli {__version__}")
+        from llmcli.versions import version_report
+
+        typer.echo(version_report())
         raise typer.Exit()
 
 
@@ -517,6 +514,10 @@ def root(
 
     Models come from the Hugging Face Hub (cache first), a local folder, or a .gguf file.
     """
+
+
+app.add_typer(models_app, name="models")
+app.add_typer(config_app, name="config")
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from llmcli.paths import gguf_cache_dir
 
 _FINGERPRINT_SPAN = 1 << 20
 _DONE_MARKER = ".llmcli-converted"
+_NAME_FILE = ".llmcli-name"
 
 
 def fingerprint(gguf_file: Path) -> str:
@@ -35,15 +36,19 @@ def fingerprint(gguf_file: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def converted_folder(gguf_file: Path, *, on_convert: Callable[[Path], None] | None = None) -> Path:
-    """The converted copy of `gguf_file`, made now if it does not exist yet."""
+def converted_folder(
+    gguf_file: Path, *, on_convert: Callable[[Path], None] | None = None, name: str | None = None
+) -> Path:
+    """The converted copy of `gguf_file`, made now if it does not exist yet. `name` (from
+    `models import --name`) is what -m will accept for it."""
     gguf_file = gguf_file.resolve()
     target = gguf_cache_dir() / f"{gguf_file.stem}-{fingerprint(gguf_file)}"
-    if (target / _DONE_MARKER).is_file():
-        return target
-    if on_convert is not None:
-        on_convert(gguf_file)
-    convert(gguf_file, target)
+    if not (target / _DONE_MARKER).is_file():
+        if on_convert is not None:
+            on_convert(gguf_file)
+        convert(gguf_file, target)
+    if name:
+        (target / _NAME_FILE).write_text(name + "\n")
     return target
 
 

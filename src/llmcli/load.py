@@ -23,6 +23,7 @@ from llmcli.fast import fast_path_default
 from llmcli.memory import (
     FitRequest,
     available_host_memory,
+    context_length_of,
     estimate_weight_bytes,
     fits,
     format_bytes,
@@ -189,15 +190,6 @@ def eos_ids(*sources: Any) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
-
-
-def context_length_of(config: dict[str, Any]) -> int:
-    text = config.get("text_config") or config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = text.get(name)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -63,6 +63,15 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def context_length_of(config: dict[str, Any]) -> int:
+    text = config.get("text_config") or config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = text.get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
 # Measured ----------------------------------------------------------------------------------------
 
 

@@ -85,6 +85,11 @@ def resolve_model(
     """
     spec = spec or default_model_spec()
     path = Path(spec).expanduser()
+    from llmcli.catalog import find_imported
+
+    imported = find_imported(spec) if not path.exists() else None
+    if imported is not None:
+        return ResolvedModel(name=spec, path=imported, source="gguf")
     if is_gguf_spec(spec):
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {spec} does not exist")

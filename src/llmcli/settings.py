@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from llmcli.user_config import UserConfig
 
 # llama.cpp's defaults: a mild temperature, min-p to cut the junk tail, no repetition penalty.
 BUILTIN_SAMPLING: dict[str, Any] = {
@@ -61,12 +64,24 @@ class SamplingSettings:
 
     def resolve(self, generation_config: dict[str, Any]) -> SamplingParams:
         """Fill every unset value from the model's generation_config.json, then the built-ins."""
+        return self.resolve_with_sources(generation_config)[0]
+
+    def resolve_with_sources(
+        self, generation_config: dict[str, Any]
+    ) -> tuple[SamplingParams, dict[str, str]]:
+        """The resolved values, and for each value filled here, which layer it came from."""
         from_model = _sampling_from_generation_config(generation_config)
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         for name in BUILTIN_SAMPLING:
             given = getattr(self, name)
-            values[name] = given if given is not None else from_model.get(name, BUILTIN_SAMPLING[name])
-        return SamplingParams(**values, seed=self.seed, stop=self.stop)
+            if given is not None:
+                values[name] = given
+            elif name in from_model:
+                values[name], sources[name] = from_model[name], "generation_config.json"
+            else:
+                values[name], sources[name] = BUILTIN_SAMPLING[name], "built-in"
+        return SamplingParams(**values, seed=self.seed, stop=self.stop), sources
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,55 @@ class LoadSettings:
         return self
 
 
-def model_spec_from(flag: str | None) -> str | None:
-    """The model the user named: the flag, else $LLMCLI_MODEL, else None (use the default)."""
-    return flag or os.environ.get("LLMCLI_MODEL") or None
+@dataclass(frozen=True)
+class Effective:
+    """What a command runs with once every layer is applied, and where each value came from."""
+
+    model: str | None  # None: the built-in default model
+    model_source: str
+    sampling: SamplingSettings
+    system: str | None
+    context_length: int | None
+    sources: dict[str, str]
+
+
+def effective_settings(
+    model_flag: str | None, flags: dict[str, Any], user_config: UserConfig | None = None
+) -> Effective:
+    """flag > environment > the model's config section > config [defaults] (the model's
+    generation_config.json and the built-ins come after, when the model is loaded)."""
+    from llmcli.user_config import env_settings, load_user_config
+
+    config = user_config or load_user_config()
+    env_model = os.environ.get("LLMCLI_MODEL") or None
+    candidates = [
+        (model_flag, "flag -m"),
+        (env_model, "env LLMCLI_MODEL"),
+        (config.model, f"config {config.path}"),
+    ]
+    model, model_source = next(((m, source) for m, source in candidates if m), (None, "built-in default"))
+    model = config.expand(model)
+    layers = [
+        ("flag", {k: v for k, v in flags.items() if v is not None and v != ()}),
+        ("env", env_settings()),
+        (f'config [models."{model}"]', config.for_model(model) if model else {}),
+        ("config [defaults]", config.defaults),
+    ]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, layer in layers:
+        for key, value in layer.items():
+            if key not in values:
+                values[key], sources[key] = value, name
+    sampling = SamplingSettings(
+        **{key: values.get(key) for key in (*BUILTIN_SAMPLING, "seed")},
+        stop=tuple(values.get("stop") or ()),
+    ).validate()
+    return Effective(
+        model=model,
+        model_source=model_source,
+        sampling=sampling,
+        system=values.get("system"),
+        context_length=values.get("ctx"),
+        sources=sources,
+    )

@@ -1,0 +1,178 @@
+"""The models on this machine: the standard Hugging Face cache, and llmcli's converted GGUF files.
+
+No store of our own: `models list` reads huggingface_hub's cache scan plus the GGUF conversions in
+llmcli's cache; `pull` downloads into the HF cache; `rm` deletes from either. Nothing here imports
+torch or transformers: listing and showing models stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from llmcli.errors import ModelNotFoundError
+from llmcli.memory import context_length_of, estimate_weight_bytes, kv_bytes_per_token, safetensors_shapes
+from llmcli.paths import gguf_cache_dir
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str  # what to pass to -m
+    revision: str  # commit for the HF cache; "gguf" for a conversion
+    source: str  # "hub" or "gguf"
+    path: str
+    size_bytes: int
+    architecture: str | None
+    parameters: int | None
+    context_length: int | None
+    chat_template: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe_folder(folder: Path) -> dict[str, Any]:
+    """Architecture, parameter count, context length and chat template, from the files alone."""
+    config = _read_json(folder / "config.json")
+    shapes = safetensors_shapes(folder) if folder.is_dir() else {}
+    return {
+        "architecture": (config.get("architectures") or [config.get("model_type")])[0],
+        "parameters": sum(t.count for t in shapes.values()) or None,
+        "context_length": context_length_of(config) if config else None,
+        "chat_template": has_chat_template_files(folder),
+    }
+
+
+def has_chat_template_files(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    return bool(_read_json(folder / "tokenizer_config.json").get("chat_template"))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def imported_models() -> list[tuple[str, Path]]:
+    """(name, folder) of every converted GGUF file in llmcli's cache."""
+    root = gguf_cache_dir()
+    found = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        marker = folder / ".llmcli-converted"
+        if marker.is_file():
+            name_file = folder / ".llmcli-name"
+            # Unnamed conversions (a .gguf passed to -m) go by the file's stem: "<stem>-<fingerprint>".
+            default_name = folder.name.rsplit("-", 1)[0]
+            found.append((name_file.read_text().strip() if name_file.is_file() else default_name, folder))
+    return found
+
+
+def list_models() -> list[ModelEntry]:
+    entries = []
+    for repo in _hub_repos():
+        for revision in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
+            folder = Path(revision.snapshot_path)
+            entries.append(
+                ModelEntry(
+                    name=repo.repo_id,
+                    revision=revision.commit_hash[:12],
+                    source="hub",
+                    path=str(folder),
+                    size_bytes=revision.size_on_disk,
+                    **describe_folder(folder),
+                )
+            )
+    for name, folder in imported_models():
+        entries.append(
+            ModelEntry(
+                name=name,
+                revision="gguf",
+                source="gguf",
+                path=str(folder),
+                size_bytes=_folder_size(folder),
+                **describe_folder(folder),
+            )
+        )
+    return entries
+
+
+def _hub_repos() -> list[Any]:
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir()
+    except CacheNotFound:
+        return []
+    return sorted((r for r in cache.repos if r.repo_type == "model"), key=lambda r: r.repo_id)
+
+
+def model_names() -> list[str]:
+    """Every name -m accepts from the caches, for shell completion."""
+    return sorted({entry.name for entry in list_models()})
+
+
+def find_imported(name: str) -> Path | None:
+    return next((folder for found, folder in imported_models() if found == name), None)
+
+
+def remove_model(name: str) -> int:
+    """Delete a model from the HF cache or llmcli's GGUF cache; the bytes freed."""
+    folder = find_imported(name)
+    if folder is not None:
+        size = _folder_size(folder)
+        shutil.rmtree(folder)
+        return size
+    repo_id = name.partition("@")[0]
+    for repo in _hub_repos():
+        if repo.repo_id == repo_id:
+            from huggingface_hub import scan_cache_dir
+
+            strategy = scan_cache_dir().delete_revisions(*(r.commit_hash for r in repo.revisions))
+            freed = strategy.expected_freed_size
+            strategy.execute()
+            return freed
+    raise ModelNotFoundError(f"no model named {name} in the Hugging Face cache or llmcli's GGUF cache")
+
+
+def model_summary(folder: Path, name: str) -> dict[str, Any]:
+    """What `models show` prints: the config's shape, template, generation defaults, memory."""
+    config = _read_json(folder / "config.json")
+    text = config.get("text_config") or config
+    shapes = safetensors_shapes(folder)
+    template_file = folder / "chat_template.jinja"
+    template = (
+        template_file.read_text()
+        if template_file.is_file()
+        else _read_json(folder / "tokenizer_config.json").get("chat_template")
+    )
+    return {
+        "name": name,
+        "path": str(folder),
+        **describe_folder(folder),
+        "layers": text.get("num_hidden_layers"),
+        "hidden_size": text.get("hidden_size"),
+        "attention_heads": text.get("num_attention_heads"),
+        "kv_heads": text.get("num_key_value_heads") or text.get("num_attention_heads"),
+        "vocab_size": text.get("vocab_size"),
+        "quantization": (config.get("quantization_config") or {}).get("quant_method"),
+        "generation_defaults": _read_json(folder / "generation_config.json"),
+        "memory_bytes": {
+            "bf16": estimate_weight_bytes(shapes, 2, "none"),
+            "int8": estimate_weight_bytes(shapes, 2, "int8"),
+            "int4": estimate_weight_bytes(shapes, 2, "int4"),
+        },
+        "kv_bytes_per_token_bf16": kv_bytes_per_token(config, 2),
+        "chat_template_text": template,
+    }

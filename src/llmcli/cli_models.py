@@ -1,0 +1,255 @@
+"""`llmcli models …` and `llmcli config …`: living with models and settings. No torch imports
+except where a command needs a model (pull of nothing, import of a GGUF file)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from llmcli.cli_support import handled_errors
+from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
+
+models_app = typer.Typer(help="List, fetch, inspect, import and remove models.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="The config file: where it is, and the settings in effect.", no_args_is_help=True
+)
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _bytes(count: int | None) -> str:
+    from llmcli.memory import format_bytes
+
+    return "—" if count is None else format_bytes(count)
+
+
+@models_app.command("list")
+def list_models(
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON array.")] = False,
+) -> None:
+    """Models in the Hugging Face cache and llmcli's converted GGUF files."""
+    with handled_errors():
+        from llmcli.catalog import list_models as entries_of
+
+        entries = entries_of()
+        if json_output:
+            _print(json.dumps([e.as_dict() for e in entries], indent=2))
+            return
+        if not entries:
+            _print("No models yet: `llmcli models pull ORG/NAME`, or `llmcli models import FILE.gguf`.")
+            return
+        rows = [
+            (
+                e.name,
+                e.revision,
+                _bytes(e.size_bytes),
+                e.architecture or "—",
+                f"{e.parameters / 1e9:.2f} B" if e.parameters else "—",
+                str(e.context_length or "—"),
+                "yes" if e.chat_template else "no",
+            )
+            for e in entries
+        ]
+        header = ("NAME", "REVISION", "SIZE", "ARCHITECTURE", "PARAMS", "CONTEXT", "CHAT")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            _print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+@models_app.command("pull")
+def pull(
+    model: Annotated[str, typer.Argument(help="Hub id, org/name[@revision].")],
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pickled weights.")] = False,
+) -> None:
+    """Download config, tokenizer and safetensors into the Hugging Face cache (resumable)."""
+    with handled_errors():
+        from llmcli.resolve import resolve_hub
+        from llmcli.user_config import load_user_config
+
+        spec = load_user_config().expand(model) or model
+        repo_id, _, revision = spec.partition("@")
+        folder = resolve_hub(repo_id, revision or None, allow_pickle=allow_pickle)
+        _print(f"{spec} is in {folder}")
+
+
+@models_app.command("show")
+def show(
+    model: Annotated[
+        str, typer.Argument(help="A model name from `models list`, an alias, a folder or a Hub id.")
+    ],
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    template: Annotated[bool, typer.Option("--template", help="Print the whole chat template.")] = False,
+) -> None:
+    """Config summary, chat template, generation defaults, memory estimates."""
+    with handled_errors():
+        from llmcli.catalog import model_summary
+
+        summary = model_summary(_local_folder(model), model)
+        if json_output:
+            _print(json.dumps(summary, indent=2))
+            return
+        memory = summary["memory_bytes"]
+        template_text = summary["chat_template_text"] or ""
+        shape = (
+            f"{summary['architecture']} · {summary['layers']} layers · hidden {summary['hidden_size']} · "
+            f"{summary['attention_heads']} heads ({summary['kv_heads']} KV) · vocab {summary['vocab_size']}"
+        )
+        weights = " · ".join(f"{kind} {_bytes(memory[kind])}" for kind in ("bf16", "int8", "int4"))
+        kv = _bytes(summary["kv_bytes_per_token_bf16"])
+        defaults = summary["generation_defaults"]
+        template_line = "yes" if template_text else "none"
+        if template_text and not template:
+            template_line += f" ({len(template_text)} characters; --template prints it)"
+        parameters = f"{summary['parameters'] / 1e9:.3f} B" if summary["parameters"] else "—"
+        lines = [
+            f"{summary['name']}  ({summary['path']})",
+            f"architecture   {shape}",
+            f"parameters     {parameters}",
+            f"context        {summary['context_length']} tokens",
+            f"quantization   {summary['quantization'] or 'none'}",
+            f"memory         weights {weights} · KV cache {kv}/token in bf16",
+            f"generation     {json.dumps(defaults) if defaults else '—'}",
+            f"chat template  {template_line}",
+        ]
+        if template and template_text:
+            lines += ["", template_text]
+        _print("\n".join(lines))
+
+
+def _local_folder(model: str) -> Path:
+    """A model that is here already (show never downloads)."""
+    from llmcli.user_config import load_user_config
+
+    spec = load_user_config().expand(model) or model
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    from llmcli.catalog import find_imported
+
+    imported = find_imported(spec)
+    if imported is not None:
+        return imported
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, _, revision = spec.partition("@")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError) as error:
+        raise ModelNotFoundError(
+            f"{spec} is not in the local caches", f"`llmcli models pull {spec}` first"
+        ) from error
+
+
+@models_app.command("rm")
+def remove(
+    model: Annotated[str, typer.Argument(help="A name from `models list`.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+) -> None:
+    """Delete a model from the cache; asks first unless --yes."""
+    with handled_errors():
+        from llmcli.catalog import list_models as entries_of
+        from llmcli.catalog import remove_model
+
+        matches = [e for e in entries_of() if e.name == model.partition("@")[0]]
+        if not matches:
+            raise ModelNotFoundError(f"no model named {model} in the caches", "see `llmcli models list`")
+        size = sum(e.size_bytes for e in matches)
+        if not yes:
+            if not sys.stdin.isatty():
+                raise UsageError(f"removing {model} ({_bytes(size)}) needs confirmation: pass --yes")
+            if not typer.confirm(f"Remove {model} ({_bytes(size)})?", default=False):
+                _print("Kept.")
+                return
+        freed = remove_model(model)
+        _print(f"Removed {model}: {_bytes(freed)} freed.")
+
+
+@models_app.command("import")
+def import_gguf(
+    file: Annotated[Path, typer.Argument(help="A .gguf file (llama.cpp / ollama).")],
+    name: Annotated[
+        str | None, typer.Option(help="The name -m will know it by. Default: the file's stem.")
+    ] = None,
+) -> None:
+    """Convert a GGUF file once into llmcli's cache, so later loads take a second."""
+    with handled_errors():
+        from llmcli.catalog import find_imported
+
+        if not file.is_file():
+            raise UsageError(f"{file} does not exist")
+        if name and (existing := find_imported(name)) is not None and not existing.name.startswith(file.stem):
+            raise UsageError(f"the name {name!r} is taken by {existing}", f"`llmcli models rm {name}` first")
+        from llmcli.frontends import terminal
+        from llmcli.gguf_import import converted_folder
+
+        with terminal.status(f"Converting {file.name}…"):
+            folder = converted_folder(file, name=name or file.stem)
+        _print(f"Imported {file.name} as {name or file.stem} ({folder})")
+
+
+@config_app.command("path")
+def path() -> None:
+    """Where the config file is (or would be)."""
+    from llmcli.user_config import config_path
+
+    _print(str(config_path()))
+
+
+@config_app.command("show")
+def show_config(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Show the settings for this model.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """The settings in effect, and where each came from."""
+    with handled_errors():
+        from llmcli.settings import effective_settings
+
+        effective = effective_settings(model, {})
+        generation_config = _generation_config_of(effective.model)
+        params, filled = effective.sampling.resolve_with_sources(generation_config or {})
+        sources = {**filled, **effective.sources}
+        rows: list[tuple[str, Any, str]] = [("model", effective.model or "(default)", effective.model_source)]
+        for key, value in params.as_dict().items():
+            if key in ("seed", "stop") and key not in effective.sources:
+                value, source = (None if key == "seed" else []), "built-in"
+            else:
+                source = sources.get(key, "built-in")
+            rows.append((key, list(value) if isinstance(value, tuple) else value, source))
+        rows.append(("system", effective.system, effective.sources.get("system", "built-in")))
+        rows.append(("ctx", effective.context_length, effective.sources.get("ctx", "the model's")))
+        if json_output:
+            _print(
+                json.dumps({key: {"value": value, "source": source} for key, value, source in rows}, indent=2)
+            )
+            return
+        width = max(len(key) for key, _, _ in rows)
+        for key, value, source in rows:
+            _print(f"{key.ljust(width)}  {json.dumps(value, ensure_ascii=False):<40}  {source}")
+        if generation_config is None:
+            _print("(the model is not available locally: generation_config.json values are not shown)")
+
+
+def _generation_config_of(model: str | None) -> dict[str, Any] | None:
+    try:
+        if model is None:
+            from llmcli.resolve import default_model_spec
+
+            model = default_model_spec()
+            if model.endswith(".gguf"):
+                return {}
+        folder = _local_folder(model)
+    except LlmcliError:
+        return None
+    try:
+        return json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,141 @@
+"""The user's config file: default model, default settings, aliases, per-model overrides.
+
+    # ~/.config/llmcli/config.toml  ($XDG_CONFIG_HOME/llmcli, or the file $LLMCLI_CONFIG names)
+    model = "smol"                       # the default model: an alias, Hub id, folder or .gguf
+
+    [defaults]                           # for every model
+    temperature = 0.7
+    max_new_tokens = 256
+
+    [aliases]
+    smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    [models."HuggingFaceTB/SmolLM2-135M-Instruct"]   # for one model (its name after aliases)
+    system = "You are terse."
+    temperature = 0.2
+    ctx = 2048
+
+Precedence, highest first: flag > environment (LLMCLI_MODEL, LLMCLI_TEMPERATURE, …) > the
+model's section > [defaults] > the model's generation_config.json > built-in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcli.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# Every key a [defaults] or [models."…"] section may set, and its type.
+SETTING_TYPES: dict[str, type] = {
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repetition_penalty": float,
+    "max_new_tokens": int,
+    "seed": int,
+    "stop": list,
+    "system": str,
+    "ctx": int,
+}
+TOP_LEVEL = {"model", "defaults", "aliases", "models"}
+
+
+def config_path() -> Path:
+    explicit = os.environ.get("LLMCLI_CONFIG")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base).expanduser() / "llmcli" / "config.toml"
+
+
+@dataclass(frozen=True)
+class UserConfig:
+    path: Path
+    model: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def expand(self, spec: str | None) -> str | None:
+        """An alias → what it stands for (aliases may not chain); anything else as it is."""
+        return self.aliases.get(spec, spec) if spec else spec
+
+    def for_model(self, name: str) -> dict[str, Any]:
+        return self.models.get(name, {})
+
+
+def load_user_config(path: Path | None = None) -> UserConfig:
+    """The config file, checked; an empty config when there is none. Errors name file and line."""
+    path = path or config_path()
+    if not path.is_file():
+        if os.environ.get("LLMCLI_CONFIG"):
+            raise UsageError(f"LLMCLI_CONFIG names {path}, which does not exist")
+        return UserConfig(path=path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"{path}: {error}", "fix the file, or point LLMCLI_CONFIG elsewhere") from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read {path}: {error}") from error
+    unknown = set(data) - TOP_LEVEL
+    if unknown:
+        raise UsageError(
+            f"{path}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(TOP_LEVEL))})"
+        )
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise UsageError(f"{path}: 'model' must be a string")
+    aliases = data.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise UsageError(f"{path}: [aliases] must map names to model strings")
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise UsageError(f"{path}: [models] must hold one table per model")
+    return UserConfig(
+        path=path,
+        model=model,
+        defaults=_checked_settings(path, "[defaults]", data.get("defaults", {})),
+        aliases=dict(aliases),
+        models={name: _checked_settings(path, f'[models."{name}"]', table) for name, table in models.items()},
+    )
+
+
+def _checked_settings(path: Path, section: str, table: Any) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise UsageError(f"{path}: {section} must be a table of settings")
+    for key, value in table.items():
+        expected = SETTING_TYPES.get(key)
+        if expected is None:
+            raise UsageError(
+                f"{path}: {section} has unknown setting {key!r} (known: {', '.join(SETTING_TYPES)})"
+            )
+        ok = isinstance(value, expected) and not (expected in (int, float) and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise UsageError(f"{path}: {section} {key} must be {expected.__name__}, got {value!r}")
+    return dict(table)
+
+
+def env_settings() -> dict[str, Any]:
+    """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_SYSTEM, LLMCLI_CTX: settings from the environment."""
+    values: dict[str, Any] = {}
+    for key, kind in SETTING_TYPES.items():
+        raw = os.environ.get(f"LLMCLI_{key.upper()}")
+        if raw is None or raw == "":
+            continue
+        try:
+            values[key] = [raw] if kind is list else kind(raw)
+        except ValueError as error:
+            raise UsageError(f"LLMCLI_{key.upper()} must be {kind.__name__}, got {raw!r}") from error
+    return values
