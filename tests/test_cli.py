@@ -43,8 +43,14 @@ def heavy_modules_imported(stderr: bytes) -> set[str]:
 
 @pytest.mark.parametrize(
     "args",
-    [["--help"], ["generate", "--help"], ["generate", "--temperature", "-1", "hi"], ["--version"]],
-    ids=["help", "generate-help", "usage-error", "version"],
+    [
+        ["--help"],
+        ["generate", "--help"],
+        ["chat", "--help"],
+        ["models", "list", "--help"],
+        ["generate", "--temperature", "-1", "hi"],
+    ],
+    ids=["help", "generate-help", "chat-help", "models-help", "usage-error"],
 )
 def test_help_and_usage_errors_import_no_heavy_modules(args: list[str]) -> None:
     started = time.perf_counter()

@@ -15,7 +15,7 @@ import typer
 from llmcli.cli_models import config_app, models_app
 from llmcli.cli_support import handled_errors
 from llmcli.errors import UsageError
-from llmcli.settings import LoadSettings, SamplingSettings, effective_settings
+from llmcli.settings import Effective, LoadSettings, SamplingSettings, effective_settings
 
 app = typer.Typer(
     name="llmcli",
@@ -211,27 +211,16 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     with handled_errors():
-        flags = _sampling_flags(
-            temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop
-        )
         if raw and system:
             raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
-        effective = effective_settings(model, {**flags, "system": system, "ctx": ctx})
-        sampling = effective.sampling
-        load = _loading(
-            device,
-            dtype,
-            threads,
-            trust_remote_code,
-            allow_pickle,
-            quant,
-            quant_type,
-            double_quant,
-            offload,
-            max_memory,
-            effective.context_length,
-            fast,
+        effective, load = _prepare(
+            model,
+            system,
+            ctx,
+            _sampling_flags(**_pick(locals(), SAMPLING_FLAGS)),
+            _pick(locals(), LOADING_FLAGS),
         )
+        sampling = effective.sampling
         system = None if raw else effective.system
         if batch is not None:
             if prompt:
@@ -290,10 +279,7 @@ printed in turn; --json prints one object per turn instead.
 def chat(
     model: ModelOption = None,
     system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
-    ctx: Annotated[
-        int | None,
-        typer.Option("--ctx", help="Use at most this many tokens of context (default: the model's)."),
-    ] = None,
+    ctx: CtxOption = None,
     markdown: Annotated[
         bool, typer.Option("--markdown", help="Render finished replies as markdown.")
     ] = False,
@@ -322,25 +308,14 @@ def chat(
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     with handled_errors():
-        flags = _sampling_flags(
-            temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop
+        effective, load = _prepare(
+            model,
+            system,
+            ctx,
+            _sampling_flags(**_pick(locals(), SAMPLING_FLAGS)),
+            _pick(locals(), LOADING_FLAGS),
         )
-        effective = effective_settings(model, {**flags, "system": system, "ctx": ctx})
         sampling = effective.sampling
-        load = _loading(
-            device,
-            dtype,
-            threads,
-            trust_remote_code,
-            allow_pickle,
-            quant,
-            quant_type,
-            double_quant,
-            offload,
-            max_memory,
-            effective.context_length,
-            fast,
-        )
         from llmcli.frontends.repl import ChatRequest, run
 
         request = ChatRequest(
@@ -417,7 +392,20 @@ def bench(
             ) from None
         if not lengths or min(lengths) < 1 or new_tokens < 2 or runs < 1:
             raise UsageError("--prompt-lengths must be ≥ 1, --new-tokens ≥ 2 and --runs ≥ 1")
-        load = _loading(device, dtype, threads, False, False, quant, quant_type, True, False, None, ctx, fast)
+        load = _loading(
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            trust_remote_code=False,
+            allow_pickle=False,
+            quant=quant,
+            quant_type=quant_type,
+            double_quant=True,
+            offload=False,
+            max_memory=None,
+            ctx=ctx,
+            fast=fast,
+        )
         from llmcli.frontends.bench import BenchRequest, run
 
         code = run(
@@ -433,6 +421,44 @@ def bench(
             )
         )
     raise typer.Exit(code)
+
+
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "seed",
+    "stop",
+)
+LOADING_FLAGS = (
+    "device",
+    "dtype",
+    "threads",
+    "trust_remote_code",
+    "allow_pickle",
+    "quant",
+    "quant_type",
+    "double_quant",
+    "offload",
+    "max_memory",
+    "fast",
+)
+
+
+def _pick(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The named command parameters: generate and chat share them, and pass them on together."""
+    return {name: values[name] for name in names}
+
+
+def _prepare(
+    model: str | None, system: str | None, ctx: int | None, sampling: dict[str, Any], loading: dict[str, Any]
+) -> tuple[Effective, LoadSettings]:
+    """Every layer of settings applied (flag > env > config > …), and the load settings."""
+    effective = effective_settings(model, {**sampling, "system": system, "ctx": ctx})
+    return effective, _loading(**loading, ctx=effective.context_length)
 
 
 def _sampling_flags(

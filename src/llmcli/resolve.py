@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli.catalog import find_imported
 from llmcli.errors import ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
 
 DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -85,8 +86,6 @@ def resolve_model(
     """
     spec = spec or default_model_spec()
     path = Path(spec).expanduser()
-    from llmcli.catalog import find_imported
-
     imported = find_imported(spec) if not path.exists() else None
     if imported is not None:
         return ResolvedModel(name=spec, path=imported, source="gguf")
