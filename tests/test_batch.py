@@ -35,21 +35,25 @@ def one_by_one(loaded, prompts: list[list[int]], params: SamplingParams):
     return results
 
 
+def batched(loaded, prompts: list[list[int]], params: SamplingParams, static_cache: bool = False):
+    return generate_batch(
+        loaded.model,
+        loaded.tokenizer,
+        prompts,
+        params,
+        loaded.eos_token_ids,
+        loaded.context_length,
+        static_cache=static_cache,
+    )
+
+
 @pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 def test_batch_equals_one_by_one_under_greedy(loaded_tiny, static_cache: bool, penalty: float) -> None:
     prompts = [prompt_ids(loaded_tiny.tokenizer, build_messages(text)) for text in PROMPTS]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, repetition_penalty=penalty)
     expected = one_by_one(loaded_tiny, prompts, params)
-    got = generate_batch(
-        loaded_tiny.model,
-        loaded_tiny.tokenizer,
-        prompts,
-        params,
-        loaded_tiny.eos_token_ids,
-        loaded_tiny.context_length,
-        static_cache=static_cache,
-    )
+    got = batched(loaded_tiny, prompts, params, static_cache)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.text for r in got] == [r.text for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
@@ -60,14 +64,7 @@ def test_batch_applies_stop_strings_per_row(loaded_tiny) -> None:
     free = one_by_one(loaded_tiny, prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
     stop = free[1].text[3:5]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, stop=(stop,))
-    got = generate_batch(
-        loaded_tiny.model,
-        loaded_tiny.tokenizer,
-        prompts,
-        params,
-        loaded_tiny.eos_token_ids,
-        loaded_tiny.context_length,
-    )
+    got = batched(loaded_tiny, prompts, params)
     assert [r.text for r in got] == [r.text for r in one_by_one(loaded_tiny, prompts, params)]
     assert stop not in got[1].text and got[1].finish_reason == "stop"
 
