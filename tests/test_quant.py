@@ -246,3 +246,10 @@ def test_quantized_load_on_gpu(tiny_llama: Path, quant: str) -> None:
     )
     list(generation)
     assert len(generation.result.token_ids) == 8
+
+
+def test_quantized_generation_prints_nothing_but_the_text(tiny_llama: Path) -> None:
+    """bitsandbytes logs a line per matmul on CPU; none of it may reach the user."""
+    proc = run_cli("generate", "-m", str(tiny_llama), "--quant", "int8", "-t", "0", "-n", "6", "--raw", "hi")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stderr.decode() == ""
