@@ -137,18 +137,17 @@ class Engine:
 
         At least one token of `ids` is left to run, since the next token's logits come from it.
         """
-        keep = min(common_prefix_length(self.cached_ids, ids), len(ids) - 1)
+        return self._keep_common_prefix(ids, at_most=len(ids) - 1)
+
+    def _keep_common_prefix(self, ids: list[int], at_most: int) -> int:
+        keep = min(common_prefix_length(self.cached_ids, ids), at_most)
         self.crop_to(keep)
         return keep
 
     def warm(self, ids: list[int]) -> int:
         """Bring the cache to hold `ids` (a loaded chat), prefilling only what is not cached yet.
         Returns the number of tokens prefilled."""
-        if not ids:
-            self.crop_to(0)
-            return 0
-        keep = min(common_prefix_length(self.cached_ids, ids), len(ids))
-        self.crop_to(keep)
+        keep = self._keep_common_prefix(ids, at_most=len(ids))
         if keep < len(ids):
             self.prefill(ids[keep:])
         return len(ids) - keep

@@ -247,7 +247,7 @@ def plan_context(
     shapes = safetensors_shapes(resolved.path)
     if budget is None or not shapes:
         return context, None
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     return fits(
         FitRequest(
             name=resolved.name,
@@ -265,14 +265,20 @@ def plan_context(
     )
 
 
-def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def prepare_device(settings: LoadSettings) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype to load onto, with libraries quieted and CPU threads chosen."""
     quiet_libraries()
     device = choose_device(settings.device)
     dtype = choose_dtype(settings.dtype, device)
     if device.type == "cpu":
         configure_cpu_threads(settings.threads)
+    return device, dtype
+
+
+def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device, dtype = prepare_device(settings)
     folder = resolved.path
     config = read_config(folder)
     check_quant_request(settings.quant, device.type, resolved.source, config)
@@ -301,7 +307,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         raise out_of_memory_error(resolved, settings, config, device, dtype) from error
     model.eval()
     generation_config = read_generation_config(folder)
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -330,11 +336,7 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     a folder holding one, or a Hub id whose config.json is fetched (cache first)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    quiet_libraries()
-    device = choose_device(settings.device)
-    dtype = choose_dtype(settings.dtype, device)
-    if device.type == "cpu":
-        configure_cpu_threads(settings.threads)
+    device, dtype = prepare_device(settings)
     config_file = _config_file(config_spec)
     config = json.loads(config_file.read_text())
     hf_config = AutoConfig.from_pretrained(
@@ -361,7 +363,7 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
         eos_token_ids=frozenset(),
         context_length=min(model_context, settings.context_length or model_context),
         weight_bytes=measured_weight_bytes(model),
-        kv_bytes_per_token=kv_bytes_per_token(config, torch.tensor([], dtype=dtype).element_size()),
+        kv_bytes_per_token=kv_bytes_per_token(config, dtype.itemsize),
         fast_decode=fast_path_default(device.type, settings.fast),
     )
 
@@ -390,7 +392,7 @@ def out_of_memory_error(
         torch.cuda.empty_cache()
     free = free_memory(device)
     shapes = safetensors_shapes(resolved.path)
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     needed = estimate_weight_bytes(
         shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant
     )
