@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from llmcli.conversation import Conversation
-from llmcli.engine import Engine
-from llmcli.load import load_model
-from llmcli.resolve import resolve_model
-from llmcli.settings import LoadSettings, SamplingParams
+from llmcli.config.settings import LoadSettings, SamplingParams
+from llmcli.engine.conversation import Conversation
+from llmcli.engine.loop import Engine
+from llmcli.models.load import load_model
+from llmcli.models.resolve import resolve_model
 
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."
 MESSAGES = [

@@ -19,12 +19,12 @@ import statistics
 
 import torch
 
-from llmcli.bench import baseline, interleaved_medians, ours
-from llmcli.conversation import build_messages, prompt_ids
-from llmcli.engine import Engine
-from llmcli.load import load_model
-from llmcli.resolve import resolve_model
-from llmcli.settings import LoadSettings
+from llmcli.config.settings import LoadSettings
+from llmcli.engine.bench import baseline, interleaved_medians, ours
+from llmcli.engine.conversation import build_messages, prompt_ids
+from llmcli.engine.loop import Engine
+from llmcli.models.load import load_model
+from llmcli.models.resolve import resolve_model
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

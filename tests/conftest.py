@@ -51,9 +51,9 @@ def tiny_model(request: pytest.FixtureRequest, tiny_llama: Path, tiny_qwen2: Pat
 @pytest.fixture(scope="session")
 def loaded_demo():
     """The real demo model (SmolLM2-135M-Instruct), loaded in-process; skipped when not installed."""
-    from llmcli.load import load_model
-    from llmcli.resolve import demo_gguf_path, resolve_model
-    from llmcli.settings import LoadSettings
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import demo_gguf_path, resolve_model
 
     demo = demo_gguf_path()
     if demo is None:
@@ -64,8 +64,8 @@ def loaded_demo():
 @pytest.fixture(scope="session")
 def loaded_tiny(tiny_model: Path):
     """The tiny model loaded through llmcli's own loader (CPU, fp32)."""
-    from llmcli.load import load_model
-    from llmcli.resolve import resolve_model
-    from llmcli.settings import LoadSettings
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
 
     return load_model(resolve_model(str(tiny_model)), LoadSettings(device="cpu", threads=1))

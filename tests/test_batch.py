@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from llmcli.batch import generate_batch
-from llmcli.conversation import build_messages, prompt_ids
-from llmcli.engine import Engine
-from llmcli.settings import SamplingParams
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.batch import generate_batch
+from llmcli.engine.conversation import build_messages, prompt_ids
+from llmcli.engine.loop import Engine
 
 from cli_helpers import run_cli
 

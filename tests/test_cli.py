@@ -131,7 +131,7 @@ def test_json_output_has_every_field(tiny_llama: Path) -> None:
 def test_stdin_is_the_material_and_arguments_the_instruction(tiny_llama: Path) -> None:
     from transformers import AutoTokenizer
 
-    from llmcli.conversation import build_messages, prompt_ids
+    from llmcli.engine.conversation import build_messages, prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     proc = run_cli(

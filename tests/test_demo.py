@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from llmcli.paths import gguf_cache_dir
-from llmcli.resolve import demo_gguf_path
+from llmcli.config.paths import gguf_cache_dir
+from llmcli.models.resolve import demo_gguf_path
 
 from cli_helpers import run_cli
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmcli.detok import IncrementalDetokenizer, StopMatcher
+from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
 
 TEXTS = [
     "Emoji split across tokens: 😀 🎉 🚀 👍🏽 and a family 👨‍👩‍👧.",

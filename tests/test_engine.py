@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmcli.conversation import build_messages, prompt_ids
-from llmcli.engine import Engine
-from llmcli.settings import SamplingParams
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.conversation import build_messages, prompt_ids
+from llmcli.engine.loop import Engine
 
 from tiny_models import TINY_CONTEXT
 

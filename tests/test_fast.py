@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmcli.conversation import Conversation, build_messages, prompt_ids
-from llmcli.engine import Engine
-from llmcli.settings import SamplingParams
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.conversation import Conversation, build_messages, prompt_ids
+from llmcli.engine.loop import Engine
 from test_chat_cache import MESSAGES
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcli.load import load_model
-from llmcli.resolve import ResolvedModel
-from llmcli.settings import LoadSettings, SamplingParams
+from llmcli.config.settings import LoadSettings, SamplingParams
+from llmcli.models.load import load_model
+from llmcli.models.resolve import ResolvedModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -57,8 +57,8 @@ def test_out_of_memory_in_a_chat_turn_keeps_the_chat(tiny_llama: Path) -> None:
 
 
 def test_graph_captured_decode_equals_the_dynamic_path(tiny_llama: Path) -> None:
-    from llmcli.conversation import build_messages, prompt_ids
-    from llmcli.engine import Engine
+    from llmcli.engine.conversation import build_messages, prompt_ids
+    from llmcli.engine.loop import Engine
 
     resolved = ResolvedModel(name="tiny", path=tiny_llama, source="folder")
     loaded = load_model(resolved, LoadSettings(device="cuda"))

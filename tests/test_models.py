@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmcli.resolve import demo_gguf_path
+from llmcli.models.resolve import demo_gguf_path
 
 from cli_helpers import run_cli
 from tiny_models import put_in_hf_cache

@@ -9,13 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcli.conversation import build_messages, prompt_ids
-from llmcli.engine import Engine
+from llmcli.config.settings import LoadSettings, SamplingParams
+from llmcli.engine.conversation import build_messages, prompt_ids
+from llmcli.engine.loop import Engine
 from llmcli.errors import LlmcliError
-from llmcli.load import load_model
-from llmcli.memory import FitRequest, estimate_weight_bytes, fits, kv_bytes_per_token, safetensors_shapes
-from llmcli.resolve import ResolvedModel, resolve_model
-from llmcli.settings import LoadSettings, SamplingParams
+from llmcli.models.load import load_model
+from llmcli.models.memory import (
+    FitRequest,
+    estimate_weight_bytes,
+    fits,
+    kv_bytes_per_token,
+    safetensors_shapes,
+)
+from llmcli.models.resolve import ResolvedModel, resolve_model
 
 from cli_helpers import run_cli
 
@@ -31,7 +37,7 @@ def load_variant(folder: Path, quant: str, quant_type: str = "nf4", double_quant
 
 def linear_layer_bytes(model) -> int:
     """Bytes held by the decoder's linear layers only (attention and MLP projections)."""
-    from llmcli.memory import measured_weight_bytes
+    from llmcli.models.memory import measured_weight_bytes
 
     return sum(
         measured_weight_bytes(module)

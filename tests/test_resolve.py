@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmcli.errors import EXIT_FAILURE, ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
-from llmcli.resolve import DEFAULT_HUB_MODEL, default_model_spec, demo_gguf_path, resolve_model
+from llmcli.models.resolve import DEFAULT_HUB_MODEL, default_model_spec, demo_gguf_path, resolve_model
 
 from cli_helpers import run_cli
 from tiny_models import COMMIT, put_in_hf_cache

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from llmcli import sampling
-from llmcli.settings import SamplingParams
+from llmcli.config.settings import SamplingParams
 
 VOCAB = 1000
 

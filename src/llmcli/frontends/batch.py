@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmcli.config.settings import LoadSettings, SamplingSettings
 from llmcli.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import load_with_feedback
-from llmcli.settings import LoadSettings, SamplingSettings
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def read_items(path: str, default_system: str | None) -> list[BatchItem]:
 def run(request: BatchRequest) -> int:
     items = read_items(request.path, request.system)
     loaded = load_with_feedback(request.model, request.load)
-    from llmcli.batch import generate_batch
-    from llmcli.conversation import build_messages, prompt_ids
+    from llmcli.engine.batch import generate_batch
+    from llmcli.engine.conversation import build_messages, prompt_ids
 
     params = request.sampling.resolve(loaded.generation_config)
     prompts = [

@@ -6,10 +6,10 @@ import json
 import sys
 from dataclasses import dataclass
 
+from llmcli.config.settings import LoadSettings
 from llmcli.errors import EXIT_OK
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
-from llmcli.settings import LoadSettings
 
 
 @dataclass(frozen=True)
@@ -25,10 +25,10 @@ class BenchRequest:
 
 
 def run(request: BenchRequest) -> int:
-    from llmcli.bench import render_table, run_bench
+    from llmcli.engine.bench import render_table, run_bench
 
     if request.config:
-        from llmcli.load import load_random
+        from llmcli.models.load import load_random
 
         with terminal.status(f"Building {request.config} with random weights…"):
             loaded = load_random(request.config, request.load)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from llmcli.conversation import Conversation, read_transcript, write_transcript
-from llmcli.engine import Engine, GenerationResult, common_prefix_length
+from llmcli.config.settings import SamplingParams, SamplingSettings
+from llmcli.engine.conversation import Conversation, read_transcript, write_transcript
+from llmcli.engine.loop import Engine, GenerationResult, common_prefix_length
 from llmcli.errors import LlmcliError, UsageError
-from llmcli.load import LoadedModel
-from llmcli.settings import SamplingParams, SamplingSettings
+from llmcli.models.load import LoadedModel
 
 HELP = """\
 /help                 this list

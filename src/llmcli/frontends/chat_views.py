@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from llmcli.engine import GenerationResult
+from llmcli.engine.loop import GenerationResult
 from llmcli.frontends import terminal
 from llmcli.frontends.chat_session import TurnReport
 

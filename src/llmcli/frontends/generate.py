@@ -11,10 +11,10 @@ import sys
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from llmcli.config.settings import LoadSettings, SamplingSettings
 from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
-from llmcli.settings import LoadSettings, SamplingSettings
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def run(request: GenerateRequest) -> int:
     prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
 
     loaded = load_with_feedback(request.model, request.load)
-    from llmcli.conversation import build_messages, prompt_ids
+    from llmcli.engine.conversation import build_messages, prompt_ids
 
     ids = prompt_ids(loaded.tokenizer, build_messages(prompt, request.system), raw=request.raw)
     params = request.sampling.resolve(loaded.generation_config)

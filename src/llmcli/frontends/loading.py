@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmcli.config.settings import LoadSettings
 from llmcli.frontends import terminal
-from llmcli.settings import LoadSettings
 
 if TYPE_CHECKING:
-    from llmcli.engine import Engine
-    from llmcli.load import LoadedModel
+    from llmcli.engine.loop import Engine
+    from llmcli.models.load import LoadedModel
 
 
 def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> LoadedModel:
-    from llmcli.quant import gguf_refusal
-    from llmcli.resolve import default_model_spec, is_gguf_spec, resolve_model
+    from llmcli.models.quant import gguf_refusal
+    from llmcli.models.resolve import default_model_spec, is_gguf_spec, resolve_model
 
     model_spec = model_spec or default_model_spec()
     if settings.quant != "none" and is_gguf_spec(model_spec):
@@ -27,7 +27,7 @@ def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> Loaded
     # No spinner while resolving: a download or a GGUF conversion shows its own progress bar.
     resolved = resolve_model(model_spec, allow_pickle=settings.allow_pickle, on_convert=announce_conversion)
     with terminal.status(f"Loading {resolved.name}…"):
-        from llmcli.load import load_model
+        from llmcli.models.load import load_model
 
         loaded = load_model(resolved, settings)
     for note in loaded.notes:
@@ -37,7 +37,7 @@ def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> Loaded
 
 def engine_with_feedback(loaded: LoadedModel) -> Engine:
     """The loaded model's engine; a graph-captured decode step is compiled now, with a spinner."""
-    from llmcli.engine import Engine
+    from llmcli.engine.loop import Engine
 
     engine = Engine.for_loaded(loaded)
     if loaded.fast_decode and loaded.device.type == "cuda":

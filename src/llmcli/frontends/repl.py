@@ -13,13 +13,13 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from rich.console import Console
 
+from llmcli.config.paths import state_dir
+from llmcli.config.settings import LoadSettings, SamplingSettings
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from llmcli.frontends import terminal
 from llmcli.frontends.chat_session import COMMANDS, ChatSession, ChatView
 from llmcli.frontends.chat_views import JsonView, PlainView, TerminalView
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
-from llmcli.paths import state_dir
-from llmcli.settings import LoadSettings, SamplingSettings
 
 PROMPT = ">>> "
 CONTINUATION = "... "

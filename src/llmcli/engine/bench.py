@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from llmcli.engine import Engine
-from llmcli.load import LoadedModel
-from llmcli.settings import SamplingParams
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.loop import Engine
+from llmcli.models.load import LoadedModel
 
 
 @dataclass
@@ -204,7 +204,7 @@ def peak_memory(device: torch.device) -> int:
 
 
 def render_table(report: BenchReport) -> str:
-    from llmcli.memory import format_bytes
+    from llmcli.models.memory import format_bytes
 
     def ms(seconds: float | None) -> str:
         return "—" if seconds is None else f"{seconds * 1000:.1f}"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
-    from llmcli.user_config import UserConfig
+    from llmcli.config.user_config import UserConfig
 
 # llama.cpp's defaults: a mild temperature, min-p to cut the junk tail, no repetition penalty.
 BUILTIN_SAMPLING: dict[str, Any] = {
@@ -168,7 +168,7 @@ def effective_settings(
 ) -> Effective:
     """flag > environment > the model's config section > config [defaults] (the model's
     generation_config.json and the built-ins come after, when the model is loaded)."""
-    from llmcli.user_config import env_settings, load_user_config
+    from llmcli.config.user_config import env_settings, load_user_config
 
     config = user_config or load_user_config()
     env_model = os.environ.get("LLMCLI_MODEL") or None

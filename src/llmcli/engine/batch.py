@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from llmcli.detok import IncrementalDetokenizer, StopMatcher
-from llmcli.engine import GenerationResult
-from llmcli.sampling import make_generator, pick_token, process_logits
-from llmcli.settings import SamplingParams
-from llmcli.stats import GenerationStats
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
+from llmcli.engine.loop import GenerationResult
+from llmcli.engine.sampling import make_generator, pick_token, process_logits
+from llmcli.engine.stats import GenerationStats
 
 
 class _Row:

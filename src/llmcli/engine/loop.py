@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmcli.detok import IncrementalDetokenizer, StopMatcher
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
+from llmcli.engine.sampling import make_generator, pick_token, process_logits
+from llmcli.engine.stats import GenerationStats
 from llmcli.errors import ContextOverflowError
-from llmcli.sampling import make_generator, pick_token, process_logits
-from llmcli.settings import SamplingParams
-from llmcli.stats import GenerationStats
 
 if TYPE_CHECKING:
-    from llmcli.load import LoadedModel
+    from llmcli.models.load import LoadedModel
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Engine:
         self.cached_ids: list[int] = []  # exactly the tokens whose keys/values sit in `cache`
         self._decode = self._decode_eager
         if compile_decode:
-            from llmcli.fast import compile_decode_step
+            from llmcli.engine.graphs import compile_decode_step
 
             self._decode = compile_decode_step(self._decode_eager)
 

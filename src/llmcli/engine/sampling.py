@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmcli.settings import SamplingParams
+from llmcli.config.settings import SamplingParams
 
 _REMOVED = -float("inf")
 

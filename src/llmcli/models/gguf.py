@@ -17,8 +17,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from llmcli.config.paths import gguf_cache_dir
 from llmcli.errors import ModelLoadError
-from llmcli.paths import gguf_cache_dir
 
 _FINGERPRINT_SPAN = 1 << 20
 _DONE_MARKER = ".llmcli-converted"
@@ -61,7 +61,7 @@ def convert(gguf_file: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.load import quiet_libraries
+    from llmcli.models.load import quiet_libraries
 
     quiet_libraries()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmcli.config.paths import gguf_cache_dir
 from llmcli.errors import ModelNotFoundError
-from llmcli.memory import context_length_of, estimate_weight_bytes, kv_bytes_per_token, safetensors_shapes
-from llmcli.paths import gguf_cache_dir
+from llmcli.models.memory import (
+    context_length_of,
+    estimate_weight_bytes,
+    kv_bytes_per_token,
+    safetensors_shapes,
+)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from llmcli.config.settings import LoadSettings
+from llmcli.engine.graphs import fast_path_default
 from llmcli.errors import LlmcliError, ModelLoadError
-from llmcli.fast import fast_path_default
-from llmcli.memory import (
+from llmcli.models.memory import (
     FitRequest,
     available_host_memory,
     context_length_of,
@@ -32,9 +33,8 @@ from llmcli.memory import (
     measured_weight_bytes,
     safetensors_shapes,
 )
-from llmcli.quant import bitsandbytes_config, check_quant_request, quant_label, silence_bitsandbytes
-from llmcli.resolve import ResolvedModel
-from llmcli.settings import LoadSettings
+from llmcli.models.quant import bitsandbytes_config, check_quant_request, quant_label, silence_bitsandbytes
+from llmcli.models.resolve import ResolvedModel
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {value: key for key, value in _DTYPES.items()}
@@ -374,7 +374,7 @@ def _config_file(spec: str) -> Path:
         return path
     if (path / "config.json").is_file():
         return path / "config.json"
-    from llmcli.resolve import hub_config_file
+    from llmcli.models.resolve import hub_config_file
 
     return hub_config_file(spec)
 

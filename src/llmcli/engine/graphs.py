@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from llmcli.paths import cache_dir
+from llmcli.config.paths import cache_dir
 
 
 def compile_decode_step(step: Callable[..., Any]) -> Callable[..., Any]:

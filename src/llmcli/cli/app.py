@@ -12,10 +12,10 @@ from typing import Annotated, Any
 
 import typer
 
-from llmcli.cli_models import config_app, models_app
-from llmcli.cli_support import handled_errors
+from llmcli.cli.models import config_app, models_app
+from llmcli.cli.support import handled_errors
+from llmcli.config.settings import Effective, LoadSettings, SamplingSettings, effective_settings
 from llmcli.errors import UsageError
-from llmcli.settings import Effective, LoadSettings, SamplingSettings, effective_settings
 
 app = typer.Typer(
     name="llmcli",
@@ -43,8 +43,8 @@ LOADING = "Loading"
 
 def complete_model(incomplete: str) -> list[str]:
     """Shell completion for -m: aliases, then every model in the caches."""
-    from llmcli.catalog import model_names
-    from llmcli.user_config import load_user_config
+    from llmcli.config.user_config import load_user_config
+    from llmcli.models.catalog import model_names
 
     try:
         names = [*load_user_config().aliases, *model_names()]
@@ -500,7 +500,7 @@ def _loading(
     ctx: int | None,
     fast: bool | None,
 ) -> LoadSettings:
-    from llmcli.memory import parse_size
+    from llmcli.models.memory import parse_size
 
     try:
         memory_limit = parse_size(max_memory) if max_memory else None
@@ -524,7 +524,7 @@ def _loading(
 
 def _version_callback(value: bool) -> None:
     if value:
-        from llmcli.versions import version_report
+        from llmcli.cli.versions import version_report
 
         typer.echo(version_report())
         raise typer.Exit()

@@ -1,0 +1,6 @@
+"""The command line: the Typer app, its sub-commands, and where errors become a line + exit code.
+Nothing here imports torch or transformers at module level."""
+
+from llmcli.cli.app import app, main
+
+__all__ = ["app", "main"]

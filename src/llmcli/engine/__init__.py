@@ -1,0 +1,1 @@
+"""Inference: the hot loop, the backends that run the forward pass, sampling and detokenizing."""

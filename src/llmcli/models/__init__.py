@@ -1,0 +1,1 @@
+"""Models: a spec resolved to local files, loaded onto a device, sized, quantized, listed."""
