@@ -35,7 +35,7 @@ MESSAGES = [
 
 
 def run_chat(loaded, params: SamplingParams, reuse_cache: bool) -> list[dict[str, float]]:
-    engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+    engine = Engine.for_loaded(loaded)
     conversation = Conversation(loaded.tokenizer, loaded.context_length, system=SYSTEM)
     turns = []
     for message in MESSAGES:

@@ -1,4 +1,5 @@
-"""llmcli's decode loop against transformers' `model.generate` on the same model, in one run.
+"""llmcli's decode loop, on its native engine and on transformers, against transformers'
+`model.generate` on the same model, in one run.
 
 Both are timed the same way from outside, greedy, with end-of-sequence disabled so every run
 produces exactly N tokens:
@@ -15,6 +16,7 @@ Our engine's own measured stats (what `--json` reports) are shown beside them as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -45,9 +47,13 @@ def main() -> None:
         resolve_model(args.model), LoadSettings(device=args.device, dtype=args.dtype, threads=args.threads)
     )
     ids = prompt_ids(loaded.tokenizer, build_messages(PROMPT))
-    engine = Engine(loaded.model, frozenset(), loaded.context_length)  # no end-of-sequence
-    contenders = {"llmcli engine": ours, "model.generate": baseline}
-    subjects = {"llmcli engine": engine, "model.generate": loaded.model}
+    # No end-of-sequence: every run makes exactly the tokens asked for.
+    native, hf = (
+        Engine.for_loaded(dataclasses.replace(loaded, engine=name, eos_token_ids=frozenset()))
+        for name in ("native", "transformers")
+    )
+    contenders = {"llmcli native": ours, "llmcli transformers": ours, "model.generate": baseline}
+    subjects = {"llmcli native": native, "llmcli transformers": hf, "model.generate": loaded.model}
     medians = interleaved_medians(
         {
             f"{name}/{n}": make(subjects[name], ids, n)
@@ -62,20 +68,19 @@ def main() -> None:
         first, full = medians[f"{name}/1"], medians[f"{name}/{args.tokens}"]
         rows.append((name, first, (args.tokens - 1) / (full - first)))
 
-    own = [ours(engine, ids, args.tokens)().stats for _ in range(args.runs)]
+    own = [ours(native, ids, args.tokens)().stats for _ in range(args.runs)]
     print(
         f"\nmodel {loaded.name} · {loaded.device} · {loaded.dtype_name} · "
         f"threads {torch.get_num_threads()} · prompt {len(ids)} tok · {args.tokens} new tokens · "
         f"median of {args.runs} runs\n"
     )
-    print(f"| {'':16} | {'TTFT (ms)':>10} | {'decode tok/s':>12} |")
-    print(f"|{'-' * 18}|{'-' * 12}|{'-' * 14}|")
+    print(f"| {'':20} | {'TTFT (ms)':>10} | {'decode tok/s':>12} |")
+    print(f"|{'-' * 22}|{'-' * 12}|{'-' * 14}|")
     for name, first, rate in rows:
-        print(f"| {name:16} | {first * 1000:10.1f} | {rate:12.1f} |")
-    ratio = rows[0][2] / rows[1][2]
-    print(f"\nllmcli / generate decode speed: {ratio:.2f}×")
+        print(f"| {name:20} | {first * 1000:10.1f} | {rate:12.1f} |")
+    print(f"\nnative / model.generate decode speed: {rows[0][2] / rows[2][2]:.2f}×")
     print(
-        f"engine's own stats (median): TTFT {statistics.median(s.ttft_s for s in own) * 1000:.1f} ms, "
+        f"native engine's own stats (median): TTFT {statistics.median(s.ttft_s for s in own) * 1000:.1f} ms, "
         f"decode {statistics.median(s.decode_tok_s for s in own):.1f} tok/s"
     )
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from engines import engine_for
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.batch import generate_batch
 from llmcli.engine.conversation import build_messages, prompt_ids
-from llmcli.engine.loop import Engine
 
 from cli_helpers import run_cli
 
@@ -27,7 +27,7 @@ PROMPTS = [
 def one_by_one(loaded, prompts: list[list[int]], params: SamplingParams):
     results = []
     for prompt in prompts:
-        generation = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length).generate(
+        generation = engine_for(loaded, loaded.eos_token_ids, loaded.context_length).generate(
             prompt, params, loaded.tokenizer
         )
         list(generation)

@@ -14,7 +14,8 @@ REPORT_FIELDS = (
     "device",
     "dtype",
     "quant",
-    "fast",
+    "engine",
+    "graphs",
     "weight_bytes",
     "kv_bytes_per_token",
     "runs",
@@ -32,19 +33,38 @@ REPORT_FIELDS = (
     "generate_decode_tok_s",
     "generate_achieved_gb_s",
     "speedup_vs_generate",
+    "compiled_decode_tok_s",
+    "ceiling_tok_s",
+    "ceiling_pct",
+    "context_fill",
+    "decode_tok_s_at_fill",
 )
 QUICK = ["--runs", "2", "-n", "8", "--prompt-lengths", "16,32", "--device", "cpu"]
 
 
-@pytest.mark.parametrize("fast", ["--no-fast", "--fast"])
-def test_bench_on_random_weights_reports_every_field(tiny_llama: Path, fast: str) -> None:
+@pytest.mark.parametrize("engine", ["native", "transformers"])
+def test_bench_on_random_weights_reports_every_field(tiny_llama: Path, engine: str) -> None:
     proc = run_cli(
-        "bench", "--config", str(tiny_llama / "config.json"), "--random-weights", "--json", fast, *QUICK
+        "bench",
+        "--config",
+        str(tiny_llama / "config.json"),
+        "--random-weights",
+        "--json",
+        "--engine",
+        engine,
+        "--context-fill",
+        "200",
+        *QUICK,
     )
     assert proc.returncode == 0, proc.stderr.decode()
     report = json.loads(proc.stdout)
     assert set(REPORT_FIELDS) <= set(report)
-    assert report["fast"] is (fast == "--fast")
+    assert report["engine"] == engine and report["graphs"] is False  # no CUDA here
+    assert report["compiled_decode_tok_s"] is None  # transformers' compiled path: CUDA only
+    assert report["context_fill"] == 200 and report["decode_tok_s_at_fill"] > 0
+    # No decode can beat one pass over its weights alone.
+    assert report["decode_tok_s"] < report["ceiling_tok_s"]
+    assert 0 < report["ceiling_pct"] < 100
     assert set(report["prefill_tok_s"]) == {"16", "32"}
     for name in (
         "bandwidth_gb_s",
@@ -74,6 +94,8 @@ def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
         "% of measured bandwidth",
         "peak memory",
         "model.generate",
+        "ceiling (the linear layers alone",
+        "engine native",
     ):
         assert row in out
 

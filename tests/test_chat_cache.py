@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines import engine_for
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.conversation import Conversation, ids_for_text, render
 from llmcli.engine.loop import Engine
@@ -57,12 +58,12 @@ def chat_turns(loaded, conversation: Conversation, engine: Engine, messages: lis
 
 
 def new_conversation(loaded, system: str | None = "You are terse.") -> tuple[Conversation, Engine]:
-    engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+    engine = engine_for(loaded, loaded.eos_token_ids, loaded.context_length)
     return Conversation(loaded.tokenizer, loaded.context_length, system=system), engine
 
 
 def assert_same_as_fresh_prefill(loaded, generation, prompt: list[int]) -> None:
-    fresh = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+    fresh = engine_for(loaded, backend="transformers")
     reference = fresh.generate(prompt, GREEDY, loaded.tokenizer)
     list(reference)
     difference = (generation.prefill_logits - reference.prefill_logits).abs().max().item()
@@ -177,7 +178,7 @@ def test_undo_returns_to_the_earlier_ids(loaded_tiny) -> None:
 def test_overflow_drops_oldest_exchanges_and_keeps_the_system_prompt(loaded_tiny) -> None:
     tokenizer = loaded_tiny.tokenizer
     conversation = Conversation(tokenizer, 120, system="Keep this system prompt.")
-    engine = Engine(loaded_tiny.model, loaded_tiny.eos_token_ids, 120)
+    engine = engine_for(loaded_tiny, loaded_tiny.eos_token_ids, 120)
     dropped_any = 0
     for message in MESSAGES:
         prompt, dropped = conversation.prompt_for(message, 12)
@@ -220,16 +221,18 @@ def test_plain_fallback_format_without_a_chat_template(loaded_tiny) -> None:
 
 
 def test_interrupted_forward_pass_leaves_the_cache_consistent(loaded_tiny) -> None:
-    """Simulate Ctrl-C after some layers appended to the cache and others did not."""
-    conversation, engine = new_conversation(loaded_tiny)
+    """Simulate Ctrl-C after some layers appended to the cache and others did not (transformers'
+    DynamicCache; the native cache's case is in test_fast)."""
+    conversation = Conversation(loaded_tiny.tokenizer, loaded_tiny.context_length, system="You are terse.")
+    engine = engine_for(loaded_tiny, backend="transformers")
     list(chat_turns(loaded_tiny, conversation, engine, MESSAGES[:1]))
     held = len(engine.cached_ids)
     with torch.inference_mode():
-        layer = engine.cache.layers[0]
+        layer = engine.backend.cache.layers[0]
         extra = torch.zeros_like(layer.keys[..., :3, :])
         layer.keys = torch.cat([layer.keys, extra], dim=-2)
         layer.values = torch.cat([layer.values, extra], dim=-2)
     engine.restore_consistency()
-    assert all(layer.get_seq_length() == held for layer in engine.cache.layers)
+    assert all(layer.get_seq_length() == held for layer in engine.backend.cache.layers)
     ((generation, prompt, _),) = chat_turns(loaded_tiny, conversation, engine, MESSAGES[1:2])
     assert_same_as_fresh_prefill(loaded_tiny, generation, prompt)

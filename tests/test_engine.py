@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines import engine_for
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.conversation import build_messages, prompt_ids
-from llmcli.engine.loop import Engine
 
 from tiny_models import TINY_CONTEXT
 
@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 
 
 def run(loaded, ids: list[int], params: SamplingParams):
-    engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+    engine = engine_for(loaded, loaded.eos_token_ids, loaded.context_length)
     generation = engine.generate(ids, params, loaded.tokenizer)
     pieces = list(generation)
     return generation.result, pieces
@@ -75,7 +75,7 @@ def test_seeded_sampling_is_reproducible(loaded_tiny) -> None:
 
 def test_max_new_tokens_ends_with_length(loaded_tiny) -> None:
     ids = prompt_ids(loaded_tiny.tokenizer, build_messages("Count:"))
-    eos_free = Engine(loaded_tiny.model, frozenset(), loaded_tiny.context_length)
+    eos_free = engine_for(loaded_tiny, frozenset(), loaded_tiny.context_length)
     generation = eos_free.generate(ids, GREEDY.with_(max_new_tokens=7), loaded_tiny.tokenizer)
     list(generation)
     assert generation.result.finish_reason == "length"
@@ -87,7 +87,7 @@ def test_eos_ends_with_stop(loaded_tiny) -> None:
     free, _ = run(loaded_tiny, ids, GREEDY)
     # Declare the 4th generated token an end-of-sequence token: generation must end right there.
     eos = free.token_ids[3]
-    engine = Engine(loaded_tiny.model, frozenset({eos}), loaded_tiny.context_length)
+    engine = engine_for(loaded_tiny, frozenset({eos}), loaded_tiny.context_length)
     generation = engine.generate(ids, GREEDY, loaded_tiny.tokenizer)
     list(generation)
     first_eos = free.token_ids.index(eos)
@@ -98,7 +98,7 @@ def test_eos_ends_with_stop(loaded_tiny) -> None:
 def test_stop_string_across_token_boundary(loaded_tiny) -> None:
     tokenizer = loaded_tiny.tokenizer
     ids = prompt_ids(tokenizer, build_messages("Tell me a story"))
-    eos_free = Engine(loaded_tiny.model, frozenset(), loaded_tiny.context_length)
+    eos_free = engine_for(loaded_tiny, frozenset(), loaded_tiny.context_length)
     free = eos_free.generate(ids, GREEDY, tokenizer)
     list(free)
     token_texts = [tokenizer.decode([t]) for t in free.result.token_ids]
@@ -113,7 +113,7 @@ def test_stop_string_across_token_boundary(loaded_tiny) -> None:
     stop = token_texts[k][-1:] + token_texts[k + 1][:1]
     expected = free.result.text[: free.result.text.find(stop)]
 
-    stopped = Engine(loaded_tiny.model, frozenset(), loaded_tiny.context_length).generate(
+    stopped = engine_for(loaded_tiny, frozenset(), loaded_tiny.context_length).generate(
         ids, GREEDY.with_(stop=(stop,)), tokenizer
     )
     pieces = list(stopped)
@@ -125,13 +125,13 @@ def test_stop_string_across_token_boundary(loaded_tiny) -> None:
 def test_prompt_longer_than_context_is_refused(loaded_tiny) -> None:
     from llmcli.errors import ContextOverflowError
 
-    engine = Engine(loaded_tiny.model, loaded_tiny.eos_token_ids, loaded_tiny.context_length)
+    engine = engine_for(loaded_tiny, loaded_tiny.eos_token_ids, loaded_tiny.context_length)
     with pytest.raises(ContextOverflowError, match=str(TINY_CONTEXT)):
         engine.generate([5] * (TINY_CONTEXT + 40), GREEDY, loaded_tiny.tokenizer)
 
 
 def test_reply_is_bounded_by_the_context(loaded_tiny) -> None:
-    engine = Engine(loaded_tiny.model, frozenset(), loaded_tiny.context_length)
+    engine = engine_for(loaded_tiny, frozenset(), loaded_tiny.context_length)
     generation = engine.generate(
         [5] * (TINY_CONTEXT - 6), GREEDY.with_(max_new_tokens=100), loaded_tiny.tokenizer
     )
@@ -142,7 +142,7 @@ def test_reply_is_bounded_by_the_context(loaded_tiny) -> None:
 
 def test_stats_are_measured(loaded_tiny) -> None:
     ids = prompt_ids(loaded_tiny.tokenizer, build_messages("Hello"))
-    engine = Engine(loaded_tiny.model, frozenset(), loaded_tiny.context_length)
+    engine = engine_for(loaded_tiny, frozenset(), loaded_tiny.context_length)
     generation = engine.generate(ids, GREEDY.with_(max_new_tokens=10), loaded_tiny.tokenizer)
     list(generation)
     stats = generation.result.stats
@@ -154,7 +154,7 @@ def test_stats_are_measured(loaded_tiny) -> None:
 
 
 def test_a_second_call_reuses_the_cached_prefix(loaded_tiny) -> None:
-    engine = Engine(loaded_tiny.model, loaded_tiny.eos_token_ids, loaded_tiny.context_length)
+    engine = engine_for(loaded_tiny, loaded_tiny.eos_token_ids, loaded_tiny.context_length)
     ids = prompt_ids(loaded_tiny.tokenizer, build_messages("Hello there"))
     first = engine.generate(ids, GREEDY, loaded_tiny.tokenizer)
     list(first)

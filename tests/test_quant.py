@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines import engine_for
 from llmcli.config.settings import LoadSettings, SamplingParams
 from llmcli.engine.conversation import build_messages, prompt_ids
-from llmcli.engine.loop import Engine
 from llmcli.errors import LlmcliError
 from llmcli.models.load import load_model
 from llmcli.models.memory import (
@@ -74,7 +74,7 @@ def test_quantized_linear_layers_shrink_as_expected(tiny_variants) -> None:
 def test_quantized_tiny_models_generate(tiny_variants) -> None:
     for name, loaded in tiny_variants.items():
         ids = prompt_ids(loaded.tokenizer, build_messages("Hello"))
-        engine = Engine(loaded.model, frozenset(), loaded.context_length)
+        engine = engine_for(loaded, frozenset(), loaded.context_length)
         generation = engine.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=8), loaded.tokenizer)
         list(generation)
         assert len(generation.result.token_ids) == 8, name
@@ -85,7 +85,7 @@ def test_quantized_tiny_models_generate(tiny_variants) -> None:
 def test_quantized_demo_model_still_answers(demo_folder: Path, quant: str, quant_type: str) -> None:
     loaded = load_variant(demo_folder, quant, quant_type)
     ids = prompt_ids(loaded.tokenizer, build_messages("What is the capital of France?"))
-    engine = Engine(loaded.model, loaded.eos_token_ids, loaded.context_length)
+    engine = engine_for(loaded, loaded.eos_token_ids, loaded.context_length)
     generation = engine.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=24), loaded.tokenizer)
     list(generation)
     assert "Paris" in generation.result.text
@@ -115,12 +115,16 @@ def test_kv_bytes_per_token_matches_a_real_cache(loaded_tiny) -> None:
     config = json.loads((Path(loaded_tiny.model.name_or_path) / "config.json").read_text())
     per_token = kv_bytes_per_token(config, 4)
     assert per_token == loaded_tiny.kv_bytes_per_token
-    engine = Engine(loaded_tiny.model, frozenset(), loaded_tiny.context_length)
+    engine = engine_for(loaded_tiny, backend="transformers")
     engine.prefill(list(range(10, 60)))
-    cached = sum(
-        t.numel() * t.element_size() for layer in engine.cache.layers for t in (layer.keys, layer.values)
-    )
+    layers = engine.backend.cache.layers
+    cached = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
     assert cached == per_token * 50
+    native = engine_for(loaded_tiny, backend="native").backend
+    native.prefill(list(range(10, 60)))
+    cache = native.cache
+    held = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+    assert held == per_token * cache.capacity
 
 
 def fit_request(folder: Path, budget: int, quant: str = "none", context: int = 1024, given: bool = False):
@@ -246,7 +250,7 @@ def test_quantized_load_on_gpu(tiny_llama: Path, quant: str) -> None:
     settings = LoadSettings(device="cuda", quant=quant)
     loaded = load_model(ResolvedModel(name="tiny", path=tiny_llama, source="folder"), settings)
     assert loaded.device.type == "cuda" and loaded.quant.startswith(quant)
-    engine = Engine(loaded.model, frozenset(), loaded.context_length)
+    engine = engine_for(loaded, frozenset(), loaded.context_length)
     generation = engine.generate(
         [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=8), loaded.tokenizer
     )

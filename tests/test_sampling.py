@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from llmcli import sampling
 from llmcli.config.settings import SamplingParams
+from llmcli.engine import sampling
 
 VOCAB = 1000
 

@@ -135,7 +135,17 @@ FastOption = Annotated[
     bool | None,
     typer.Option(
         "--fast/--no-fast",
-        help="Static KV cache and a CUDA-graph decode step. Default: on with CUDA, off elsewhere.",
+        help="Decode step replayed as a CUDA graph (native engine: one per KV length bucket; "
+        "transformers: torch.compile). Default: on for the native engine with CUDA, off elsewhere.",
+        rich_help_panel=LOADING,
+        show_default=False,
+    ),
+]
+EngineOption = Annotated[
+    str | None,
+    typer.Option(
+        help="native (llmcli's own forward: Llama, Mistral, Qwen2/3, SmolLM), transformers (any "
+        "architecture), or auto: native where it runs. Default: auto ($LLMCLI_ENGINE, config file).",
         rich_help_panel=LOADING,
         show_default=False,
     ),
@@ -201,6 +211,7 @@ def generate(
     max_memory: MaxMemoryOption = None,
     ctx: CtxOption = None,
     fast: FastOption = None,
+    engine: EngineOption = None,
     batch: Annotated[
         str | None,
         typer.Option(
@@ -217,6 +228,7 @@ def generate(
             model,
             system,
             ctx,
+            engine,
             _sampling_flags(**_pick(locals(), SAMPLING_FLAGS)),
             _pick(locals(), LOADING_FLAGS),
         )
@@ -305,6 +317,7 @@ def chat(
     offload: OffloadOption = False,
     max_memory: MaxMemoryOption = None,
     fast: FastOption = None,
+    engine: EngineOption = None,
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     with handled_errors():
@@ -312,6 +325,7 @@ def chat(
             model,
             system,
             ctx,
+            engine,
             _sampling_flags(**_pick(locals(), SAMPLING_FLAGS)),
             _pick(locals(), LOADING_FLAGS),
         )
@@ -339,8 +353,12 @@ BENCH_EPILOG = """\
 
   llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7
 
+  llmcli bench --config configs/llama-3.2-1b.json --random-weights --context-fill 8192
+
 Decode at batch 1 reads every weight once per token: "% of measured bandwidth" says how close \
-decoding comes to that floor, with the bandwidth measured on the spot by a large device copy.
+decoding comes to that floor, with the bandwidth measured on the spot by a large device copy; \
+the ceiling line times the model's linear layers alone, the fastest any batch-1 decode of these \
+weights can go on this device.
 """
 
 
@@ -367,6 +385,18 @@ def bench(
     baseline: Annotated[
         bool, typer.Option("--generate/--no-generate", help="Also time model.generate on the same model.")
     ] = True,
+    compiled: Annotated[
+        bool | None,
+        typer.Option(
+            "--compiled/--no-compiled",
+            help="Also time transformers' compiled path (generate with a static cache). Default: on CUDA.",
+            show_default=False,
+        ),
+    ] = None,
+    context_fill: Annotated[
+        int | None,
+        typer.Option(help="Also time decode with this many tokens already in the KV cache.", min=1),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -375,6 +405,7 @@ def bench(
     quant_type: QuantTypeOption = "nf4",
     ctx: CtxOption = None,
     fast: FastOption = None,
+    engine: EngineOption = None,
 ) -> None:
     """Measure prefill, time to first token, decode speed and memory, beside model.generate."""
     with handled_errors():
@@ -392,7 +423,9 @@ def bench(
             ) from None
         if not lengths or min(lengths) < 1 or new_tokens < 2 or runs < 1:
             raise UsageError("--prompt-lengths must be ≥ 1, --new-tokens ≥ 2 and --runs ≥ 1")
+        effective = effective_settings(model, {"engine": engine})
         load = _loading(
+            engine=effective.engine or "auto",
             device=device,
             dtype=dtype,
             threads=threads,
@@ -410,12 +443,14 @@ def bench(
 
         code = run(
             BenchRequest(
-                model=None if config else effective_settings(model, {}).model,
+                model=None if config else effective.model,
                 config=config,
                 prompt_lengths=lengths,
                 new_tokens=new_tokens,
                 runs=runs,
                 with_generate=baseline,
+                with_compiled=compiled,
+                context_fill=context_fill,
                 json=json_output,
                 load=load,
             )
@@ -454,11 +489,16 @@ def _pick(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _prepare(
-    model: str | None, system: str | None, ctx: int | None, sampling: dict[str, Any], loading: dict[str, Any]
+    model: str | None,
+    system: str | None,
+    ctx: int | None,
+    engine: str | None,
+    sampling: dict[str, Any],
+    loading: dict[str, Any],
 ) -> tuple[Effective, LoadSettings]:
     """Every layer of settings applied (flag > env > config > …), and the load settings."""
-    effective = effective_settings(model, {**sampling, "system": system, "ctx": ctx})
-    return effective, _loading(**loading, ctx=effective.context_length)
+    effective = effective_settings(model, {**sampling, "system": system, "ctx": ctx, "engine": engine})
+    return effective, _loading(**loading, ctx=effective.context_length, engine=effective.engine or "auto")
 
 
 def _sampling_flags(
@@ -499,6 +539,7 @@ def _loading(
     max_memory: str | None,
     ctx: int | None,
     fast: bool | None,
+    engine: str = "auto",
 ) -> LoadSettings:
     from llmcli.models.memory import parse_size
 
@@ -519,6 +560,7 @@ def _loading(
         max_memory=memory_limit,
         context_length=ctx,
         fast=fast,
+        engine=engine,
     ).validate()
 
 

@@ -226,6 +226,7 @@ def show_config(
             rows.append((key, list(value) if isinstance(value, tuple) else value, source))
         rows.append(("system", effective.system, effective.sources.get("system", "built-in")))
         rows.append(("ctx", effective.context_length, effective.sources.get("ctx", "the model's")))
+        rows.append(("engine", effective.engine or "auto", effective.sources.get("engine", "built-in")))
         if json_output:
             _print(
                 json.dumps({key: {"value": value, "source": source} for key, value, source in rows}, indent=2)

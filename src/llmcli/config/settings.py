@@ -30,6 +30,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTS = ("none", "int8", "int4")
 QUANT_TYPES = ("nf4", "fp4")
+ENGINES = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ class LoadSettings:
     offload: bool = False  # let accelerate keep what does not fit on the GPU in CPU memory
     max_memory: int | None = None  # bytes llmcli may use on the device; default: all that is free
     context_length: int | None = None  # --ctx: at most this many tokens of context
-    fast: bool | None = None  # static cache + graph-captured decode; None: on CUDA only
+    fast: bool | None = None  # graph-captured decode; None: on CUDA only (native), off (transformers)
+    engine: str = "auto"  # native (llmcli's own forward), transformers, or auto: native where it runs
 
     def validate(self) -> LoadSettings:
         device_kind = self.device.split(":", 1)[0]
@@ -146,6 +148,8 @@ class LoadSettings:
             raise UsageError(f"--quant-type must be one of {', '.join(QUANT_TYPES)}, got {self.quant_type!r}")
         if self.context_length is not None and self.context_length < 16:
             raise UsageError(f"--ctx must be at least 16 tokens, got {self.context_length}")
+        if self.engine not in ENGINES:
+            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.offload and device_kind not in ("auto", "cuda"):
             raise UsageError("--offload spreads a model over GPU and CPU memory: it needs --device cuda")
         return self
@@ -160,6 +164,7 @@ class Effective:
     sampling: SamplingSettings
     system: str | None
     context_length: int | None
+    engine: str | None
     sources: dict[str, str]
 
 
@@ -201,5 +206,6 @@ def effective_settings(
         sampling=sampling,
         system=values.get("system"),
         context_length=values.get("ctx"),
+        engine=values.get("engine"),
         sources=sources,
     )

@@ -46,6 +46,7 @@ SETTING_TYPES: dict[str, type] = {
     "stop": list,
     "system": str,
     "ctx": int,
+    "engine": str,
 }
 TOP_LEVEL = {"model", "defaults", "aliases", "models"}
 
@@ -128,7 +129,7 @@ def _checked_settings(path: Path, section: str, table: Any) -> dict[str, Any]:
 
 
 def env_settings() -> dict[str, Any]:
-    """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_SYSTEM, LLMCLI_CTX: settings from the environment."""
+    """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_CTX, LLMCLI_ENGINE: settings from the environment."""
     values: dict[str, Any] = {}
     for key, kind in SETTING_TYPES.items():
         raw = os.environ.get(f"LLMCLI_{key.upper()}")

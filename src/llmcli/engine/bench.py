@@ -1,10 +1,14 @@
-"""`llmcli bench`: prefill, TTFT, decode and memory, against `model.generate` in the same run.
+"""`llmcli bench`: prefill, TTFT, decode and memory, against transformers in the same run.
 
 Decode at batch 1 reads every weight once per token, so its floor is weight bytes ÷ memory
 bandwidth. We measure that bandwidth on the spot (a large device-to-device copy) and report how
-close decoding comes to it: achieved GB/s = (weight bytes + KV bytes read) × tokens/s.
-Every figure is the median of several runs after a warm-up; llmcli's and `model.generate`'s runs
-are interleaved so drift in machine speed hits both alike.
+close decoding comes to it: achieved GB/s = (weight bytes + KV bytes read) × tokens/s. Beside it,
+the practical ceiling of these very weights on this device: every linear layer of the model as
+one matrix-vector product, the whole set in one CUDA graph (eager on a CPU) — no batch-1 decode
+of these weights can beat it. The baselines: eager `model.generate`, and on CUDA transformers'
+own compiled path (`generate(cache_implementation="static")`, which compiles itself).
+Every figure is the median of several runs after a warm-up; the contenders' runs are
+interleaved so drift in machine speed hits them alike.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ class BenchReport:
     device: str
     dtype: str
     quant: str
-    fast: bool
+    engine: str  # the backend that ran llmcli's loop: native or transformers
+    graphs: bool  # decode replayed as CUDA graphs
     weight_bytes: int
     kv_bytes_per_token: int
     runs: int
@@ -44,10 +49,16 @@ class BenchReport:
     achieved_gb_s: float = 0.0
     roofline_pct: float = 0.0
     peak_memory_bytes: int = 0
+    context_fill: int | None = None  # tokens already cached for the decode_at_fill figure
+    decode_tok_s_at_fill: float | None = None
     generate_ttft_s: float | None = None
     generate_decode_tok_s: float | None = None
     generate_achieved_gb_s: float | None = None
     speedup_vs_generate: float | None = None
+    compiled_decode_tok_s: float | None = None  # transformers' compiled static-cache generate
+    speedup_vs_compiled: float | None = None
+    ceiling_tok_s: float | None = None  # the linear layers alone, one GEMV each, one graph
+    ceiling_pct: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -105,7 +116,9 @@ def ours(engine: Engine, prompt: list[int], new_tokens: int) -> Callable[[], Any
     return run
 
 
-def baseline(model: Any, prompt: list[int], new_tokens: int) -> Callable[[], Any]:
+def baseline(model: Any, prompt: list[int], new_tokens: int, **options: Any) -> Callable[[], Any]:
+    """`model.generate`, greedy, exactly `new_tokens` tokens; `options` such as
+    cache_implementation="static" select transformers' compiled path."""
     input_ids = torch.tensor([prompt], device=model.device)
     attention_mask = torch.ones_like(input_ids)
 
@@ -119,9 +132,33 @@ def baseline(model: Any, prompt: list[int], new_tokens: int) -> Callable[[], Any
                 min_new_tokens=0,
                 eos_token_id=None,
                 pad_token_id=0,
+                **options,
             )
 
     return run
+
+
+def linear_ceiling(model: Any, runs: int) -> float:
+    """Seconds for one pass over every linear layer's weights as matrix-vector products: what
+    a batch-1 decode step of these weights costs when nothing else runs. One CUDA graph on CUDA
+    (no launch gaps), plain calls elsewhere."""
+    device = model.device
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=device) for w in weights]
+
+    def one_pass() -> None:
+        for x, w in zip(inputs, weights, strict=True):
+            torch.nn.functional.linear(x, w)
+
+    with torch.inference_mode():
+        step: Callable[[], object] = one_pass
+        if device.type == "cuda":
+            one_pass()  # warm-up: cuBLAS picks its kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                one_pass()
+            step = graph.replay
+        return interleaved_medians({"ceiling": step}, max(runs, 5), device)["ceiling"]
 
 
 def prompt_of(length: int, vocab_size: int) -> list[int]:
@@ -136,8 +173,12 @@ def run_bench(
     new_tokens: int,
     runs: int,
     with_generate: bool = True,
+    with_compiled: bool | None = None,
+    context_fill: int | None = None,
     engine: Engine | None = None,
 ) -> BenchReport:
+    """`with_compiled` (default: on CUDA) adds transformers' compiled path; `context_fill` times
+    decode with that many tokens already in the cache."""
     device = loaded.device
     vocab = loaded.model.config.get_text_config().vocab_size
     # End-of-sequence off: every run produces exactly the tokens asked for.
@@ -149,7 +190,8 @@ def run_bench(
         device=str(device),
         dtype=loaded.dtype_name,
         quant=loaded.quant,
-        fast=engine.static_cache,
+        engine=engine.name,
+        graphs=engine.backend.captures_graphs,
         weight_bytes=loaded.weight_bytes,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
         runs=runs,
@@ -177,11 +219,28 @@ def run_bench(
             "generate/1": baseline(loaded.model, prompt, 1),
             "generate/n": baseline(loaded.model, prompt, new_tokens),
         }
+    if with_compiled if with_compiled is not None else device.type == "cuda":
+        static = {"cache_implementation": "static"}
+        contenders |= {
+            "compiled/1": baseline(loaded.model, prompt, 1, **static),
+            "compiled/n": baseline(loaded.model, prompt, new_tokens, **static),
+        }
+    if context_fill and context_fill + new_tokens <= loaded.context_length:
+        filled = prompt_of(context_fill, vocab)
+        contenders |= {"fill/1": ours(engine, filled, 1), "fill/n": ours(engine, filled, new_tokens)}
+        report.context_fill = context_fill
     medians = interleaved_medians(contenders, runs, device)
+
+    def decode_rate(name: str) -> float | None:
+        if f"{name}/n" not in medians:
+            return None
+        return (new_tokens - 1) / (medians[f"{name}/n"] - medians[f"{name}/1"])
+
     results = [ours(engine, prompt, new_tokens)() for _ in range(runs)]
     gaps = sorted(gap for result in results for gap in result.stats.inter_token_s)
     report.ttft_s = statistics.median(result.stats.ttft_s for result in results)
-    report.decode_tok_s = (new_tokens - 1) / (medians["ours/n"] - medians["ours/1"])
+    report.decode_tok_s = decode_rate("ours") or 0.0
+    report.decode_tok_s_at_fill = decode_rate("fill")
     report.itl_p50_ms = 1000 * gaps[len(gaps) // 2] if gaps else 0.0
     report.itl_p99_ms = 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] if gaps else 0.0
     bytes_per_token = loaded.weight_bytes + loaded.kv_bytes_per_token * (lengths[0] + new_tokens / 2)
@@ -189,9 +248,14 @@ def run_bench(
     report.roofline_pct = 100 * report.achieved_gb_s / report.bandwidth_gb_s
     if with_generate:
         report.generate_ttft_s = medians["generate/1"]
-        report.generate_decode_tok_s = (new_tokens - 1) / (medians["generate/n"] - medians["generate/1"])
+        report.generate_decode_tok_s = decode_rate("generate")
         report.generate_achieved_gb_s = bytes_per_token * report.generate_decode_tok_s / 1e9
         report.speedup_vs_generate = report.decode_tok_s / report.generate_decode_tok_s
+    report.compiled_decode_tok_s = decode_rate("compiled")
+    if report.compiled_decode_tok_s:
+        report.speedup_vs_compiled = report.decode_tok_s / report.compiled_decode_tok_s
+    report.ceiling_tok_s = 1 / linear_ceiling(loaded.model, runs)
+    report.ceiling_pct = 100 * report.decode_tok_s / report.ceiling_tok_s
     report.peak_memory_bytes = peak_memory(device)
     return report
 
@@ -212,25 +276,36 @@ def render_table(report: BenchReport) -> str:
     def num(value: float | None, digits: int = 1) -> str:
         return "—" if value is None else f"{value:.{digits}f}"
 
-    rows = [(f"prefill tok/s @ {n}", num(rate), "") for n, rate in report.prefill_tok_s.items()]
+    def pct_of_bandwidth(achieved: float | None) -> str:
+        return num(None if achieved is None else 100 * achieved / report.bandwidth_gb_s)
+
+    first_length = next(iter(report.prefill_tok_s))
+    rows = [(f"prefill tok/s @ {n}", num(rate), "", "") for n, rate in report.prefill_tok_s.items()]
     rows += [
-        (f"TTFT ms @ {next(iter(report.prefill_tok_s))}", ms(report.ttft_s), ms(report.generate_ttft_s)),
-        ("decode tok/s", num(report.decode_tok_s), num(report.generate_decode_tok_s)),
-        ("inter-token ms p50 / p99", f"{report.itl_p50_ms:.2f} / {report.itl_p99_ms:.2f}", ""),
-        ("achieved GB/s", num(report.achieved_gb_s), num(report.generate_achieved_gb_s)),
+        (f"TTFT ms @ {first_length}", ms(report.ttft_s), ms(report.generate_ttft_s), ""),
+        (
+            f"decode tok/s @ {first_length}",
+            num(report.decode_tok_s),
+            num(report.generate_decode_tok_s),
+            num(report.compiled_decode_tok_s),
+        ),
+    ]
+    if report.context_fill is not None:
+        rows.append((f"decode tok/s @ {report.context_fill}", num(report.decode_tok_s_at_fill), "", ""))
+    rows += [
+        ("inter-token ms p50 / p99", f"{report.itl_p50_ms:.2f} / {report.itl_p99_ms:.2f}", "", ""),
+        ("achieved GB/s", num(report.achieved_gb_s), num(report.generate_achieved_gb_s), ""),
         (
             "% of measured bandwidth",
             num(report.roofline_pct),
-            num(
-                None
-                if report.generate_achieved_gb_s is None
-                else 100 * report.generate_achieved_gb_s / report.bandwidth_gb_s
-            ),
+            pct_of_bandwidth(report.generate_achieved_gb_s),
+            "",
         ),
-        ("peak memory", format_bytes(report.peak_memory_bytes), ""),
+        ("peak memory", format_bytes(report.peak_memory_bytes), "", ""),
     ]
     head = (
-        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · fast {report.fast} · "
+        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
+        f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
         f"weights {format_bytes(report.weight_bytes)} · "
         f"bandwidth {report.bandwidth_gb_s:.1f} GB/s (measured) · "
         f"{report.new_tokens} new tokens · median of {report.runs} runs"
@@ -238,10 +313,22 @@ def render_table(report: BenchReport) -> str:
     lines = [
         head,
         "",
-        f"| {'':26} | {'llmcli':>14} | {'model.generate':>14} |",
-        f"|{'-' * 28}|{'-' * 16}|{'-' * 16}|",
+        f"| {'':26} | {'llmcli':>14} | {'model.generate':>14} | {'compiled static':>15} |",
+        f"|{'-' * 28}|{'-' * 16}|{'-' * 16}|{'-' * 17}|",
     ]
-    lines += [f"| {name:26} | {ours:>14} | {theirs:>14} |" for name, ours, theirs in rows]
+    lines += [
+        f"| {name:26} | {ours:>14} | {eager:>14} | {compiled:>15} |" for name, ours, eager, compiled in rows
+    ]
+    lines.append("")
+    if report.ceiling_tok_s is not None:
+        lines.append(
+            f"ceiling (the linear layers alone, one GEMV each{', one CUDA graph' if report.graphs else ''}): "
+            f"{report.ceiling_tok_s:.1f} tok/s; llmcli reaches {report.ceiling_pct:.0f} % of it"
+        )
     if report.speedup_vs_generate is not None:
-        lines += ["", f"llmcli decodes {report.speedup_vs_generate:.2f}× as fast as model.generate"]
+        lines.append(f"llmcli decodes {report.speedup_vs_generate:.2f}× as fast as model.generate")
+    if report.speedup_vs_compiled is not None:
+        lines.append(
+            f"llmcli decodes {report.speedup_vs_compiled:.2f}× as fast as transformers' compiled path"
+        )
     return "\n".join(lines)

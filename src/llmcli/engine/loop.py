@@ -4,10 +4,8 @@ The engine owns the KV cache and the exact token ids it holds (`cached_ids`), so
 whose prompt starts with those ids prefills only the rest. It never prints: a `Generation` yields
 text pieces and ends with a `GenerationResult`.
 
-Two caches: a DynamicCache that grows with the text, or (`fast`) a static cache preallocated for
-the whole context, whose fixed shapes let the one-token decode step be captured as a CUDA graph.
-Cropping a static cache is moving its write position back: what lies past it is never attended
-to (the causal mask stops at the current position) and is overwritten by the next tokens.
+Which backend runs the forward pass (llmcli's native one, or transformers) is settled when the
+engine is made; the loop never asks.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from llmcli.engine.stats import GenerationStats
 from llmcli.errors import ContextOverflowError
 
 if TYPE_CHECKING:
+    from llmcli.engine.backend import Backend
     from llmcli.models.load import LoadedModel
 
 
@@ -46,82 +45,41 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class Engine:
-    def __init__(
-        self,
-        model: Any,
-        eos_token_ids: frozenset[int],
-        context_length: int,
-        *,
-        static_cache: bool = False,
-        compile_decode: bool = False,
-    ) -> None:
-        self.model = model
-        self.device = model.device
+    """The loop's state between calls: a backend and the exact token ids its KV cache holds."""
+
+    def __init__(self, backend: Backend, eos_token_ids: frozenset[int], context_length: int) -> None:
+        self.backend = backend
+        self.device = backend.device
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
-        self.static_cache = static_cache or compile_decode  # graphs need fixed shapes
-        self.cache: Any = None
-        self.cached_ids: list[int] = []  # exactly the tokens whose keys/values sit in `cache`
-        self._decode = self._decode_eager
-        if compile_decode:
-            from llmcli.engine.graphs import compile_decode_step
-
-            self._decode = compile_decode_step(self._decode_eager)
+        self.cached_ids: list[int] = []  # exactly the tokens whose keys/values the backend holds
 
     @classmethod
     def for_loaded(cls, loaded: LoadedModel) -> Engine:
-        """The engine a loaded model asked for: graph-captured decode on a static cache where that
-        pays (CUDA, unless --no-fast), the dynamic cache elsewhere (--fast on CPU: static only)."""
-        return cls(
-            loaded.model,
-            loaded.eos_token_ids,
-            loaded.context_length,
-            static_cache=loaded.fast_decode,
-            compile_decode=loaded.fast_decode and loaded.device.type == "cuda",
-        )
+        """The engine a loaded model asked for (--engine, --fast), on the backend that runs it."""
+        from llmcli.engine.choose import backend_for
+
+        return cls(backend_for(loaded), loaded.eos_token_ids, loaded.context_length)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
 
     def reset(self) -> None:
-        """Forget everything cached. A static cache keeps its memory: a CUDA graph replays on
-        those very addresses, and a new allocation would mean capturing it again."""
-        if self.static_cache:
-            self.crop_to(0)
-        else:
-            self.cache = None
+        """Forget everything cached."""
+        self.backend.reset()
         self.cached_ids = []
 
     def warm_up(self) -> float:
-        """Pay the compile and capture cost now rather than in the first reply; seconds taken."""
-        start = time.perf_counter()
-        first = self.prefill([0])
-        token = first.argmax(dim=-1)
-        for _ in range(3):  # the first runs compile, the next ones record and replay the graph
-            self.decode_step(token)
-            self.cached_ids.append(int(token))
-        self.reset()
-        return time.perf_counter() - start
+        """Pay graph capture (or compilation) now rather than in the first reply; seconds taken."""
+        seconds = self.backend.warm_up()
+        self.cached_ids = []
+        return seconds
 
-    @torch.inference_mode()  # the cache's tensors were made in inference mode
     def crop_to(self, keep: int) -> None:
-        """Forget cached tokens past the first `keep`.
-
-        Layer by layer, because a forward pass interrupted by Ctrl-C may have appended to some
-        layers and not to others: after this, every layer holds exactly `keep` positions.
-        """
+        """Forget cached tokens past the first `keep`."""
         del self.cached_ids[keep:]
-        if self.cache is None:
-            return
-        for layer in self.cache.layers:
-            if self.static_cache:
-                # transformers ≥ 5.2 keeps each static layer's write position in a tensor; older
-                # versions write where cache_position says, which we always pass.
-                position = getattr(layer, "cumulative_length", None)
-                if isinstance(position, torch.Tensor):
-                    position.fill_(keep)
-                continue
-            extra = layer.get_seq_length() - keep
-            if extra > 0:
-                # A negative count removes that many tokens, in transformers 4.5x and 5.x alike.
-                layer.crop(-extra)
+        self.backend.crop(keep)
 
     def restore_consistency(self) -> None:
         """After an interrupted call: make the cache hold exactly `cached_ids` again."""
@@ -152,42 +110,15 @@ class Engine:
             self.prefill(ids[keep:])
         return len(ids) - keep
 
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache, StaticCache
-
-        if self.static_cache:
-            return StaticCache(config=self.model.config, max_cache_len=self.context_length)
-        return DynamicCache(config=self.model.config)
-
-    @torch.inference_mode()
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Run `ids` after what is cached, in one pass; the logits for the next token, [1, vocab]."""
-        if self.cache is None:
-            self.cache = self._new_cache()
-        start = len(self.cached_ids)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)
-        out = self.model(
-            input_ids=input_ids,
-            past_key_values=self.cache,
-            cache_position=positions,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        logits = self.backend.prefill(ids)
         self.cached_ids.extend(ids)
-        return out.logits[:, -1, :]
+        return logits
 
-    @torch.inference_mode()
     def decode_step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one sampled token (shape [1]); the logits for the one after it, [1, vocab]."""
-        position = torch.tensor([len(self.cached_ids)], device=self.device)
-        return self._decode(token.view(1, 1), position)
-
-    def _decode_eager(self, input_ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids, past_key_values=self.cache, cache_position=position, use_cache=True
-        )
-        return out.logits[:, -1, :]
+        return self.backend.decode(token)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Any) -> Generation:
         if len(prompt_ids) >= self.context_length:

@@ -92,7 +92,7 @@ def run(request: BatchRequest) -> int:
                 params,
                 loaded.eos_token_ids,
                 loaded.context_length,
-                static_cache=loaded.fast_decode,
+                static_cache=bool(loaded.fast),
             )
             if fitting
             else []

@@ -20,6 +20,8 @@ class BenchRequest:
     new_tokens: int
     runs: int
     with_generate: bool
+    with_compiled: bool | None
+    context_fill: int | None
     json: bool
     load: LoadSettings
 
@@ -42,6 +44,8 @@ def run(request: BenchRequest) -> int:
             new_tokens=request.new_tokens,
             runs=request.runs,
             with_generate=request.with_generate,
+            with_compiled=request.with_compiled,
+            context_fill=request.context_fill,
             engine=engine,
         )
     sys.stdout.write((json.dumps(report.as_dict()) if request.json else render_table(report)) + "\n")

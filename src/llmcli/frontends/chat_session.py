@@ -228,7 +228,7 @@ class ChatSession:
         loaded = self.loaded
         settings = " · ".join(f"{k} {v!r}" for k, v in self.params.as_dict().items())
         self.view.info(
-            f"model {loaded.name} · {loaded.memory_summary()}\n"
+            f"model {loaded.name} · {loaded.memory_summary()} · engine {self.engine.name}\n"
             f"context {len(self.conversation.ids)}/{self.context_length} tokens · "
             f"{len(self.conversation.messages) // 2} exchanges · cache holds {len(self.engine.cached_ids)}\n"
             f"system {self.conversation.system or '(none)'}\n{settings}"

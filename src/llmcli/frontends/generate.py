@@ -91,6 +91,7 @@ def run(request: GenerateRequest) -> int:
             "device": str(loaded.device),
             "dtype": loaded.dtype_name,
             "quant": loaded.quant,
+            "engine": engine.name,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
             "sampling": params.as_dict(),
@@ -101,6 +102,7 @@ def run(request: GenerateRequest) -> int:
     if request.stats:
         terminal.note(
             f"{loaded.name} · {result.stats.summary()} · {result.finish_reason} · {loaded.memory_summary()}"
+            f" · engine {engine.name}"
         )
     return exit_code
 

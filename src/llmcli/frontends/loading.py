@@ -36,12 +36,13 @@ def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> Loaded
 
 
 def engine_with_feedback(loaded: LoadedModel) -> Engine:
-    """The loaded model's engine; a graph-captured decode step is compiled now, with a spinner."""
+    """The loaded model's engine; a decode step to capture as a CUDA graph is captured now."""
     from llmcli.engine.loop import Engine
 
     engine = Engine.for_loaded(loaded)
-    if loaded.fast_decode and loaded.device.type == "cuda":
+    if engine.backend.captures_graphs:
         with terminal.status("Capturing the decode step as a CUDA graph (once per process)…"):
             seconds = engine.warm_up()
-        terminal.note(f"Decode step compiled and captured in {seconds:.1f} s.")
+        if seconds > 1:  # worth a line only when it is noticeable
+            terminal.note(f"Decode step captured in {seconds:.1f} s.")
     return engine

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from llmcli.config.settings import LoadSettings
-from llmcli.engine.graphs import fast_path_default
 from llmcli.errors import LlmcliError, ModelLoadError
 from llmcli.models.memory import (
     FitRequest,
@@ -54,7 +53,8 @@ class LoadedModel:
     quant: str = "none"  # none, int8, int4-nf4, int4-fp4, or a pre-quantized checkpoint's method
     kv_bytes_per_token: int = 0
     notes: tuple[str, ...] = ()  # things the user should hear about (a context lowered to fit)
-    fast_decode: bool = False  # decode on a static cache (and as a CUDA graph on CUDA)
+    fast: bool | None = None  # --fast/--no-fast as asked; the engine decides what it means for it
+    engine: str = "auto"  # --engine as asked: auto, native or transformers
 
     @property
     def has_chat_template(self) -> bool:
@@ -79,6 +79,8 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", module="transformers")
     warnings.filterwarnings("ignore", module="bitsandbytes")
+    # inductor's advice to enable TF32, printed whenever something compiles in fp32 on a GPU.
+    warnings.filterwarnings("ignore", message=".*TensorFloat32.*")
     silence_bitsandbytes()  # also for checkpoints that come quantized, without --quant
     if not sys.stderr.isatty():
         from huggingface_hub.utils import disable_progress_bars
@@ -326,7 +328,8 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         quant=quant_label(settings.quant, settings.quant_type, config),
         kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
         notes=(context_note,) if context_note else (),
-        fast_decode=fast_path_default(device.type, settings.fast),
+        fast=settings.fast,
+        engine=settings.engine,
     )
 
 
@@ -364,7 +367,8 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
         context_length=min(model_context, settings.context_length or model_context),
         weight_bytes=measured_weight_bytes(model),
         kv_bytes_per_token=kv_bytes_per_token(config, dtype.itemsize),
-        fast_decode=fast_path_default(device.type, settings.fast),
+        fast=settings.fast,
+        engine=settings.engine,
     )
 
 

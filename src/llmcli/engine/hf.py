@@ -1,0 +1,124 @@
+"""The transformers backend: any architecture transformers runs, through its own model code.
+
+The fallback for architectures the native engine does not implement, and the reference it is
+tested against. Two caches: a DynamicCache that grows with the text, or (`static_cache`) a
+StaticCache preallocated for the whole context, whose fixed shapes let `torch.compile`'s
+reduce-overhead mode capture the decode step as a CUDA graph (`compile_decode`, opt-in).
+Cropping a static cache moves each layer's write position back: what lies past it is never
+attended to (the causal mask stops at the current position) and is overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class TransformersBackend:
+    name = "transformers"
+
+    def __init__(
+        self, model: Any, context_length: int, *, static_cache: bool = False, compile_decode: bool = False
+    ) -> None:
+        self.model = model
+        self.device = model.device
+        self.context_length = context_length
+        self.static_cache = static_cache or compile_decode  # graphs need fixed shapes
+        self.cache: Any = None
+        self._length = 0
+        self.compiled = compile_decode
+        self._decode = _compiled(self._decode_eager) if compile_decode else self._decode_eager
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache, StaticCache
+
+        if self.static_cache:
+            return StaticCache(config=self.model.config, max_cache_len=self.context_length)
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = self._new_cache()
+        start = self._length
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+            past_key_values=self.cache,
+            cache_position=torch.arange(start, start + len(ids), device=self.device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._length = start + len(ids)
+        return out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        position = torch.tensor([self._length], device=self.device)
+        logits = self._decode(token.view(1, 1), position)
+        self._length += 1
+        return logits
+
+    def _decode_eager(self, input_ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, past_key_values=self.cache, cache_position=position, use_cache=True
+        )
+        return out.logits[:, -1, :]
+
+    @torch.inference_mode()  # the cache's tensors were made in inference mode
+    def crop(self, length: int) -> None:
+        """Layer by layer, because a forward pass interrupted by Ctrl-C may have appended to some
+        layers and not to others: after this, every layer holds exactly `length` positions."""
+        self._length = min(self._length, length)
+        if self.cache is None:
+            return
+        for layer in self.cache.layers:
+            if self.static_cache:
+                # transformers ≥ 5.2 keeps each static layer's write position in a tensor; older
+                # versions write where cache_position says, which we always pass.
+                position = getattr(layer, "cumulative_length", None)
+                if isinstance(position, torch.Tensor):
+                    position.fill_(length)
+                continue
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                # A negative count removes that many tokens, in transformers 4.5x and 5.x alike.
+                layer.crop(-extra)
+
+    def reset(self) -> None:
+        """A static cache keeps its memory: a CUDA graph replays on those very addresses."""
+        if self.static_cache:
+            self.crop(0)
+        else:
+            self.cache = None
+        self._length = 0
+
+    @property
+    def captures_graphs(self) -> bool:
+        return self.compiled
+
+    def warm_up(self) -> float:
+        """Pay the compile and capture cost now rather than in the first reply."""
+        start = time.perf_counter()
+        token = self.prefill([0]).argmax(dim=-1)
+        for _ in range(3):  # the first runs compile, the next ones record and replay the graph
+            token = self.decode(token).argmax(dim=-1)
+        self.reset()
+        return time.perf_counter() - start
+
+
+def _compiled(step: Callable[..., Any]) -> Callable[..., Any]:
+    """The step under torch.compile's reduce-overhead mode (CUDA graphs): paid once per process,
+    with inductor's artefacts kept in llmcli's cache so the next process compiles faster."""
+    from llmcli.config.paths import cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    # The step's inputs change every token; the cache tensors are marked static by transformers.
+    return torch.compile(step, mode="reduce-overhead", fullgraph=False, dynamic=False)

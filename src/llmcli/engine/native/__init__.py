@@ -1,0 +1,1 @@
+"""llmcli's own forward pass for the Llama family, its KV cache, and its CUDA graphs."""

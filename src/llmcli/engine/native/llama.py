@@ -1,0 +1,301 @@
+"""llmcli's own forward pass for the Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM.
+
+    embedding → N × (RMSNorm → attention with RoPE and the KV cache → RMSNorm → gated MLP) → norm
+    → logits of the last position only
+
+It reads the very tensors transformers loaded. The weights used together are stored together
+(q/k/v as one matrix, gate/up as one), and transformers' own modules are pointed at views of
+the fused matrices, so the model is still whole for transformers and no weight is held twice.
+What differs between the families is settled once, here, when the model is built: QKV bias
+(Qwen2), q/k RMSNorm (Qwen3), RoPE scaling (`llama3`, read from transformers' own inv_freq),
+tied embeddings, grouped-query attention, a head_dim that is not hidden/heads. The per-token
+path has no configuration branches and no Python work that does not launch a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmcli.engine.native.kvcache import KVCache
+
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+# RoPE whose frequencies do not depend on the sequence length: the table transformers built at
+# load time is the whole story. ("dynamic" and "longrope" rescale with the length.)
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+class NotSupported(Exception):
+    """This model cannot run on the native engine; the message says why."""
+
+
+def check_supported(model: Any, context_length: int) -> None:
+    """Raise NotSupported unless `model` reduces to the architecture this module implements."""
+    config = model.config
+    name = type(model).__name__
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise NotSupported(f"{name} is not in the Llama family")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotSupported(f"activation {config.hidden_act!r}")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise NotSupported(f"RoPE type {rope_type!r}")
+    window = _sliding_window(config)
+    if window is not None and window < context_length:
+        raise NotSupported(
+            f"sliding-window attention ({window} tokens) with a {context_length}-token context"
+        )
+    linears = [m for m in model.modules() if type(m).__name__.startswith("Linear")]
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        raise NotSupported("quantized linear layers (bitsandbytes)")
+    if len({p.device for p in model.parameters()}) > 1 or model.device.type == "meta":
+        raise NotSupported("weights spread over several devices (--offload)")
+
+
+def _sliding_window(config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2/3 carry a window they don't use
+        return None
+    return window
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+class RMSNorm:
+    """transformers' RMSNorm: normalised in fp32, scaled in the model's dtype."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight = weight
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class FeedForward:
+    """SwiGLU: down(silu(gate(x)) · up(x)), with gate and up as one matrix."""
+
+    def __init__(self, mlp: Any) -> None:
+        self.gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
+        self.gate_up_bias = _fuse_bias(mlp.gate_proj, mlp.up_proj)
+        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+
+
+class Attention:
+    def __init__(self, attn: Any, shape: Shape, layer: int) -> None:
+        self.layer = layer
+        self.shape = shape
+        self.qkv = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_bias = _fuse_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.out, self.out_bias = attn.o_proj.weight, attn.o_proj.bias
+        self.sizes = [shape.heads * shape.head_dim, *[shape.kv_heads * shape.head_dim] * 2]
+        # Qwen3 normalises each head of q and k before RoPE; the others do nothing there.
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = RMSNorm(q_norm.weight, shape.eps) if q_norm is not None else _identity
+        self.k_norm = RMSNorm(k_norm.weight, shape.eps) if k_norm is not None else _identity
+        self.scale = shape.head_dim**-0.5
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d], RoPE applied to q and k."""
+        tokens, d = x.shape[0], self.shape.head_dim
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.sizes, dim=-1)
+        q = self.q_norm(q.view(tokens, -1, d)).transpose(0, 1)
+        k = self.k_norm(k.view(tokens, -1, d)).transpose(0, 1)
+        v = v.view(tokens, -1, d).transpose(0, 1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Tokens at cache.length … cache.length + T − 1, each attending to everything before it."""
+        q, k, v = self.project(x, cos, sin)
+        keys, values = cache.write(self.layer, k, v)  # everything up to and including these tokens
+        start = keys.shape[1] - q.shape[1]
+        # A chunk after `start` cached tokens: row i sees positions ≤ start + i. From an empty
+        # cache that is plain causal attention, which has the fastest kernels.
+        mask = None
+        if start > 0 and q.shape[1] > 1:
+            mask = torch.ones(q.shape[1], keys.shape[1], dtype=torch.bool, device=x.device).tril(start)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=start == 0 and q.shape[1] > 1,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return F.linear(out[0].transpose(0, 1).reshape(x.shape[0], -1), self.out, self.out_bias)
+
+    def decode(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One token's query [heads, 1, d] against `keys`/`values`, its own k/v already in them.
+
+        Grouped-query attention without copying keys: the G query heads that share a KV head
+        are laid out as G "query positions" of that head, so one SDPA call covers them all.
+        """
+        shape = self.shape
+        q = q.reshape(1, shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim)
+        out = F.scaled_dot_product_attention(
+            q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=self.scale
+        )
+        return F.linear(out.reshape(1, -1), self.out, self.out_bias)
+
+
+class Block:
+    def __init__(self, layer: Any, shape: Shape, index: int) -> None:
+        self.attention_norm = RMSNorm(layer.input_layernorm.weight, shape.eps)
+        self.attention = Attention(layer.self_attn, shape, index)
+        self.ffn_norm = RMSNorm(layer.post_attention_layernorm.weight, shape.eps)
+        self.feed_forward = FeedForward(layer.mlp)
+
+
+class Transformer:
+    """The model as a plain function of token ids, positions and a KVCache."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        heads = config.num_attention_heads
+        self.shape = Shape(
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            eps=config.rms_norm_eps,
+        )
+        body = model.model
+        self.embedding = body.embed_tokens.weight
+        self.blocks = [Block(layer, self.shape, i) for i, layer in enumerate(body.layers)]
+        self.norm = RMSNorm(body.norm.weight, self.shape.eps)
+        self.output = model.lm_head.weight  # the embedding itself when tied
+        # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
+        self.inv_freq = body.rotary_emb.inv_freq.float()
+        self.rope_scale = float(getattr(body.rotary_emb, "attention_scaling", 1.0))
+        self.device = self.embedding.device
+        self.dtype = self.embedding.dtype
+
+    def new_cache(self, context_length: int) -> KVCache:
+        shape = self.shape
+        return KVCache(shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] for these positions, computed as transformers computes them."""
+        freqs = positions.float()[:, None] * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.rope_scale).to(self.dtype), (angles.sin() * self.rope_scale).to(
+            self.dtype
+        )
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(h[-1:]), self.output).float()
+
+    def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run `ids` [T] after what `cache` holds; logits [1, vocab] for the token after them."""
+        start = cache.length
+        cache.ensure(start + ids.shape[0])
+        cos, sin = self.rope(torch.arange(start, start + ids.shape[0], device=self.device))
+        h = F.embedding(ids, self.embedding)
+        for block in self.blocks:
+            h = h + block.attention.prefill(block.attention_norm(h), cos, sin, cache)
+            h = h + block.feed_forward(block.ffn_norm(h))
+        cache.length = start + ids.shape[0]
+        return self.logits(h)
+
+    def decode(
+        self, token: torch.Tensor, position: torch.Tensor, cache: KVCache, attend: int, masked: bool
+    ) -> torch.Tensor:
+        """One token [1] at `position` (a [1] tensor on the device); logits [1, vocab].
+
+        Attention reads the first `attend` cache slots. With `masked`, slots past `position` are
+        masked out, so one fixed `attend` (a length bucket) serves every position below it: the
+        shapes and addresses stay the same from token to token, which a CUDA graph needs.
+        Without it, `attend` must be exactly position + 1. The caller advances cache.length.
+        """
+        cos, sin = self.rope(position)
+        mask = None
+        if masked:
+            mask = (torch.arange(attend, device=self.device) <= position).view(1, 1, 1, attend)
+        h = F.embedding(token, self.embedding)
+        for block in self.blocks:
+            attention = block.attention
+            q, k, v = attention.project(block.attention_norm(h), cos, sin)
+            keys, values = cache.write_one(attention.layer, k, v, position, attend)
+            h = h + attention.decode(q, keys, values, mask)
+            h = h + block.feed_forward(block.ffn_norm(h))
+        return self.logits(h)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _fuse(*linears: Any) -> torch.Tensor:
+    """One matrix for linears that always run together, and the originals made views of it, so
+    transformers' modules still work and the weights are not held twice. A model fused before
+    (a second engine on the same model) is fused already."""
+    previous = getattr(linears[0], "_llmcli_fused", None)
+    if previous is not None and linears[0].weight.data_ptr() == previous.data_ptr():
+        return previous
+    fused = torch.cat([linear.weight.detach() for linear in linears], dim=0)
+    linears[0]._llmcli_fused = fused
+    offset = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(fused[offset : offset + rows], requires_grad=False)
+        offset += rows
+    return fused
+
+
+def _fuse_bias(*linears: Any) -> torch.Tensor | None:
+    if all(linear.bias is None for linear in linears):
+        return None
+    previous = getattr(linears[0], "_llmcli_fused_bias", None)
+    if (
+        previous is not None
+        and linears[0].bias is not None
+        and linears[0].bias.data_ptr() == previous.data_ptr()
+    ):
+        return previous
+    parts = [
+        linear.bias.detach()
+        if linear.bias is not None
+        else torch.zeros(linear.weight.shape[0], dtype=linear.weight.dtype, device=linear.weight.device)
+        for linear in linears
+    ]
+    fused = torch.cat(parts)
+    linears[0]._llmcli_fused_bias = fused
+    offset = 0
+    for linear, part in zip(linears, parts, strict=True):
+        if linear.bias is not None:
+            linear.bias = torch.nn.Parameter(fused[offset : offset + part.shape[0]], requires_grad=False)
+        offset += part.shape[0]
+    return fused
