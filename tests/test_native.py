@@ -158,3 +158,43 @@ def test_engine_auto_falls_back_to_transformers_and_native_refuses(loaded_tiny) 
     assert Engine.for_loaded(dataclasses.replace(loaded_tiny, engine="auto")).name == "native"
     with pytest.raises(LlmcliError, match="--engine native cannot run"):
         Engine.for_loaded(dataclasses.replace(other, engine="native"))
+
+
+@torch.inference_mode()
+def test_a_prompt_longer_than_a_prefill_chunk_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmcli.engine.native import backend
+
+    model = build("llama", {})
+    ids = prompt(150, seed=2)
+    whole = NativeBackend(model, CONTEXT).prefill(ids)
+    monkeypatch.setattr(backend, "PREFILL_CHUNK", 64)
+    chunked = NativeBackend(model, CONTEXT)
+    torch.testing.assert_close(chunked.prefill(ids), whole, rtol=0, atol=1e-4)
+    assert chunked.length == 150
+
+
+def test_engine_setting_from_flag_env_and_config(tiny_llama, tmp_path, monkeypatch) -> None:
+    import json
+
+    from cli_helpers import run_cli
+
+    args = ["generate", "-m", str(tiny_llama), "-t", "0", "-n", "8", "--json", "Hello"]
+    native = run_cli(*args)
+    assert native.returncode == 0, native.stderr.decode()
+    assert json.loads(native.stdout)["engine"] == "native"
+    via_flag = run_cli(*args, "--engine", "transformers")
+    assert json.loads(via_flag.stdout)["engine"] == "transformers"
+    assert json.loads(via_flag.stdout)["text"] == json.loads(native.stdout)["text"]
+    monkeypatch.setenv("LLMCLI_ENGINE", "transformers")
+    assert json.loads(run_cli(*args).stdout)["engine"] == "transformers"
+    monkeypatch.delenv("LLMCLI_ENGINE")
+    config = tmp_path / "config.toml"
+    config.write_text('[defaults]\nengine = "transformers"\n')
+    monkeypatch.setenv("LLMCLI_CONFIG", str(config))
+    assert json.loads(run_cli(*args).stdout)["engine"] == "transformers"
+    assert json.loads(run_cli(*args, "--engine", "native").stdout)["engine"] == "native"  # flag wins
+    bad = run_cli(*args, "--engine", "fast")
+    assert bad.returncode == 2
+    assert bad.stderr.decode().strip().splitlines() == [
+        "llmcli: error: --engine must be one of auto, native, transformers, got 'fast'"
+    ]

@@ -10,6 +10,11 @@ import torch
 from llmcli.engine.native.graphs import DecodeGraphs
 from llmcli.engine.native.llama import Transformer
 
+# Long prompts are prefilled in chunks: attention after cached tokens needs a mask of chunk ×
+# cached positions (and, on kernels without grouped-query support, scores as large), which a
+# chunk bounds; each chunk is still large enough to keep the matrix units busy.
+PREFILL_CHUNK = 1024
+
 
 class NativeBackend:
     """`graphs`: replay the decode step as a CUDA graph per length bucket. `static_shapes`:
@@ -36,7 +41,10 @@ class NativeBackend:
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> torch.Tensor:
-        return self.net.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache)
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        for chunk in tokens.split(PREFILL_CHUNK):
+            logits = self.net.prefill(chunk, self.cache)
+        return logits
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:

@@ -48,13 +48,15 @@ class KVCache:
         if positions > self.context_length:
             raise ValueError(f"{positions} positions do not fit a {self.context_length}-token cache")
         capacity = self.bucket_for(positions)
+        # Before the first tensor moves: an out-of-memory error half way must not leave a graph
+        # believing the moved layers are still where they were.
+        self.storage_version += 1
         for store in (self.keys, self.values):
             for layer, old in enumerate(store):
                 new = self._empty(capacity)
                 new[:, : self.length] = old[:, : self.length]
                 store[layer] = new  # one layer at a time: the old tensor goes before the next is made
         self.capacity = capacity
-        self.storage_version += 1
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [kv_heads, T, d] at positions length … length + T − 1; return the layer's
