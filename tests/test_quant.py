@@ -31,7 +31,10 @@ VARIANTS = [("none", "nf4"), ("int8", "nf4"), ("int4", "nf4"), ("int4", "fp4")]
 
 
 def load_variant(folder: Path, quant: str, quant_type: str = "nf4", double_quant: bool = True):
-    settings = LoadSettings(device="cpu", quant=quant, quant_type=quant_type, double_quant=double_quant)
+    """Quantized by bitsandbytes: --engine transformers keeps --quant int8/int4 off the native path."""
+    settings = LoadSettings(
+        device="cpu", quant=quant, quant_type=quant_type, double_quant=double_quant, engine="transformers"
+    )
     return load_model(ResolvedModel(name=folder.name, path=folder, source="folder"), settings)
 
 
@@ -208,10 +211,10 @@ def test_max_memory_lowers_the_context_and_says_so(demo_folder: Path) -> None:
 def test_quant_with_a_gguf_file_is_refused(tmp_path: Path) -> None:
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGUF")
-    proc = run_cli("generate", "-m", str(fake), "--quant", "int8", "hi")
+    proc = run_cli("generate", "-m", str(fake), "--quant", "nf4", "hi")
     # The file is not even readable as GGUF: the refusal must come before any attempt to read it.
     assert proc.returncode == 2
-    assert "does not apply to a GGUF file" in proc.stderr.decode()
+    assert "(bitsandbytes) does not apply to a GGUF file" in proc.stderr.decode()
 
 
 def test_quant_without_bitsandbytes_is_one_clear_line(tiny_llama: Path) -> None:
@@ -219,13 +222,13 @@ def test_quant_without_bitsandbytes_is_one_clear_line(tiny_llama: Path) -> None:
     import subprocess
 
     proc = subprocess.run(
-        [sys.executable, "-c", hide, "generate", "-m", str(tiny_llama), "--quant", "int4", "hi"],
+        [sys.executable, "-c", hide, "generate", "-m", str(tiny_llama), "--quant", "nf4", "hi"],
         capture_output=True,
         timeout=120,
     )
     err = proc.stderr.decode()
     assert proc.returncode == 1 and err.count("\n") == 1
-    assert "--quant int4 needs the bitsandbytes package" in err
+    assert "--quant nf4 needs the bitsandbytes package" in err
 
 
 def test_quant_on_a_prequantized_checkpoint_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
@@ -247,7 +250,7 @@ def test_quant_on_a_prequantized_checkpoint_is_refused(tiny_llama: Path, tmp_pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_load_on_gpu(tiny_llama: Path, quant: str) -> None:
-    settings = LoadSettings(device="cuda", quant=quant)
+    settings = LoadSettings(device="cuda", quant=quant, engine="transformers")  # bitsandbytes
     loaded = load_model(ResolvedModel(name="tiny", path=tiny_llama, source="folder"), settings)
     assert loaded.device.type == "cuda" and loaded.quant.startswith(quant)
     engine = engine_for(loaded, frozenset(), loaded.context_length)
@@ -258,8 +261,9 @@ def test_quantized_load_on_gpu(tiny_llama: Path, quant: str) -> None:
     assert len(generation.result.token_ids) == 8
 
 
-def test_quantized_generation_prints_nothing_but_the_text(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("quant", ["int8", "nf4"], ids=["native", "bitsandbytes"])
+def test_quantized_generation_prints_nothing_but_the_text(tiny_llama: Path, quant: str) -> None:
     """bitsandbytes logs a line per matmul on CPU; none of it may reach the user."""
-    proc = run_cli("generate", "-m", str(tiny_llama), "--quant", "int8", "-t", "0", "-n", "6", "--raw", "hi")
+    proc = run_cli("generate", "-m", str(tiny_llama), "--quant", quant, "-t", "0", "-n", "6", "--raw", "hi")
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stderr.decode() == ""

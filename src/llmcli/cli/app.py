@@ -112,7 +112,12 @@ AllowPickleOption = Annotated[
 ]
 
 QuantOption = Annotated[
-    str, typer.Option(help="Quantize on load with bitsandbytes: none, int8 or int4.", rich_help_panel=LOADING)
+    str,
+    typer.Option(
+        help="Quantize on load: int8 or int4 (llmcli's own kernels on the native engine, else "
+        "bitsandbytes), nf4 or fp4 (bitsandbytes), or none.",
+        rich_help_panel=LOADING,
+    ),
 ]
 QuantTypeOption = Annotated[str, typer.Option(help="For int4: nf4 or fp4.", rich_help_panel=LOADING)]
 DoubleQuantOption = Annotated[

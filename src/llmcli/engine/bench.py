@@ -13,6 +13,7 @@ interleaved so drift in machine speed hits them alike.
 
 from __future__ import annotations
 
+import functools
 import resource
 import statistics
 import sys
@@ -142,13 +143,24 @@ def linear_ceiling(model: Any, runs: int) -> float:
     """Seconds for one pass over every linear layer's weights as matrix-vector products: what
     a batch-1 decode step of these weights costs when nothing else runs. One CUDA graph on CUDA
     (no launch gaps), plain calls elsewhere."""
-    device = model.device
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=device) for w in weights]
+    from llmcli.engine.native.quant import QuantizedLinear
+
+    device, dtype = model.device, model.dtype
+    # Dense layers as bare matrix products; llmcli's quantized ones through their own kernels.
+    layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    widths: list[int] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            layers.append(functools.partial(torch.nn.functional.linear, weight=module.weight))
+            widths.append(module.in_features)
+        elif isinstance(module, QuantizedLinear):
+            layers.append(module.forward)
+            widths.append(module.in_features)
+    inputs = [torch.randn(1, width, dtype=dtype, device=device) for width in widths]
 
     def one_pass() -> None:
-        for x, w in zip(inputs, weights, strict=True):
-            torch.nn.functional.linear(x, w)
+        for x, layer in zip(inputs, layers, strict=True):
+            layer(x)
 
     with torch.inference_mode():
         step: Callable[[], object] = one_pass

@@ -91,6 +91,7 @@ def run(request: GenerateRequest) -> int:
             "device": str(loaded.device),
             "dtype": loaded.dtype_name,
             "quant": loaded.quant,
+            "quant_backend": loaded.quant_backend,
             "engine": engine.name,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,

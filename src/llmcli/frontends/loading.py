@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 
 
 def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> LoadedModel:
-    from llmcli.models.quant import gguf_refusal
+    from llmcli.models.quant import bitsandbytes_only, gguf_refusal
     from llmcli.models.resolve import default_model_spec, is_gguf_spec, resolve_model
 
     model_spec = model_spec or default_model_spec()
-    if settings.quant != "none" and is_gguf_spec(model_spec):
+    if bitsandbytes_only(settings.quant, settings.engine) and is_gguf_spec(model_spec):
         raise gguf_refusal(settings.quant)  # before a conversion that may take a minute
 
     def announce_conversion(path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from llmcli.config.settings import LoadSettings
-from llmcli.errors import LlmcliError, ModelLoadError
+from llmcli.errors import LlmcliError, ModelLoadError, UsageError
 from llmcli.models.memory import (
     FitRequest,
     available_host_memory,
@@ -32,7 +32,14 @@ from llmcli.models.memory import (
     measured_weight_bytes,
     safetensors_shapes,
 )
-from llmcli.models.quant import bitsandbytes_config, check_quant_request, quant_label, silence_bitsandbytes
+from llmcli.models.quant import (
+    bitsandbytes_config,
+    bitsandbytes_request,
+    check_quant_request,
+    native_quant_kind,
+    quant_label,
+    silence_bitsandbytes,
+)
 from llmcli.models.resolve import ResolvedModel
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,7 +57,8 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     context_length: int  # the context llmcli will use: the model's, or less (--ctx, or to fit memory)
     weight_bytes: int  # measured from the tensors in memory
-    quant: str = "none"  # none, int8, int4-nf4, int4-fp4, or a pre-quantized checkpoint's method
+    quant: str = "none"  # none, int8, int4-g64, int4-nf4, int4-fp4, or a pre-quantized checkpoint's method
+    quant_backend: str = "none"  # native (llmcli's own kernels), bitsandbytes, or the checkpoint's
     kv_bytes_per_token: int = 0
     notes: tuple[str, ...] = ()  # things the user should hear about (a context lowered to fit)
     fast: bool | None = None  # --fast/--no-fast as asked; the engine decides what it means for it
@@ -202,11 +210,10 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def quantization(settings: LoadSettings, dtype: torch.dtype) -> dict[str, Any]:
-    """from_pretrained's quantization_config, only when quantizing on load: passing None would
-    switch off the quantization a pre-quantized checkpoint's config asks for."""
-    config = bitsandbytes_config(
-        settings.quant, settings.quant_type, settings.double_quant, compute_dtype=dtype
-    )
+    """from_pretrained's quantization_config, only when bitsandbytes quantizes on load: passing
+    None would switch off the quantization a pre-quantized checkpoint's config asks for."""
+    quant, quant_type = bitsandbytes_request(settings.quant, settings.quant_type)
+    config = bitsandbytes_config(quant, quant_type, settings.double_quant, compute_dtype=dtype)
     return {"quantization_config": config} if config is not None else {}
 
 
@@ -267,11 +274,14 @@ def plan_context(
     )
 
 
-def prepare_device(settings: LoadSettings) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype to load onto, with libraries quieted and CPU threads chosen."""
+def prepare_device(settings: LoadSettings, native_quant: bool = False) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype to load onto, with libraries quieted and CPU threads chosen. Native
+    int8/int4 kernels are fast with bf16 activations only, so such a model computes in bf16."""
     quiet_libraries()
     device = choose_device(settings.device)
     dtype = choose_dtype(settings.dtype, device)
+    if native_quant and settings.dtype == "auto":
+        dtype = torch.bfloat16
     if device.type == "cpu":
         configure_cpu_threads(settings.threads)
     return device, dtype
@@ -280,10 +290,12 @@ def prepare_device(settings: LoadSettings) -> tuple[torch.device, torch.dtype]:
 def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device, dtype = prepare_device(settings)
     folder = resolved.path
     config = read_config(folder)
-    check_quant_request(settings.quant, device.type, resolved.source, config)
+    device = choose_device(settings.device)
+    native_quant = native_quant_kind(settings.quant, settings.engine, settings.offload, device.type, config)
+    device, dtype = prepare_device(settings, native_quant=native_quant is not None)
+    check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(resolved, settings, config, device, dtype)
     common = {"trust_remote_code": settings.trust_remote_code}
     try:
@@ -293,7 +305,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
             folder,
             dtype=dtype,
             use_safetensors=None if settings.allow_pickle else True,
-            **quantization(settings, dtype),
+            **(quantization(settings, dtype) if native_quant is None else {}),
             **placement(device, settings),
             **common,
         )
@@ -308,6 +320,14 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     except torch.OutOfMemoryError as error:
         raise out_of_memory_error(resolved, settings, config, device, dtype) from error
     model.eval()
+    quant = quant_label(settings.quant, settings.quant_type, config)
+    quant_backend = "bitsandbytes" if settings.quant != "none" else "none"
+    if native_quant is not None:
+        from llmcli.engine.native.quant import quantize_model
+
+        quant, quant_backend = quantize_model(model, native_quant), "native"
+    elif config.get("quantization_config"):
+        quant_backend = quant
     generation_config = read_generation_config(folder)
     dtype_bytes = dtype.itemsize
     return LoadedModel(
@@ -325,7 +345,8 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         ),
         context_length=context,
         weight_bytes=measured_weight_bytes(model),
-        quant=quant_label(settings.quant, settings.quant_type, config),
+        quant=quant,
+        quant_backend=quant_backend,
         kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
         notes=(context_note,) if context_note else (),
         fast=settings.fast,
@@ -339,9 +360,16 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     a folder holding one, or a Hub id whose config.json is fetched (cache first)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    device, dtype = prepare_device(settings)
     config_file = _config_file(config_spec)
     config = json.loads(config_file.read_text())
+    device = choose_device(settings.device)
+    native_quant = native_quant_kind(settings.quant, settings.engine, settings.offload, device.type, config)
+    if settings.quant != "none" and native_quant is None:
+        raise UsageError(
+            f"--quant {settings.quant} with --random-weights needs a model the native engine runs",
+            "random weights are quantized by llmcli's own int8/int4 only",
+        )
+    device, dtype = prepare_device(settings, native_quant=native_quant is not None)
     hf_config = AutoConfig.from_pretrained(
         config_file.parent if config_file.name == "config.json" else config_file
     )
@@ -355,6 +383,11 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
             f"out of memory building {config_spec} on {device} in {DTYPE_NAMES.get(dtype)}"
         ) from error
     model.eval()
+    quant = "none"
+    if native_quant is not None:
+        from llmcli.engine.native.quant import quantize_model
+
+        quant = quantize_model(model, native_quant)
     model_context = context_length_of(config)
     return LoadedModel(
         model=model,
@@ -366,6 +399,8 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
         eos_token_ids=frozenset(),
         context_length=min(model_context, settings.context_length or model_context),
         weight_bytes=measured_weight_bytes(model),
+        quant=quant,
+        quant_backend="native" if native_quant else "none",
         kv_bytes_per_token=kv_bytes_per_token(config, dtype.itemsize),
         fast=settings.fast,
         engine=settings.engine,

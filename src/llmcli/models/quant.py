@@ -1,4 +1,9 @@
-"""Quantized loading through bitsandbytes: INT8 (LLM.int8) and INT4 (NF4 or FP4).
+"""Quantized loading: llmcli's own weight-only int8/int4 for the native engine, and bitsandbytes
+(INT8 as LLM.int8, INT4 as NF4 or FP4) for everything the native engine does not run.
+
+`--quant int8|int4` on a model the native engine runs (the Llama family, on CPU or CUDA, one
+device) quantizes with llmcli's own formats, which decode faster; elsewhere, or with
+`--engine transformers`, it goes through bitsandbytes, as does `--quant nf4|fp4` always.
 
 Checks come first, so that a request that cannot work fails in one clear line before anything
 slow: bitsandbytes missing, a device it does not run on, a GGUF file (already quantized by its
@@ -12,12 +17,38 @@ from typing import Any
 
 from llmcli.errors import LlmcliError, UsageError
 
+NATIVE_QUANTS = ("int8", "int4")
 
-def check_quant_request(quant: str, device_type: str, source: str, config: dict[str, Any]) -> None:
+
+def native_quant_kind(
+    quant: str, engine: str, offload: bool, device_type: str, config: dict[str, Any]
+) -> str | None:
+    """ "int8" or "int4" when llmcli quantizes natively; None when bitsandbytes does (or nothing)."""
+    if (
+        quant not in NATIVE_QUANTS
+        or engine == "transformers"
+        or offload
+        or device_type not in ("cpu", "cuda")
+    ):
+        return None
+    from llmcli.engine.native.llama import SUPPORTED_ARCHITECTURES
+
+    architectures = config.get("architectures") or []
+    return quant if architectures and architectures[0] in SUPPORTED_ARCHITECTURES else None
+
+
+def bitsandbytes_request(quant: str, quant_type: str) -> tuple[str, str]:
+    """(--quant, --quant-type) as bitsandbytes sees them: nf4 and fp4 are its int4 types."""
+    return ("int4", quant) if quant in ("nf4", "fp4") else (quant, quant_type)
+
+
+def check_quant_request(
+    quant: str, device_type: str, source: str, config: dict[str, Any], *, native: bool = False
+) -> None:
     """Refuse what cannot work, in one line each."""
     if quant == "none":
         return
-    if source == "gguf":
+    if source == "gguf" and not native:
         raise gguf_refusal(quant)
     existing = config.get("quantization_config")
     if existing:
@@ -26,6 +57,8 @@ def check_quant_request(quant: str, device_type: str, source: str, config: dict[
             f"--quant {quant}: this checkpoint is already quantized ({method})",
             "drop --quant: it loads as it is",
         )
+    if native:
+        return  # torch's own kernels: nothing more to check
     try:
         import bitsandbytes  # noqa: F401  (a broken install fails here too, not halfway through loading)
     except ImportError:
@@ -40,9 +73,14 @@ def check_quant_request(quant: str, device_type: str, source: str, config: dict[
 
 def gguf_refusal(quant: str) -> UsageError:
     return UsageError(
-        f"--quant {quant} does not apply to a GGUF file: it is already quantized in its own format",
-        "drop --quant (llmcli dequantizes GGUF to fp16), or quantize a safetensors model instead",
+        f"--quant {quant} (bitsandbytes) does not apply to a GGUF file",
+        "use --quant int8 or int4 (llmcli's own, on the native engine), or drop --quant",
     )
+
+
+def bitsandbytes_only(quant: str, engine: str) -> bool:
+    """A request only bitsandbytes can serve, known before the model is read."""
+    return quant in ("nf4", "fp4") or (quant != "none" and engine == "transformers")
 
 
 def bitsandbytes_config(quant: str, quant_type: str, double_quant: bool, compute_dtype: Any) -> Any:
@@ -74,4 +112,5 @@ def quant_label(quant: str, quant_type: str, config: dict[str, Any]) -> str:
     existing = config.get("quantization_config")
     if quant == "none" and isinstance(existing, dict):
         return str(existing.get("quant_method", "prequantized"))
+    quant, quant_type = bitsandbytes_request(quant, quant_type)
     return f"int4-{quant_type}" if quant == "int4" else quant

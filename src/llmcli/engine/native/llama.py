@@ -14,6 +14,8 @@ path has no configuration branches and no Python work that does not launch a ker
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,23 +97,21 @@ class FeedForward:
     """SwiGLU: down(silu(gate(x)) · up(x)), with gate and up as one matrix."""
 
     def __init__(self, mlp: Any) -> None:
-        self.gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-        self.gate_up_bias = _fuse_bias(mlp.gate_proj, mlp.up_proj)
-        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
-        self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.gate_up = _projection(mlp.gate_proj, mlp.up_proj)
+        self.down = _projection(mlp.down_proj)
+        self.intermediate = mlp.gate_proj.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Attention:
     def __init__(self, attn: Any, shape: Shape, layer: int) -> None:
         self.layer = layer
         self.shape = shape
-        self.qkv = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv_bias = _fuse_bias(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.out, self.out_bias = attn.o_proj.weight, attn.o_proj.bias
+        self.qkv = _projection(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.out = _projection(attn.o_proj)
         self.sizes = [shape.heads * shape.head_dim, *[shape.kv_heads * shape.head_dim] * 2]
         # Qwen3 normalises each head of q and k before RoPE; the others do nothing there.
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -122,7 +122,7 @@ class Attention:
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d], RoPE applied to q and k."""
         tokens, d = x.shape[0], self.shape.head_dim
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.sizes, dim=-1)
+        q, k, v = self.qkv(x).split(self.sizes, dim=-1)
         q = self.q_norm(q.view(tokens, -1, d)).transpose(0, 1)
         k = self.k_norm(k.view(tokens, -1, d)).transpose(0, 1)
         v = v.view(tokens, -1, d).transpose(0, 1)
@@ -147,7 +147,7 @@ class Attention:
             scale=self.scale,
             enable_gqa=True,
         )
-        return F.linear(out[0].transpose(0, 1).reshape(x.shape[0], -1), self.out, self.out_bias)
+        return self.out(out[0].transpose(0, 1).reshape(x.shape[0], -1))
 
     def decode(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
@@ -162,7 +162,7 @@ class Attention:
         out = F.scaled_dot_product_attention(
             q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=self.scale
         )
-        return F.linear(out.reshape(1, -1), self.out, self.out_bias)
+        return self.out(out.reshape(1, -1))
 
 
 class Block:
@@ -190,7 +190,7 @@ class Transformer:
         self.embedding = body.embed_tokens.weight
         self.blocks = [Block(layer, self.shape, i) for i, layer in enumerate(body.layers)]
         self.norm = RMSNorm(body.norm.weight, self.shape.eps)
-        self.output = model.lm_head.weight  # the embedding itself when tied
+        self.output = _projection(model.lm_head)  # the embedding itself when tied
         # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
         self.inv_freq = body.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(body.rotary_emb, "attention_scaling", 1.0))
@@ -210,7 +210,7 @@ class Transformer:
         )
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(h[-1:]), self.output).float()
+        return self.output(self.norm(h[-1:])).float()
 
     def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run `ids` [T] after what `cache` holds; logits [1, vocab] for the token after them."""
@@ -256,6 +256,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _projection(*linears: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x → the outputs of `linears`, concatenated. Dense layers become one matrix product over
+    their fused weights; quantized ones (their packed formats do not concatenate) run in turn."""
+    if all(type(linear) is torch.nn.Linear for linear in linears):
+        if len(linears) == 1:
+            return functools.partial(F.linear, weight=linears[0].weight, bias=linears[0].bias)
+        return functools.partial(F.linear, weight=_fuse(*linears), bias=_fuse_bias(*linears))
+    if len(linears) == 1:
+        return linears[0].forward
+
+    def each(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([linear(x) for linear in linears], dim=-1)
+
+    return each
 
 
 def _fuse(*linears: Any) -> torch.Tensor:
