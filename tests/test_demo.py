@@ -58,3 +58,21 @@ def test_stop_string_and_streamed_text_on_a_real_model(first_run) -> None:
     assert proc.returncode == 0, proc.stderr.decode()
     text = proc.stdout.decode()
     assert "Paris" not in text and text.startswith("The capital of France is")
+
+
+def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
+    """Q4_1 blocks of 32 are int4 groups of 32: the demo loads as int4-g32 on the native engine,
+    a third of the fp32 bytes; --quant none dequantizes as before."""
+    from llmcli.models.gguf import stored_weight_kind, weight_kind
+
+    record = json.loads(first_run[0].stdout)
+    assert (record["quant"], record["quant_backend"], record["engine"]) == ("int4-g32", "native", "native")
+    assert stored_weight_kind(demo_gguf_path()) == "int4"
+    folder = converted_copies()[0].parent
+    assert weight_kind(folder) == "int4" and (folder / ".llmcli-weights").is_file()
+    plain = run_cli("generate", "-t", "0", "--json", "--quant", "none", "Name the capital of France.")
+    assert plain.returncode == 0, plain.stderr.decode()
+    full = json.loads(plain.stdout)
+    assert full["quant"] == "none" and full["dtype"] == "fp32"
+    assert record["weight_bytes"] < 0.3 * full["weight_bytes"]
+    assert "Paris" in full["text"] and "Paris" in record["text"]

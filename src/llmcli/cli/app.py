@@ -115,7 +115,8 @@ QuantOption = Annotated[
     str,
     typer.Option(
         help="Quantize on load: int8 or int4 (llmcli's own kernels on the native engine, else "
-        "bitsandbytes), nf4 or fp4 (bitsandbytes), or none.",
+        "bitsandbytes), nf4 or fp4 (bitsandbytes), none, or auto: a GGUF file's 4-bit weights "
+        "stay int4 and its 8-bit ones int8, anything else loads as it is.",
         rich_help_panel=LOADING,
     ),
 ]
@@ -209,7 +210,7 @@ def generate(
     threads: ThreadsOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
     allow_pickle: AllowPickleOption = False,
-    quant: QuantOption = "none",
+    quant: QuantOption = "auto",
     quant_type: QuantTypeOption = "nf4",
     double_quant: DoubleQuantOption = True,
     offload: OffloadOption = False,
@@ -316,7 +317,7 @@ def chat(
     threads: ThreadsOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
     allow_pickle: AllowPickleOption = False,
-    quant: QuantOption = "none",
+    quant: QuantOption = "auto",
     quant_type: QuantTypeOption = "nf4",
     double_quant: DoubleQuantOption = True,
     offload: OffloadOption = False,
@@ -406,7 +407,7 @@ def bench(
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     threads: ThreadsOption = None,
-    quant: QuantOption = "none",
+    quant: QuantOption = "auto",
     quant_type: QuantTypeOption = "nf4",
     ctx: CtxOption = None,
     fast: FastOption = None,

@@ -28,7 +28,7 @@ BUILTIN_SAMPLING: dict[str, Any] = {
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
-QUANTS = ("none", "int8", "int4", "nf4", "fp4")
+QUANTS = ("auto", "none", "int8", "int4", "nf4", "fp4")
 QUANT_TYPES = ("nf4", "fp4")
 ENGINES = ("auto", "native", "transformers")
 
@@ -125,7 +125,9 @@ class LoadSettings:
     threads: int | None = None
     trust_remote_code: bool = False
     allow_pickle: bool = False
-    quant: str = "none"  # none, int8, int4 (native where it runs, else bitsandbytes), nf4, fp4
+    # auto (a GGUF's 4/8-bit weights stay int4/int8, else none), none, int8, int4 (native where it
+    # runs, else bitsandbytes), nf4, fp4 (bitsandbytes)
+    quant: str = "auto"
     quant_type: str = "nf4"  # for int4: nf4 or fp4
     double_quant: bool = True  # for int4: quantize the block scales too (~0.4 bits/weight saved)
     offload: bool = False  # let accelerate keep what does not fit on the GPU in CPU memory

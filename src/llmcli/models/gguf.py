@@ -9,6 +9,7 @@ nothing there, at half the disk of fp32.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -23,6 +24,13 @@ from llmcli.errors import ModelLoadError
 _FINGERPRINT_SPAN = 1 << 20
 _DONE_MARKER = ".llmcli-converted"
 _NAME_FILE = ".llmcli-name"
+_KIND_FILE = ".llmcli-weights"  # how the file stored its layers' weights: int4, int8 or float
+
+# GGUF's types by how many bits a weight keeps: 4-bit blocks go to int4 (their blocks of 32, with a
+# scale, and a min for Q4_1, are int4 group 32 exactly); 5 to 8 bits to int8; the rest stay float.
+_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"})
+_INT8_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+GGUF_INT4_GROUP = 32
 
 
 def fingerprint(gguf_file: Path) -> str:
@@ -80,9 +88,44 @@ def convert(gguf_file: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        (staging / _KIND_FILE).write_text(stored_weight_kind(gguf_file) + "\n")
         (staging / _DONE_MARKER).write_text(f"{gguf_file}\n")
         if target.exists():  # a half-written folder from an older llmcli, or a lost race: ours is complete
             shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def stored_weight_kind(gguf_file: Path) -> str:
+    """int4, int8 or float: what most of the file's layer weights (blk.*, 2-D) are stored as."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    kinds: Counter[str] = Counter()
+    for tensor in GGUFReader(str(gguf_file)).tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            name = tensor.tensor_type.name
+            kind = "int4" if name in _INT4_TYPES else "int8" if name in _INT8_TYPES else "float"
+            kinds[kind] += int(tensor.n_elements)
+    return kinds.most_common(1)[0][0] if kinds else "float"
+
+
+def weight_kind(folder: Path) -> str | None:
+    """What the GGUF file behind a converted folder stored (read once, then remembered beside the
+    conversion); None when it cannot be known (the file is gone, or this is no conversion)."""
+    remembered = folder / _KIND_FILE
+    if remembered.is_file():
+        return remembered.read_text().strip()
+    marker = folder / _DONE_MARKER
+    source = Path(marker.read_text().strip()) if marker.is_file() else None
+    if source is None or not source.is_file():
+        return None
+    try:
+        kind = stored_weight_kind(source)
+    except (OSError, ValueError, ImportError):
+        return None
+    with contextlib.suppress(OSError):  # a read-only cache: work it out again next time
+        remembered.write_text(kind + "\n")
+    return kind

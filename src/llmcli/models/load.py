@@ -6,6 +6,7 @@ else fp16 on GPUs, fp32 on CPU (CPU half-precision matmuls are slow or missing o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -33,6 +34,7 @@ from llmcli.models.memory import (
     safetensors_shapes,
 )
 from llmcli.models.quant import (
+    auto_quant,
     bitsandbytes_config,
     bitsandbytes_request,
     check_quant_request,
@@ -293,7 +295,11 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     folder = resolved.path
     config = read_config(folder)
     device = choose_device(settings.device)
-    native_quant = native_quant_kind(settings.quant, settings.engine, settings.offload, device.type, config)
+    requested, group = auto_quant(settings.quant, resolved.source, folder)
+    native_quant = native_quant_kind(requested, settings.engine, settings.offload, device.type, config)
+    if settings.quant == "auto" and native_quant is None:
+        requested = "none"  # auto never means bitsandbytes
+    settings = dataclasses.replace(settings, quant=requested)
     device, dtype = prepare_device(settings, native_quant=native_quant is not None)
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(resolved, settings, config, device, dtype)
@@ -325,7 +331,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     if native_quant is not None:
         from llmcli.engine.native.quant import quantize_model
 
-        quant, quant_backend = quantize_model(model, native_quant), "native"
+        quant, quant_backend = quantize_model(model, native_quant, group), "native"
     elif config.get("quantization_config"):
         quant_backend = quant
     generation_config = read_generation_config(folder)
@@ -363,6 +369,7 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     config_file = _config_file(config_spec)
     config = json.loads(config_file.read_text())
     device = choose_device(settings.device)
+    settings = dataclasses.replace(settings, quant="none" if settings.quant == "auto" else settings.quant)
     native_quant = native_quant_kind(settings.quant, settings.engine, settings.offload, device.type, config)
     if settings.quant != "none" and native_quant is None:
         raise UsageError(
@@ -435,9 +442,7 @@ def out_of_memory_error(
     needed = estimate_weight_bytes(
         shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant
     )
-    stronger = {"none": "--quant int8 or --quant int4, ", "int8": "--quant int4, ", "int4": ""}[
-        settings.quant
-    ]
+    stronger = {"none": "--quant int8 or --quant int4, ", "int8": "--quant int4, "}.get(settings.quant, "")
     return LlmcliError(
         f"out of memory loading {resolved.name} on {device}: its weights need about {format_bytes(needed)}"
         + (f" and {format_bytes(free)} is free now" if free is not None else ""),

@@ -20,6 +20,25 @@ from llmcli.errors import LlmcliError, UsageError
 NATIVE_QUANTS = ("int8", "int4")
 
 
+def auto_quant(quant: str, source: str, folder: Any) -> tuple[str, int | None]:
+    """--quant auto (the default): a GGUF file's weights stay as compact as it stored them
+    (4-bit → int4, 5–8-bit → int8), anything else loads as it is. Returns the concrete request
+    and int4's group size: 32 for a GGUF file (its own block size, so 4-bit blocks come back on
+    the same grid), else None (llmcli's pick)."""
+    if quant == "auto":
+        kind = None
+        if source == "gguf":
+            from llmcli.models.gguf import weight_kind
+
+            kind = weight_kind(folder)
+        quant = kind if kind in NATIVE_QUANTS else "none"
+    if quant == "int4" and source == "gguf":
+        from llmcli.models.gguf import GGUF_INT4_GROUP
+
+        return quant, GGUF_INT4_GROUP
+    return quant, None
+
+
 def native_quant_kind(
     quant: str, engine: str, offload: bool, device_type: str, config: dict[str, Any]
 ) -> str | None:
@@ -80,7 +99,7 @@ def gguf_refusal(quant: str) -> UsageError:
 
 def bitsandbytes_only(quant: str, engine: str) -> bool:
     """A request only bitsandbytes can serve, known before the model is read."""
-    return quant in ("nf4", "fp4") or (quant != "none" and engine == "transformers")
+    return quant in ("nf4", "fp4") or (quant not in ("none", "auto") and engine == "transformers")
 
 
 def bitsandbytes_config(quant: str, quant_type: str, double_quant: bool, compute_dtype: Any) -> Any:

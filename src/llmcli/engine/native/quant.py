@@ -153,11 +153,14 @@ def quantizable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
 
 
-def quantize_model(model: torch.nn.Module, kind: str) -> str:
+def quantize_model(model: torch.nn.Module, kind: str, group: int | None = None) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
     peak is the model plus one layer). The output head always goes to int8: it is the largest
-    single matrix, and the one the next token's choice is most sensitive to. Returns the label."""
-    group = int4_group(model) if kind == "int4" else 0
+    single matrix, and the one the next token's choice is most sensitive to. `group`: int4's
+    group size (default: the largest preferred one that fits). Returns the label."""
+    if kind == "int4" and group is None:
+        group = int4_group(model)
+    group = group or 0
     head = model.get_output_embeddings()
     kinds = set()
     for name, linear in quantizable_linears(model).items():
