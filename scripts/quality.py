@@ -6,7 +6,7 @@ over a fixed set of prompts (identical replies, and the mean length of the ident
 Every variant runs through transformers' model code on the weights llmcli loaded (its own int8 /
 int4 layers included), so the figures are about the weights, not the engine.
 
-  python scripts/quality.py                     # fp32, bf16, int8, int4 on the demo model
+  python scripts/quality.py                     # every variant below, on the demo model
   python scripts/quality.py --tokens 48 --variants fp32,int4
 """
 
@@ -38,10 +38,11 @@ PROMPTS = [
     "Suggest a name for a grey cat.",
 ]
 VARIANTS = {  # name → load settings beyond the device
-    "fp32": {"dtype": "fp32"},
-    "bf16": {"dtype": "bf16"},
+    "fp32": {"dtype": "fp32", "quant": "none"},
+    "bf16": {"dtype": "bf16", "quant": "none"},
     "int8": {"quant": "int8"},
-    "int4": {"quant": "int4"},
+    "int4": {"quant": "int4"},  # bf16 activations, as llmcli runs it
+    "int4-fp32": {"quant": "int4", "dtype": "fp32"},  # the same weights with fp32 activations
 }
 
 
