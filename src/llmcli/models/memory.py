@@ -173,11 +173,49 @@ def is_quantized_by_bitsandbytes(name: str, shape: list[int]) -> bool:
     )
 
 
+def native_mode(kind: str, group: int | None, tensors: dict[str, TensorHeader]) -> str:
+    """The estimate mode of llmcli's own quantization: native-int8, or native-int4-gN."""
+    if kind == "int8":
+        return "native-int8"
+    from llmcli.models.quant import pick_int4_group
+
+    widths = {t.shape[1] for name, t in tensors.items() if _is_native_linear(name, t.shape)}
+    return f"native-int4-g{group or pick_int4_group(widths)}"
+
+
+def _is_native_linear(name: str, shape: list[int]) -> bool:
+    return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("lm_head.weight"))
+
+
+def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str) -> float:
+    """llmcli's int8 (a byte per weight and a scale per row) and int4 (half a byte per weight and
+    a scale and a zero per group) for the linear layers; the output head always int8, and its own
+    copy when it was tied to the embedding; everything else in the load dtype."""
+    group = int(mode.rpartition("-g")[2]) if "int4" in mode else 0
+    total = 0.0
+    for name, tensor in tensors.items():
+        rows = tensor.shape[0] if tensor.shape else 0
+        if not _is_native_linear(name, tensor.shape):
+            total += tensor.count * dtype_bytes
+        elif group and not name.endswith("lm_head.weight"):
+            total += tensor.count / 2 + tensor.count / group * 2 * dtype_bytes
+        else:
+            total += tensor.count + rows * dtype_bytes
+    if not any(name.endswith("lm_head.weight") for name in tensors):
+        embedding = next((t for name, t in tensors.items() if name.endswith("embed_tokens.weight")), None)
+        if embedding is not None:  # tied: the head becomes an int8 matrix of its own
+            total += embedding.count + embedding.shape[0] * dtype_bytes
+    return total
+
+
 def estimate_weight_bytes(
     tensors: dict[str, TensorHeader], dtype_bytes: int, quant: str, double_quant: bool = True
 ) -> int:
     """Bytes the weights will take once loaded. `quant` "stored" means as they are in the files
-    (a checkpoint that comes quantized loads as it is)."""
+    (a checkpoint that comes quantized loads as it is); "native-…" llmcli's own formats (see
+    native_mode); int8/int4 bitsandbytes'."""
+    if quant.startswith("native-"):
+        return int(_native_bytes(tensors, dtype_bytes, quant))
     total = 0.0
     for name, tensor in tensors.items():
         count = tensor.count

@@ -18,6 +18,16 @@ from typing import Any
 from llmcli.errors import LlmcliError, UsageError
 
 NATIVE_QUANTS = ("int8", "int4")
+INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
+
+
+def pick_int4_group(widths: set[int]) -> int:
+    """The largest preferred int4 group size that divides every input width to quantize
+    (SmolLM2's 576 takes 64, not 128)."""
+    for group in INT4_GROUPS:
+        if all(width % group == 0 for width in widths):
+            return group
+    raise ValueError(f"no int4 group size in {INT4_GROUPS} divides the layer widths {sorted(widths)}")
 
 
 def auto_quant(quant: str, source: str, folder: Any) -> tuple[str, int | None]:

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
+from llmcli.models.quant import pick_int4_group
+
 CUDA_INNER_K_TILES = 8
 
 
@@ -139,13 +140,7 @@ def _has_int8_kernel(device: torch.device) -> bool:
 
 
 def int4_group(model: torch.nn.Module) -> int:
-    """The largest preferred group size that divides the input size of every layer to quantize
-    (SmolLM2's 576 takes 64, not 128)."""
-    sizes = {m.in_features for m in quantizable_linears(model).values()}
-    for group in INT4_GROUPS:
-        if all(size % group == 0 for size in sizes):
-            return group
-    raise ValueError(f"no int4 group size in {INT4_GROUPS} divides the layer widths {sorted(sizes)}")
+    return pick_int4_group({m.in_features for m in quantizable_linears(model).values()})
 
 
 def quantizable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
