@@ -14,6 +14,7 @@ ordinary forward: transformers' own model code runs it too, which is how it is t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -126,10 +127,12 @@ def _int4_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
 def _kernel(kind: str, device: torch.device) -> Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]:
     if kind == "int4":
         return _int4_mm_cuda if device.type == "cuda" else _int4_mm_cpu
-    return _int8_mm if _has_int8_kernel(device) else _int8_dequantizing_mm
+    return _int8_mm if _has_int8_kernel(device.type) else _int8_dequantizing_mm
 
 
-def _has_int8_kernel(device: torch.device) -> bool:
+@functools.cache
+def _has_int8_kernel(device_type: str) -> bool:
+    device = torch.device(device_type)
     try:
         x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
         w = torch.zeros(8, 32, dtype=torch.int8, device=device)
