@@ -279,17 +279,28 @@ def plan_context(
     )
 
 
-def prepare_device(settings: LoadSettings, native_quant: bool = False) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype to load onto, with libraries quieted and CPU threads chosen. Native
-    int8/int4 kernels are fast with bf16 activations only, so such a model computes in bf16."""
+def plan_quantization(
+    settings: LoadSettings, config: dict[str, Any], device: torch.device, source: str, folder: Path | None
+) -> tuple[LoadSettings, str | None, int | None]:
+    """The settings with --quant made concrete (auto resolved: never bitsandbytes), and, when
+    llmcli quantizes with its own formats, the kind (int8 or int4) and int4's group size."""
+    requested, group = auto_quant(settings.quant, source, folder)
+    native = native_quant_kind(requested, settings.engine, settings.offload, device.type, config)
+    if settings.quant == "auto" and native is None:
+        requested = "none"
+    return dataclasses.replace(settings, quant=requested), native, group
+
+
+def prepare_device(settings: LoadSettings, device: torch.device, native_quant: bool = False) -> torch.dtype:
+    """The dtype to load in, with libraries quieted and CPU threads chosen. Native int8/int4
+    kernels are fast with bf16 activations only, so such a model computes in bf16."""
     quiet_libraries()
-    device = choose_device(settings.device)
     dtype = choose_dtype(settings.dtype, device)
     if native_quant and settings.dtype == "auto":
         dtype = torch.bfloat16
     if device.type == "cpu":
         configure_cpu_threads(settings.threads)
-    return device, dtype
+    return dtype
 
 
 def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
@@ -298,12 +309,8 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     folder = resolved.path
     config = read_config(folder)
     device = choose_device(settings.device)
-    requested, group = auto_quant(settings.quant, resolved.source, folder)
-    native_quant = native_quant_kind(requested, settings.engine, settings.offload, device.type, config)
-    if settings.quant == "auto" and native_quant is None:
-        requested = "none"  # auto never means bitsandbytes
-    settings = dataclasses.replace(settings, quant=requested)
-    device, dtype = prepare_device(settings, native_quant=native_quant is not None)
+    settings, native_quant, group = plan_quantization(settings, config, device, resolved.source, folder)
+    dtype = prepare_device(settings, device, native_quant=native_quant is not None)
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(
         resolved, settings, config, device, dtype, (native_quant, group) if native_quant else None
@@ -374,14 +381,13 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     config_file = _config_file(config_spec)
     config = json.loads(config_file.read_text())
     device = choose_device(settings.device)
-    settings = dataclasses.replace(settings, quant="none" if settings.quant == "auto" else settings.quant)
-    native_quant = native_quant_kind(settings.quant, settings.engine, settings.offload, device.type, config)
+    settings, native_quant, _ = plan_quantization(settings, config, device, "random", None)
     if settings.quant != "none" and native_quant is None:
         raise UsageError(
             f"--quant {settings.quant} with --random-weights needs a model the native engine runs",
             "random weights are quantized by llmcli's own int8/int4 only",
         )
-    device, dtype = prepare_device(settings, native_quant=native_quant is not None)
+    dtype = prepare_device(settings, device, native_quant=native_quant is not None)
     hf_config = AutoConfig.from_pretrained(
         config_file.parent if config_file.name == "config.json" else config_file
     )
