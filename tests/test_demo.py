@@ -76,3 +76,11 @@ def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
     assert full["quant"] == "none" and full["dtype"] == "fp32"
     assert record["weight_bytes"] < 0.3 * full["weight_bytes"]
     assert "Paris" in full["text"] and "Paris" in record["text"]
+
+
+def test_models_show_sizes_the_demo_as_it_loads(first_run) -> None:
+    record = json.loads(first_run[0].stdout)
+    shown = run_cli("models", "show", "SmolLM2-135M-Instruct.Q4_1", "--json")
+    assert shown.returncode == 0, shown.stderr.decode()
+    estimate = json.loads(shown.stdout)["memory_bytes"]["int4"]
+    assert abs(estimate - record["weight_bytes"]) / record["weight_bytes"] < 0.03

@@ -19,6 +19,7 @@ from llmcli.models.memory import (
     context_length_of,
     estimate_weight_bytes,
     kv_bytes_per_token,
+    native_mode,
     safetensors_shapes,
 )
 
@@ -175,9 +176,20 @@ def model_summary(folder: Path, name: str) -> dict[str, Any]:
         "generation_defaults": _read_json(folder / "generation_config.json"),
         "memory_bytes": {
             "bf16": estimate_weight_bytes(shapes, 2, "none"),
-            "int8": estimate_weight_bytes(shapes, 2, "int8"),
-            "int4": estimate_weight_bytes(shapes, 2, "int4"),
+            "int8": estimate_weight_bytes(shapes, 2, _quant_mode(config, folder, shapes, "int8")),
+            "int4": estimate_weight_bytes(shapes, 2, _quant_mode(config, folder, shapes, "int4")),
         },
         "kv_bytes_per_token_bf16": kv_bytes_per_token(config, 2),
         "chat_template_text": template,
     }
+
+
+def _quant_mode(config: dict[str, Any], folder: Path, shapes: dict[str, Any], kind: str) -> str:
+    """How `--quant KIND` would store this model: llmcli's own formats for what the native engine
+    runs (int4 in GGUF's blocks of 32 for a GGUF conversion), bitsandbytes' for the rest."""
+    from llmcli.models.gguf import GGUF_INT4_GROUP, is_conversion
+    from llmcli.models.quant import SUPPORTED_ARCHITECTURES
+
+    if (config.get("architectures") or [None])[0] not in SUPPORTED_ARCHITECTURES:
+        return kind
+    return native_mode(kind, GGUF_INT4_GROUP if is_conversion(folder) else None, shapes)

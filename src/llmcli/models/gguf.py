@@ -129,3 +129,8 @@ def weight_kind(folder: Path) -> str | None:
     with contextlib.suppress(OSError):  # a read-only cache: work it out again next time
         remembered.write_text(kind + "\n")
     return kind
+
+
+def is_conversion(folder: Path) -> bool:
+    """A folder this module converted from a GGUF file."""
+    return (folder / _DONE_MARKER).is_file()

@@ -18,6 +18,10 @@ from typing import Any
 from llmcli.errors import LlmcliError, UsageError
 
 NATIVE_QUANTS = ("int8", "int4")
+# What the native engine runs (engine/native/llama.py); here so that torch-free code can ask.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 
 
@@ -52,16 +56,12 @@ def auto_quant(quant: str, source: str, folder: Any) -> tuple[str, int | None]:
 def native_quant_kind(
     quant: str, engine: str, offload: bool, device_type: str, config: dict[str, Any]
 ) -> str | None:
-    """ "int8" or "int4" when llmcli quantizes natively; None when bitsandbytes does (or nothing)."""
-    if (
-        quant not in NATIVE_QUANTS
-        or engine == "transformers"
-        or offload
-        or device_type not in ("cpu", "cuda")
-    ):
+    """int8 or int4 when llmcli quantizes with its own formats; None when bitsandbytes does (or
+    nothing is quantized)."""
+    if quant not in NATIVE_QUANTS or engine == "transformers" or offload:
         return None
-    from llmcli.engine.native.llama import SUPPORTED_ARCHITECTURES
-
+    if device_type not in ("cpu", "cuda"):
+        return None
     architectures = config.get("architectures") or []
     return quant if architectures and architectures[0] in SUPPORTED_ARCHITECTURES else None
 

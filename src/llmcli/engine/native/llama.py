@@ -23,10 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from llmcli.engine.native.kvcache import KVCache
+from llmcli.models.quant import SUPPORTED_ARCHITECTURES
 
-SUPPORTED_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-)
 # RoPE whose frequencies do not depend on the sequence length: the table transformers built at
 # load time is the whole story. ("dynamic" and "longrope" rescale with the length.)
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
