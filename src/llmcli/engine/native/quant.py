@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from llmcli.models.quant import pick_int4_group
 
 CUDA_INNER_K_TILES = 8
+_ROWS_AT_A_TIME = 4096
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -56,10 +57,15 @@ class QuantizedLinear(torch.nn.Module):
 
     @classmethod
     def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls("int8", q, scales.to(weight.dtype), _bias(bias), tuple(weight.shape))
+        codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        # In slices of rows: an fp32 copy of a whole output head would be the load's peak.
+        for start in range(0, weight.shape[0], _ROWS_AT_A_TIME):
+            rows = slice(start, start + _ROWS_AT_A_TIME)
+            w = weight.detach()[rows].float()
+            scales[rows] = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+            codes[rows] = (w / scales[rows, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls("int8", codes, scales.to(weight.dtype), _bias(bias), tuple(weight.shape))
 
     @classmethod
     def int4(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: int) -> QuantizedLinear:
