@@ -147,14 +147,16 @@ def test_transformers_compiled_decode_equals_the_dynamic_path(tiny_llama: Path) 
         assert got.result.token_ids == expected.result.token_ids
 
 
+@pytest.mark.parametrize("rows", [1, 5, 32])  # decode, a short verification, a prefill chunk
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_quantized_kernels_on_cuda_match_their_weights_and_replay_in_a_graph(kind: str) -> None:
+def test_quantized_kernels_on_cuda_match_their_weights_and_replay_in_a_graph(kind: str, rows: int) -> None:
     from llmcli.engine.native.quant import QuantizedLinear
 
     torch.manual_seed(0)
-    weight = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
+    out_features = 516 if kind == "int8" else 520  # int8: a ragged last block of channels
+    weight = torch.randn(out_features, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
     layer = QuantizedLinear.int8(weight, None) if kind == "int8" else QuantizedLinear.int4(weight, None, 128)
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     eager = layer(x)
     reference = x.float() @ layer.dequantized().t()
     assert ((eager.float() - reference).norm() / reference.norm()).item() < 2e-2

@@ -174,6 +174,24 @@ def test_a_prompt_longer_than_a_prefill_chunk_equals_one_pass(monkeypatch: pytes
     assert chunked.length == 150
 
 
+@torch.inference_mode()
+def test_decode_attention_split_along_the_keys_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long buckets (≥ 2048 slots on a GPU) split attention along the keys; lowered thresholds
+    run that path here over 512 slots in chunks of 64, every later slot masked."""
+    from llmcli.engine.native import llama
+
+    monkeypatch.setattr(llama, "SPLIT_ATTENTION_FROM", 256)
+    monkeypatch.setattr(llama, "SPLIT_CHUNK", 64)
+    model = build("llama", {})
+    ids = prompt(300, seed=3)
+    native = NativeBackend(model, CONTEXT, static_shapes=True)
+    native.prefill(ids[:290])
+    reference = model(torch.tensor([ids])).logits[0].float()
+    for i in range(290, 300):
+        logits = native.decode(torch.tensor([ids[i]]))
+        torch.testing.assert_close(logits[0], reference[i], rtol=0, atol=1e-4)
+
+
 def test_engine_setting_from_flag_env_and_config(tiny_llama, tmp_path, monkeypatch) -> None:
     import json
 

@@ -4,8 +4,9 @@
 - int4: groups of `group` weights along the input, each with a float scale and zero point,
   w ≈ (q − 8) · scale + zero with q in [0, 15] (the convention of torch's tinygemm kernels).
 
-They run on torch's own kernels for these formats: `_weight_int8pack_mm`, and
-`_weight_int4pack_mm` on CUDA / `_weight_int4pack_mm_for_cpu` on a CPU. Measured on this project's
+They run on torch's own kernels for these formats where torch has them: `_weight_int4pack_mm` on
+CUDA / `_weight_int4pack_mm_for_cpu` on a CPU, `_weight_int8pack_mm` on a CPU; int8 on CUDA runs
+a small Triton GEMV of llmcli's own (`int8_cuda.py`), since torch has none there. Measured on this project's
 2-core CPU (avx512_bf16): those kernels are fast only with bf16 activations (a 3072×576 layer:
 fp32 dense 0.64 ms, int8 0.29 ms and int4 0.23 ms with bf16 inputs, but 2.3 and 4.0 ms with fp32
 inputs), so models quantized this way compute in bf16. `QuantizedLinear` is an nn.Module with an
@@ -117,6 +118,12 @@ def _int8_mm(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     return torch.ops.aten._weight_int8pack_mm(x, layer.packed, layer.scales.to(x.dtype))
 
 
+def _int8_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    from llmcli.engine.native.int8_cuda import int8_matmul
+
+    return int8_matmul(x, layer.packed, layer.scales)
+
+
 def _int8_dequantizing_mm(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     """Where torch has no int8 kernel for the device: correct, not fast."""
     return F.linear(x, layer.packed.to(x.dtype)) * layer.scales.to(x.dtype)
@@ -133,6 +140,8 @@ def _int4_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
 def _kernel(kind: str, device: torch.device) -> Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]:
     if kind == "int4":
         return _int4_mm_cuda if device.type == "cuda" else _int4_mm_cpu
+    if device.type == "cuda":
+        return _int8_mm_cuda  # torch has no CUDA int8 kernel: llmcli's own Triton GEMV
     return _int8_mm if _has_int8_kernel(device.type) else _int8_dequantizing_mm
 
 
@@ -157,33 +166,87 @@ def quantizable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
 
 
+# Linears that always run on the same input, quantized as one matrix: one kernel launch
+# instead of two or three (at batch 1 on a GPU the small k and v products cost launch time,
+# not bandwidth). Per-row int8 scales and int4 groups along the input make this exact: the
+# codes of the whole are the codes of the parts, stacked.
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class QuantizedSlice(torch.nn.Module):
+    """One of several linears quantized as one matrix, as transformers' module code calls it:
+    the whole product, then this part's outputs. (The native engine calls the whole once.)"""
+
+    def __init__(self, whole: QuantizedLinear, start: int, end: int) -> None:
+        super().__init__()
+        self._whole = (whole,)  # a tuple, not a submodule: the buffers belong to the parent once
+        self.start, self.end = start, end
+        self.in_features, self.out_features = whole.in_features, end - start
+
+    @property
+    def whole(self) -> QuantizedLinear:
+        return self._whole[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole(x)[..., self.start : self.end]
+
+
 def quantize_model(model: torch.nn.Module, kind: str, group: int | None = None) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
-    peak is the model plus one layer). The output head always goes to int8: it is the largest
-    single matrix, and the one the next token's choice is most sensitive to. `group`: int4's
-    group size (default: the largest preferred one that fits). Returns the label."""
+    peak is the model plus one layer). q/k/v and gate/up become one matrix each (see
+    FUSED_PROJECTIONS). The output head always goes to int8: it is the largest single matrix,
+    and the one the next token's choice is most sensitive to. `group`: int4's group size
+    (default: the largest preferred one that fits). Returns the label."""
     if kind == "int4" and group is None:
         group = int4_group(model)
     group = group or 0
     head = model.get_output_embeddings()
     kinds = set()
+
+    def quantized(weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool) -> QuantizedLinear:
+        if kind == "int8" or is_head or not _tinygemm_fits(weight):
+            layer = QuantizedLinear.int8(weight, bias)
+        else:
+            layer = QuantizedLinear.int4(weight, bias, group)
+        kinds.add(layer.kind)
+        return layer
+
+    for module in list(model.modules()):
+        for names in FUSED_PROJECTIONS:
+            parts = [getattr(module, name, None) for name in names]
+            if not all(type(part) is torch.nn.Linear for part in parts):
+                continue
+            if len({part.in_features for part in parts}) != 1:
+                continue
+            weight = torch.cat([part.weight.detach() for part in parts])
+            bias = None
+            if any(part.bias is not None for part in parts):
+                bias = torch.cat(
+                    [
+                        part.bias.detach() if part.bias is not None else weight.new_zeros(part.out_features)
+                        for part in parts
+                    ]
+                )
+            whole = quantized(weight, bias, is_head=False)
+            del weight
+            setattr(module, "_llmcli_" + "_".join(names), whole)
+            start = 0
+            for name, part in zip(names, parts, strict=True):
+                setattr(module, name, QuantizedSlice(whole, start, start + part.out_features))
+                start += part.out_features
     for name, linear in quantizable_linears(model).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if kind == "int8" or linear is head or not _tinygemm_fits(linear):
-            quantized = QuantizedLinear.int8(linear.weight, linear.bias)
-        else:
-            quantized = QuantizedLinear.int4(linear.weight, linear.bias, group)
-        kinds.add(quantized.kind)
-        setattr(parent, child, quantized)
+        setattr(parent, child, quantized(linear.weight, linear.bias, is_head=linear is head))
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own (int8) matrix now
     # What the layers became: on CUDA, widths the int4 kernel cannot tile stay int8.
     return f"int4-g{group}" if "int4" in kinds else "int8"
 
 
-def _tinygemm_fits(linear: torch.nn.Linear) -> bool:
+def _tinygemm_fits(weight: torch.Tensor) -> bool:
     """CUDA's int4 kernel tiles the input by 16 × inner-k-tiles and the output by 8."""
-    if linear.weight.device.type != "cuda":
+    if weight.device.type != "cuda":
         return True
-    return linear.in_features % (16 * CUDA_INNER_K_TILES) == 0 and linear.out_features % 8 == 0
+    out_features, in_features = weight.shape
+    return in_features % (16 * CUDA_INNER_K_TILES) == 0 and out_features % 8 == 0

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU figures docs/benchmarks.md owes, in one go: the GPU tests, then `llmcli bench` on
+# random-weight Llama-3.2-1B and Llama-3.1-8B shapes (bf16, int8, int4). Each step has its own
+# time limit and its own log, so one failure does not cost the rest.
+#   scripts/gpu_figures.sh OUTDIR [tests|1b|8b|all]   (tests: the GPU tests and scripts/bench_kernels.py)
+set -u
+out=${1:-gpu-figures}
+what=${2:-all}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+llmcli() { python3 -m llmcli "$@"; }
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.txt" 2>"$out/$name.err"
+    local rc=$?
+    echo "   rc=$rc in $((SECONDS - start)) s"
+    tail -n 25 "$out/$name.txt"
+    [ -s "$out/$name.err" ] && { echo "   stderr:"; tail -n 15 "$out/$name.err"; }
+}
+
+bench() {  # bench NAME SECONDS CONFIG [extra args]
+    local name=$1 limit=$2 config=$3
+    shift 3
+    step "$name" "$limit" python3 -m llmcli bench --config "configs/$config.json" --random-weights \
+        --device cuda --prompt-lengths 128 -n 128 --runs 5 "$@"
+}
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt"
+    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >>"$out/gpu.txt"
+    cat "$out/gpu.txt"
+    step gpu-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+    step kernels 150 python3 scripts/bench_kernels.py
+fi
+if [ "$what" = 1b ] || [ "$what" = all ]; then
+    bench 1b-bf16 180 llama-3.2-1b --context-fill 8192
+    bench 1b-int4 90 llama-3.2-1b --quant int4 --no-generate --no-compiled
+    bench 1b-int8 90 llama-3.2-1b --quant int8 --no-generate --no-compiled
+fi
+if [ "$what" = 8b ] || [ "$what" = all ]; then
+    bench 8b-bf16 300 llama-3.1-8b --context-fill 8192
+    bench 8b-int4 150 llama-3.1-8b --quant int4 --no-generate --no-compiled
+    bench 8b-int8 150 llama-3.1-8b --quant int8 --no-generate --no-compiled
+fi
