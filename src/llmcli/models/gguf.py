@@ -49,12 +49,18 @@ def converted_folder(
 ) -> Path:
     """The converted copy of `gguf_file`, made now if it does not exist yet. `name` (from
     `models import --name`) is what -m will accept for it."""
+    from llmcli.models.gguf_int4 import BLOCKS_FILE  # here: it imports numpy
+
     gguf_file = gguf_file.resolve()
     target = gguf_cache_dir() / f"{gguf_file.stem}-{fingerprint(gguf_file)}"
     if not (target / _DONE_MARKER).is_file():
         if on_convert is not None:
             on_convert(gguf_file)
         convert(gguf_file, target)
+    elif not (target / BLOCKS_FILE).is_file():  # written even when no tensor is 4-bit
+        # A conversion by an older llmcli: add the int4 codes it lacks (a second or two, once).
+        with contextlib.suppress(OSError, ValueError, KeyError, ImportError):
+            save_int4_blocks(gguf_file, target)
     if name:
         (target / _NAME_FILE).write_text(name + "\n")
     return target
@@ -89,12 +95,21 @@ def convert(gguf_file: Path, target: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _KIND_FILE).write_text(stored_weight_kind(gguf_file) + "\n")
+        save_int4_blocks(gguf_file, staging)
         (staging / _DONE_MARKER).write_text(f"{gguf_file}\n")
         if target.exists():  # a half-written folder from an older llmcli, or a lost race: ours is complete
             shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_int4_blocks(gguf_file: Path, folder: Path) -> None:
+    """The file's 4-bit blocks as int4 codes beside the conversion, so int4 loads them exactly
+    instead of requantizing the fp16 copy (see gguf_int4.py)."""
+    from llmcli.models.gguf_int4 import write_blocks
+
+    write_blocks(gguf_file, folder)
 
 
 def stored_weight_kind(gguf_file: Path) -> str:

@@ -343,7 +343,12 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     if native_quant is not None:
         from llmcli.engine.native.quant import quantize_model
 
-        quant, quant_backend = quantize_model(model, native_quant, group), "native"
+        exact = None
+        if resolved.source == "gguf" and native_quant == "int4":
+            from llmcli.models.gguf_int4 import blocks_of
+
+            exact = blocks_of(folder)  # the file's own 4-bit blocks, not a requantized fp16 copy
+        quant, quant_backend = quantize_model(model, native_quant, group, exact), "native"
     elif config.get("quantization_config"):
         quant_backend = quant
     generation_config = read_generation_config(folder)

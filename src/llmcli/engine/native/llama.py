@@ -100,7 +100,7 @@ class RMSNorm:
         if self.fused:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * normed.to(self.weight.dtype)
 
 
 class FeedForward:
@@ -215,6 +215,9 @@ class Transformer:
         self.rope_scale = float(getattr(body.rotary_emb, "attention_scaling", 1.0))
         self.device = self.embedding.device
         self.dtype = self.embedding.dtype
+        # On a CPU the residual stream stays fp32 between layers (as llama.cpp keeps it): bf16
+        # sums over 30 layers tipped the demo's near-tied first token, and it costs nothing there.
+        self.residual_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         half = self.shape.head_dim // 2
         self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
 
@@ -238,7 +241,7 @@ class Transformer:
         start = cache.length
         cache.ensure(start + ids.shape[0])
         cos, sin = self.rope(torch.arange(start, start + ids.shape[0], device=self.device))
-        h = F.embedding(ids, self.embedding)
+        h = F.embedding(ids, self.embedding).to(self.residual_dtype)
         for block in self.blocks:
             h = h + block.attention.prefill(block.attention_norm(h), cos, sin, cache)
             h = h + block.feed_forward(block.ffn_norm(h))
@@ -259,7 +262,7 @@ class Transformer:
         mask = None
         if masked:
             mask = (torch.arange(attend, device=self.device) <= position).view(1, 1, 1, attend)
-        h = F.embedding(token, self.embedding)
+        h = F.embedding(token, self.embedding).to(self.residual_dtype)
         for block in self.blocks:
             attention = block.attention
             q, k, v = attention.project(block.attention_norm(h), cos, sin)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -191,27 +192,36 @@ class QuantizedSlice(torch.nn.Module):
         return self.whole(x)[..., self.start : self.end]
 
 
-def quantize_model(model: torch.nn.Module, kind: str, group: int | None = None) -> str:
+def quantize_model(
+    model: torch.nn.Module, kind: str, group: int | None = None, exact: ExactCodes | None = None
+) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
     peak is the model plus one layer). q/k/v and gate/up become one matrix each (see
     FUSED_PROJECTIONS). The output head always goes to int8: it is the largest single matrix,
     and the one the next token's choice is most sensitive to. `group`: int4's group size
-    (default: the largest preferred one that fits). Returns the label."""
+    (default: the largest preferred one that fits). `exact`: int4 codes to use as they are, by
+    module name, instead of quantizing the weights (a GGUF file's 4-bit blocks). Returns the label."""
     if kind == "int4" and group is None:
         group = int4_group(model)
     group = group or 0
     head = model.get_output_embeddings()
     kinds = set()
 
-    def quantized(weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool) -> QuantizedLinear:
+    def quantized(
+        names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
+    ) -> QuantizedLinear:
         if kind == "int8" or is_head or not _tinygemm_fits(weight):
             layer = QuantizedLinear.int8(weight, bias)
+        elif exact is not None and group == exact.group and all(name in exact for name in names):
+            parts = [exact.get(name) for name in names]
+            codes, scales, zeros = (torch.cat(part).to(weight.device) for part in zip(*parts, strict=True))
+            layer = QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype)
         else:
             layer = QuantizedLinear.int4(weight, bias, group)
         kinds.add(layer.kind)
         return layer
 
-    for module in list(model.modules()):
+    for module_name, module in list(model.named_modules()):
         for names in FUSED_PROJECTIONS:
             parts = [getattr(module, name, None) for name in names]
             if not all(type(part) is torch.nn.Linear for part in parts):
@@ -227,7 +237,7 @@ def quantize_model(model: torch.nn.Module, kind: str, group: int | None = None) 
                         for part in parts
                     ]
                 )
-            whole = quantized(weight, bias, is_head=False)
+            whole = quantized([f"{module_name}.{name}" for name in names], weight, bias, is_head=False)
             del weight
             setattr(module, "_llmcli_" + "_".join(names), whole)
             start = 0
@@ -237,11 +247,21 @@ def quantize_model(model: torch.nn.Module, kind: str, group: int | None = None) 
     for name, linear in quantizable_linears(model).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, quantized(linear.weight, linear.bias, is_head=linear is head))
+        setattr(parent, child, quantized([name], linear.weight, linear.bias, is_head=linear is head))
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own (int8) matrix now
     # What the layers became: on CUDA, widths the int4 kernel cannot tile stay int8.
     return f"int4-g{group}" if "int4" in kinds else "int8"
+
+
+class ExactCodes(Protocol):
+    """int4 codes by module name, each (codes [N, K], scales and zeros [N, K / group])."""
+
+    group: int
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def _tinygemm_fits(weight: torch.Tensor) -> bool:
