@@ -156,6 +156,32 @@ EngineOption = Annotated[
         show_default=False,
     ),
 ]
+SERVER = "Server"
+ServerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        envvar="LLMCLI_SERVER",
+        help="Use this OpenAI-compatible server (llmcli serve, vLLM, llama.cpp, ollama…); -m is its "
+        "model name. Default: a running `llmcli serve` of the same model and settings, else load here.",
+        rich_help_panel=SERVER,
+        show_default=False,
+    ),
+]
+NoServerOption = Annotated[
+    bool,
+    typer.Option("--no-server", help="Load the model here even if a server runs it.", rich_help_panel=SERVER),
+]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="LLMCLI_API_KEY",
+        help="The server's API key (sent as a bearer token).",
+        rich_help_panel=SERVER,
+        show_default=False,
+    ),
+]
 CtxOption = Annotated[
     int | None,
     typer.Option(
@@ -225,6 +251,9 @@ def generate(
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option(help="Prompts per batch with --batch.")] = 8,
+    server: ServerOption = None,
+    no_server: NoServerOption = False,
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     with handled_errors():
@@ -271,6 +300,9 @@ def generate(
             stats=stats,
             sampling=sampling,
             load=load,
+            server=None if no_server else server,
+            api_key=api_key,
+            no_server=no_server,
         )
         code = run(request)
     raise typer.Exit(code)
@@ -461,6 +493,61 @@ def bench(
                 load=load,
             )
         )
+    raise typer.Exit(code)
+
+
+SERVE_EPILOG = """\
+[bold]Examples[/]
+
+  llmcli serve                       # the default model at http://127.0.0.1:8471/v1
+
+  llmcli serve -m Qwen/Qwen2.5-0.5B-Instruct --port 9000
+
+  curl -s localhost:8471/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+While it runs, [bold]llmcli generate[/] with the same model and settings uses it by itself (no load,
+no torch import); --no-server loads in-process instead. Any OpenAI client works against it.
+"""
+
+
+@app.command(epilog=SERVE_EPILOG)
+def serve(
+    model: ModelOption = None,
+    host: Annotated[
+        str, typer.Option(help="Address to listen on. Anything but loopback needs --api-key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free one).")] = 8471,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="LLMCLI_API_KEY",
+            help="Require this bearer token on every request.",
+            show_default=False,
+        ),
+    ] = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
+    allow_pickle: AllowPickleOption = False,
+    quant: QuantOption = "auto",
+    quant_type: QuantTypeOption = "nf4",
+    double_quant: DoubleQuantOption = True,
+    offload: OffloadOption = False,
+    max_memory: MaxMemoryOption = None,
+    ctx: CtxOption = None,
+    fast: FastOption = None,
+    engine: EngineOption = None,
+) -> None:
+    """Keep a model loaded behind an OpenAI-compatible API (chat and text completions, streaming)."""
+    with handled_errors():
+        if not 0 <= port <= 65535:
+            raise UsageError(f"--port must be in 0…65535, got {port}")
+        effective, load = _prepare(model, None, ctx, engine, {}, _pick(locals(), LOADING_FLAGS))
+        from llmcli.frontends.serve import ServeRequest, run
+
+        code = run(ServeRequest(model=effective.model, host=host, port=port, api_key=api_key, load=load))
     raise typer.Exit(code)
 
 

@@ -27,6 +27,9 @@ class GenerateRequest:
     stats: bool
     sampling: SamplingSettings
     load: LoadSettings
+    server: str | None = None  # --server / LLMCLI_SERVER: use this OpenAI-compatible endpoint
+    api_key: str | None = None
+    no_server: bool = False  # --no-server: never use a running `llmcli serve`
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -59,6 +62,14 @@ def run(request: GenerateRequest) -> int:
     """Resolve, load, generate, print. Returns the exit code; raises LlmcliError on failure."""
     stdin = sys.stdin.buffer if sys.stdin is not None else None
     prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
+    from llmcli.frontends import remote
+
+    target = remote.find_server(
+        request.model, request.load, request.server, request.api_key, request.no_server
+    )
+    if target is not None:
+        system, sampling, out = request.system, request.sampling, StdoutSink()
+        return remote.run(target, prompt, system, request.raw, sampling, request.json, request.stats, out)
 
     loaded = load_with_feedback(request.model, request.load)
     from llmcli.engine.conversation import build_messages, prompt_ids

@@ -1,0 +1,109 @@
+"""`llmcli serve`: load once, then answer OpenAI-compatible requests until stopped.
+
+The socket is bound before the server is announced, so a port in use is one clear line, and the
+runtime record (server/runtime.py) exists only while something listens behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import signal
+import socket
+from dataclasses import dataclass
+
+from llmcli.config.settings import LoadSettings
+from llmcli.errors import EXIT_OK, LlmcliError, UsageError
+from llmcli.frontends import terminal
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
+
+DEFAULT_PORT = 8471
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    model: str | None
+    host: str
+    port: int
+    api_key: str | None
+    load: LoadSettings
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        raise UsageError(
+            f"--host {host} would let other machines use this model without a key",
+            "set --api-key (or LLMCLI_API_KEY), or keep the default --host 127.0.0.1",
+        )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        message = f"cannot listen on {host}:{port}: {error.strerror}"
+        raise LlmcliError(message, "pick another --port") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(request: ServeRequest) -> int:
+    check_exposure(request.host, request.api_key)
+    sock = bind(request.host, request.port)  # before the load: a taken port fails in a second
+    import uvicorn
+
+    from llmcli.models.resolve import default_model_spec
+    from llmcli.server.app import Served, create_app
+    from llmcli.server.runtime import remove_record, write_record
+
+    model_spec = request.model or default_model_spec()
+    loaded = load_with_feedback(model_spec, request.load)
+    engine = engine_with_feedback(loaded)
+    served = Served(loaded=loaded, engine=engine, model_id=loaded.name, api_key=request.api_key)
+    port = sock.getsockname()[1]
+    shown_host = f"[{request.host}]" if ":" in request.host else request.host
+    url = f"http://{shown_host}:{port}"
+    config = uvicorn.Config(
+        create_app(served), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    write_record(url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load)
+    terminal.note(f"Serving {loaded.name} at {url}/v1 (Ctrl-C stops).")
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: with this handler a
+    # SIGTERM ends in SystemExit, so the `finally` below still removes the record.
+    signal.signal(signal.SIGTERM, _exit_quietly)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: uvicorn has finished the requests in flight; leaving is the point
+    finally:
+        remove_record()
+        served.worker.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            sock.close()
+    return EXIT_OK
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(EXIT_OK)
+
+
+def loaded_path(model_spec: str) -> str:
+    from pathlib import Path
+
+    path = Path(model_spec).expanduser()
+    return str(path.resolve()) if path.exists() else model_spec

@@ -1,0 +1,380 @@
+"""The OpenAI-compatible HTTP API over one loaded model (FastAPI on uvicorn, SSE for streams).
+
+One worker thread runs every generation, in arrival order: batch-1 decode is bound by reading
+the weights, so two generations at once would each run at half speed and share one KV cache.
+That thread owns the engine, whose cache persists between requests: a request whose prompt
+starts with what the cache holds (the next turn of a chat, re-sent whole by any client) prefills
+only the rest, and `usage.prompt_tokens_details.cached_tokens` says how much was reused.
+
+A streaming client that goes away stops its generation at the next token (the engine's cache
+is cropped back to what it holds exactly, as after Ctrl-C); one still waiting in the queue is
+skipped. Every failure is an OpenAI error object, and the worker lives on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmcli.config.settings import SamplingSettings
+from llmcli.errors import LlmcliError
+from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
+
+MAX_BODY_BYTES = 8 << 20  # a prompt of ~2M tokens: larger is a mistake, not a prompt
+
+
+@dataclass
+class Served:
+    """The model behind the server, and the one thread that runs it."""
+
+    loaded: Any  # LoadedModel
+    engine: Any  # Engine
+    model_id: str
+    api_key: str | None = None
+    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "llmcli-generate"))
+
+    def info(self) -> dict[str, Any]:
+        loaded = self.loaded
+        return {
+            "model": self.model_id,
+            "weight_bytes": loaded.weight_bytes,
+            "device": str(loaded.device),
+            "dtype": loaded.dtype_name,
+            "quant": loaded.quant,
+            "quant_backend": loaded.quant_backend,
+            "engine": self.engine.name,
+            "kv_bytes_per_token": loaded.kv_bytes_per_token,
+            "context_length": loaded.context_length,
+        }
+
+
+@dataclass
+class Outcome:
+    text: str
+    finish_reason: str
+    stats: Any  # GenerationStats
+    sampling: dict[str, Any]
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def create_app(served: Served) -> FastAPI:
+    app = FastAPI(title="llmcli", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next: Callable[[Request], Any]) -> Any:
+        guarded = served.api_key and request.url.path.startswith("/v1/")
+        if guarded and request.headers.get("authorization", "") != f"Bearer {served.api_key}":
+            message = "a valid API key is required (Authorization: Bearer …)"
+            return _error(401, message, code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", **served.info()}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": served.model_id, "object": "model", "created": 0, "owned_by": "llmcli"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest) -> Any:
+        tokenizer = served.loaded.tokenizer
+        from llmcli.engine.conversation import prompt_ids
+
+        ids = prompt_ids(tokenizer, body.chat_messages())
+        return await _respond(served, body, ids, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        tokenizer = served.loaded.tokenizer
+        ids = list(tokenizer(body.text(), add_special_tokens=True)["input_ids"])
+        return await _respond(served, body, ids, chat=False)
+
+    return BodyLimit(app, MAX_BODY_BYTES)  # type: ignore[return-value]
+
+
+async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: bool) -> Any:
+    sampling = _checked_sampling(body)
+    context = served.loaded.context_length
+    if len(ids) >= context:
+        message = f"the prompt is {len(ids)} tokens; the context holds {context}"
+        raise RequestError(400, message, "messages" if chat else "prompt", "context_length_exceeded")
+    if sampling.max_new_tokens is not None and len(ids) + sampling.max_new_tokens > context:
+        message = (
+            f"max_tokens {sampling.max_new_tokens} with a {len(ids)}-token prompt "
+            f"exceeds the context of {context}"
+        )
+        raise RequestError(400, message, "max_tokens", "context_length_exceeded")
+    loop = asyncio.get_running_loop()
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if not body.stream:
+        cancelled = threading.Event()
+        work = functools.partial(_generate, served, ids, sampling, None, cancelled)
+        outcome = await loop.run_in_executor(served.worker, work)
+        return _completion(served, request_id, created, outcome, chat)
+    return StreamingResponse(
+        _stream(served, ids, sampling, request_id, created, chat, body.include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _checked_sampling(body: _Sampling) -> SamplingSettings:
+    sampling = body.sampling()
+    try:
+        sampling.validate()
+    except LlmcliError as error:
+        raise RequestError(400, error.message.replace("--", "")) from None
+    return sampling
+
+
+def _generate(
+    served: Served,
+    ids: list[int],
+    sampling: SamplingSettings,
+    on_piece: Callable[[str], None] | None,
+    cancelled: threading.Event,
+) -> Outcome | None:
+    """On the worker thread: one generation, start to end (None when its client left first)."""
+    if cancelled.is_set():
+        return None
+    loaded = served.loaded
+    params = sampling.resolve(loaded.generation_config)
+    generation = served.engine.generate(ids, params, loaded.tokenizer)
+    try:
+        for piece in generation:
+            if cancelled.is_set():
+                generation.interrupt()
+                break
+            if on_piece is not None:
+                on_piece(piece)
+    except BaseException:
+        generation.interrupt()  # the cache must match what it says it holds, whatever went wrong
+        raise
+    result = generation.result
+    return Outcome(result.text, result.finish_reason, result.stats, params.as_dict())
+
+
+async def _stream(
+    served: Served,
+    ids: list[int],
+    sampling: SamplingSettings,
+    request_id: str,
+    created: int,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def on_piece(piece: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
+
+    future = loop.run_in_executor(served.worker, _generate, served, ids, sampling, on_piece, cancelled)
+    future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
+    chunk = functools.partial(_chunk, served.model_id, request_id, created, chat)
+    try:
+        if chat:
+            yield _sse(chunk({"role": "assistant", "content": ""}, None))
+        while True:
+            kind, piece = await queue.get()
+            if kind == "done":
+                break
+            yield _sse(chunk({"content": piece} if chat else piece, None))
+        try:
+            outcome = future.result()
+        except Exception as error:  # the stream has begun: the error goes in it, as OpenAI does
+            yield _sse(error_body(_describe(error), "server_error"))
+            return
+        if outcome is None:
+            return
+        final = chunk({} if chat else "", _finish_reason(outcome.finish_reason))
+        final["timings"], final["sampling"] = _timings(outcome), outcome.sampling
+        yield _sse(final)
+        if include_usage:
+            usage = chunk({}, None) | {"choices": [], "usage": _usage(outcome)}
+            yield _sse(usage)
+        yield "data: [DONE]\n\n"
+    finally:
+        cancelled.set()  # a client that left: its generation stops at the next token
+
+
+def _chunk(
+    model: str, request_id: str, created: int, chat: bool, delta: Any, finish: str | None
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if chat:
+        choice["delta"] = delta
+    else:
+        choice["text"] = delta
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def _completion(served: Served, request_id: str, created: int, outcome: Outcome | None, chat: bool) -> Any:
+    assert outcome is not None  # only streams are cancelled
+    finish = _finish_reason(outcome.finish_reason)
+    if chat:
+        message = {"role": "assistant", "content": outcome.text}
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": outcome.text, "finish_reason": finish, "logprobs": None}
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": served.model_id,
+        "choices": [choice],
+        "usage": _usage(outcome),
+        "timings": _timings(outcome),
+        "sampling": outcome.sampling,
+    }
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(outcome: Outcome) -> dict[str, Any]:
+    stats = outcome.stats
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def _timings(outcome: Outcome) -> dict[str, Any]:
+    stats = outcome.stats
+    return {
+        "ttft_s": round(stats.ttft_s, 6),
+        "prefill_tok_s": round(stats.prefill_tok_s, 3),
+        "decode_tok_s": round(stats.decode_tok_s, 3),
+        "prefilled_tokens": stats.prefilled_tokens,
+        "cached_tokens": stats.cached_tokens,
+    }
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, LlmcliError):
+        return error.one_line()
+    return f"{type(error).__name__}: {error}"
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = {
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+    }.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        first = problems[0] if problems else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, "the request body is not valid JSON", code="invalid_json")
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return _error(422, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where, "invalid_value")
+
+    @app.exception_handler(RequestError)
+    async def refused(_: Request, error: RequestError) -> JSONResponse:
+        return _error(error.status, error.message, error.param, error.code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return _error(error.status_code, str(error.detail))
+
+    @app.exception_handler(LlmcliError)
+    async def llmcli_error(_: Request, error: LlmcliError) -> JSONResponse:
+        return _error(400, error.one_line())
+
+    @app.exception_handler(Exception)
+    async def crashed(_: Request, error: Exception) -> JSONResponse:
+        if isinstance(error, _TooLarge):
+            return _error(413, str(error))
+        return _error(500, _describe(error))
+
+
+class BodyLimit:
+    """413 for a body over `limit` bytes, by its Content-Length or, when chunked, as it arrives."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge(f"the request body is over {self.limit} bytes")
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
+        except Exception as error:  # answered already by the handlers: no traceback on stderr
+            if not started:
+                await _error(500, _describe(error))(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,263 @@
+"""`llmcli serve` as a real subprocess on a free loopback port, driven by the official `openai`
+client and by raw HTTP, and `generate` finding it by itself."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmcli.config.settings import LoadSettings, SamplingParams
+from llmcli.engine.conversation import build_messages, prompt_ids
+from llmcli.engine.loop import Engine
+from llmcli.models.load import load_model
+from llmcli.models.resolve import ResolvedModel
+
+from cli_helpers import LLMCLI, run_cli
+
+openai = pytest.importorskip("openai")
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen[bytes], url: str, runtime: Path) -> None:
+        self.process, self.url, self.runtime = process, url, runtime
+        self.host, self.port = url.removeprefix("http://").split(":")
+
+    def client(self, **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **options)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        connection = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
+        try:
+            connection.request(
+                method, path, body=body, headers=headers or {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            return response.status, json.loads(response.read() or b"null")
+        finally:
+            connection.close()
+
+
+def start_server(model: Path, runtime: Path, *extra: str) -> Server:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    process = subprocess.Popen(
+        [*LLMCLI, "serve", "-m", str(model), "--port", "0", "--device", "cpu", "--dtype", "fp32", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    line = process.stderr.readline().decode()  # "Serving NAME at URL/v1 (Ctrl-C stops)."
+    if "Serving" not in line:
+        process.kill()
+        raise AssertionError(f"the server did not start: {line}{process.stderr.read().decode()}")
+    url = line.split(" at ", 1)[1].split("/v1", 1)[0]
+    return Server(process, url, runtime)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = start_server(tiny_llama, tmp_path_factory.mktemp("runtime"))
+    yield running
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=30) == 0
+    assert running.process.stderr.read() == b""  # graceful: nothing more on stderr
+    assert not list((running.runtime / "llmcli").glob("server-*.json"))  # its record is gone
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_llama: Path):
+    """The same model loaded here, for the greedy output the server must match."""
+    loaded = load_model(
+        ResolvedModel(name=tiny_llama.name, path=tiny_llama, source="folder"),
+        LoadSettings(device="cpu", dtype="fp32", threads=1),
+    )
+    engine = Engine.for_loaded(loaded)
+
+    def reply(messages: list[dict[str, str]], max_tokens: int) -> str:
+        engine.reset()
+        ids = prompt_ids(loaded.tokenizer, messages)
+        generation = engine.generate(
+            ids, SamplingParams(temperature=0.0, max_new_tokens=max_tokens), loaded.tokenizer
+        )
+        return "".join(generation)
+
+    return reply
+
+
+def test_chat_streaming_and_not_equal_the_in_process_reply(server: Server, in_process) -> None:
+    messages = build_messages("Hello there")
+    expected = in_process(messages, 12)
+    client = server.client()
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_text_completions(server: Server, tiny_llama: Path) -> None:
+    client = server.client()
+    whole = client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0)
+    streamed = client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
+    assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens == 6
+
+
+def test_a_chat_resent_in_full_reuses_the_cache(server: Server) -> None:
+    client = server.client()
+    messages = [{"role": "user", "content": "Tell me something"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And more"},
+    ]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(server: Server, in_process) -> None:
+    messages = build_messages("A long story please")
+    stream = server.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=900, temperature=0, stream=True
+    )
+    next(iter(stream))
+    stream.close()  # the connection goes mid-reply: the server stops, and its cache stays exact
+    after = server.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0
+    )
+    assert after.choices[0].message.content == in_process(messages, 5)
+
+
+def test_concurrent_clients_each_get_their_own_reply(server: Server, in_process) -> None:
+    prompts = [f"Question number {i}" for i in range(4)]
+    expected = {p: in_process(build_messages(p), 8) for p in prompts}
+    got: dict[str, str] = {}
+
+    def ask(prompt: str) -> None:
+        stream = server.client().chat.completions.create(
+            model="tiny", messages=build_messages(prompt), max_tokens=8, temperature=0, stream=True
+        )
+        got[prompt] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{not json", 400),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 422),
+        (json.dumps({"messages": []}).encode(), 422),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(), 400),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), 422),
+        (b'{"messages": [{"role": "user", "content": "' + b"a" * (9 << 20) + b'"}]}', 413),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    server: Server, body: bytes, status: int
+) -> None:
+    got, answer = server.raw("POST", "/v1/chat/completions", body)
+    assert got == status
+    assert isinstance(answer["error"]["message"], str) and answer["error"]["message"]
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_generate_uses_the_running_server_and_no_server_bypasses_it(server: Server, tiny_llama: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(server.runtime)}
+    args = [
+        "generate",
+        "-m",
+        str(tiny_llama),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "-t",
+        "0",
+        "-n",
+        "8",
+        "--json",
+    ]
+    via_server = run_cli(*args, "Hello", env=env)
+    assert via_server.returncode == 0 and via_server.stderr == b"", via_server.stderr.decode()
+    remote = json.loads(via_server.stdout)
+    local = json.loads(run_cli(*args, "--no-server", "Hello", env=env).stdout)
+    assert remote["server"] == server.url and "server" not in local
+    assert remote["text"] == local["text"] and remote["finish_reason"] == local["finish_reason"]
+    assert {k: remote[k] for k in ("completion_tokens", "quant", "engine", "context_length")} == {
+        k: local[k] for k in ("completion_tokens", "quant", "engine", "context_length")
+    }
+    # Settings that change the numbers: another dtype is another model, loaded in-process.
+    other = run_cli(*args[:-5], "--dtype", "bf16", "-t", "0", "-n", "8", "--json", "Hello", env=env)
+    assert "server" not in json.loads(other.stdout)
+
+
+def test_a_warm_call_imports_neither_torch_nor_transformers(server: Server, tiny_llama: Path) -> None:
+    code = (
+        "import sys; from llmcli.cli import main; sys.argv[1:] = ['generate', '-m', sys.argv[1], '--device', "
+        "'cpu', '--dtype', 'fp32', '-n', '4', 'Hi']\ntry:\n main()\nexcept SystemExit:\n pass\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)"
+    )
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(server.runtime)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_llama)], capture_output=True, env=env, timeout=60
+    )
+    assert proc.stderr.decode().strip() == "False False"
+
+
+def test_a_stale_record_is_ignored_quickly(tiny_llama: Path, tmp_path: Path) -> None:
+    records = tmp_path / "llmcli"
+    records.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = {
+        "url": "http://127.0.0.1:9", "pid": dead.pid, "model_spec": str(tiny_llama), "model": "x",
+        "model_path": str(tiny_llama), "load": {},
+    }  # fmt: skip
+    (records / f"server-{dead.pid}.json").write_text(json.dumps(stale))
+    proc = run_cli(
+        "generate", "-m", str(tiny_llama), "-n", "4", "--json", "Hi", env={"XDG_RUNTIME_DIR": str(tmp_path)}
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "server" not in json.loads(proc.stdout)
+    assert not (records / f"server-{dead.pid}.json").exists()
+
+
+def test_an_api_key_is_required_when_set(tiny_llama: Path, tmp_path: Path) -> None:
+    keyed = start_server(tiny_llama, tmp_path, "--api-key", "sesame")
+    try:
+        assert keyed.raw("GET", "/v1/models")[0] == 401
+        models = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="sesame", max_retries=0).models.list()
+        assert [m.id for m in models.data] == [str(tiny_llama)]
+        proc = run_cli("generate", "--server", keyed.url, "--api-key", "sesame", "-t", "0", "-n", "4", "Hi")
+        assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr.decode()
+    finally:
+        keyed.process.terminate()
+        keyed.process.wait(timeout=30)
+
+
+def test_a_non_loopback_host_without_a_key_is_refused(tiny_llama: Path) -> None:
+    proc = run_cli("serve", "-m", str(tiny_llama), "--host", "0.0.0.0")
+    assert proc.returncode == 2
+    assert proc.stderr.decode().count("\n") == 1 and "--api-key" in proc.stderr.decode()
