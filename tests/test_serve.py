@@ -213,6 +213,24 @@ def test_generate_uses_the_running_server_and_no_server_bypasses_it(server: Serv
     assert "server" not in json.loads(other.stdout)
 
 
+def test_chat_through_the_server_equals_chat_in_process(server: Server, tiny_llama: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(server.runtime)}
+    args = ["chat", "-m", str(tiny_llama), "--device", "cpu", "--dtype", "fp32", "-t", "0", "-n", "6"]
+    args.append("--json")
+    lines = b"Hello\nTell me more\n/undo\nSomething else\n"
+    remote = run_cli(*args, stdin=lines, env=env)
+    local = run_cli(*args, "--no-server", stdin=lines, env=env)
+    assert remote.returncode == 0 and local.returncode == 0, remote.stderr.decode() + local.stderr.decode()
+    remote_turns = [json.loads(line) for line in remote.stdout.splitlines()]
+    local_turns = [json.loads(line) for line in local.stdout.splitlines()]
+    # The first reply is exact. Later ones follow from the earlier replies as *text*, re-sent and
+    # re-tokenized as any OpenAI client does; a random model's bytes (broken UTF-8 included) do not
+    # survive that, where the in-process chat keeps the exact ids. So: the same turns, and reuse.
+    assert remote_turns[0]["reply"] == local_turns[0]["reply"]
+    assert len(remote_turns) == len(local_turns) == 3
+    assert remote_turns[1]["cached_tokens"] > 0  # the second turn re-sent the first: the server reused it
+
+
 def test_a_warm_call_imports_neither_torch_nor_transformers(server: Server, tiny_llama: Path) -> None:
     code = (
         "import sys; from llmcli.cli import main; sys.argv[1:] = ['generate', '-m', sys.argv[1], '--device', "

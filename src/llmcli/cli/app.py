@@ -356,6 +356,9 @@ def chat(
     max_memory: MaxMemoryOption = None,
     fast: FastOption = None,
     engine: EngineOption = None,
+    server: ServerOption = None,
+    no_server: NoServerOption = False,
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     with handled_errors():
@@ -377,6 +380,9 @@ def chat(
             json=json_output,
             sampling=sampling,
             load=load,
+            server=None if no_server else server,
+            api_key=api_key,
+            no_server=no_server,
         )
         code = run(request)
     raise typer.Exit(code)

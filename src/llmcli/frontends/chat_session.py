@@ -11,13 +11,15 @@ import difflib
 import shlex
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmcli.config.settings import SamplingParams, SamplingSettings
 from llmcli.engine.conversation import Conversation, read_transcript, write_transcript
-from llmcli.engine.loop import Engine, GenerationResult, common_prefix_length
 from llmcli.errors import LlmcliError, UsageError
-from llmcli.models.load import LoadedModel
+
+if TYPE_CHECKING:  # torch-free at import: a chat through a server (remote_chat.py) never loads it
+    from llmcli.engine.loop import Engine, GenerationResult
+    from llmcli.models.load import LoadedModel
 
 HELP = """\
 /help                 this list
@@ -54,7 +56,7 @@ SETTABLE = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max
 class ChatView(Protocol):
     def reply_start(self) -> None: ...
     def reply_piece(self, text: str) -> None: ...
-    def reply_end(self, result: GenerationResult, turn: TurnReport) -> None: ...
+    def reply_end(self, result: Any, turn: TurnReport) -> None: ...
     def info(self, text: str) -> None: ...
     def notice(self, text: str) -> None: ...
     def error(self, text: str) -> None: ...
@@ -119,7 +121,11 @@ class ChatSession:
         self.loaded = loaded
         self.params = params
         self.view = view
-        self.engine = engine or Engine.for_loaded(loaded)
+        if engine is None:
+            from llmcli.engine.loop import Engine
+
+            engine = Engine.for_loaded(loaded)
+        self.engine = engine
         self.conversation = Conversation(loaded.tokenizer, loaded.context_length, system=system)
         self.last_turn: TurnReport | None = None
         self.totals = {"turns": 0, "prefilled_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
@@ -303,6 +309,8 @@ class ChatSession:
         )
 
     def _crop_cache_to_conversation(self) -> None:
+        from llmcli.engine.loop import common_prefix_length
+
         self.engine.crop_to(common_prefix_length(self.engine.cached_ids, self.conversation.ids))
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from llmcli.engine.loop import GenerationResult
 from llmcli.frontends import terminal
+
+if TYPE_CHECKING:
+    from llmcli.engine.loop import GenerationResult
 from llmcli.frontends.chat_session import TurnReport
 
 

@@ -20,6 +20,7 @@ from llmcli.frontends import terminal
 from llmcli.frontends.chat_session import COMMANDS, ChatSession, ChatView
 from llmcli.frontends.chat_views import JsonView, PlainView, TerminalView
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
+from llmcli.frontends.remote_chat import RemoteChatSession
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -34,25 +35,37 @@ class ChatRequest:
     json: bool
     sampling: SamplingSettings
     load: LoadSettings
+    server: str | None = None  # as for generate: --server / LLMCLI_SERVER
+    api_key: str | None = None
+    no_server: bool = False
 
 
 def run(request: ChatRequest) -> int:
     interactive = terminal.stdin_is_terminal()
-    loaded = load_with_feedback(request.model, request.load)
-    params = request.sampling.resolve(loaded.generation_config)
     console = Console(highlight=False)
     view: ChatView
     if interactive:
         view = TerminalView(console, markdown=request.markdown)
     else:
         view = JsonView() if request.json else PlainView()
-    session = ChatSession(loaded, params, view, system=request.system, engine=engine_with_feedback(loaded))
+    from llmcli.frontends.remote import find_server
+
+    target = find_server(request.model, request.load, request.server, request.api_key, request.no_server)
+    session: ChatSession | RemoteChatSession
+    if target is not None:
+        session = RemoteChatSession(target, request.sampling, view, system=request.system)
+    else:
+        loaded = load_with_feedback(request.model, request.load)
+        params = request.sampling.resolve(loaded.generation_config)
+        session = ChatSession(
+            loaded, params, view, system=request.system, engine=engine_with_feedback(loaded)
+        )
     if interactive:
         return run_interactive(session, console)
     return run_scripted(session, sys.stdin.buffer)
 
 
-def run_scripted(session: ChatSession, lines: Iterable[bytes]) -> int:
+def run_scripted(session: ChatSession | RemoteChatSession, lines: Iterable[bytes]) -> int:
     """One user message (or slash command) per line; replies in order. Exit 1 if anything failed."""
     try:
         for number, raw in enumerate(lines, start=1):
@@ -77,7 +90,7 @@ def run_scripted(session: ChatSession, lines: Iterable[bytes]) -> int:
     return EXIT_FAILURE if session.failed else EXIT_OK
 
 
-def run_interactive(session: ChatSession, console: Console) -> int:
+def run_interactive(session: ChatSession | RemoteChatSession, console: Console) -> int:
     history_file = state_dir() / "history"
     history_file.parent.mkdir(parents=True, exist_ok=True)
     prompt = PromptSession(
