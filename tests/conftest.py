@@ -23,9 +23,17 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["XDG_CACHE_HOME"] = str(_TEST_HOME / "cache")
     os.environ["XDG_CONFIG_HOME"] = str(_TEST_HOME / "config")
     os.environ["XDG_STATE_HOME"] = str(_TEST_HOME / "state")
+    os.environ["XDG_RUNTIME_DIR"] = str(_TEST_HOME / "run")  # a user's running `llmcli serve` stays theirs
     os.environ["HF_HOME"] = str(_TEST_HOME / "hf")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    for name in ("LLMCLI_MODEL", "LLMCLI_CACHE_DIR", "HF_HUB_CACHE", "HF_ENDPOINT"):
+    for name in (
+        "LLMCLI_MODEL",
+        "LLMCLI_CACHE_DIR",
+        "HF_HUB_CACHE",
+        "HF_ENDPOINT",
+        "LLMCLI_SERVER",
+        "LLMCLI_API_KEY",
+    ):
         os.environ.pop(name, None)
 
 

@@ -279,3 +279,10 @@ def test_a_non_loopback_host_without_a_key_is_refused(tiny_llama: Path) -> None:
     proc = run_cli("serve", "-m", str(tiny_llama), "--host", "0.0.0.0")
     assert proc.returncode == 2
     assert proc.stderr.decode().count("\n") == 1 and "--api-key" in proc.stderr.decode()
+
+
+def test_an_unreachable_server_is_one_line_not_a_traceback() -> None:
+    proc = run_cli("generate", "--server", "http://127.0.0.1:9", "-n", "4", "Hi")
+    assert proc.returncode == 1
+    error = proc.stderr.decode()
+    assert error.count("\n") == 1 and "cannot reach http://127.0.0.1:9" in error
