@@ -76,7 +76,7 @@ class RequestError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def create_app(served: Served) -> FastAPI:
+def create_app(served: Served) -> ASGIApp:
     app = FastAPI(title="llmcli", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
 
@@ -101,19 +101,37 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest) -> Any:
-        tokenizer = served.loaded.tokenizer
+        from jinja2.exceptions import TemplateError
+
         from llmcli.engine.conversation import prompt_ids
 
-        ids = prompt_ids(tokenizer, body.chat_messages())
+        messages = body.chat_messages()
+
+        def tokenize() -> list[int]:
+            try:
+                return prompt_ids(served.loaded.tokenizer, messages)
+            except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
+                message = f"the model's chat template refused these messages: {error}"
+                raise RequestError(400, message) from None
+
+        ids = await _on_worker(served, tokenize)
         return await _respond(served, body, ids, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
-        tokenizer = served.loaded.tokenizer
-        ids = list(tokenizer(body.text(), add_special_tokens=True)["input_ids"])
+        text = body.text()
+        ids = await _on_worker(
+            served, lambda: list(served.loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
+        )
         return await _respond(served, body, ids, chat=False)
 
-    return BodyLimit(app, MAX_BODY_BYTES)  # type: ignore[return-value]
+    return BodyLimit(app, MAX_BODY_BYTES)
+
+
+async def _on_worker(served: Served, work: Callable[[], list[int]]) -> list[int]:
+    """Tokenize on the worker thread: a Rust tokenizer used from two threads at once can fail
+    ("Already borrowed"), and the worker is using it to detokenize."""
+    return await asyncio.get_running_loop().run_in_executor(served.worker, work)
 
 
 async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: bool) -> Any:
