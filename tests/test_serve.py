@@ -204,6 +204,7 @@ def test_generate_uses_the_running_server_and_no_server_bypasses_it(server: Serv
     remote = json.loads(via_server.stdout)
     local = json.loads(run_cli(*args, "--no-server", "Hello", env=env).stdout)
     assert remote["server"] == server.url and "server" not in local
+    assert set(remote) == set(local) | {"server"}  # the same record, plus where it came from
     assert remote["text"] == local["text"] and remote["finish_reason"] == local["finish_reason"]
     assert {k: remote[k] for k in ("completion_tokens", "quant", "engine", "context_length")} == {
         k: local[k] for k in ("completion_tokens", "quant", "engine", "context_length")

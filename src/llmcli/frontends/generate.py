@@ -106,6 +106,7 @@ def run(request: GenerateRequest) -> int:
             "engine": engine.name,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
+            "cached_tokens": result.stats.cached_tokens,
             "sampling": params.as_dict(),
         }
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
