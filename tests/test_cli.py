@@ -190,7 +190,7 @@ def test_ctrl_c_exits_130_without_traceback(tiny_llama: Path) -> None:
             "--threads",
             "1",
             "-n",
-            "250",
+            "1000",  # long enough to be mid-reply when the signal lands, even on a busy machine
             "--seed",
             "2",
             "x",

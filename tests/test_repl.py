@@ -6,7 +6,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import pexpect
@@ -97,8 +96,8 @@ def test_repl_turns_and_commands(tiny_llama: Path, tmp_path: Path) -> None:
 def test_ctrl_c_mid_reply_then_another_turn(loaded_demo) -> None:
     repl = Repl("-t", "0", "-n", "400")
     repl.child.sendline("Write a long story about a dragon who learns to read.")
-    repl.child.expect("dragon", timeout=60)  # the reply is streaming
-    time.sleep(1.0)
+    repl.child.expect("learns to read.", timeout=60)  # the input as typed…
+    repl.child.expect(r"\n[^\n>]{40}", timeout=60)  # …then 40 characters of the reply: it is streaming
     repl.child.sendcontrol("c")
     repl.child.expect(r"· interrupted")
     repl.child.expect(">>>")
