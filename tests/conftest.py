@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +36,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "LLMCLI_API_KEY",
     ):
         os.environ.pop(name, None)
+    # A shell without job control starts background commands (`.ci/run &`, nohup) with SIGINT
+    # ignored, and every child inherits that: the Ctrl-C tests would send a signal nobody hears.
+    # A handled signal is reset to the default across exec, so the children get Python's own.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
