@@ -156,6 +156,36 @@ EngineOption = Annotated[
         show_default=False,
     ),
 ]
+SPECULATIVE = "Speculative decoding"
+SpeculativeOption = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative",
+        help="Draft several tokens and check them in one pass; the output stays the same. lookup: "
+        "drafts from the text itself (rewriting, editing, extracting from piped input); draft: a "
+        "smaller model (--draft-model); off. Default: off ($LLMCLI_SPECULATIVE, config file).",
+        rich_help_panel=SPECULATIVE,
+        show_default=False,
+    ),
+]
+DraftModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-model",
+        help="The drafting model: any with the model's tokenizer, or self (the model's own int4 copy).",
+        rich_help_panel=SPECULATIVE,
+        show_default=False,
+    ),
+]
+DraftTokensOption = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-tokens",
+        help="Tokens drafted per pass. Default: as many as pay, measured while the reply is written.",
+        rich_help_panel=SPECULATIVE,
+        show_default=False,
+    ),
+]
 SERVER = "Server"
 ServerOption = Annotated[
     str | None,
@@ -244,6 +274,9 @@ def generate(
     ctx: CtxOption = None,
     fast: FastOption = None,
     engine: EngineOption = None,
+    speculative: SpeculativeOption = None,
+    draft_model: DraftModelOption = None,
+    draft_tokens: DraftTokensOption = None,
     batch: Annotated[
         str | None,
         typer.Option(
@@ -266,6 +299,7 @@ def generate(
             engine,
             _sampling_flags(**_pick(locals(), SAMPLING_FLAGS)),
             _pick(locals(), LOADING_FLAGS),
+            _pick(locals(), SPECULATIVE_FLAGS),
         )
         sampling = effective.sampling
         system = None if raw else effective.system
@@ -274,6 +308,8 @@ def generate(
                 raise UsageError("--batch reads the prompts from its file: give no prompt arguments")
             if batch_size < 1:
                 raise UsageError(f"--batch-size must be ≥ 1, got {batch_size}")
+            if speculative not in (None, "off") or draft_model:
+                raise UsageError("--speculative decodes one prompt at a time; --batch decodes many together")
             from llmcli.frontends import batch as batch_frontend
 
             code = batch_frontend.run(
@@ -303,6 +339,7 @@ def generate(
             server=None if no_server else server,
             api_key=api_key,
             no_server=no_server,
+            speculative=effective.speculative,
         )
         code = run(request)
     raise typer.Exit(code)
@@ -356,6 +393,9 @@ def chat(
     max_memory: MaxMemoryOption = None,
     fast: FastOption = None,
     engine: EngineOption = None,
+    speculative: SpeculativeOption = None,
+    draft_model: DraftModelOption = None,
+    draft_tokens: DraftTokensOption = None,
     server: ServerOption = None,
     no_server: NoServerOption = False,
     api_key: ApiKeyOption = None,
@@ -369,6 +409,7 @@ def chat(
             engine,
             _sampling_flags(**_pick(locals(), SAMPLING_FLAGS)),
             _pick(locals(), LOADING_FLAGS),
+            _pick(locals(), SPECULATIVE_FLAGS),
         )
         sampling = effective.sampling
         from llmcli.frontends.repl import ChatRequest, run
@@ -383,6 +424,7 @@ def chat(
             server=None if no_server else server,
             api_key=api_key,
             no_server=no_server,
+            speculative=effective.speculative,
         )
         code = run(request)
     raise typer.Exit(code)
@@ -545,18 +587,33 @@ def serve(
     ctx: CtxOption = None,
     fast: FastOption = None,
     engine: EngineOption = None,
+    speculative: SpeculativeOption = None,
+    draft_model: DraftModelOption = None,
+    draft_tokens: DraftTokensOption = None,
 ) -> None:
     """Keep a model loaded behind an OpenAI-compatible API (chat and text completions, streaming)."""
     with handled_errors():
         if not 0 <= port <= 65535:
             raise UsageError(f"--port must be in 0…65535, got {port}")
-        effective, load = _prepare(model, None, ctx, engine, {}, _pick(locals(), LOADING_FLAGS))
+        effective, load = _prepare(
+            model, None, ctx, engine, {}, _pick(locals(), LOADING_FLAGS), _pick(locals(), SPECULATIVE_FLAGS)
+        )
         from llmcli.frontends.serve import ServeRequest, run
 
-        code = run(ServeRequest(model=effective.model, host=host, port=port, api_key=api_key, load=load))
+        code = run(
+            ServeRequest(
+                model=effective.model,
+                host=host,
+                port=port,
+                api_key=api_key,
+                load=load,
+                speculative=effective.speculative,
+            )
+        )
     raise typer.Exit(code)
 
 
+SPECULATIVE_FLAGS = ("speculative", "draft_model", "draft_tokens")
 SAMPLING_FLAGS = (
     "temperature",
     "top_k",
@@ -594,9 +651,11 @@ def _prepare(
     engine: str | None,
     sampling: dict[str, Any],
     loading: dict[str, Any],
+    speculative: dict[str, Any] | None = None,
 ) -> tuple[Effective, LoadSettings]:
     """Every layer of settings applied (flag > env > config > …), and the load settings."""
-    effective = effective_settings(model, {**sampling, "system": system, "ctx": ctx, "engine": engine})
+    flags = {**sampling, "system": system, "ctx": ctx, "engine": engine, **(speculative or {})}
+    effective = effective_settings(model, flags)
     return effective, _loading(**loading, ctx=effective.context_length, engine=effective.engine or "auto")
 
 

@@ -157,6 +157,41 @@ class LoadSettings:
         return self
 
 
+SPECULATIVE_METHODS = ("off", "lookup", "draft")
+MOST_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    """Speculative decoding: off, lookup (drafts from the context's own n-grams), or draft (a
+    smaller model with the same vocabulary; "self" is the model's own int4 copy)."""
+
+    method: str = "off"
+    draft_model: str | None = None
+    draft_tokens: int | None = None  # None: as many as pay, measured as the reply goes
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> SpeculativeSettings:
+        draft_model = values.get("draft_model") or None
+        # Naming a draft model is asking for one: --draft-model alone turns drafting on.
+        method = values.get("speculative") or ("draft" if draft_model else "off")
+        return cls(method=method, draft_model=draft_model, draft_tokens=values.get("draft_tokens")).validate()
+
+    def validate(self) -> SpeculativeSettings:
+        if self.method not in SPECULATIVE_METHODS:
+            raise UsageError(
+                f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise UsageError(
+                "--speculative draft needs a draft model",
+                "add --draft-model MODEL (same tokenizer) or --draft-model self (the model's int4 copy)",
+            )
+        if self.draft_tokens is not None and not 1 <= self.draft_tokens <= MOST_DRAFT_TOKENS:
+            raise UsageError(f"--draft-tokens must be in 1…{MOST_DRAFT_TOKENS}, got {self.draft_tokens}")
+        return self
+
+
 @dataclass(frozen=True)
 class Effective:
     """What a command runs with once every layer is applied, and where each value came from."""
@@ -168,6 +203,7 @@ class Effective:
     context_length: int | None
     engine: str | None
     sources: dict[str, str]
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
 
 def effective_settings(
@@ -210,4 +246,5 @@ def effective_settings(
         context_length=values.get("ctx"),
         engine=values.get("engine"),
         sources=sources,
+        speculative=SpeculativeSettings.from_values(values),
     )

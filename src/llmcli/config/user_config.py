@@ -47,6 +47,9 @@ SETTING_TYPES: dict[str, type] = {
     "system": str,
     "ctx": int,
     "engine": str,
+    "speculative": str,
+    "draft_model": str,
+    "draft_tokens": int,
 }
 TOP_LEVEL = {"model", "defaults", "aliases", "models"}
 
@@ -129,7 +132,7 @@ def _checked_settings(path: Path, section: str, table: Any) -> dict[str, Any]:
 
 
 def env_settings() -> dict[str, Any]:
-    """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_CTX, LLMCLI_ENGINE: settings from the environment."""
+    """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_SPECULATIVE: settings from the environment."""
     values: dict[str, Any] = {}
     for key, kind in SETTING_TYPES.items():
         raw = os.environ.get(f"LLMCLI_{key.upper()}")

@@ -25,6 +25,12 @@ class Backend(Protocol):
         """Run `ids` after what is cached, in one pass; the logits for the next token, [1, vocab]."""
         ...
 
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Run `ids` after what is cached, in one pass; the logits after each of them, [len(ids), vocab].
+
+        How speculative decoding checks drafted tokens: one read of the weights for them all."""
+        ...
+
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one sampled token (a [1] tensor on the device); logits for the one after it."""
         ...

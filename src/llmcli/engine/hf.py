@@ -46,6 +46,13 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> torch.Tensor:
+        return self._forward(ids, logits_to_keep=1)[:, -1, :]
+
+    @torch.inference_mode()
+    def score(self, ids: list[int]) -> torch.Tensor:
+        return self._forward(ids, logits_to_keep=0)[0]  # 0: every position's logits
+
+    def _forward(self, ids: list[int], logits_to_keep: int) -> torch.Tensor:
         if self.cache is None:
             self.cache = self._new_cache()
         start = self._length
@@ -54,10 +61,10 @@ class TransformersBackend:
             past_key_values=self.cache,
             cache_position=torch.arange(start, start + len(ids), device=self.device),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=logits_to_keep,
         )
         self._length = start + len(ids)
-        return out.logits[:, -1, :]
+        return out.logits
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:

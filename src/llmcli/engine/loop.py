@@ -20,6 +20,9 @@ import torch
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
 from llmcli.engine.sampling import make_generator, pick_token, process_logits
+from llmcli.engine.speculative import Speculation, SpeculativeStats
+from llmcli.engine.speculative.acceptance import accept_or_resample
+from llmcli.engine.speculative.drafters import Draft
 from llmcli.engine.stats import GenerationStats
 from llmcli.errors import ContextOverflowError
 
@@ -53,6 +56,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
         self.cached_ids: list[int] = []  # exactly the tokens whose keys/values the backend holds
+        self.speculation: Speculation | None = None  # drafts checked several tokens per pass
 
     @classmethod
     def for_loaded(cls, loaded: LoadedModel) -> Engine:
@@ -82,8 +86,10 @@ class Engine:
         self.backend.crop(keep)
 
     def restore_consistency(self) -> None:
-        """After an interrupted call: make the cache hold exactly `cached_ids` again."""
+        """After an interrupted call: make the cache (and a draft model's) hold exactly what it says."""
         self.crop_to(len(self.cached_ids))
+        if self.speculation is not None:
+            self.speculation.drafter.restore_consistency()
 
     def free_memory(self) -> None:
         """Hand the allocator's cached blocks back after an out-of-memory error."""
@@ -135,6 +141,7 @@ class Generation:
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, tokenizer: Any) -> None:
         self._engine = engine
         self._prompt_ids = list(prompt_ids)
+        self._context = list(prompt_ids)  # the prompt, then every token taken
         self._params = params
         # No tokenizer (a benchmark on random weights): tokens only, no text.
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
@@ -167,42 +174,79 @@ class Generation:
         )
 
     def _run(self) -> Iterator[str]:
+        """Rounds of: the model's logits after each token fed → the tokens they choose → print.
+
+        Without speculation a round feeds one token (the last one chosen) through the decode
+        step and chooses one. With it, the last token and a draft go through one pass; the
+        round chooses every draft token the model agrees with and then the model's own next
+        token, and the cache keeps exactly the tokens fed that lie before that last one.
+        """
         engine, params, stats = self._engine, self._params, self.stats
+        speculation = engine.speculation
         start = time.perf_counter()
         reused = engine.reuse_prefix(self._prompt_ids)
         stats.prefilled_tokens = len(self._prompt_ids) - reused
-        logits = engine.prefill(self._prompt_ids[reused:])
-        self.prefill_logits = logits
+        rows = engine.prefill(self._prompt_ids[reused:])
+        self.prefill_logits = rows
         generator = make_generator(params.seed, engine.device) if not params.greedy else None
-        seen = torch.tensor([self._prompt_ids], dtype=torch.long, device=engine.device)
+        if speculation is not None:
+            speculation.drafter.start(self._prompt_ids)
+            stats.speculative = SpeculativeStats(speculation.method)
+        round_start = start
+        fed: list[int] = []  # the tokens whose logits `rows` holds, past what is cached
+        draft = Draft([])  # the drafted tokens among them: all of `fed` but the first
+        proposal: list[int] = []  # what the drafter offered this round, checked or not
         first_token_at = start
-        for step in range(self._budget):
-            token = pick_token(process_logits(logits, seen, params), params, generator)
-            token_id = int(token)  # the one host sync per token: we need the id to print it
+        while True:
+            chosen, last = self._choose(rows, draft, generator)
             now = time.perf_counter()
-            if step == 0:
-                first_token_at = now
-                stats.ttft_s = now - start
-            stats.decode_s = now - first_token_at
-            stats.token_times.append(now)
-            self.token_ids.append(token_id)
-            stats.completion_tokens = len(self.token_ids)
-            if token_id in engine.eos_token_ids:
-                self.finish_reason = "stop"
+            if speculation is not None and fed:
+                speculation.length.observe_pass(len(fed), now - round_start)
+                speculation.length.observe_match(proposal, chosen)
+                stats.speculative.drafted += len(draft.tokens)
+            finished = False
+            taken = 0
+            for token_id in chosen:
+                if not self.token_ids:
+                    first_token_at = now
+                    stats.ttft_s = now - start
+                stats.decode_s = now - first_token_at
+                stats.token_times.append(now)
+                self.token_ids.append(token_id)
+                self._context.append(token_id)
+                stats.completion_tokens = len(self.token_ids)
+                taken += 1
+                if token_id in engine.eos_token_ids:
+                    self.finish_reason, finished = "stop", True
+                    break
+                piece = self._stop.feed(self._detok.push(token_id) if self._detok else "")
+                if piece:
+                    yield piece
+                if self._stop.stopped:
+                    self.finish_reason, finished = "stop", True
+                    break
+                if len(self.token_ids) == self._budget:
+                    self.finish_reason, finished = "length", True
+                    break
+            if speculation is not None and fed:
+                stats.speculative.accepted += min(taken, len(chosen) - 1)
+            # The cache keeps the fed tokens before the last one taken: everything the next
+            # token's logits depend on, and nothing past it.
+            engine.cached_ids.extend(fed[:taken])
+            if engine.backend.length != len(engine.cached_ids):
+                engine.backend.crop(len(engine.cached_ids))
+            if finished:
                 break
-            piece = self._stop.feed(self._detok.push(token_id) if self._detok else "")
-            if piece:
-                yield piece
-            if self._stop.stopped:
-                self.finish_reason = "stop"
-                return
-            if step + 1 == self._budget:
-                self.finish_reason = "length"
-                break
-            if params.repetition_penalty != 1.0:
-                seen = torch.cat([seen, token.view(1, 1)], dim=1)
-            logits = engine.decode_step(token)
-            engine.cached_ids.append(token_id)
+            token_id = self.token_ids[-1]
+            proposal, draft = [], Draft([])
+            if speculation is not None:
+                proposal, draft = self._draft(speculation, generator)
+            round_start = time.perf_counter()
+            fed = [token_id, *draft.tokens]
+            if draft.tokens:
+                rows = engine.backend.score(fed)
+            else:
+                rows = engine.decode_step(last if last is not None else self._on_device(token_id))
         # The end: a character the model left unfinished, and text held back as a possible stop string.
         tail = self._stop.feed(self._detok.flush() if self._detok else "")
         if self._stop.stopped:
@@ -211,3 +255,74 @@ class Generation:
             tail += self._stop.flush()
         if tail:
             yield tail
+
+    def _choose(
+        self, rows: torch.Tensor, draft: Draft, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """The tokens `rows` choose: every drafted token the model agrees with, then its own next
+        one. Without a draft, also that token as a device tensor: the next decode step's input."""
+        params, drafted = self._params, draft.tokens
+        if not drafted:
+            token = pick_token(process_logits(rows, self._seen([]), params), params, generator)
+            return [int(token)], token  # the one host sync per token: we need the id to print it
+        if params.greedy and params.repetition_penalty == 1.0:
+            best = rows.argmax(dim=-1).tolist()  # one host sync for the whole run
+            return best[: _agreeing(best, drafted) + 1], None
+        chosen: list[int] = []
+        for i in range(rows.shape[0]):
+            logits = process_logits(rows[i : i + 1], self._seen(chosen), params)
+            if i < len(drafted) and not params.greedy:
+                probs = logits.float().softmax(dim=-1)[0]
+                draft_probs = None if draft.probs is None else _fit(draft.probs[i], probs.shape[0])
+                token = accept_or_resample(probs, drafted[i], draft_probs, generator)
+            else:
+                token = int(pick_token(logits, params, generator))
+            chosen.append(token)
+            if i == len(drafted) or token != drafted[i]:
+                break
+        return chosen, None
+
+    def _draft(self, speculation: Speculation, generator: torch.Generator | None) -> tuple[list[int], Draft]:
+        """This round's proposal (to measure how drafts match) and the part of it to check."""
+        length, drafter = speculation.length, speculation.drafter
+        # Room for the drafted tokens and the model's own token after them.
+        available = self._budget - len(self.token_ids) - 1
+        if drafter.free:
+            # A lookup costs nothing: offer all of it, and measure it even when none is checked.
+            proposal = drafter.propose(self._context, available, self._params, generator).tokens
+            return proposal, Draft(proposal[: length.next(len(proposal))])
+        draft = drafter.propose(self._context, length.next(available, at_least=1), self._params, generator)
+        length.observe_drafting(len(draft.tokens), draft.seconds)
+        return draft.tokens, draft
+
+    def _seen(self, chosen: list[int]) -> torch.Tensor:
+        """The tokens the repetition penalty looks at: the prompt, the reply, and `chosen` after it."""
+        if self._params.repetition_penalty == 1.0:
+            return _NOTHING_SEEN
+        return torch.tensor([self._context + chosen], dtype=torch.long, device=self._engine.device)
+
+    def _on_device(self, token_id: int) -> torch.Tensor:
+        return torch.tensor([token_id], dtype=torch.long, device=self._engine.device)
+
+
+_NOTHING_SEEN = torch.zeros(1, 0, dtype=torch.long)
+
+
+def _agreeing(chosen: list[int], drafted: list[int]) -> int:
+    """How many drafted tokens, from the first, equal the tokens chosen in their place."""
+    agreed = 0
+    for token, drafted_token in zip(chosen, drafted, strict=False):
+        if token != drafted_token:
+            break
+        agreed += 1
+    return agreed
+
+
+def _fit(probs: torch.Tensor, size: int) -> torch.Tensor:
+    """A draft model's distribution over the model's vocabulary size (either may be padded)."""
+    if probs.shape[0] == size:
+        return probs
+    fitted = probs.new_zeros(size)
+    common = min(size, probs.shape[0])
+    fitted[:common] = probs[:common]
+    return fitted

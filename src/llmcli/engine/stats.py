@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmcli.engine.speculative import SpeculativeStats
 
 
 @dataclass
@@ -14,6 +18,7 @@ class GenerationStats:
     ttft_s: float = 0.0  # request start → first token sampled (prefill + first sample)
     decode_s: float = 0.0  # first token → last token
     token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter at each token
+    speculative: SpeculativeStats | None = None  # drafted and accepted tokens, when speculating
 
     @property
     def inter_token_s(self) -> list[float]:
@@ -40,4 +45,5 @@ class GenerationStats:
             f"{self.prompt_tokens} prompt tok, {self.completion_tokens} completion tok · "
             f"TTFT {self.ttft_s:.3f} s · prefill {self.prefill_tok_s:.1f} tok/s · "
             f"decode {self.decode_tok_s:.1f} tok/s"
+            + (f" · {self.speculative.summary()}" if self.speculative else "")
         )

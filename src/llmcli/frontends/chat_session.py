@@ -9,23 +9,25 @@ from __future__ import annotations
 
 import difflib
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from llmcli.config.settings import SamplingParams, SamplingSettings
+from llmcli.config.settings import SPECULATIVE_METHODS, SamplingParams, SamplingSettings
 from llmcli.engine.conversation import Conversation, read_transcript, write_transcript
 from llmcli.errors import LlmcliError, UsageError
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server (remote_chat.py) never loads it
     from llmcli.engine.loop import Engine, GenerationResult
+    from llmcli.engine.speculative import Speculation
     from llmcli.models.load import LoadedModel
 
 HELP = """\
 /help                 this list
 /system [TEXT | -]    show, set (or with "-" clear) the system prompt
 /set KEY VALUE        temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop
-                      ("none" unsets seed and stop)
+                      ("none" unsets seed and stop); speculative off|lookup|draft
 /show                 settings, model, device, context used
 /stats                the last reply's timings, and the session's totals
 /reset                clear the conversation and its cache
@@ -78,6 +80,7 @@ class TurnReport:
     context_used: int
     context_length: int
     dropped_exchanges: int
+    speculative: dict[str, Any] | None = None  # method, drafted, accepted
 
     @classmethod
     def of(cls, result: GenerationResult, context_used: int, context_length: int, dropped: int) -> TurnReport:
@@ -95,6 +98,7 @@ class TurnReport:
             context_used=context_used,
             context_length=context_length,
             dropped_exchanges=dropped,
+            speculative=stats.speculative.as_dict() if stats.speculative else None,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -104,8 +108,16 @@ class TurnReport:
         interrupted = " · interrupted" if self.finish_reason == "interrupted" else ""
         return (
             f"TTFT {self.ttft_s:.2f} s · {self.decode_tok_s:.1f} tok/s · prefilled {self.prefilled_tokens} · "
-            f"reused {self.cached_tokens} · context {self.context_used}/{self.context_length}{interrupted}"
+            f"reused {self.cached_tokens} · context {self.context_used}/{self.context_length}"
+            f"{speculative_note(self.speculative)}{interrupted}"
         )
+
+
+def speculative_note(record: dict[str, Any] | None) -> str:
+    """ " · lookup 31/40 accepted" for a stats line; nothing without speculation."""
+    if not record:
+        return ""
+    return f" · {record['method']} {record['accepted']}/{record['drafted']} accepted"
 
 
 class ChatSession:
@@ -117,6 +129,8 @@ class ChatSession:
         *,
         system: str | None = None,
         engine: Engine | None = None,
+        speculate: Callable[[str], Speculation | None] | None = None,
+        speculative: str = "off",
     ) -> None:
         self.loaded = loaded
         self.params = params
@@ -126,9 +140,16 @@ class ChatSession:
 
             engine = Engine.for_loaded(loaded)
         self.engine = engine
+        # /set speculative: each method's speculation made once (a draft model loads once), kept.
+        self._speculate = speculate
+        self._speculations: dict[str, Speculation | None] = {"off": None}
+        self.speculative = "off"
+        if speculative != "off":
+            self.set_speculative(speculative)
         self.conversation = Conversation(loaded.tokenizer, loaded.context_length, system=system)
         self.last_turn: TurnReport | None = None
         self.totals = {"turns": 0, "prefilled_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+        self.totals |= {"drafted": 0, "accepted": 0}
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
 
     @property
@@ -174,6 +195,8 @@ class ChatSession:
         self.totals["turns"] += 1
         for key in ("prefilled_tokens", "cached_tokens", "completion_tokens"):
             self.totals[key] += getattr(report, key)
+        for key in ("drafted", "accepted"):
+            self.totals[key] += (report.speculative or {}).get(key, 0)
         self.view.reply_end(result, report)
         return report
 
@@ -222,11 +245,25 @@ class ChatSession:
         self.conversation.set_system(None if text == "-" else text)
         self.view.info("system prompt cleared" if text == "-" else "system prompt set")
 
+    def set_speculative(self, method: str) -> None:
+        if method not in SPECULATIVE_METHODS:
+            raise UsageError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if method not in self._speculations:
+            if self._speculate is None:
+                raise UsageError("speculative decoding is not available in this session")
+            self._speculations[method] = self._speculate(method)
+        self.engine.speculation = self._speculations[method]
+        self.speculative = method
+
     def _cmd_set(self, argument: str) -> None:
         key, _, value = argument.partition(" ")
         key, value = key.strip().replace("-", "_"), value.strip()
+        if key == "speculative" and value:
+            self.set_speculative(value)
+            self.view.info(f"speculative = {value!r}")
+            return
         if key not in SETTABLE or not value:
-            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
+            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
         self.params = apply_setting(self.params, key, value)
         self.view.info(f"{key} = {getattr(self.params, key)!r}")
 
@@ -234,7 +271,8 @@ class ChatSession:
         loaded = self.loaded
         settings = " · ".join(f"{k} {v!r}" for k, v in self.params.as_dict().items())
         self.view.info(
-            f"model {loaded.name} · {loaded.memory_summary()} · engine {self.engine.name}\n"
+            f"model {loaded.name} · {loaded.memory_summary()} · engine {self.engine.name}"
+            f" · speculative {self.speculative}\n"
             f"context {len(self.conversation.ids)}/{self.context_length} tokens · "
             f"{len(self.conversation.messages) // 2} exchanges · cache holds {len(self.engine.cached_ids)}\n"
             f"system {self.conversation.system or '(none)'}\n{settings}"
@@ -253,6 +291,12 @@ class ChatSession:
             f"reused {last.cached_tokens} · decode {last.decode_tok_s:.1f} tok/s\n"
             f"session: {totals['turns']} replies · prefilled {totals['prefilled_tokens']} · "
             f"reused {totals['cached_tokens']} · generated {totals['completion_tokens']} tokens"
+            + (
+                f"\nspeculative ({self.speculative}): last reply{speculative_note(last.speculative)} · "
+                f"session {totals['accepted']}/{totals['drafted']} drafted tokens accepted"
+                if totals["drafted"] or last.speculative
+                else ""
+            )
         )
 
     def _cmd_reset(self, _: str) -> None:

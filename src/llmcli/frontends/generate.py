@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from llmcli.config.settings import LoadSettings, SamplingSettings
+from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
 from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from llmcli.frontends import terminal
-from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class GenerateRequest:
     server: str | None = None  # --server / LLMCLI_SERVER: use this OpenAI-compatible endpoint
     api_key: str | None = None
     no_server: bool = False  # --no-server: never use a running `llmcli serve`
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -65,11 +66,21 @@ def run(request: GenerateRequest) -> int:
     from llmcli.frontends import remote
 
     target = remote.find_server(
-        request.model, request.load, request.server, request.api_key, request.no_server
+        request.model, request.load, request.server, request.api_key, request.no_server, request.speculative
     )
     if target is not None:
-        system, sampling, out = request.system, request.sampling, StdoutSink()
-        return remote.run(target, prompt, system, request.raw, sampling, request.json, request.stats, out)
+        out = StdoutSink()
+        return remote.run(
+            target,
+            prompt,
+            request.system,
+            request.raw,
+            request.sampling,
+            request.json,
+            request.stats,
+            out,
+            request.speculative,
+        )
 
     loaded = load_with_feedback(request.model, request.load)
     from llmcli.engine.conversation import build_messages, prompt_ids
@@ -77,6 +88,7 @@ def run(request: GenerateRequest) -> int:
     ids = prompt_ids(loaded.tokenizer, build_messages(prompt, request.system), raw=request.raw)
     params = request.sampling.resolve(loaded.generation_config)
     engine = engine_with_feedback(loaded)
+    engine.speculation = speculation_with_feedback(loaded, request.model, request.speculative, request.load)
     generation = engine.generate(ids, params, loaded.tokenizer)
     out = StdoutSink()
     exit_code = EXIT_OK
@@ -107,6 +119,7 @@ def run(request: GenerateRequest) -> int:
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
             "cached_tokens": result.stats.cached_tokens,
+            "speculative": result.stats.speculative.as_dict() if result.stats.speculative else None,
             "sampling": params.as_dict(),
         }
         out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmcli.config.settings import LoadSettings
+from llmcli.config.settings import LoadSettings, SpeculativeSettings
+from llmcli.errors import UsageError
 from llmcli.frontends import terminal
 
 if TYPE_CHECKING:
     from llmcli.engine.loop import Engine
+    from llmcli.engine.speculative import Speculation
     from llmcli.models.load import LoadedModel
 
 
@@ -46,3 +49,38 @@ def engine_with_feedback(loaded: LoadedModel) -> Engine:
         if seconds > 1:  # worth a line only when it is noticeable
             terminal.note(f"Decode step captured in {seconds:.1f} s.")
     return engine
+
+
+def speculation_with_feedback(
+    loaded: LoadedModel, model_spec: str | None, speculative: SpeculativeSettings, settings: LoadSettings
+) -> Speculation | None:
+    """What `engine.speculation` should be for these settings; a draft model is loaded now."""
+    from llmcli.engine.speculative import Speculation
+    from llmcli.engine.speculative.drafters import LookupDrafter, ModelDrafter, check_same_vocabulary
+    from llmcli.engine.speculative.schedule import DraftLength
+
+    if speculative.method == "off":
+        return None
+    length = DraftLength(speculative.draft_tokens)
+    if speculative.method == "lookup":
+        return Speculation(LookupDrafter(), length)
+    draft_spec, draft_settings = _draft_source(loaded, model_spec, speculative.draft_model or "", settings)
+    drafting = load_with_feedback(draft_spec, draft_settings)
+    name = "self (int4)" if speculative.draft_model == "self" else drafting.name
+    check_same_vocabulary(loaded.tokenizer, drafting.tokenizer, name)
+    return Speculation(ModelDrafter(engine_with_feedback(drafting), name), length)
+
+
+def _draft_source(
+    loaded: LoadedModel, model_spec: str | None, draft_model: str, settings: LoadSettings
+) -> tuple[str | None, LoadSettings]:
+    """The draft model's spec and load settings: a model named, or the model itself in int4."""
+    if draft_model != "self":
+        # A separate small model: loaded as it comes (its own quantization, if any).
+        return draft_model, dataclasses.replace(settings, quant="auto")
+    if loaded.quant.startswith("int4"):
+        raise UsageError(
+            f"--draft-model self drafts with the model's int4 copy, and the model is already {loaded.quant}",
+            "load the model unquantized (--quant none) or in int8, or name a smaller draft model",
+        )
+    return model_spec, dataclasses.replace(settings, quant="int4", engine="auto")

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from llmcli.config.settings import LoadSettings, SamplingSettings
+from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
 from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK
 from llmcli.frontends import terminal
 from llmcli.server.client import Client
@@ -24,10 +24,16 @@ class Target:
 
 
 def find_server(
-    model: str | None, load: LoadSettings, server: str | None, api_key: str | None, no_server: bool
+    model: str | None,
+    load: LoadSettings,
+    server: str | None,
+    api_key: str | None,
+    no_server: bool,
+    speculative: SpeculativeSettings | None = None,
 ) -> Target | None:
     """The server to use, or None to load in-process. An explicit URL must answer; a discovered
-    one that does not (hung, or gone since it wrote its record) is passed over quietly."""
+    one that does not (hung, or gone since it wrote its record) is passed over quietly, and so
+    is one without the draft model asked for."""
     if no_server:
         return None
     if server:
@@ -39,14 +45,23 @@ def find_server(
     from llmcli.server.runtime import matching_server
 
     record = matching_server(model or default_model_spec(), load)
-    if record is None:
+    if record is None or not _drafts_as_asked(record, speculative):
         return None
     client = Client(record["url"], api_key)
     info = client.llmcli_health(timeout_s=1.0)
     return Target(client, info["model"], info) if info else None
 
 
-def request_body(target: Target, sampling: SamplingSettings) -> dict[str, Any]:
+def _drafts_as_asked(record: dict[str, Any], speculative: SpeculativeSettings | None) -> bool:
+    """Lookup is asked per request; drafting with a model needs the server to hold that model."""
+    if speculative is None or speculative.method != "draft":
+        return True
+    return record.get("draft_model") == speculative.draft_model
+
+
+def request_body(
+    target: Target, sampling: SamplingSettings, speculative: SpeculativeSettings | None = None
+) -> dict[str, Any]:
     fields = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -58,6 +73,9 @@ def request_body(target: Target, sampling: SamplingSettings) -> dict[str, Any]:
         "stop": list(sampling.stop) or None,
     }
     body = {name: value for name, value in fields.items() if value is not None}
+    if speculative is not None and target.info is not None:
+        # llmcli's own extra field, sent only to an llmcli server (others would not know it).
+        body["speculative"] = speculative.method
     return {"model": target.model, **body, "stream_options": {"include_usage": True}}
 
 
@@ -70,8 +88,9 @@ def run(
     json_output: bool,
     stats: bool,
     out: Any,  # generate.StdoutSink
+    speculative: SpeculativeSettings | None = None,
 ) -> int:
-    body = request_body(target, sampling)
+    body = request_body(target, sampling, speculative)
     if raw:
         endpoint, body["prompt"] = "completions", prompt
     else:
@@ -117,6 +136,7 @@ def run(
             "decode_tok_s": timings.get("decode_tok_s"),
             **{name: info.get(name) for name in _LOAD_FIELDS},
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "speculative": timings.get("speculative"),
             "sampling": resolved,
             "server": target.client.url,
         }

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from llmcli.config.settings import SamplingParams, SamplingSettings
+from llmcli.config.settings import SPECULATIVE_METHODS, SamplingParams, SamplingSettings, SpeculativeSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.chat_session import (
@@ -40,7 +40,13 @@ class RemoteResult:
 
 class RemoteChatSession:
     def __init__(
-        self, target: Target, sampling: SamplingSettings, view: ChatView, *, system: str | None
+        self,
+        target: Target,
+        sampling: SamplingSettings,
+        view: ChatView,
+        *,
+        system: str | None,
+        speculative: SpeculativeSettings | None = None,
     ) -> None:
         self.target = target
         self.view = view
@@ -60,6 +66,7 @@ class RemoteChatSession:
         self.last_turn: TurnReport | None = None
         self.totals = {"turns": 0, "prefilled_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
         self.failed = False
+        self.speculative = speculative  # sent per request to an llmcli server
         if target.info is None:
             view.notice(
                 f"{target.client.url} is not an llmcli server: timings are its usage counts only, "
@@ -75,7 +82,7 @@ class RemoteChatSession:
         return [*system, *self.messages, {"role": "user", "content": user_text}]
 
     def turn(self, user_text: str) -> TurnReport | None:
-        body = request_body(self.target, self._sampling())
+        body = request_body(self.target, self._sampling(), self.speculative)
         body["messages"] = self._all_messages(user_text)
         pieces: list[str] = []
         finish, usage, timings = "stop", {}, {}
@@ -117,6 +124,7 @@ class RemoteChatSession:
             context_used=prompt_tokens + completion_tokens,
             context_length=self.context_length,
             dropped_exchanges=0,
+            speculative=timings.get("speculative"),
         )
         self.last_turn = report
         self.totals["turns"] += 1
@@ -160,8 +168,19 @@ class RemoteChatSession:
     def _cmd_set(self, argument: str) -> None:
         key, _, value = argument.partition(" ")
         key, value = key.strip().replace("-", "_"), value.strip()
+        if key == "speculative" and value:
+            if value not in SPECULATIVE_METHODS:
+                known = ", ".join(SPECULATIVE_METHODS)
+                raise UsageError(f"speculative must be one of {known}, got {value!r}")
+            if self.target.info is None:
+                url = self.target.client.url
+                raise UsageError(f"{url} is not an llmcli server: it drafts as it was started")
+            draft_model = self.speculative.draft_model if self.speculative else None
+            self.speculative = SpeculativeSettings(method=value, draft_model=draft_model)
+            self.view.info(f"speculative = {value!r}")
+            return
         if key not in SETTABLE or not value:
-            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}")
+            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
         self.params = apply_setting(self.params, key, value)
         self.explicit.add(key)
         self.view.info(f"{key} = {getattr(self.params, key)!r}")

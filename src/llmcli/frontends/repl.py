@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion
@@ -14,13 +16,16 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from rich.console import Console
 
 from llmcli.config.paths import state_dir
-from llmcli.config.settings import LoadSettings, SamplingSettings
-from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
+from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.chat_session import COMMANDS, ChatSession, ChatView
 from llmcli.frontends.chat_views import JsonView, PlainView, TerminalView
-from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
 from llmcli.frontends.remote_chat import RemoteChatSession
+
+if TYPE_CHECKING:
+    from llmcli.engine.speculative import Speculation
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -38,6 +43,7 @@ class ChatRequest:
     server: str | None = None  # as for generate: --server / LLMCLI_SERVER
     api_key: str | None = None
     no_server: bool = False
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
 
 def run(request: ChatRequest) -> int:
@@ -50,15 +56,32 @@ def run(request: ChatRequest) -> int:
         view = JsonView() if request.json else PlainView()
     from llmcli.frontends.remote import find_server
 
-    target = find_server(request.model, request.load, request.server, request.api_key, request.no_server)
+    target = find_server(
+        request.model, request.load, request.server, request.api_key, request.no_server, request.speculative
+    )
     session: ChatSession | RemoteChatSession
     if target is not None:
-        session = RemoteChatSession(target, request.sampling, view, system=request.system)
+        session = RemoteChatSession(
+            target, request.sampling, view, system=request.system, speculative=request.speculative
+        )
     else:
         loaded = load_with_feedback(request.model, request.load)
         params = request.sampling.resolve(loaded.generation_config)
+
+        def speculate(method: str) -> Speculation | None:
+            if method == "draft" and not request.speculative.draft_model:
+                raise UsageError("drafting needs a draft model: start chat with --draft-model MODEL or self")
+            settings = dataclasses.replace(request.speculative, method=method)
+            return speculation_with_feedback(loaded, request.model, settings, request.load)
+
         session = ChatSession(
-            loaded, params, view, system=request.system, engine=engine_with_feedback(loaded)
+            loaded,
+            params,
+            view,
+            system=request.system,
+            engine=engine_with_feedback(loaded),
+            speculate=speculate,
+            speculative=request.speculative.method,
         )
     if interactive:
         return run_interactive(session, console)

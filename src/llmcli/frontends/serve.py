@@ -7,15 +7,16 @@ runtime record (server/runtime.py) exists only while something listens behind it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from llmcli.config.settings import LoadSettings
+from llmcli.config.settings import LoadSettings, SpeculativeSettings
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
-from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
 
 DEFAULT_PORT = 8471
 
@@ -27,6 +28,7 @@ class ServeRequest:
     port: int
     api_key: str | None
     load: LoadSettings
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
 
 def is_loopback(host: str) -> bool:
@@ -74,6 +76,14 @@ def run(request: ServeRequest) -> int:
     loaded = load_with_feedback(model_spec, request.load)
     engine = engine_with_feedback(loaded)
     served = Served(loaded=loaded, engine=engine, model_id=loaded.name, api_key=request.api_key)
+    speculative = request.speculative
+    # Lookup costs nothing to offer, so any request may ask for it; drafting needs the model loaded.
+    lookup = dataclasses.replace(speculative, method="lookup")
+    speculations = served.speculations
+    speculations["lookup"] = speculation_with_feedback(loaded, model_spec, lookup, request.load)
+    if speculative.method == "draft":
+        speculations["draft"] = speculation_with_feedback(loaded, model_spec, speculative, request.load)
+    served.speculative = speculative.method
     port = sock.getsockname()[1]
     shown_host = f"[{request.host}]" if ":" in request.host else request.host
     url = f"http://{shown_host}:{port}"
@@ -81,7 +91,8 @@ def run(request: ServeRequest) -> int:
         create_app(served), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
     )
     server = uvicorn.Server(config)
-    write_record(url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load)
+    draft_model = speculative.draft_model if speculative.method == "draft" else None
+    write_record(url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load, draft_model)
     terminal.note(f"Serving {loaded.name} at {url}/v1 (Ctrl-C stops).")
     # uvicorn shuts down gracefully, then re-raises the signal it caught: with this handler a
     # SIGTERM ends in SystemExit, so the `finally` below still removes the record.

@@ -46,6 +46,10 @@ class Served:
     model_id: str
     api_key: str | None = None
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "llmcli-generate"))
+    # What each `speculative` a request may name runs with ("draft" only with a draft model
+    # loaded), and what a request that names none gets: the server's --speculative.
+    speculations: dict[str, Any] = field(default_factory=lambda: {"off": None})
+    speculative: str = "off"
 
     def info(self) -> dict[str, Any]:
         loaded = self.loaded
@@ -59,6 +63,7 @@ class Served:
             "engine": self.engine.name,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
+            "speculative": self.speculative,
         }
 
 
@@ -136,6 +141,9 @@ async def _on_worker(served: Served, work: Callable[[], list[int]]) -> list[int]
 
 async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: bool) -> Any:
     sampling = _checked_sampling(body)
+    method = body.speculative or served.speculative
+    if method not in served.speculations:
+        raise RequestError(400, "this server has no draft model: start it with --draft-model", "speculative")
     context = served.loaded.context_length
     if len(ids) >= context:
         message = f"the prompt is {len(ids)} tokens; the context holds {context}"
@@ -151,11 +159,11 @@ async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: boo
     created = int(time.time())
     if not body.stream:
         cancelled = threading.Event()
-        work = functools.partial(_generate, served, ids, sampling, None, cancelled)
+        work = functools.partial(_generate, served, ids, sampling, None, cancelled, method)
         outcome = await loop.run_in_executor(served.worker, work)
         return _completion(served, request_id, created, outcome, chat)
     return StreamingResponse(
-        _stream(served, ids, sampling, request_id, created, chat, body.include_usage),
+        _stream(served, ids, sampling, request_id, created, chat, body.include_usage, method),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -176,12 +184,14 @@ def _generate(
     sampling: SamplingSettings,
     on_piece: Callable[[str], None] | None,
     cancelled: threading.Event,
+    speculative: str = "off",
 ) -> Outcome | None:
     """On the worker thread: one generation, start to end (None when its client left first)."""
     if cancelled.is_set():
         return None
     loaded = served.loaded
     params = sampling.resolve(loaded.generation_config)
+    served.engine.speculation = served.speculations[speculative]
     generation = served.engine.generate(ids, params, loaded.tokenizer)
     try:
         for piece in generation:
@@ -205,6 +215,7 @@ async def _stream(
     created: int,
     chat: bool,
     include_usage: bool,
+    speculative: str,
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
@@ -213,7 +224,8 @@ async def _stream(
     def on_piece(piece: str) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
 
-    future = loop.run_in_executor(served.worker, _generate, served, ids, sampling, on_piece, cancelled)
+    work = functools.partial(_generate, served, ids, sampling, on_piece, cancelled, speculative)
+    future = loop.run_in_executor(served.worker, work)
     future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
     chunk = functools.partial(_chunk, served.model_id, request_id, created, chat)
     try:
@@ -301,6 +313,7 @@ def _timings(outcome: Outcome) -> dict[str, Any]:
         "decode_tok_s": round(stats.decode_tok_s, 3),
         "prefilled_tokens": stats.prefilled_tokens,
         "cached_tokens": stats.cached_tokens,
+        "speculative": stats.speculative.as_dict() if stats.speculative else None,
     }
 
 

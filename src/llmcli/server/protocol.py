@@ -32,6 +32,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request: batch-1 decode
+    speculative: Literal["off", "lookup", "draft"] | None = None  # llmcli's: default, the server's
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -31,7 +31,14 @@ def record_path(pid: int | None = None) -> Path:
     return runtime_dir() / f"server-{pid or os.getpid()}.json"
 
 
-def write_record(url: str, model_spec: str, model_name: str, model_path: str, load: LoadSettings) -> Path:
+def write_record(
+    url: str,
+    model_spec: str,
+    model_name: str,
+    model_path: str,
+    load: LoadSettings,
+    draft_model: str | None = None,
+) -> Path:
     """Announce this process's server; atomic, so a reader sees all of it or nothing."""
     path = record_path()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -42,6 +49,7 @@ def write_record(url: str, model_spec: str, model_name: str, model_path: str, lo
         "model": model_name,
         "model_path": model_path,
         "load": {name: asdict(load)[name] for name in _MATCHING_SETTINGS},
+        "draft_model": draft_model,  # what `--speculative draft` through this server drafts with
     }
     staging = path.with_suffix(".tmp")
     staging.write_text(json.dumps(record))

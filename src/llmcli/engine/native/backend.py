@@ -47,6 +47,11 @@ class NativeBackend:
         return logits
 
     @torch.inference_mode()
+    def score(self, ids: list[int]) -> torch.Tensor:
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self.net.verify(tokens, self.cache, buckets=self.static_shapes)
+
+    @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         position = self.cache.length
         self.cache.ensure(position + 1)

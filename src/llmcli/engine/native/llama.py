@@ -168,7 +168,13 @@ class Attention:
     def decode(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """One token's query [heads, 1, d] against `keys`/`values`, its own k/v already in them.
+        """One token's query [heads, 1, d] against `keys`/`values`, its own k/v already in them."""
+        return self.out(self.attend(q, keys, values, mask))
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention alone for one query [heads, 1, d]: [1, heads × d], before the output projection.
 
         Grouped-query attention without copying keys: the G query heads that share a KV head
         are laid out as G "query positions" of that head, so one SDPA call covers them all.
@@ -181,7 +187,7 @@ class Attention:
             out = F.scaled_dot_product_attention(
                 q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=self.scale
             )
-        return self.out(out.reshape(1, -1))
+        return out.reshape(1, -1)
 
 
 class Block:
@@ -234,7 +240,7 @@ class Transformer:
         return cos, (angles.sin() * self.rope_scale).to(self.dtype) * self.rope_sign
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(h[-1:])).float()
+        return self.output(self.norm(h)).float()
 
     def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run `ids` [T] after what `cache` holds; logits [1, vocab] for the token after them."""
@@ -246,7 +252,7 @@ class Transformer:
             h = h + block.attention.prefill(block.attention_norm(h), cos, sin, cache)
             h = h + block.feed_forward(block.ffn_norm(h))
         cache.length = start + ids.shape[0]
-        return self.logits(h)
+        return self.logits(h[-1:])
 
     def decode(
         self, token: torch.Tensor, position: torch.Tensor, cache: KVCache, attend: int, masked: bool
@@ -269,6 +275,37 @@ class Transformer:
             keys, values = cache.write_one(attention.layer, k, v, position, attend)
             h = h + attention.decode(q, keys, values, mask)
             h = h + block.feed_forward(block.ffn_norm(h))
+        return self.logits(h)
+
+    def verify(self, ids: torch.Tensor, cache: KVCache, buckets: bool) -> torch.Tensor:
+        """Run `ids` [T] after what `cache` holds, in one pass; logits [T, vocab], row i exactly
+        what the decode step would give after ids[: i + 1] — speculative decoding's check.
+
+        The weights are read once for all T rows (their kernels compute each row alone, bit for
+        bit as for one); attention runs per row, as the decode step runs it (over exactly the
+        positions seen, or with `buckets` over the graph's bucket with a mask), because an
+        attention kernel's result depends on how many keys it is handed.
+        """
+        start, count = cache.length, ids.shape[0]
+        cache.ensure(start + count)
+        cos, sin = self.rope(torch.arange(start, start + count, device=self.device))
+        h = F.embedding(ids, self.embedding).to(self.residual_dtype)
+        for block in self.blocks:
+            attention = block.attention
+            q, k, v = attention.project(block.attention_norm(h), cos, sin)
+            cache.write(attention.layer, k, v)
+            keys, values = cache.keys[attention.layer], cache.values[attention.layer]
+            rows = []
+            for i in range(count):
+                seen = start + i + 1
+                attend, mask = seen, None
+                if buckets:
+                    attend = cache.bucket_for(seen)
+                    mask = (torch.arange(attend, device=self.device) < seen).view(1, 1, 1, attend)
+                rows.append(attention.attend(q[:, i : i + 1], keys[:, :attend], values[:, :attend], mask))
+            h = h + attention.out(torch.cat(rows))
+            h = h + block.feed_forward(block.ffn_norm(h))
+        cache.length = start + count
         return self.logits(h)
 
 
