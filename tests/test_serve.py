@@ -287,3 +287,24 @@ def test_an_unreachable_server_is_one_line_not_a_traceback() -> None:
     assert proc.returncode == 1
     error = proc.stderr.decode()
     assert error.count("\n") == 1 and "cannot reach http://127.0.0.1:9" in error
+
+
+def test_a_request_may_ask_for_speculation(server: Server, in_process) -> None:
+    """llmcli's extra field: lookup per request (same reply, drafts reported); draft without a
+    draft model is an OpenAI-style 400 and the server goes on."""
+    messages = build_messages("the cat sat on the mat, the cat sat on the mat, the cat sat on the")
+    expected = in_process(messages, 16)
+    body = {"messages": messages, "max_tokens": 16, "temperature": 0, "speculative": "lookup"}
+    status, reply = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200 and reply["choices"][0]["message"]["content"] == expected
+    speculative = reply["timings"]["speculative"]
+    assert speculative["method"] == "lookup" and speculative["drafted"] >= speculative["accepted"] >= 0
+    status, plain = server.raw(
+        "POST", "/v1/chat/completions", json.dumps({**body, "speculative": "off"}).encode()
+    )
+    assert status == 200 and plain["timings"]["speculative"] is None
+    status, refused = server.raw(
+        "POST", "/v1/chat/completions", json.dumps({**body, "speculative": "draft"}).encode()
+    )
+    assert status == 400 and "no draft model" in refused["error"]["message"]
+    assert server.raw("GET", "/health")[0] == 200
