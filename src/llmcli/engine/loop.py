@@ -19,10 +19,11 @@ import torch
 
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
-from llmcli.engine.sampling import make_generator, pick_token, process_logits
+from llmcli.engine.sampling import NOTHING_SEEN, make_generator, pick_token, process_logits
 from llmcli.engine.speculative import Speculation, SpeculativeStats
 from llmcli.engine.speculative.acceptance import accept_or_resample
 from llmcli.engine.speculative.drafters import Draft
+from llmcli.engine.speculative.schedule import agreeing
 from llmcli.engine.stats import GenerationStats
 from llmcli.errors import ContextOverflowError
 
@@ -267,7 +268,7 @@ class Generation:
             return [int(token)], token  # the one host sync per token: we need the id to print it
         if params.greedy and params.repetition_penalty == 1.0:
             best = rows.argmax(dim=-1).tolist()  # one host sync for the whole run
-            return best[: _agreeing(best, drafted) + 1], None
+            return best[: agreeing(best, drafted) + 1], None
         chosen: list[int] = []
         for i in range(rows.shape[0]):
             logits = process_logits(rows[i : i + 1], self._seen(chosen), params)
@@ -298,24 +299,11 @@ class Generation:
     def _seen(self, chosen: list[int]) -> torch.Tensor:
         """The tokens the repetition penalty looks at: the prompt, the reply, and `chosen` after it."""
         if self._params.repetition_penalty == 1.0:
-            return _NOTHING_SEEN
+            return NOTHING_SEEN
         return torch.tensor([self._context + chosen], dtype=torch.long, device=self._engine.device)
 
     def _on_device(self, token_id: int) -> torch.Tensor:
         return torch.tensor([token_id], dtype=torch.long, device=self._engine.device)
-
-
-_NOTHING_SEEN = torch.zeros(1, 0, dtype=torch.long)
-
-
-def _agreeing(chosen: list[int], drafted: list[int]) -> int:
-    """How many drafted tokens, from the first, equal the tokens chosen in their place."""
-    agreed = 0
-    for token, drafted_token in zip(chosen, drafted, strict=False):
-        if token != drafted_token:
-            break
-        agreed += 1
-    return agreed
 
 
 def _fit(probs: torch.Tensor, size: int) -> torch.Tensor:

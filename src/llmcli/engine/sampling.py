@@ -12,6 +12,8 @@ import torch
 from llmcli.config.settings import SamplingParams
 
 _REMOVED = -float("inf")
+# No tokens seen: what the repetition penalty gets when it is off.
+NOTHING_SEEN = torch.zeros(1, 0, dtype=torch.long)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:

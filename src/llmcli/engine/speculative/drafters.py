@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from llmcli.engine.sampling import process_logits
+from llmcli.engine.sampling import NOTHING_SEEN, process_logits
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class ModelDrafter:
         probs: list[torch.Tensor] = []
         with_penalty = params.repetition_penalty != 1.0
         for i in range(limit):
-            seen = torch.tensor([context + tokens], device=engine.device) if with_penalty else _NOTHING_SEEN
+            seen = torch.tensor([context + tokens], device=engine.device) if with_penalty else NOTHING_SEEN
             processed = process_logits(logits, seen, params)
             if params.greedy:
                 token = processed.argmax(dim=-1)
@@ -139,9 +139,6 @@ class ModelDrafter:
 
     def restore_consistency(self) -> None:
         self.engine.restore_consistency()
-
-
-_NOTHING_SEEN = torch.zeros(1, 0, dtype=torch.long)
 
 
 def check_same_vocabulary(tokenizer: Any, draft_tokenizer: Any, draft_name: str) -> None:

@@ -45,11 +45,7 @@ class DraftLength:
 
     def observe_match(self, proposed: list[int], chosen: list[int]) -> None:
         """How far a draft (checked or not) agreed with the tokens that came out."""
-        matched = 0
-        for drafted, token in zip(proposed, chosen, strict=False):
-            if drafted != token:
-                break
-            matched += 1
+        matched = agreeing(chosen, proposed)
         compared = min(len(proposed), len(chosen))
         if compared == 0:
             return
@@ -98,3 +94,13 @@ class DraftLength:
 
 def _blend(running: float, new: float) -> float:
     return DECAY * running + (1 - DECAY) * new
+
+
+def agreeing(chosen: list[int], drafted: list[int]) -> int:
+    """How many drafted tokens, from the first, equal the tokens chosen in their place."""
+    agreed = 0
+    for token, drafted_token in zip(chosen, drafted, strict=False):
+        if token != drafted_token:
+            break
+        agreed += 1
+    return agreed
