@@ -16,22 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 from llmcli.config.settings import LoadSettings, SamplingParams, SpeculativeSettings
 from llmcli.engine.conversation import build_messages, prompt_ids
 from llmcli.engine.loop import Engine
+from llmcli.engine.speculative.tasks import COPY_TASK, FREE_FORM
 from llmcli.frontends.loading import speculation_with_feedback
 from llmcli.models.load import load_model
 from llmcli.models.resolve import demo_gguf_path, resolve_model
-
-PARAGRAPH = (Path(__file__).parent.parent / "tests" / "data" / "typos.txt").read_text()
-COPY_TASK = ("copy: fix the typos (311 words)", f"Fix the typos in this paragraph:\n\n{PARAGRAPH}")
-FREE_FORM = [
-    ("chat: a poem", "Write a short poem about autumn leaves."),
-    ("chat: explain", "Explain how a bicycle works to a child."),
-    ("chat: advice", "Give me three tips for sleeping better."),
-]
 
 
 def measure(engine: Engine, loaded, text: str, tokens: int) -> tuple[float, list[int], dict | None]:

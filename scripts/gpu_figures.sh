@@ -2,7 +2,8 @@
 # The GPU figures docs/benchmarks.md owes, in one go: the GPU tests, then `llmcli bench` on
 # random-weight Llama-3.2-1B and Llama-3.1-8B shapes (bf16, int8, int4). Each step has its own
 # time limit and its own log, so one failure does not cost the rest.
-#   scripts/gpu_figures.sh OUTDIR [tests|1b|8b|all]   (tests: the GPU tests and scripts/bench_kernels.py)
+#   scripts/gpu_figures.sh OUTDIR [tests|1b|8b|spec-1b|spec-8b|all]
+#   (tests: the GPU tests and scripts/bench_kernels.py; spec-*: `llmcli bench --speculative`)
 set -u
 out=${1:-gpu-figures}
 what=${2:-all}
@@ -29,6 +30,13 @@ bench() {  # bench NAME SECONDS CONFIG [extra args]
         --device cuda --prompt-lengths 128 -n 128 --runs 5 "$@"
 }
 
+speculative() {  # speculative NAME SECONDS CONFIG [extra args]: check cost vs K, random text
+    local name=$1 limit=$2 config=$3
+    shift 3
+    step "$name" "$limit" python3 -m llmcli bench --config "configs/$config.json" --random-weights \
+        --device cuda --prompt-lengths 128 -n 128 --runs 3 "$@"
+}
+
 if [ "$what" = tests ] || [ "$what" = all ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt"
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >>"$out/gpu.txt"
@@ -45,4 +53,13 @@ if [ "$what" = 8b ] || [ "$what" = all ]; then
     bench 8b-bf16 300 llama-3.1-8b --context-fill 8192
     bench 8b-int4 150 llama-3.1-8b --quant int4 --no-generate --no-compiled
     bench 8b-int8 150 llama-3.1-8b --quant int8 --no-generate --no-compiled
+fi
+if [ "$what" = spec-1b ] || [ "$what" = all ]; then
+    speculative spec-1b-bf16-lookup 150 llama-3.2-1b --speculative lookup
+    speculative spec-1b-bf16-self 150 llama-3.2-1b --draft-model self
+    speculative spec-1b-int4-lookup 150 llama-3.2-1b --quant int4 --speculative lookup
+fi
+if [ "$what" = spec-8b ] || [ "$what" = all ]; then
+    speculative spec-8b-bf16-self 260 llama-3.1-8b --draft-model self
+    speculative spec-8b-int4-lookup 170 llama-3.1-8b --quant int4 --speculative lookup
 fi

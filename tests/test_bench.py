@@ -123,3 +123,37 @@ def test_shipped_configs_have_the_documented_sizes() -> None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(root / name))
         assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.001)
+
+
+SPECULATIVE_QUICK = ["--runs", "1", "-n", "48", "--prompt-lengths", "20", "--device", "cpu"]
+
+
+def test_bench_speculative_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
+    proc = run_cli("bench", "-m", str(tiny_llama), "--speculative", "lookup", *SPECULATIVE_QUICK)
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    assert "--speculative lookup · greedy, ≤ 48 new tokens" in out
+    # Three chat prompts through the model's chat template, greedy, the same tokens either way;
+    # the copy task is too long for the tiny model's context and is reported as skipped.
+    for task in ("chat: a poem", "chat: explain", "chat: advice"):
+        assert f"| {task} | 48 |" in out
+    assert out.count("| yes |") == 3
+    assert "Skipped, too long for the model's context: copy: fix the typos" in out
+    assert "| 1 (decode step) |" in out and "| 16 |" in out
+
+
+def test_bench_speculative_self_draft_on_random_weights(tiny_llama: Path) -> None:
+    config = str(tiny_llama / "config.json")
+    random = ["--config", config, "--random-weights"]
+    proc = run_cli("bench", *random, "--draft-model", "self", "--json", *SPECULATIVE_QUICK)
+    assert proc.returncode == 0, proc.stderr.decode()
+    report = json.loads(proc.stdout)
+    assert (report["method"], report["draft"], report["random_weights"]) == ("draft", "self (int4)", True)
+    [row] = report["rows"]
+    assert row["task"] == "random prompt (20 tokens)" and row["tokens"] == 48
+    assert row["same_tokens"] is True  # greedy: the int4 copy's drafts never change the output
+    assert 0 <= row["accepted"] <= row["drafted"] and row["drafted"] > 0
+    assert set(report["check_s"]) == {"2", "4", "8", "16"} and report["decode_step_s"] > 0
+    other = run_cli("bench", *random, "--draft-model", config, *SPECULATIVE_QUICK)
+    assert other.returncode == 2
+    assert "with --random-weights the draft model can only be self" in other.stderr.decode()

@@ -14,7 +14,13 @@ import typer
 
 from llmcli.cli.models import config_app, models_app
 from llmcli.cli.support import handled_errors
-from llmcli.config.settings import Effective, LoadSettings, SamplingSettings, effective_settings
+from llmcli.config.settings import (
+    Effective,
+    LoadSettings,
+    SamplingSettings,
+    SpeculativeSettings,
+    effective_settings,
+)
 from llmcli.errors import UsageError
 
 app = typer.Typer(
@@ -439,6 +445,10 @@ BENCH_EPILOG = """\
 
   llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7
 
+  llmcli bench --speculative lookup -n 200 --runs 3
+
+  llmcli bench --config configs/llama-3.2-1b.json --random-weights --device cuda --draft-model self
+
   llmcli bench --config configs/llama-3.2-1b.json --random-weights --context-fill 8192
 
 Decode at batch 1 reads every weight once per token: "% of measured bandwidth" says how close \
@@ -492,8 +502,14 @@ def bench(
     ctx: CtxOption = None,
     fast: FastOption = None,
     engine: EngineOption = None,
+    speculative: SpeculativeOption = None,
+    draft_model: DraftModelOption = None,
+    draft_tokens: DraftTokensOption = None,
 ) -> None:
-    """Measure prefill, time to first token, decode speed and memory, beside model.generate."""
+    """Measure prefill, time to first token, decode speed and memory, beside model.generate.
+
+    With --speculative: decode speed with speculation beside the same model without it, and what
+    checking K drafted tokens in one pass costs against a decode step."""
     with handled_errors():
         if config and not random_weights:
             raise UsageError("--config builds a model without its weights: add --random-weights")
@@ -510,6 +526,10 @@ def bench(
         if not lengths or min(lengths) < 1 or new_tokens < 2 or runs < 1:
             raise UsageError("--prompt-lengths must be ≥ 1, --new-tokens ≥ 2 and --runs ≥ 1")
         effective = effective_settings(model, {"engine": engine})
+        # Only the flags: a `speculative =` in the config file must not change what bench measures.
+        speculation = SpeculativeSettings.from_values(
+            {"speculative": speculative, "draft_model": draft_model, "draft_tokens": draft_tokens}
+        )
         load = _loading(
             engine=effective.engine or "auto",
             device=device,
@@ -539,6 +559,7 @@ def bench(
                 context_fill=context_fill,
                 json=json_output,
                 load=load,
+                speculative=speculation,
             )
         )
     raise typer.Exit(code)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from llmcli.config.settings import LoadSettings
-from llmcli.errors import EXIT_OK
+from llmcli.config.settings import LoadSettings, SpeculativeSettings
+from llmcli.errors import EXIT_OK, UsageError
 from llmcli.frontends import terminal
-from llmcli.frontends.loading import engine_with_feedback, load_with_feedback
+from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
+
+if TYPE_CHECKING:
+    from llmcli.engine.speculative import Speculation
+    from llmcli.models.load import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -24,11 +30,10 @@ class BenchRequest:
     context_fill: int | None
     json: bool
     load: LoadSettings
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
 
 def run(request: BenchRequest) -> int:
-    from llmcli.engine.bench import render_table, run_bench
-
     if request.config:
         from llmcli.models.load import load_random
 
@@ -37,6 +42,10 @@ def run(request: BenchRequest) -> int:
     else:
         loaded = load_with_feedback(request.model, request.load)
     engine = engine_with_feedback(loaded)
+    if request.speculative.method != "off":
+        return _run_speculative(request, loaded, engine)
+    from llmcli.engine.bench import render_table, run_bench
+
     with terminal.status("Measuring…"):
         report = run_bench(
             loaded,
@@ -50,3 +59,44 @@ def run(request: BenchRequest) -> int:
         )
     sys.stdout.write((json.dumps(report.as_dict()) if request.json else render_table(report)) + "\n")
     return EXIT_OK
+
+
+def _run_speculative(request: BenchRequest, loaded: LoadedModel, plain) -> int:
+    from llmcli.engine.speculative.bench import render_speculative_table, run_speculative_bench
+
+    speculating = engine_with_feedback(loaded)  # its own cache and graphs, the same weights
+    speculating.speculation = _speculation(request, loaded)
+    with terminal.status("Measuring…"):
+        report = run_speculative_bench(
+            loaded,
+            plain,
+            speculating,
+            prompt_length=request.prompt_lengths[0],
+            new_tokens=request.new_tokens,
+            runs=request.runs,
+        )
+    text = json.dumps(report.as_dict()) if request.json else render_speculative_table(report)
+    sys.stdout.write(text + "\n")
+    return EXIT_OK
+
+
+def _speculation(request: BenchRequest, loaded: LoadedModel) -> Speculation | None:
+    speculative = request.speculative
+    if not request.config:
+        return speculation_with_feedback(loaded, request.model, speculative, request.load)
+    if speculative.method == "lookup":
+        return speculation_with_feedback(loaded, None, speculative, request.load)
+    if speculative.draft_model != "self":
+        raise UsageError(
+            "with --random-weights the draft model can only be self (the same random weights in int4)"
+        )
+    # The same seed builds the same random weights; this copy is quantized to int4.
+    from llmcli.engine.speculative import Speculation
+    from llmcli.engine.speculative.drafters import ModelDrafter
+    from llmcli.engine.speculative.schedule import DraftLength
+    from llmcli.models.load import load_random
+
+    with terminal.status(f"Building the int4 copy of {request.config}…"):
+        drafting = load_random(request.config, dataclasses.replace(request.load, quant="int4", engine="auto"))
+    drafter = ModelDrafter(engine_with_feedback(drafting), "self (int4)")
+    return Speculation(drafter, DraftLength(speculative.draft_tokens))

@@ -1,0 +1,220 @@
+"""`llmcli bench --speculative`: decode speed with speculation beside the same model without it,
+and what one check pass of K drafted tokens costs against a decode step.
+
+The end-to-end rows generate the same prompt twice per run, once per engine (the runs
+interleaved), and say whether the tokens were the same. Their speed-up depends on the text
+the model writes, so it means something with real weights only; with random weights
+(--config … --random-weights) the check-cost table is the figure that carries over: it says
+how many drafted tokens one pass can check before it costs more than the tokens it saves.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.bench import interleaved_medians, prompt_of
+from llmcli.engine.loop import Engine
+from llmcli.models.load import LoadedModel
+
+CHECK_LENGTHS = (2, 4, 8, 16)
+
+
+@dataclass
+class SpeculativeRow:
+    task: str
+    tokens: int
+    off_tok_s: float
+    on_tok_s: float
+    drafted: int
+    accepted: int
+    same_tokens: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.on_tok_s / self.off_tok_s if self.off_tok_s else 0.0
+
+
+@dataclass
+class SpeculativeBenchReport:
+    model: str
+    device: str
+    dtype: str
+    quant: str
+    engine: str
+    graphs: bool
+    method: str
+    draft: str | None
+    runs: int
+    new_tokens: int
+    random_weights: bool
+    context: int  # tokens cached before the check passes are timed
+    decode_step_s: float = 0.0
+    check_s: dict[int, float] = field(default_factory=dict)  # drafted tokens checked → seconds
+    rows: list[SpeculativeRow] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # tasks whose prompt does not fit the context
+
+    def as_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["check_s"] = {str(k): v for k, v in self.check_s.items()}
+        for row, out in zip(self.rows, record["rows"], strict=True):
+            out["speedup"] = row.speedup
+        return record
+
+
+def tasks_for(loaded: LoadedModel, prompt_length: int) -> list[tuple[str, list[int]]]:
+    """The copy task and free-form chat through the model's template; a random prompt when
+    there is no tokenizer (random weights)."""
+    if loaded.tokenizer is None:
+        vocab = loaded.model.config.get_text_config().vocab_size
+        return [(f"random prompt ({prompt_length} tokens)", prompt_of(prompt_length, vocab))]
+    from llmcli.engine.conversation import build_messages, prompt_ids
+    from llmcli.engine.speculative.tasks import COPY_TASK, FREE_FORM
+
+    tasks = [COPY_TASK, *FREE_FORM]
+    return [(label, prompt_ids(loaded.tokenizer, build_messages(text))) for label, text in tasks]
+
+
+def _generate(engine: Engine, ids: list[int], params: SamplingParams, tokenizer: Any) -> Any:
+    engine.reset()
+    generation = engine.generate(ids, params, tokenizer)
+    for _ in generation:
+        pass
+    return generation.result
+
+
+def compare(
+    plain: Engine, speculating: Engine, ids: list[int], new_tokens: int, runs: int, tokenizer: Any
+) -> tuple[float, float, Any, Any]:
+    """Median decode tok/s of each engine on the same greedy prompt, the runs interleaved."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    _generate(plain, ids, params, tokenizer)  # warm-up: kernels, graphs, the allocator
+    _generate(speculating, ids, params, tokenizer)
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(runs):
+        off_result = _generate(plain, ids, params, tokenizer)
+        on_result = _generate(speculating, ids, params, tokenizer)
+        off.append(off_result.stats.decode_tok_s)
+        on.append(on_result.stats.decode_tok_s)
+    return statistics.median(off), statistics.median(on), off_result, on_result
+
+
+def check_costs(engine: Engine, context: list[int], runs: int) -> tuple[float, dict[int, float]]:
+    """Seconds of one decode step and of one check pass of K tokens, after `context` is cached;
+    the cache is cropped back after each, as the loop does after a rejection."""
+    backend = engine.backend
+    engine.reset()
+    engine.prefill(context)
+    base = backend.length
+    token = torch.tensor([context[-1]], device=engine.device)
+
+    def step() -> None:
+        backend.decode(token)
+        backend.crop(base)
+
+    def check(count: int) -> None:
+        backend.score(context[:count])
+        backend.crop(base)
+
+    passes: dict[str, Any] = {"1": step}
+    passes |= {str(k): lambda k=k: check(k) for k in CHECK_LENGTHS}
+    medians = interleaved_medians(passes, max(runs, 5), engine.device)
+    engine.reset()
+    return medians["1"], {k: medians[str(k)] for k in CHECK_LENGTHS}
+
+
+def run_speculative_bench(
+    loaded: LoadedModel,
+    plain: Engine,
+    speculating: Engine,
+    *,
+    prompt_length: int,
+    new_tokens: int,
+    runs: int,
+) -> SpeculativeBenchReport:
+    assert speculating.speculation is not None
+    drafter = speculating.speculation.drafter
+    plain.eos_token_ids = speculating.eos_token_ids = loaded.eos_token_ids
+    report = SpeculativeBenchReport(
+        model=loaded.name,
+        device=str(loaded.device),
+        dtype=loaded.dtype_name,
+        quant=loaded.quant,
+        engine=plain.name,
+        graphs=plain.backend.captures_graphs,
+        method=drafter.method,
+        draft=getattr(drafter, "name", None),
+        runs=runs,
+        new_tokens=new_tokens,
+        random_weights=loaded.tokenizer is None,
+        context=prompt_length,
+    )
+    for task, ids in tasks_for(loaded, prompt_length):
+        if len(ids) + 2 > loaded.context_length:
+            report.skipped.append(f"{task} ({len(ids)} tokens; the context holds {loaded.context_length})")
+            continue
+        budget = min(new_tokens, loaded.context_length - len(ids) - 1)
+        off, on, off_result, on_result = compare(plain, speculating, ids, budget, runs, loaded.tokenizer)
+        drafts = on_result.stats.speculative
+        report.rows.append(
+            SpeculativeRow(
+                task=task,
+                tokens=len(on_result.token_ids),
+                off_tok_s=off,
+                on_tok_s=on,
+                drafted=drafts.drafted if drafts else 0,
+                accepted=drafts.accepted if drafts else 0,
+                same_tokens=on_result.token_ids == off_result.token_ids,
+            )
+        )
+    vocab = loaded.model.config.get_text_config().vocab_size
+    context = prompt_of(max(prompt_length, max(CHECK_LENGTHS)), vocab)
+    report.decode_step_s, report.check_s = check_costs(plain, context, runs)
+    return report
+
+
+def render_speculative_table(report: SpeculativeBenchReport) -> str:
+    draft = f" (draft model {report.draft})" if report.method == "draft" and report.draft else ""
+    head = (
+        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
+        f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
+        f"--speculative {report.method}{draft} · greedy, ≤ {report.new_tokens} new tokens · "
+        f"median of {report.runs} runs"
+    )
+    lines = [
+        head,
+        "",
+        "| task | tokens | off tok/s | speculative tok/s | speed-up | accepted/drafted | same tokens |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in report.rows:
+        rate = f" ({row.accepted / row.drafted:.0%})" if row.drafted else ""
+        lines.append(
+            f"| {row.task} | {row.tokens} | {row.off_tok_s:.1f} | {row.on_tok_s:.1f} | "
+            f"{row.speedup:.2f}× | {row.accepted}/{row.drafted}{rate} | "
+            f"{'yes' if row.same_tokens else 'no'} |"
+        )
+    if report.skipped:
+        lines += ["", f"Skipped, too long for the model's context: {'; '.join(report.skipped)}."]
+    if report.random_weights:
+        lines += ["", "Random weights: the speed-up above depends on the text written; the table below not."]
+    step_ms = report.decode_step_s * 1000
+    lines += [
+        "",
+        f"One pass of the model over K tokens after {report.context} cached (the cache cropped back):",
+        "",
+        "| K | ms | × a decode step | ms per token |",
+        "|---:|---:|---:|---:|",
+        f"| 1 (decode step) | {step_ms:.2f} | 1.00 | {step_ms:.2f} |",
+    ]
+    for count, seconds in report.check_s.items():
+        lines.append(
+            f"| {count} | {seconds * 1000:.2f} | {seconds / report.decode_step_s:.2f} | "
+            f"{seconds * 1000 / count:.2f} |"
+        )
+    return "\n".join(lines)
