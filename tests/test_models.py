@@ -155,6 +155,22 @@ min_p = 0.01
     assert shown["model"]["value"] == REPO and "config" in sources["model"]
 
 
+def test_config_show_lists_speculative_decoding_and_its_sources(home: dict[str, str]) -> None:
+    def shown(env: dict[str, str]) -> dict[str, tuple[object, str]]:
+        proc = run_cli("config", "show", "--json", env=env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        return {key: (entry["value"], entry["source"]) for key, entry in json.loads(proc.stdout).items()}
+
+    plain = shown(home)
+    assert plain["speculative"] == ("off", "built-in") and plain["draft_tokens"] == ("adaptive", "built-in")
+    write_config(home, '[defaults]\ndraft_model = "self"\n')
+    drafting = shown({**home, "LLMCLI_DRAFT_TOKENS": "5"})
+    # Naming a draft model turns drafting on: the method comes from where the model was named.
+    assert drafting["speculative"] == ("draft", "config [defaults]")
+    assert drafting["draft_model"] == ("self", "config [defaults]")
+    assert drafting["draft_tokens"] == (5, "env")
+
+
 def test_broken_config_names_file_and_line(home: dict[str, str]) -> None:
     path = write_config(home, 'model = "x"\n[defaults]\ntemperature = = 0.5\n')
     proc = run_cli("generate", "hi", env=home)

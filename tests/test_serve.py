@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -230,6 +231,24 @@ def test_chat_through_the_server_equals_chat_in_process(server: Server, tiny_lla
     assert remote_turns[0]["reply"] == local_turns[0]["reply"]
     assert len(remote_turns) == len(local_turns) == 3
     assert remote_turns[1]["cached_tokens"] > 0  # the second turn re-sent the first: the server reused it
+
+
+def test_chat_stats_through_the_server_total_the_drafts(server: Server, tiny_llama: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(server.runtime)}
+    args = ["chat", "-m", str(tiny_llama), "--device", "cpu", "--dtype", "fp32", "-t", "0", "-n", "24"]
+    lines = b"the cat sat on the mat, the cat sat on the mat, the cat sat on the\n/stats\n"
+    seen = []
+    for extra in (["--speculative", "lookup"], ["--no-server", "--speculative", "lookup"]):
+        proc = run_cli(*args, *extra, stdin=lines, env=env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        out = proc.stdout.decode() + proc.stderr.decode()
+        assert "session: 1 reply ·" in out, out
+        pattern = r"speculative \(lookup\): last reply · lookup (\d+)/(\d+) accepted · session (\d+)/(\d+)"
+        totals = re.search(pattern, out)
+        assert totals, out
+        assert totals.group(1, 2) == totals.group(3, 4)  # one reply: the session is that reply
+        seen.append(totals.groups())
+    assert seen[0] == seen[1]  # greedy, the same lookup: the same drafts through the server as in-process
 
 
 def test_a_warm_call_imports_neither_torch_nor_transformers(server: Server, tiny_llama: Path) -> None:

@@ -227,6 +227,15 @@ def show_config(
         rows.append(("system", effective.system, effective.sources.get("system", "built-in")))
         rows.append(("ctx", effective.context_length, effective.sources.get("ctx", "the model's")))
         rows.append(("engine", effective.engine or "auto", effective.sources.get("engine", "built-in")))
+        speculative = effective.speculative
+        for key, value in (
+            ("speculative", speculative.method),
+            ("draft_model", speculative.draft_model),
+            ("draft_tokens", speculative.draft_tokens if speculative.draft_tokens else "adaptive"),
+        ):
+            # --draft-model alone turns drafting on: the method then comes from where the model did.
+            default = effective.sources.get("draft_model", "built-in") if key == "speculative" else "built-in"
+            rows.append((key, value, effective.sources.get(key, default)))
         if json_output:
             _print(
                 json.dumps({key: {"value": value, "source": source} for key, value, source in rows}, indent=2)

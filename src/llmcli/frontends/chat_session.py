@@ -113,6 +113,48 @@ class TurnReport:
         )
 
 
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """ "1 reply", "2 replies", "0 tokens": numbers as a person writes them."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
+@dataclass
+class SessionTotals:
+    """What a chat's turns add up to, for /stats (in-process and through a server alike)."""
+
+    turns: int = 0
+    prefilled_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, report: TurnReport) -> None:
+        self.turns += 1
+        self.prefilled_tokens += report.prefilled_tokens
+        self.cached_tokens += report.cached_tokens
+        self.completion_tokens += report.completion_tokens
+        self.drafted += (report.speculative or {}).get("drafted", 0)
+        self.accepted += (report.speculative or {}).get("accepted", 0)
+
+    def stats_text(self, last: TurnReport, speculative: str) -> str:
+        """/stats: the last reply's timings, then the session's totals."""
+        text = (
+            f"last reply: {plural(last.completion_tokens, 'token')} ({last.finish_reason}) · "
+            f"TTFT {last.ttft_s:.3f} s · prefill {plural(last.prefilled_tokens, 'token')} "
+            f"at {last.prefill_tok_s:.1f} tok/s · "
+            f"reused {last.cached_tokens} · decode {last.decode_tok_s:.1f} tok/s\n"
+            f"session: {plural(self.turns, 'reply', 'replies')} · prefilled {self.prefilled_tokens} · "
+            f"reused {self.cached_tokens} · generated {plural(self.completion_tokens, 'token')}"
+        )
+        if self.drafted or last.speculative:
+            text += (
+                f"\nspeculative ({speculative}): last reply{speculative_note(last.speculative)} · "
+                f"session {self.accepted}/{self.drafted} drafted tokens accepted"
+            )
+        return text
+
+
 def speculative_note(record: dict[str, Any] | None) -> str:
     """ " · lookup 31/40 accepted" for a stats line; nothing without speculation."""
     if not record:
@@ -148,8 +190,7 @@ class ChatSession:
             self.set_speculative(speculative)
         self.conversation = Conversation(loaded.tokenizer, loaded.context_length, system=system)
         self.last_turn: TurnReport | None = None
-        self.totals = {"turns": 0, "prefilled_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
-        self.totals |= {"drafted": 0, "accepted": 0}
+        self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
 
     @property
@@ -192,11 +233,7 @@ class ChatSession:
         )
         report = TurnReport.of(result, len(self.conversation.ids), self.context_length, dropped)
         self.last_turn = report
-        self.totals["turns"] += 1
-        for key in ("prefilled_tokens", "cached_tokens", "completion_tokens"):
-            self.totals[key] += getattr(report, key)
-        for key in ("drafted", "accepted"):
-            self.totals[key] += (report.speculative or {}).get(key, 0)
+        self.totals.add(report)
         self.view.reply_end(result, report)
         return report
 
@@ -282,22 +319,7 @@ class ChatSession:
         if self.last_turn is None:
             self.view.info("no reply yet")
             return
-        last = self.last_turn
-        totals = self.totals
-        self.view.info(
-            f"last reply: {last.completion_tokens} tokens ({last.finish_reason}) · "
-            f"TTFT {last.ttft_s:.3f} s · prefill {last.prefilled_tokens} tokens "
-            f"at {last.prefill_tok_s:.1f} tok/s · "
-            f"reused {last.cached_tokens} · decode {last.decode_tok_s:.1f} tok/s\n"
-            f"session: {totals['turns']} replies · prefilled {totals['prefilled_tokens']} · "
-            f"reused {totals['cached_tokens']} · generated {totals['completion_tokens']} tokens"
-            + (
-                f"\nspeculative ({self.speculative}): last reply{speculative_note(last.speculative)} · "
-                f"session {totals['accepted']}/{totals['drafted']} drafted tokens accepted"
-                if totals["drafted"] or last.speculative
-                else ""
-            )
-        )
+        self.view.info(self.totals.stats_text(self.last_turn, self.speculative))
 
     def _cmd_reset(self, _: str) -> None:
         self.conversation.reset()

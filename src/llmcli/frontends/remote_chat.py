@@ -23,6 +23,7 @@ from llmcli.frontends.chat_session import (
     HELP,
     SETTABLE,
     ChatView,
+    SessionTotals,
     TurnReport,
     apply_setting,
 )
@@ -64,7 +65,7 @@ class RemoteChatSession:
             name=target.model, device=target.client.url, dtype_name=info.get("dtype") or "remote"
         )
         self.last_turn: TurnReport | None = None
-        self.totals = {"turns": 0, "prefilled_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+        self.totals = SessionTotals()
         self.failed = False
         self.speculative = speculative  # sent per request to an llmcli server
         if target.info is None:
@@ -127,9 +128,7 @@ class RemoteChatSession:
             speculative=timings.get("speculative"),
         )
         self.last_turn = report
-        self.totals["turns"] += 1
-        for key in ("prefilled_tokens", "cached_tokens", "completion_tokens"):
-            self.totals[key] += getattr(report, key)
+        self.totals.add(report)
         self.view.reply_end(RemoteResult(text, finish), report)
         return report
 
@@ -197,15 +196,8 @@ class RemoteChatSession:
         if self.last_turn is None:
             self.view.info("no reply yet")
             return
-        last, totals = self.last_turn, self.totals
-        self.view.info(
-            f"last reply: {last.completion_tokens} tokens ({last.finish_reason}) · "
-            f"TTFT {last.ttft_s:.3f} s · prefill {last.prefilled_tokens} tokens · "
-            f"reused {last.cached_tokens} · "
-            f"decode {last.decode_tok_s:.1f} tok/s\n"
-            f"session: {totals['turns']} replies · reused {totals['cached_tokens']} · "
-            f"generated {totals['completion_tokens']} tokens"
-        )
+        method = self.speculative.method if self.speculative else "off"
+        self.view.info(self.totals.stats_text(self.last_turn, method))
 
     def _cmd_reset(self, _: str) -> None:
         self.messages = []
