@@ -283,6 +283,17 @@ def generate(
     speculative: SpeculativeOption = None,
     draft_model: DraftModelOption = None,
     draft_tokens: DraftTokensOption = None,
+    num_beams: Annotated[
+        int,
+        typer.Option(
+            "--num-beams",
+            help="Beam search with N beams (transformers' own, with the model's length penalty and "
+            "early stopping): greedy, so the sampling options other than --max-new-tokens, --stop and "
+            "--repetition-penalty do not apply. No streaming: the best beam is printed when the "
+            "search ends. Runs in-process.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = 1,
     batch: Annotated[
         str | None,
         typer.Option(
@@ -309,6 +320,7 @@ def generate(
         )
         sampling = effective.sampling
         system = None if raw else effective.system
+        _check_beams(num_beams, effective.speculative, server)
         if batch is not None:
             if prompt:
                 raise UsageError("--batch reads the prompts from its file: give no prompt arguments")
@@ -328,6 +340,7 @@ def generate(
                     json=json_output,
                     sampling=sampling,
                     load=load,
+                    num_beams=num_beams,
                 )
             )
             raise typer.Exit(code)
@@ -346,9 +359,23 @@ def generate(
             api_key=api_key,
             no_server=no_server,
             speculative=effective.speculative,
+            num_beams=num_beams,
         )
         code = run(request)
     raise typer.Exit(code)
+
+
+def _check_beams(num_beams: int, speculative: SpeculativeSettings, server: str | None) -> None:
+    from llmcli.engine.beams import MOST_BEAMS
+
+    if not 1 <= num_beams <= MOST_BEAMS:
+        raise UsageError(f"--num-beams must be in 1…{MOST_BEAMS}, got {num_beams}")
+    if num_beams == 1:
+        return
+    if speculative.method != "off":
+        raise UsageError("--num-beams and --speculative do not combine: beam search checks no drafts")
+    if server:
+        raise UsageError("--num-beams runs on the model in-process: it cannot go through --server")
 
 
 CHAT_EPILOG = """\
@@ -434,6 +461,19 @@ def chat(
         )
         code = run(request)
     raise typer.Exit(code)
+
+
+def _check_beams(num_beams: int, speculative: SpeculativeSettings, server: str | None) -> None:
+    from llmcli.engine.beams import MOST_BEAMS
+
+    if not 1 <= num_beams <= MOST_BEAMS:
+        raise UsageError(f"--num-beams must be in 1…{MOST_BEAMS}, got {num_beams}")
+    if num_beams == 1:
+        return
+    if speculative.method != "off":
+        raise UsageError("--num-beams and --speculative do not combine: beam search checks no drafts")
+    if server:
+        raise UsageError("--num-beams runs on the model in-process: it cannot go through --server")
 
 
 BENCH_EPILOG = """\

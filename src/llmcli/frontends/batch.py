@@ -13,11 +13,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from llmcli.config.settings import LoadSettings, SamplingSettings
+from llmcli.config.settings import LoadSettings, SamplingParams, SamplingSettings
 from llmcli.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import load_with_feedback
+
+if TYPE_CHECKING:
+    from llmcli.models.load import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class BatchRequest:
     json: bool
     sampling: SamplingSettings
     load: LoadSettings
+    num_beams: int = 1  # > 1: each prompt on its own, by beam search
 
 
 def read_items(path: str, default_system: str | None) -> list[BatchItem]:
@@ -71,7 +76,6 @@ def read_items(path: str, default_system: str | None) -> list[BatchItem]:
 def run(request: BatchRequest) -> int:
     items = read_items(request.path, request.system)
     loaded = load_with_feedback(request.model, request.load)
-    from llmcli.engine.batch import generate_batch
     from llmcli.engine.conversation import build_messages, prompt_ids
 
     params = request.sampling.resolve(loaded.generation_config)
@@ -84,19 +88,12 @@ def run(request: BatchRequest) -> int:
     for first in range(0, len(items), request.batch_size):
         indices = range(first, min(first + request.batch_size, len(items)))
         fitting = [i for i in indices if len(prompts[i]) < loaded.context_length]
-        outcomes = (
-            generate_batch(
-                loaded.model,
-                loaded.tokenizer,
-                [prompts[i] for i in fitting],
-                params,
-                loaded.eos_token_ids,
-                loaded.context_length,
-                static_cache=bool(loaded.fast),
-            )
-            if fitting
-            else []
-        )
+        if request.num_beams > 1:
+            from llmcli.engine.beams import beam_search
+
+            outcomes = [beam_search(loaded, prompts[i], params, request.num_beams) for i in fitting]
+        else:
+            outcomes = _sampled(loaded, [prompts[i] for i in fitting], params)
         results = dict(zip(fitting, outcomes, strict=True))
         for index in indices:
             result = results.get(index)
@@ -123,6 +120,23 @@ def run(request: BatchRequest) -> int:
         f"{total_tokens} tokens in {seconds:.2f} s, {rate:.1f} tok/s aggregate"
     )
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _sampled(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+    """One batch decoded together (the loop's sampling, per row)."""
+    from llmcli.engine.batch import generate_batch
+
+    if not prompts:
+        return []
+    return generate_batch(
+        loaded.model,
+        loaded.tokenizer,
+        prompts,
+        params,
+        loaded.eos_token_ids,
+        loaded.context_length,
+        static_cache=bool(loaded.fast),
+    )
 
 
 def _report_too_long(index: int, tokens: int, context: int, as_json: bool) -> None:

@@ -31,6 +31,7 @@ class GenerateRequest:
     api_key: str | None = None
     no_server: bool = False  # --no-server: never use a running `llmcli serve`
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    num_beams: int = 1  # > 1: beam search, printed when it ends
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -65,8 +66,9 @@ def run(request: GenerateRequest) -> int:
     prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
     from llmcli.frontends import remote
 
+    in_process = request.no_server or request.num_beams > 1  # beams run on the loaded model itself
     target = remote.find_server(
-        request.model, request.load, request.server, request.api_key, request.no_server, request.speculative
+        request.model, request.load, request.server, request.api_key, in_process, request.speculative
     )
     if target is not None:
         out = StdoutSink()
@@ -87,19 +89,31 @@ def run(request: GenerateRequest) -> int:
 
     ids = prompt_ids(loaded.tokenizer, build_messages(prompt, request.system), raw=request.raw)
     params = request.sampling.resolve(loaded.generation_config)
-    engine = engine_with_feedback(loaded)
-    engine.speculation = speculation_with_feedback(loaded, request.model, request.speculative, request.load)
-    generation = engine.generate(ids, params, loaded.tokenizer)
     out = StdoutSink()
     exit_code = EXIT_OK
-    try:
-        for piece in generation:
-            if not request.json and not out.write(piece):
-                return EXIT_OK  # the reader left (`| head`): stop generating, quietly
-    except KeyboardInterrupt:
-        generation.interrupt()
-        exit_code = EXIT_INTERRUPTED
-    result = generation.result
+    if request.num_beams > 1:
+        from llmcli.engine.beams import beam_search
+
+        engine_name = "transformers (beam search)"
+        with terminal.status(f"Searching with {request.num_beams} beams…"):
+            result = beam_search(loaded, ids, params, request.num_beams)
+        if not request.json and not out.write(result.text):
+            return EXIT_OK
+    else:
+        engine = engine_with_feedback(loaded)
+        engine_name = engine.name
+        engine.speculation = speculation_with_feedback(
+            loaded, request.model, request.speculative, request.load
+        )
+        generation = engine.generate(ids, params, loaded.tokenizer)
+        try:
+            for piece in generation:
+                if not request.json and not out.write(piece):
+                    return EXIT_OK  # the reader left (`| head`): stop generating, quietly
+        except KeyboardInterrupt:
+            generation.interrupt()
+            exit_code = EXIT_INTERRUPTED
+        result = generation.result
     if request.json:
         record = {
             "text": result.text,
@@ -115,7 +129,8 @@ def run(request: GenerateRequest) -> int:
             "dtype": loaded.dtype_name,
             "quant": loaded.quant,
             "quant_backend": loaded.quant_backend,
-            "engine": engine.name,
+            "engine": engine_name,
+            "num_beams": request.num_beams,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
             "cached_tokens": result.stats.cached_tokens,
@@ -128,7 +143,7 @@ def run(request: GenerateRequest) -> int:
     if request.stats:
         terminal.note(
             f"{loaded.name} · {result.stats.summary()} · {result.finish_reason} · {loaded.memory_summary()}"
-            f" · engine {engine.name}"
+            f" · engine {engine_name}"
         )
     return exit_code
 
