@@ -109,6 +109,54 @@ def test_chat_streaming_and_not_equal_the_in_process_reply(server: Server, in_pr
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_response_format_json_schema_and_json_object(server: Server, tiny_llama: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "Rome"]},
+            "population": {"type": "integer", "minimum": 0, "maximum": 10_000_000},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    client = server.client()
+    messages = build_messages("Name a capital as JSON")
+    form = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+    options = {"model": "tiny", "messages": messages, "max_tokens": 100, "temperature": 0.9, "seed": 2}
+    whole = client.chat.completions.create(**options, response_format=form)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+    assert whole.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(**options, response_format=form, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == whole.choices[0].message.content  # the same seed: the same value
+    anything = client.chat.completions.create(
+        **options | {"seed": 1}, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}},
+    }
+    status, refused = server.raw(
+        "POST", "/v1/chat/completions", json.dumps({"messages": messages, "response_format": bad}).encode()
+    )
+    assert status == 400 and refused["error"]["param"] == "response_format"
+    assert "minimum (3) is greater than maximum (1)" in refused["error"]["message"]
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_generate_format_through_the_server(server: Server, tiny_llama: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(server.runtime)}
+    args = ["generate", "-m", str(tiny_llama), "--device", "cpu", "--dtype", "fp32", "--json"]
+    proc = run_cli(*args, "--json-schema", '{"enum": ["yes", "no"]}', "-n", "20", "Agree?", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(proc.stdout)
+    assert record["server"] and record["value"] in ("yes", "no")
+    cut = run_cli(*args, "--format", "json", "-n", "1", "--seed", "2", "-t", "1", "Anything", env=env)
+    assert cut.returncode == 1 and "not a complete JSON value" in cut.stderr.decode()
+
+
 def test_text_completions(server: Server, tiny_llama: Path) -> None:
     client = server.client()
     whole = client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -22,6 +22,9 @@ from llmcli.config.settings import (
     effective_settings,
 )
 from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from llmcli.engine.structured import OutputFormat
 
 app = typer.Typer(
     name="llmcli",
@@ -192,6 +195,28 @@ DraftTokensOption = Annotated[
         show_default=False,
     ),
 ]
+STRUCTURED = "Structured output"
+FormatOption = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        help="json: the reply is a JSON object, guaranteed to parse (decoding allows only tokens that "
+        "keep it valid, and ends when it is complete). off: plain text.",
+        rich_help_panel=STRUCTURED,
+        show_default=False,
+    ),
+]
+JsonSchemaOption = Annotated[
+    str | None,
+    typer.Option(
+        "--json-schema",
+        help="The reply is JSON valid under this JSON schema (a file, or inline JSON). An invalid or "
+        "unsatisfiable schema is refused before the model loads; a reply cut by --max-new-tokens "
+        "exits 1.",
+        rich_help_panel=STRUCTURED,
+        show_default=False,
+    ),
+]
 SERVER = "Server"
 ServerOption = Annotated[
     str | None,
@@ -283,6 +308,8 @@ def generate(
     speculative: SpeculativeOption = None,
     draft_model: DraftModelOption = None,
     draft_tokens: DraftTokensOption = None,
+    output_format: FormatOption = None,
+    json_schema: JsonSchemaOption = None,
     num_beams: Annotated[
         int,
         typer.Option(
@@ -321,6 +348,7 @@ def generate(
         sampling = effective.sampling
         system = None if raw else effective.system
         _check_beams(num_beams, effective.speculative, server)
+        output = _output_format(output_format, json_schema, effective.speculative, num_beams)
         if batch is not None:
             if prompt:
                 raise UsageError("--batch reads the prompts from its file: give no prompt arguments")
@@ -341,6 +369,7 @@ def generate(
                     sampling=sampling,
                     load=load,
                     num_beams=num_beams,
+                    output=output,
                 )
             )
             raise typer.Exit(code)
@@ -360,9 +389,30 @@ def generate(
             no_server=no_server,
             speculative=effective.speculative,
             num_beams=num_beams,
+            output=output,
         )
         code = run(request)
     raise typer.Exit(code)
+
+
+def _output_format(
+    format_name: str | None, schema: str | None, speculative: SpeculativeSettings, num_beams: int
+) -> OutputFormat | None:
+    """--format / --json-schema, checked before anything loads."""
+    if format_name and schema and format_name != "json":
+        raise UsageError("--format off and --json-schema contradict each other: use one")
+    from llmcli.engine.structured import output_format
+
+    output = output_format(format_name, schema)
+    if output is None:
+        return None
+    if num_beams > 1:
+        raise UsageError(f"{output.label} and --num-beams do not combine: beams are not constrained")
+    if speculative.method != "off":
+        raise UsageError(
+            f"{output.label} and --speculative do not combine yet: the grammar follows one token a step"
+        )
+    return output
 
 
 def _check_beams(num_beams: int, speculative: SpeculativeSettings, server: str | None) -> None:
@@ -426,6 +476,8 @@ def chat(
     max_memory: MaxMemoryOption = None,
     fast: FastOption = None,
     engine: EngineOption = None,
+    output_format: FormatOption = None,
+    json_schema: JsonSchemaOption = None,
     speculative: SpeculativeOption = None,
     draft_model: DraftModelOption = None,
     draft_tokens: DraftTokensOption = None,
@@ -445,6 +497,7 @@ def chat(
             _pick(locals(), SPECULATIVE_FLAGS),
         )
         sampling = effective.sampling
+        output = _output_format(output_format, json_schema, SpeculativeSettings(), 1)
         from llmcli.frontends.repl import ChatRequest, run
 
         request = ChatRequest(
@@ -458,9 +511,30 @@ def chat(
             api_key=api_key,
             no_server=no_server,
             speculative=effective.speculative,
+            output=output,
         )
         code = run(request)
     raise typer.Exit(code)
+
+
+def _output_format(
+    format_name: str | None, schema: str | None, speculative: SpeculativeSettings, num_beams: int
+) -> OutputFormat | None:
+    """--format / --json-schema, checked before anything loads."""
+    if format_name and schema and format_name != "json":
+        raise UsageError("--format off and --json-schema contradict each other: use one")
+    from llmcli.engine.structured import output_format
+
+    output = output_format(format_name, schema)
+    if output is None:
+        return None
+    if num_beams > 1:
+        raise UsageError(f"{output.label} and --num-beams do not combine: beams are not constrained")
+    if speculative.method != "off":
+        raise UsageError(
+            f"{output.label} and --speculative do not combine yet: the grammar follows one token a step"
+        )
+    return output
 
 
 def _check_beams(num_beams: int, speculative: SpeculativeSettings, server: str | None) -> None:

@@ -10,7 +10,7 @@ what it would alone. A row that has finished keeps feeding padding until the bat
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,12 +20,18 @@ from llmcli.engine.loop import GenerationResult
 from llmcli.engine.sampling import make_generator, pick_token, process_logits
 from llmcli.engine.stats import GenerationStats
 
+if TYPE_CHECKING:
+    from llmcli.engine.structured.constraint import Constraint
+
 
 class _Row:
     """One prompt's progress through the batch."""
 
-    def __init__(self, prompt: list[int], tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(
+        self, prompt: list[int], tokenizer: Any, params: SamplingParams, constraint: Constraint | None
+    ) -> None:
         self.prompt = prompt
+        self.constraint = constraint
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopMatcher(params.stop)
         self.text = ""
@@ -38,9 +44,14 @@ class _Row:
             self.finish_reason = "stop"
             self._flush()
             return
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
         self.text += self.stop.feed(self.detok.push(token_id))
         if self.stop.stopped:
             self.finish_reason = "stop"
+        elif self.constraint is not None and self.constraint.finished:
+            self.finish_reason = "stop"
+            self._flush()
 
     def end(self) -> None:
         if self.finish_reason is None:
@@ -62,12 +73,15 @@ def generate_batch(
     context_length: int,
     *,
     static_cache: bool = False,
+    constraints: list[Constraint | None] | None = None,
 ) -> list[GenerationResult]:
-    """Greedy or sampled generation for every prompt, in one batch; results in input order."""
+    """Greedy or sampled generation for every prompt, in one batch; results in input order.
+    `constraints`: a grammar per prompt (or None), masking that row's logits."""
     from transformers import DynamicCache, StaticCache
 
     device = model.device
-    rows = [_Row(prompt, tokenizer, params) for prompt in prompts]
+    constraints = constraints or [None] * len(prompts)
+    rows = [_Row(p, tokenizer, params, c) for p, c in zip(prompts, constraints, strict=True)]
     width = max(len(p) for p in prompts)
     budget = max(0, min(params.max_new_tokens, context_length - width))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_token_ids or {0})
@@ -96,6 +110,9 @@ def generate_batch(
     next_position = mask.sum(-1, keepdim=True)
     ttft = 0.0
     for step in range(budget):
+        for i, row in enumerate(rows):
+            if row.constraint is not None and row.finish_reason is None:
+                logits[i : i + 1] = row.constraint.mask(logits[i : i + 1])
         tokens = pick_token(process_logits(logits, seen, params), params, generator)
         token_ids = tokens.tolist()  # one host sync per step for the whole batch
         if step == 0:
@@ -136,5 +153,8 @@ def generate_batch(
             ttft_s=ttft,
             decode_s=elapsed - ttft,
         )
-        results.append(GenerationResult(row.text, row.token_ids, row.finish_reason or "length", stats))
+        complete = None if row.constraint is None else row.constraint.complete
+        results.append(
+            GenerationResult(row.text, row.token_ids, row.finish_reason or "length", stats, complete)
+        )
     return results

@@ -29,6 +29,7 @@ from llmcli.errors import ContextOverflowError
 
 if TYPE_CHECKING:
     from llmcli.engine.backend import Backend
+    from llmcli.engine.structured.constraint import Constraint
     from llmcli.models.load import LoadedModel
 
 
@@ -38,6 +39,7 @@ class GenerationResult:
     token_ids: list[int]  # every sampled token, the end-of-sequence token included
     finish_reason: str  # "stop", "length" or "interrupted"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    value_complete: bool | None = None  # with a constraint: whether the JSON value was finished
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -127,20 +129,35 @@ class Engine:
         """Feed one sampled token (shape [1]); the logits for the one after it, [1, vocab]."""
         return self.backend.decode(token)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Any) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        constraint: Constraint | None = None,
+    ) -> Generation:
         if len(prompt_ids) >= self.context_length:
             raise ContextOverflowError(
                 f"the prompt is {len(prompt_ids)} tokens; the model's context holds {self.context_length}",
                 "shorten the input",
             )
-        return Generation(self, prompt_ids, params, tokenizer)
+        return Generation(self, prompt_ids, params, tokenizer, constraint)
 
 
 class Generation:
     """One call in progress. Iterate it for text pieces; `result` is valid at any point after."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        constraint: Constraint | None = None,
+    ) -> None:
         self._engine = engine
+        # A grammar masks every step's logits; it follows one token at a time, so no drafts.
+        self._constraint = constraint
         self._prompt_ids = list(prompt_ids)
         self._context = list(prompt_ids)  # the prompt, then every token taken
         self._params = params
@@ -172,6 +189,7 @@ class Generation:
             token_ids=list(self.token_ids),
             finish_reason=self.finish_reason,
             stats=self.stats,
+            value_complete=None if self._constraint is None else self._constraint.complete,
         )
 
     def _run(self) -> Iterator[str]:
@@ -183,7 +201,8 @@ class Generation:
         token, and the cache keeps exactly the tokens fed that lie before that last one.
         """
         engine, params, stats = self._engine, self._params, self.stats
-        speculation = engine.speculation
+        constraint = self._constraint
+        speculation = engine.speculation if constraint is None else None
         start = time.perf_counter()
         reused = engine.reuse_prefix(self._prompt_ids)
         stats.prefilled_tokens = len(self._prompt_ids) - reused
@@ -217,13 +236,15 @@ class Generation:
                 self._context.append(token_id)
                 stats.completion_tokens = len(self.token_ids)
                 taken += 1
+                if constraint is not None:
+                    constraint.advance(token_id)
                 if token_id in engine.eos_token_ids:
                     self.finish_reason, finished = "stop", True
                     break
                 piece = self._stop.feed(self._detok.push(token_id) if self._detok else "")
                 if piece:
                     yield piece
-                if self._stop.stopped:
+                if self._stop.stopped or (constraint is not None and constraint.finished):
                     self.finish_reason, finished = "stop", True
                     break
                 if len(self.token_ids) == self._budget:
@@ -264,6 +285,8 @@ class Generation:
         one. Without a draft, also that token as a device tensor: the next decode step's input."""
         params, drafted = self._params, draft.tokens
         if not drafted:
+            if self._constraint is not None:
+                rows = self._constraint.mask(rows)  # before every sampling filter
             token = pick_token(process_logits(rows, self._seen([]), params), params, generator)
             return [int(token)], token  # the one host sync per token: we need the id to print it
         if params.greedy and params.repetition_penalty == 1.0:

@@ -1,6 +1,7 @@
 """`llmcli generate --batch FILE`: many prompts, batched, results in input order.
 
-The file holds one prompt per line, or JSON lines with a "prompt" (and an optional "system");
+The file holds one prompt per line, or JSON lines with a "prompt" (and an optional "system", and
+an optional "schema": that reply is JSON valid under it, as with --json-schema);
 "-" reads stdin. Output: each reply on its own line (replies may hold newlines: use --json, one
 object per prompt, when a program reads the output). A summary with the aggregate tokens/s goes
 to stderr.
@@ -21,6 +22,8 @@ from llmcli.frontends import terminal
 from llmcli.frontends.loading import load_with_feedback
 
 if TYPE_CHECKING:
+    from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.structured.constraint import Constraint
     from llmcli.models.load import LoadedModel
 
 
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 class BatchItem:
     prompt: str
     system: str | None
+    output: OutputFormat | None = None  # a JSON line's "schema", else --format / --json-schema
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,12 @@ class BatchRequest:
     sampling: SamplingSettings
     load: LoadSettings
     num_beams: int = 1  # > 1: each prompt on its own, by beam search
+    output: OutputFormat | None = None  # --format json / --json-schema, for every line without its own
 
 
-def read_items(path: str, default_system: str | None) -> list[BatchItem]:
+def read_items(
+    path: str, default_system: str | None, default_output: OutputFormat | None = None
+) -> list[BatchItem]:
     try:
         data = sys.stdin.buffer.read() if path == "-" else Path(path).expanduser().read_bytes()
     except OSError as error:
@@ -65,16 +72,31 @@ def read_items(path: str, default_system: str | None) -> list[BatchItem]:
                 raise UsageError(
                     f'--batch {path}, line {number}: a JSON line needs a non-empty "prompt" string'
                 )
-            items.append(BatchItem(record["prompt"], record.get("system") or default_system))
+            output = default_output
+            if "schema" in record:
+                output = _line_schema(record["schema"], f"--batch {path}, line {number}")
+            items.append(BatchItem(record["prompt"], record.get("system") or default_system, output))
         else:
-            items.append(BatchItem(line, default_system))
+            items.append(BatchItem(line, default_system, default_output))
     if not items:
         raise UsageError(f"--batch {path} holds no prompts")
     return items
 
 
+def _line_schema(schema: object, where: str) -> OutputFormat:
+    """A JSON line's own "schema", checked before the model loads."""
+    from llmcli.engine.structured import OutputFormat, parse_schema
+    from llmcli.engine.structured.grammar import check_format
+
+    output = OutputFormat(parse_schema(schema, where), f"{where}: schema")
+    check_format(output)
+    return output
+
+
 def run(request: BatchRequest) -> int:
-    items = read_items(request.path, request.system)
+    items = read_items(request.path, request.system, request.output)
+    if request.num_beams > 1 and any(item.output for item in items):
+        raise UsageError("--num-beams and a schema do not combine: beams are not constrained")
     loaded = load_with_feedback(request.model, request.load)
     from llmcli.engine.conversation import build_messages, prompt_ids
 
@@ -93,7 +115,8 @@ def run(request: BatchRequest) -> int:
 
             outcomes = [beam_search(loaded, prompts[i], params, request.num_beams) for i in fitting]
         else:
-            outcomes = _sampled(loaded, [prompts[i] for i in fitting], params)
+            constraints = [_constraint(loaded, items[i].output) for i in fitting]
+            outcomes = _sampled(loaded, [prompts[i] for i in fitting], params, constraints)
         results = dict(zip(fitting, outcomes, strict=True))
         for index in indices:
             result = results.get(index)
@@ -102,6 +125,7 @@ def run(request: BatchRequest) -> int:
                 _report_too_long(index, len(prompts[index]), loaded.context_length, request.json)
                 continue
             total_tokens += result.stats.completion_tokens
+            output = items[index].output
             if request.json:
                 record = {
                     "index": index,
@@ -110,9 +134,19 @@ def run(request: BatchRequest) -> int:
                     "completion_tokens": result.stats.completion_tokens,
                     "finish_reason": result.finish_reason,
                 }
+                if output is not None:
+                    value = json.loads(result.text) if result.value_complete else None
+                    record |= {"format": output.label, "value": value}
                 _write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
                 _write(result.text + "\n")
+            if output is not None and not result.value_complete:
+                from llmcli.engine.structured import unfinished_value
+
+                failed = True
+                tokens, limit = result.stats.completion_tokens, params.max_new_tokens
+                why = unfinished_value(output, result.finish_reason, tokens, limit)
+                terminal.error(f"prompt {index}: {why.replace('max_new_tokens', '--max-new-tokens')}")
     seconds = time.perf_counter() - start
     rate = total_tokens / seconds if seconds else 0.0
     terminal.note(
@@ -122,8 +156,18 @@ def run(request: BatchRequest) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-def _sampled(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
-    """One batch decoded together (the loop's sampling, per row)."""
+def _constraint(loaded: LoadedModel, output: OutputFormat | None) -> Constraint | None:
+    if output is None:
+        return None
+    from llmcli.engine.structured.constraint import Constraint
+
+    return Constraint(output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+
+
+def _sampled(
+    loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, constraints: list[Any]
+) -> list[Any]:
+    """One batch decoded together (the loop's sampling, per row; a grammar per row, if any)."""
     from llmcli.engine.batch import generate_batch
 
     if not prompts:
@@ -136,6 +180,7 @@ def _sampled(loaded: LoadedModel, prompts: list[list[int]], params: SamplingPara
         loaded.eos_token_ids,
         loaded.context_length,
         static_cache=bool(loaded.fast),
+        constraints=constraints,
     )
 
 

@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from llmcli.config.settings import SPECULATIVE_METHODS, SamplingParams, SamplingSettings
 from llmcli.engine.conversation import Conversation, read_transcript, write_transcript
+from llmcli.engine.structured import format_command, unfinished_value
 from llmcli.errors import LlmcliError, UsageError
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server (remote_chat.py) never loads it
     from llmcli.engine.loop import Engine, GenerationResult
     from llmcli.engine.speculative import Speculation
+    from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.structured.constraint import Constraint
     from llmcli.models.load import LoadedModel
 
 HELP = """\
@@ -33,6 +36,8 @@ HELP = """\
 /reset                clear the conversation and its cache
 /undo                 drop the last exchange
 /retry                generate the last reply again
+/format [json | schema FILE | off]
+                      replies as JSON (an object), or JSON valid under a schema; off: text
 /save FILE            write the chat (messages and settings) as JSON
 /load FILE            resume a saved chat
 /exit                 leave (Ctrl-D works too)
@@ -47,6 +52,7 @@ COMMANDS = (
     "/reset",
     "/undo",
     "/retry",
+    "/format",
     "/save",
     "/load",
     "/exit",
@@ -173,8 +179,10 @@ class ChatSession:
         engine: Engine | None = None,
         speculate: Callable[[str], Speculation | None] | None = None,
         speculative: str = "off",
+        output: OutputFormat | None = None,
     ) -> None:
         self.loaded = loaded
+        self.output = output  # /format: replies constrained to JSON (a schema's, or any object)
         self.params = params
         self.view = view
         if engine is None:
@@ -215,8 +223,15 @@ class ChatSession:
                 f"Context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} "
                 f"to fit ({len(prompt)} of {self.context_length} tokens); the system prompt stays."
             )
-        params = self.params.with_(stop=self.params.stop + self.conversation.stop_strings)
-        generation = self.engine.generate(prompt, params, self.loaded.tokenizer)
+        # The template's own stop strings end a text reply; a JSON reply ends with its value.
+        template_stops = self.conversation.stop_strings if self.output is None else ()
+        params = self.params.with_(stop=self.params.stop + template_stops)
+        try:
+            constraint = self._constraint()
+        except LlmcliError as error:
+            self._fail(error.one_line())
+            return None
+        generation = self.engine.generate(prompt, params, self.loaded.tokenizer, constraint)
         self.view.reply_start()
         try:
             for piece in generation:
@@ -235,7 +250,18 @@ class ChatSession:
         self.last_turn = report
         self.totals.add(report)
         self.view.reply_end(result, report)
+        if self.output is not None and result.finish_reason != "interrupted" and not result.value_complete:
+            tokens, limit = result.stats.completion_tokens, params.max_new_tokens
+            self._fail(unfinished_value(self.output, result.finish_reason, tokens, limit))
         return report
+
+    def _constraint(self) -> Constraint | None:
+        if self.output is None:
+            return None
+        from llmcli.engine.structured.constraint import Constraint
+
+        loaded = self.loaded
+        return Constraint(self.output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
 
     def _turn_failure(self, error: Exception) -> str:
         if type(error).__name__ == "OutOfMemoryError":
@@ -303,6 +329,10 @@ class ChatSession:
             raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
         self.params = apply_setting(self.params, key, value)
         self.view.info(f"{key} = {getattr(self.params, key)!r}")
+
+    def _cmd_format(self, argument: str) -> None:
+        self.output = format_command(argument, self.output)
+        self.view.info(f"format {self.output.label if self.output else 'off (text)'}")
 
     def _cmd_show(self, _: str) -> None:
         loaded = self.loaded

@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
-from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
+
+if TYPE_CHECKING:
+    from llmcli.engine.loop import GenerationResult
+    from llmcli.engine.structured import OutputFormat
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class GenerateRequest:
     no_server: bool = False  # --no-server: never use a running `llmcli serve`
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     num_beams: int = 1  # > 1: beam search, printed when it ends
+    output: OutputFormat | None = None  # --format json / --json-schema: a JSON value, constrained
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -82,6 +87,7 @@ def run(request: GenerateRequest) -> int:
             request.stats,
             out,
             request.speculative,
+            request.output,
         )
 
     loaded = load_with_feedback(request.model, request.load)
@@ -105,7 +111,12 @@ def run(request: GenerateRequest) -> int:
         engine.speculation = speculation_with_feedback(
             loaded, request.model, request.speculative, request.load
         )
-        generation = engine.generate(ids, params, loaded.tokenizer)
+        constraint = None
+        if request.output is not None:
+            from llmcli.engine.structured.constraint import Constraint
+
+            constraint = Constraint(request.output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        generation = engine.generate(ids, params, loaded.tokenizer, constraint)
         try:
             for piece in generation:
                 if not request.json and not out.write(piece):
@@ -136,16 +147,36 @@ def run(request: GenerateRequest) -> int:
             "cached_tokens": result.stats.cached_tokens,
             "speculative": result.stats.speculative.as_dict() if result.stats.speculative else None,
             "sampling": params.as_dict(),
+            **record_extras(result, request.output),
         }
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     elif result.text and not result.text.endswith("\n"):
         out.write("\n")
+    if request.output is not None and exit_code == EXIT_OK and not result.value_complete:
+        from llmcli.engine.structured import unfinished_value
+
+        stats = result.stats
+        message = unfinished_value(
+            request.output, result.finish_reason, stats.completion_tokens, params.max_new_tokens
+        )
+        terminal.error(message.replace("max_new_tokens", "--max-new-tokens"))
+        exit_code = EXIT_FAILURE
     if request.stats:
         terminal.note(
             f"{loaded.name} · {result.stats.summary()} · {result.finish_reason} · {loaded.memory_summary()}"
             f" · engine {engine_name}"
         )
     return exit_code
+
+
+def record_extras(result: GenerationResult, output: OutputFormat | None) -> dict[str, Any]:
+    """--json's fields for constrained output: whether the value is whole, and the value itself."""
+    if output is None:
+        return {}
+    import json as json_module
+
+    value = json_module.loads(result.text) if result.value_complete else None
+    return {"format": output.label, "value": value}
 
 
 class StdoutSink:

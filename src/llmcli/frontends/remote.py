@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
-from llmcli.errors import EXIT_INTERRUPTED, EXIT_OK
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from llmcli.frontends import terminal
 from llmcli.server.client import Client
+
+if TYPE_CHECKING:
+    from llmcli.engine.structured import OutputFormat
 
 
 @dataclass
@@ -60,7 +63,10 @@ def _drafts_as_asked(record: dict[str, Any], speculative: SpeculativeSettings | 
 
 
 def request_body(
-    target: Target, sampling: SamplingSettings, speculative: SpeculativeSettings | None = None
+    target: Target,
+    sampling: SamplingSettings,
+    speculative: SpeculativeSettings | None = None,
+    output: OutputFormat | None = None,
 ) -> dict[str, Any]:
     fields = {
         "temperature": sampling.temperature,
@@ -76,7 +82,26 @@ def request_body(
     if speculative is not None and target.info is not None:
         # llmcli's own extra field, sent only to an llmcli server (others would not know it).
         body["speculative"] = speculative.method
+    if output is not None:
+        body["response_format"] = response_format(output)
     return {"model": target.model, **body, "stream_options": {"include_usage": True}}
+
+
+def response_format(output: OutputFormat) -> dict[str, Any]:
+    """OpenAI's response_format for a constrained reply (any server that speaks it)."""
+    from llmcli.engine.structured import ANY_OBJECT
+
+    if output.schema == ANY_OBJECT:
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "llmcli", "schema": output.schema, "strict": True}}
+
+
+def parsed_value(text: str) -> tuple[bool, Any]:
+    """(whether `text` is one whole JSON value, the value): a server's reply is checked here."""
+    try:
+        return True, json.loads(text)
+    except ValueError:
+        return False, None
 
 
 def run(
@@ -89,8 +114,9 @@ def run(
     stats: bool,
     out: Any,  # generate.StdoutSink
     speculative: SpeculativeSettings | None = None,
+    output: OutputFormat | None = None,
 ) -> int:
-    body = request_body(target, sampling, speculative)
+    body = request_body(target, sampling, speculative, output)
     if raw:
         endpoint, body["prompt"] = "completions", prompt
     else:
@@ -140,9 +166,15 @@ def run(
             "sampling": resolved,
             "server": target.client.url,
         }
+        if output is not None:
+            record |= {"format": output.label, "value": parsed_value(text)[1]}
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     elif text and not text.endswith("\n"):
         out.write("\n")
+    if output is not None and exit_code == EXIT_OK and not parsed_value(text)[0]:
+        cause = "max_tokens cut it" if finish == "length" else f"the server ended it ({finish})"
+        terminal.error(f"the reply is not a complete JSON value ({output.label}): {cause}")
+        exit_code = EXIT_FAILURE
     if stats:
         terminal.note(
             f"{target.model} · {usage.get('prompt_tokens', '?')} prompt tok, "

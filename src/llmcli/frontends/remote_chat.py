@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from llmcli.config.settings import SPECULATIVE_METHODS, SamplingParams, SamplingSettings, SpeculativeSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
+from llmcli.engine.structured import OutputFormat, format_command
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.chat_session import (
     ALIASES,
@@ -27,7 +28,7 @@ from llmcli.frontends.chat_session import (
     TurnReport,
     apply_setting,
 )
-from llmcli.frontends.remote import Target, request_body
+from llmcli.frontends.remote import Target, parsed_value, request_body
 
 
 @dataclass
@@ -48,6 +49,7 @@ class RemoteChatSession:
         *,
         system: str | None,
         speculative: SpeculativeSettings | None = None,
+        output: OutputFormat | None = None,
     ) -> None:
         self.target = target
         self.view = view
@@ -68,6 +70,7 @@ class RemoteChatSession:
         self.totals = SessionTotals()
         self.failed = False
         self.speculative = speculative  # sent per request to an llmcli server
+        self.output: OutputFormat | None = output  # /format: sent as response_format
         if target.info is None:
             view.notice(
                 f"{target.client.url} is not an llmcli server: timings are its usage counts only, "
@@ -83,7 +86,7 @@ class RemoteChatSession:
         return [*system, *self.messages, {"role": "user", "content": user_text}]
 
     def turn(self, user_text: str) -> TurnReport | None:
-        body = request_body(self.target, self._sampling(), self.speculative)
+        body = request_body(self.target, self._sampling(), self.speculative, self.output)
         body["messages"] = self._all_messages(user_text)
         pieces: list[str] = []
         finish, usage, timings = "stop", {}, {}
@@ -130,6 +133,9 @@ class RemoteChatSession:
         self.last_turn = report
         self.totals.add(report)
         self.view.reply_end(RemoteResult(text, finish), report)
+        if self.output is not None and finish != "interrupted" and not parsed_value(text)[0]:
+            cause = "the token limit cut it" if finish == "length" else f"the server ended it ({finish})"
+            self._fail(f"the reply is not a complete JSON value ({self.output.label}): {cause}")
         return report
 
     def _fail(self, message: str) -> None:
@@ -183,6 +189,10 @@ class RemoteChatSession:
         self.params = apply_setting(self.params, key, value)
         self.explicit.add(key)
         self.view.info(f"{key} = {getattr(self.params, key)!r}")
+
+    def _cmd_format(self, argument: str) -> None:
+        self.output = format_command(argument, self.output)
+        self.view.info(f"format {self.output.label if self.output else 'off (text)'}")
 
     def _cmd_show(self, _: str) -> None:
         sent = " · ".join(f"{k} {getattr(self.params, k)!r}" for k in sorted(self.explicit)) or "the server's"

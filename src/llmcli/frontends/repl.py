@@ -26,6 +26,7 @@ from llmcli.frontends.remote_chat import RemoteChatSession
 
 if TYPE_CHECKING:
     from llmcli.engine.speculative import Speculation
+    from llmcli.engine.structured import OutputFormat
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -44,6 +45,7 @@ class ChatRequest:
     api_key: str | None = None
     no_server: bool = False
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    output: OutputFormat | None = None  # --format / --json-schema: every reply JSON (/format changes it)
 
 
 def run(request: ChatRequest) -> int:
@@ -62,7 +64,12 @@ def run(request: ChatRequest) -> int:
     session: ChatSession | RemoteChatSession
     if target is not None:
         session = RemoteChatSession(
-            target, request.sampling, view, system=request.system, speculative=request.speculative
+            target,
+            request.sampling,
+            view,
+            system=request.system,
+            speculative=request.speculative,
+            output=request.output,
         )
     else:
         loaded = load_with_feedback(request.model, request.load)
@@ -82,6 +89,7 @@ def run(request: ChatRequest) -> int:
             engine=engine_with_feedback(loaded),
             speculate=speculate,
             speculative=request.speculative.method,
+            output=request.output,
         )
     if interactive:
         return run_interactive(session, console)

@@ -72,6 +72,11 @@ class LoadedModel:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits (the embedding may be padded past the tokenizer's size)."""
+        return self.model.config.get_text_config().vocab_size
+
+    @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
 

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +33,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmcli.config.settings import SamplingSettings
 from llmcli.errors import LlmcliError
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
+
+if TYPE_CHECKING:
+    from llmcli.engine.structured import OutputFormat
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of ~2M tokens: larger is a mistake, not a prompt
 
@@ -144,6 +147,12 @@ async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: boo
     method = body.speculative or served.speculative
     if method not in served.speculations:
         raise RequestError(400, "this server has no draft model: start it with --draft-model", "speculative")
+    output = None
+    if body.response_format is not None:
+        try:
+            output = body.response_format.output()
+        except LlmcliError as error:
+            raise RequestError(400, error.message, "response_format") from None
     context = served.loaded.context_length
     if len(ids) >= context:
         message = f"the prompt is {len(ids)} tokens; the context holds {context}"
@@ -159,11 +168,11 @@ async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: boo
     created = int(time.time())
     if not body.stream:
         cancelled = threading.Event()
-        work = functools.partial(_generate, served, ids, sampling, None, cancelled, method)
+        work = functools.partial(_generate, served, ids, sampling, None, cancelled, method, output)
         outcome = await loop.run_in_executor(served.worker, work)
         return _completion(served, request_id, created, outcome, chat)
     return StreamingResponse(
-        _stream(served, ids, sampling, request_id, created, chat, body.include_usage, method),
+        _stream(served, ids, sampling, request_id, created, chat, body.include_usage, method, output),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -185,6 +194,7 @@ def _generate(
     on_piece: Callable[[str], None] | None,
     cancelled: threading.Event,
     speculative: str = "off",
+    output: OutputFormat | None = None,
 ) -> Outcome | None:
     """On the worker thread: one generation, start to end (None when its client left first)."""
     if cancelled.is_set():
@@ -192,7 +202,12 @@ def _generate(
     loaded = served.loaded
     params = sampling.resolve(loaded.generation_config)
     served.engine.speculation = served.speculations[speculative]
-    generation = served.engine.generate(ids, params, loaded.tokenizer)
+    constraint = None
+    if output is not None:  # here: llguidance reads the tokenizer, which only this thread uses
+        from llmcli.engine.structured.constraint import Constraint
+
+        constraint = Constraint(output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+    generation = served.engine.generate(ids, params, loaded.tokenizer, constraint)
     try:
         for piece in generation:
             if cancelled.is_set():
@@ -216,6 +231,7 @@ async def _stream(
     chat: bool,
     include_usage: bool,
     speculative: str,
+    output: OutputFormat | None,
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
@@ -224,7 +240,7 @@ async def _stream(
     def on_piece(piece: str) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
 
-    work = functools.partial(_generate, served, ids, sampling, on_piece, cancelled, speculative)
+    work = functools.partial(_generate, served, ids, sampling, on_piece, cancelled, speculative, output)
     future = loop.run_in_executor(served.worker, work)
     future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
     chunk = functools.partial(_chunk, served.model_id, request_id, created, chat)

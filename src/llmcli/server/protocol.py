@@ -7,15 +7,54 @@ repetition_penalty) ride along as extra fields, as vLLM and llama.cpp's server a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmcli.config.settings import SamplingSettings
+from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from llmcli.engine.structured import OutputFormat
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None  # always strict here: the grammar allows nothing else
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON valid under a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def output(self) -> OutputFormat | None:
+        """The constraint asked for; an invalid or unsatisfiable schema raises UsageError."""
+        from llmcli.engine.structured import ANY_OBJECT, OutputFormat, parse_schema
+        from llmcli.engine.structured.grammar import check_format
+
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            output = OutputFormat(ANY_OBJECT, "response_format json_object")
+        else:
+            if self.json_schema is None:
+                raise UsageError("response_format json_schema needs a json_schema object with a schema")
+            name = self.json_schema.name or "json_schema"
+            schema = parse_schema(self.json_schema.schema_, f"response_format {name}")
+            output = OutputFormat(schema, f"response_format {name}")
+        check_format(output)
+        return output
 
 
 class _Sampling(BaseModel):
@@ -33,6 +72,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request: batch-1 decode
     speculative: Literal["off", "lookup", "draft"] | None = None  # llmcli's: default, the server's
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
