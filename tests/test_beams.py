@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmcli.config.settings import SamplingParams
+
 from cli_helpers import run_cli
 
 PROMPT = "Tell me about the sea"
@@ -53,29 +55,35 @@ def beams_through_the_cli(model: Path, beams: int, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("beams", [2, 4])
-def test_beam_search_equals_transformers(tiny_model: Path, reference, beams: int) -> None:
+def test_beam_search_equals_transformers(loaded_tiny, reference, beams: int) -> None:
+    from llmcli.engine.beams import beam_search
+    from llmcli.engine.conversation import build_messages, prompt_ids
+
+    ids = prompt_ids(loaded_tiny.tokenizer, build_messages(PROMPT))
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
     tokens, text = reference(beams)
-    got = beams_through_the_cli(tiny_model, beams)
-    assert got["text"] == text and got["completion_tokens"] == len(tokens)
-    assert got["num_beams"] == beams and got["finish_reason"] == "length"
+    got = beam_search(loaded_tiny, ids, params, beams)
+    assert (got.token_ids, got.text, got.finish_reason) == (tokens, text, "length")
     # The stop string: a piece from the middle of that reply, so the search meets it.
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip() and stop in text
     tokens, whole = reference(beams, stop)
-    stopped = beams_through_the_cli(tiny_model, beams, "--stop", stop)
-    assert stopped["text"] == whole.split(stop)[0] and stopped["completion_tokens"] == len(tokens)
+    stopped = beam_search(loaded_tiny, ids, params.with_(stop=(stop,)), beams)
+    assert stopped.text == whole.split(stop)[0] and stopped.token_ids == tokens
     # transformers ends a beam at a stop string as at end-of-sequence, and that beam then competes
     # on its score: the stop either cuts the winner short or makes another beam win.
     assert whole != text
     ended = len(tokens) < NEW_TOKENS or stop in whole
-    assert stopped["finish_reason"] == ("stop" if ended else "length")
+    assert stopped.finish_reason == ("stop" if ended else "length")
 
 
-def test_beams_differ_from_greedy_somewhere(tiny_llama: Path, loaded_tiny) -> None:
-    """Not a renamed greedy decode: on these prompts four beams pick another reply at least once."""
-    greedy = [beams_through_the_cli(tiny_llama, 1, "-t", "0")["text"]]
-    beams = [beams_through_the_cli(tiny_llama, 4)["text"]]
-    assert greedy != beams
+def test_beams_through_the_cli(tiny_model: Path, reference) -> None:
+    """The prompt through the chat template, the text, the fields, nothing on stderr."""
+    tokens, text = reference(4)
+    got = beams_through_the_cli(tiny_model, 4)
+    assert got["text"] == text and got["completion_tokens"] == len(tokens) and got["num_beams"] == 4
+    greedy = beams_through_the_cli(tiny_model, 1, "-t", "0")
+    assert greedy["text"] != text  # four beams choose another reply than greedy decoding here
 
 
 @pytest.mark.parametrize(
