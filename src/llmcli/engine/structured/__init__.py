@@ -29,7 +29,8 @@ class OutputFormat:
 
     @property
     def schema_text(self) -> str:
-        return json.dumps(self.schema, sort_keys=True)
+        # Keys in the schema's own order: the grammar writes properties in that order.
+        return json.dumps(self.schema)
 
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -42,11 +42,9 @@ class Constraint:
         bits = self._bits.get(device)
         if bits is None:
             bits = self._bits[device] = _BITS.to(device)
-        allowed = (bitmask.unsqueeze(-1) & bits).ne(0).view(1, -1)
-        width = min(logits.shape[-1], allowed.shape[-1])
-        masked = torch.full_like(logits, float("-inf"))
-        masked[:, :width] = logits[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
-        return masked
+        # The bitmask covers the model's vocabulary (rounded up to 32): cut it to the logits.
+        allowed = (bitmask.unsqueeze(-1) & bits).ne(0).view(1, -1)[:, : logits.shape[-1]]
+        return logits.masked_fill(allowed.logical_not_(), float("-inf"))
 
     def advance(self, token_id: int) -> None:
         """The token the loop chose (one the mask allowed)."""
