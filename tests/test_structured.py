@@ -200,3 +200,14 @@ def test_a_schema_compiles_once() -> None:
     assert after.misses == before.misses + 1 and after.hits >= before.hits + 1
     with pytest.raises(UsageError):
         output_format("yaml", None)
+
+
+def test_properties_come_in_the_schemas_order(loaded_tiny) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}, "mid": {"type": "boolean"}},
+        "required": ["zeta", "alpha", "mid"],
+        "additionalProperties": False,
+    }
+    result = constrained(loaded_tiny, schema, seed=0)
+    assert list(json.loads(result.text)) == ["zeta", "alpha", "mid"]
