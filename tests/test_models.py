@@ -60,7 +60,7 @@ def test_models_list_shows_the_cache(home: dict[str, str]) -> None:
         counts = [math.prod(weights.get_slice(name).get_shape()) for name in weights.keys()]  # noqa: SIM118
     assert tiny["parameters"] == sum(counts)
     table = run_cli("models", "list", env=home).stdout.decode()
-    assert table.splitlines()[0].split()[:3] == ["NAME", "REVISION", "SIZE"] and REPO in table
+    assert table.splitlines()[0].split()[:4] == ["NAME", "REVISION", "ON", "DISK"] and REPO in table
 
 
 def test_models_show_summarizes_the_model(home: dict[str, str]) -> None:

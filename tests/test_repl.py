@@ -109,6 +109,42 @@ def test_ctrl_c_mid_reply_then_another_turn(loaded_demo) -> None:
     assert repl.quit() == 0
 
 
+def test_type_ahead_and_ctrl_d_during_a_reply_reach_the_next_prompt(loaded_demo) -> None:
+    """Keys typed while a reply prints are not lost to the terminal's cooked mode: a command and
+    then Ctrl-D, typed mid-reply, run once the reply ends. No CPR warning either, with nothing
+    set in the environment (a pseudo-terminal never answers cursor position requests)."""
+    env = {key: value for key, value in os.environ.items() if key != "PROMPT_TOOLKIT_NO_CPR"}
+    child = pexpect.spawn(
+        sys.executable, ["-m", "llmcli", "chat", "-t", "0", "-n", "120"],
+        env=env | {"TERM": "xterm-256color"},
+        timeout=90, encoding="utf-8", dimensions=(50, 200),
+    )  # fmt: skip
+    child.expect(">>>")
+    child.sendline("Write a short story about a lighthouse keeper.")
+    child.expect("lighthouse keeper.", timeout=60)
+    child.expect(r"\n[^\n>]{20}", timeout=60)  # the reply is streaming
+    child.send("/stats\n")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF, timeout=90)
+    child.close()
+    output = ANSI.sub("", child.before)
+    assert child.exitstatus == 0, output
+    assert "session: 1 reply" in output  # the /stats typed ahead ran, then Ctrl-D ended the chat
+    assert "CPR" not in output and "WARNING" not in output
+
+
+def test_show_and_stats_read_as_text_not_python(tiny_llama: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "chat.json"
+    lines = f"Hi\n/show\n/stats\n/set temperature 0.3\n/save {saved}\n/set temperature 0.9\n/load {saved}\n"
+    proc = run_cli("chat", "-m", str(tiny_llama), "--device", "cpu", "-n", "4", stdin=lines.encode())
+    out = proc.stdout.decode() + proc.stderr.decode()
+    assert proc.returncode == 0, out
+    assert "seed none" in out and "stop none" in out and "1 exchange ·" in out and "session: 1 reply ·" in out
+    for python in ("None", "()", "1 replies", "1 exchanges"):
+        assert python not in out, python
+    assert "brought its own settings: temperature 0.9 → 0.3" in out  # /load says what it replaced
+
+
 def test_scripted_chat_writes_one_json_object_per_turn(tiny_llama: Path) -> None:
     script = "Hello there\nWhat is the capital of France?\n/undo\nAnd of Italy?\n"
     proc = run_cli("chat", "-m", str(tiny_llama), "-t", "0", "-n", "8", "--json", stdin=script.encode())

@@ -14,6 +14,7 @@ import typer
 
 from llmcli.cli.models import config_app, models_app
 from llmcli.cli.support import handled_errors
+from llmcli.config.escapes import unescape
 from llmcli.config.settings import (
     Effective,
     LoadSettings,
@@ -93,7 +94,10 @@ SeedOption = Annotated[
 StopOption = Annotated[
     list[str] | None,
     typer.Option(
-        "--stop", help="Stop before this text (repeatable); it is not printed.", rich_help_panel=SAMPLING
+        "--stop",
+        help='Stop before this text (repeatable); it is not printed. Escapes are read: "\\n\\n" is a '
+        "blank line (\\n \\t \\r \\\\ \\uXXXX).",
+        rich_help_panel=SAMPLING,
     ),
 ]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.", rich_help_panel=LOADING)]
@@ -416,7 +420,7 @@ def _output_format(
 
 
 def _check_beams(num_beams: int, speculative: SpeculativeSettings, server: str | None) -> None:
-    from llmcli.engine.beams import MOST_BEAMS
+    from llmcli.config.settings import MOST_BEAMS
 
     if not 1 <= num_beams <= MOST_BEAMS:
         raise UsageError(f"--num-beams must be in 1…{MOST_BEAMS}, got {num_beams}")
@@ -449,7 +453,6 @@ printed in turn; --json prints one object per turn instead.
 def chat(
     model: ModelOption = None,
     system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
-    ctx: CtxOption = None,
     markdown: Annotated[
         bool, typer.Option("--markdown", help="Render finished replies as markdown.")
     ] = False,
@@ -474,13 +477,14 @@ def chat(
     double_quant: DoubleQuantOption = True,
     offload: OffloadOption = False,
     max_memory: MaxMemoryOption = None,
+    ctx: CtxOption = None,
     fast: FastOption = None,
     engine: EngineOption = None,
-    output_format: FormatOption = None,
-    json_schema: JsonSchemaOption = None,
     speculative: SpeculativeOption = None,
     draft_model: DraftModelOption = None,
     draft_tokens: DraftTokensOption = None,
+    output_format: FormatOption = None,
+    json_schema: JsonSchemaOption = None,
     server: ServerOption = None,
     no_server: NoServerOption = False,
     api_key: ApiKeyOption = None,
@@ -515,39 +519,6 @@ def chat(
         )
         code = run(request)
     raise typer.Exit(code)
-
-
-def _output_format(
-    format_name: str | None, schema: str | None, speculative: SpeculativeSettings, num_beams: int
-) -> OutputFormat | None:
-    """--format / --json-schema, checked before anything loads."""
-    if format_name and schema and format_name != "json":
-        raise UsageError("--format off and --json-schema contradict each other: use one")
-    from llmcli.engine.structured import output_format
-
-    output = output_format(format_name, schema)
-    if output is None:
-        return None
-    if num_beams > 1:
-        raise UsageError(f"{output.label} and --num-beams do not combine: beams are not constrained")
-    if speculative.method != "off":
-        raise UsageError(
-            f"{output.label} and --speculative do not combine yet: the grammar follows one token a step"
-        )
-    return output
-
-
-def _check_beams(num_beams: int, speculative: SpeculativeSettings, server: str | None) -> None:
-    from llmcli.engine.beams import MOST_BEAMS
-
-    if not 1 <= num_beams <= MOST_BEAMS:
-        raise UsageError(f"--num-beams must be in 1…{MOST_BEAMS}, got {num_beams}")
-    if num_beams == 1:
-        return
-    if speculative.method != "off":
-        raise UsageError("--num-beams and --speculative do not combine: beam search checks no drafts")
-    if server:
-        raise UsageError("--num-beams runs on the model in-process: it cannot go through --server")
 
 
 BENCH_EPILOG = """\
@@ -813,7 +784,7 @@ def _sampling_flags(
         "repetition_penalty": repetition_penalty,
         "max_new_tokens": max_new_tokens,
         "seed": seed,
-        "stop": tuple(stop or ()),
+        "stop": tuple(unescape(text) for text in stop or ()),
     }
     SamplingSettings(**flags).validate()
     return flags
@@ -881,7 +852,21 @@ app.add_typer(models_app, name="models")
 app.add_typer(config_app, name="config")
 
 
+def _flags_without_a_type() -> None:
+    """Typer's help prints a type after every option, `<bool>` after flags too (`--version
+    <bool>`), which reads as if the flag took a value: flags show none."""
+    from typer.core import TyperOption
+
+    typed = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else typed(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
 def main() -> None:
+    _flags_without_a_type()
     if not (sys.stderr and sys.stderr.isatty()):
         # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.
         os.environ.setdefault("TQDM_DISABLE", "1")

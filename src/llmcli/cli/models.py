@@ -36,6 +36,7 @@ def list_models(
     """Models in the Hugging Face cache and llmcli's converted GGUF files."""
     with handled_errors():
         from llmcli.models.catalog import list_models as entries_of
+        from llmcli.models.resolve import DEFAULT_ALIAS
 
         entries = entries_of()
         if json_output:
@@ -46,6 +47,7 @@ def list_models(
             return
         rows = [
             (
+                "*" if e.default else "",
                 e.name,
                 e.revision,
                 _bytes(e.size_bytes),
@@ -56,10 +58,15 @@ def list_models(
             )
             for e in entries
         ]
-        header = ("NAME", "REVISION", "SIZE", "ARCHITECTURE", "PARAMS", "CONTEXT", "CHAT")
+        header = ("", "NAME", "REVISION", "ON DISK", "ARCHITECTURE", "PARAMS", "CONTEXT", "CHAT")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             _print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if any(e.default for e in entries):
+            _print(
+                f"\n* the default model (no -m); -m {DEFAULT_ALIAS} names it. "
+                "`llmcli models show NAME`: its size in memory."
+            )
 
 
 @models_app.command("pull")
@@ -81,16 +88,31 @@ def pull(
 @models_app.command("show")
 def show(
     model: Annotated[
-        str, typer.Argument(help="A model name from `models list`, an alias, a folder or a Hub id.")
-    ],
+        str | None,
+        typer.Argument(
+            help="A model name from `models list`, an alias, a folder, a .gguf file or a Hub id. "
+            "Default: the default model.",
+            show_default=False,
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
     template: Annotated[bool, typer.Option("--template", help="Print the whole chat template.")] = False,
 ) -> None:
-    """Config summary, chat template, generation defaults, memory estimates."""
+    """Config summary, chat template, generation defaults, sizes on disk and in memory."""
     with handled_errors():
         from llmcli.models.catalog import model_summary
+        from llmcli.models.load import default_load
+        from llmcli.models.resolve import default_model_spec, is_gguf_spec
 
-        summary = model_summary(_local_folder(model), model)
+        spec = model or default_model_spec()
+        folder, source, gguf_file = _local_folder(spec)
+        summary = model_summary(folder, spec if model else _display_name(spec))
+        device, dtype, quant, here = default_load(folder, source)
+        summary["on_disk_bytes"] = {"folder": summary.pop("folder_bytes")}
+        if gguf_file is not None:
+            summary["on_disk_bytes"]["gguf_file"] = gguf_file.stat().st_size
+        summary["in_memory"] = {"device": device, "dtype": dtype, "quant": quant, "weight_bytes": here}
+        summary["is_gguf"] = is_gguf_spec(spec)
         if json_output:
             _print(json.dumps(summary, indent=2))
             return
@@ -102,7 +124,14 @@ def show(
         )
         weights = " · ".join(f"{kind} {_bytes(memory[kind])}" for kind in ("bf16", "int8", "int4"))
         kv = _bytes(summary["kv_bytes_per_token_bf16"])
-        defaults = summary["generation_defaults"]
+        defaults = _sampling_defaults(summary["generation_defaults"])
+        disk = summary["on_disk_bytes"]
+        where = "converted, in llmcli's cache" if gguf_file or source == "gguf" else "in its files"
+        on_disk = f"{_bytes(disk['folder'])} {where}"
+        if gguf_file is not None:
+            on_disk = f"{_bytes(disk['gguf_file'])} the GGUF file · {on_disk}"
+        loaded = summary["in_memory"]
+        quant_note = "" if loaded["quant"] == "none" else f", {loaded['quant']} weights"
         template_line = "yes" if template_text else "none"
         if template_text and not template:
             template_line += f" ({len(template_text)} characters; --template prints it)"
@@ -112,9 +141,14 @@ def show(
             f"architecture   {shape}",
             f"parameters     {parameters}",
             f"context        {summary['context_length']} tokens",
-            f"quantization   {summary['quantization'] or 'none'}",
-            f"memory         weights {weights} · KV cache {kv}/token in bf16",
-            f"generation     {json.dumps(defaults) if defaults else '—'}",
+            f"checkpoint     {summary['quantization'] or 'not quantized'}"
+            f"{' (converted from a GGUF file)' if source == 'gguf' else ''}",
+            f"on disk        {on_disk}",
+            f"in memory      weights {_bytes(loaded['weight_bytes'])} as it loads here by default "
+            f"({loaded['device']}, {loaded['dtype']}{quant_note})",
+            f"               with --quant, in bf16: none {weights.removeprefix('bf16 ')}",
+            f"               KV cache {kv}/token in bf16",
+            f"sampling       {defaults}",
             f"chat template  {template_line}",
         ]
         if template and template_text:
@@ -122,29 +156,56 @@ def show(
         _print("\n".join(lines))
 
 
-def _local_folder(model: str) -> Path:
-    """A model that is here already (show never downloads)."""
+def _display_name(spec: str) -> str:
+    from llmcli.models.resolve import DEFAULT_ALIAS
+
+    return f"{Path(spec).stem if spec.endswith('.gguf') else spec} (the default model, {DEFAULT_ALIAS})"
+
+
+def _sampling_defaults(generation: dict[str, Any]) -> str:
+    """generation_config.json's sampling values, the ones a user tunes; the rest is plumbing."""
+    keys = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+    shown = [f"{key} {generation[key]}" for key in keys if generation.get(key) is not None]
+    return (
+        " · ".join(shown)
+        if shown
+        else "none set by the model (llmcli's built-ins apply: `llmcli config show`)"
+    )
+
+
+def _local_folder(model: str) -> tuple[Path, str, Path | None]:
+    """A model that is here already (show never downloads; a .gguf file is converted once):
+    its folder, its source (gguf, folder or hub) and the GGUF file it came from, if any."""
     from llmcli.config.user_config import load_user_config
+    from llmcli.models.resolve import _HUB_ID, is_gguf_spec, unknown_model
 
     spec = load_user_config().expand(model) or model
     path = Path(spec).expanduser()
     if path.is_dir():
-        return path
+        return path, "folder", None
+    if is_gguf_spec(spec) and path.is_file():
+        from llmcli.frontends.loading import announce_conversion
+        from llmcli.models.resolve import resolve_model
+
+        return resolve_model(spec, on_convert=announce_conversion).path, "gguf", path
     from llmcli.models.catalog import find_imported
 
     imported = find_imported(spec)
     if imported is not None:
-        return imported
+        return imported, "gguf", None
+    repo_id, _, revision = spec.partition("@")
+    if not _HUB_ID.match(repo_id):
+        raise unknown_model(spec)  # never suggest pulling what is not a Hub id
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    repo_id, _, revision = spec.partition("@")
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
+        folder = Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError) as error:
         raise ModelNotFoundError(
             f"{spec} is not in the local caches", f"`llmcli models pull {spec}` first"
         ) from error
+    return folder, "hub", None
 
 
 @models_app.command("rm")
@@ -217,7 +278,12 @@ def show_config(
         generation_config = _generation_config_of(effective.model)
         params, filled = effective.sampling.resolve_with_sources(generation_config or {})
         sources = {**filled, **effective.sources}
-        rows: list[tuple[str, Any, str]] = [("model", effective.model or "(default)", effective.model_source)]
+        from llmcli.models.resolve import DEFAULT_ALIAS, default_model_spec
+
+        model_source = effective.model_source
+        if effective.model is None:
+            model_source = f"built-in default ({DEFAULT_ALIAS})"
+        rows: list[tuple[str, Any, str]] = [("model", effective.model or default_model_spec(), model_source)]
         for key, value in params.as_dict().items():
             if key in ("seed", "stop") and key not in effective.sources:
                 value, source = (None if key == "seed" else []), "built-in"
@@ -256,7 +322,7 @@ def _generation_config_of(model: str | None) -> dict[str, Any] | None:
             model = default_model_spec()
             if model.endswith(".gguf"):
                 return {}
-        folder = _local_folder(model)
+        folder = _local_folder(model)[0]
     except LlmcliError:
         return None
     try:

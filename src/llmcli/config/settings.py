@@ -159,6 +159,7 @@ class LoadSettings:
 
 SPECULATIVE_METHODS = ("off", "lookup", "draft")
 MOST_DRAFT_TOKENS = 64
+MOST_BEAMS = 64  # --num-beams: beam search keeps this many sequences at most
 
 
 @dataclass(frozen=True)

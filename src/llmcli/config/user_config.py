@@ -72,7 +72,9 @@ class UserConfig:
 
     def expand(self, spec: str | None) -> str | None:
         """An alias → what it stands for (aliases may not chain); anything else as it is."""
-        return self.aliases.get(spec, spec) if spec else spec
+        from llmcli.models.resolve import expand_default_alias
+
+        return expand_default_alias(self.aliases.get(spec, spec)) if spec else spec
 
     def for_model(self, name: str) -> dict[str, Any]:
         return self.models.get(name, {})
@@ -132,6 +134,8 @@ def _checked_settings(path: Path, section: str, table: Any) -> dict[str, Any]:
 
 
 def env_settings() -> dict[str, Any]:
+    from llmcli.config.escapes import unescape
+
     """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_SPECULATIVE: settings from the environment."""
     values: dict[str, Any] = {}
     for key, kind in SETTING_TYPES.items():
@@ -139,7 +143,7 @@ def env_settings() -> dict[str, Any]:
         if raw is None or raw == "":
             continue
         try:
-            values[key] = [raw] if kind is list else kind(raw)
+            values[key] = [unescape(raw)] if kind is list else kind(raw)
         except ValueError as error:
             raise UsageError(f"LLMCLI_{key.upper()} must be {kind.__name__}, got {raw!r}") from error
     return values

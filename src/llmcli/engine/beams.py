@@ -24,8 +24,6 @@ from llmcli.errors import ContextOverflowError
 if TYPE_CHECKING:
     from llmcli.models.load import LoadedModel
 
-MOST_BEAMS = 64
-
 
 def beam_search(
     loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams, beams: int

@@ -8,12 +8,14 @@ typed is lost, a failed or interrupted turn leaves the chat consistent, the cach
 from __future__ import annotations
 
 import difflib
+import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from llmcli.config.escapes import unescape
 from llmcli.config.settings import SPECULATIVE_METHODS, SamplingParams, SamplingSettings
 from llmcli.engine.conversation import Conversation, read_transcript, write_transcript
 from llmcli.engine.structured import format_command, unfinished_value
@@ -117,6 +119,19 @@ class TurnReport:
             f"reused {self.cached_tokens} · context {self.context_used}/{self.context_length}"
             f"{speculative_note(self.speculative)}{interrupted}"
         )
+
+
+def shown(value: Any) -> str:
+    """A setting as a person reads it: none, not None; stop strings quoted, not a tuple."""
+    if value is None or value == () or value == []:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return ", ".join(json.dumps(item, ensure_ascii=False) for item in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
@@ -323,12 +338,12 @@ class ChatSession:
         key, value = key.strip().replace("-", "_"), value.strip()
         if key == "speculative" and value:
             self.set_speculative(value)
-            self.view.info(f"speculative = {value!r}")
+            self.view.info(f"speculative = {value}")
             return
         if key not in SETTABLE or not value:
             raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
         self.params = apply_setting(self.params, key, value)
-        self.view.info(f"{key} = {getattr(self.params, key)!r}")
+        self.view.info(f"{key} = {shown(getattr(self.params, key))}")
 
     def _cmd_format(self, argument: str) -> None:
         self.output = format_command(argument, self.output)
@@ -336,12 +351,13 @@ class ChatSession:
 
     def _cmd_show(self, _: str) -> None:
         loaded = self.loaded
-        settings = " · ".join(f"{k} {v!r}" for k, v in self.params.as_dict().items())
+        settings = " · ".join(f"{k} {shown(v)}" for k, v in self.params.as_dict().items())
         self.view.info(
             f"model {loaded.name} · {loaded.memory_summary()} · engine {self.engine.name}"
             f" · speculative {self.speculative}\n"
             f"context {len(self.conversation.ids)}/{self.context_length} tokens · "
-            f"{len(self.conversation.messages) // 2} exchanges · cache holds {len(self.engine.cached_ids)}\n"
+            f"{plural(len(self.conversation.messages) // 2, 'exchange')} · "
+            f"cache holds {len(self.engine.cached_ids)}\n"
             f"system {self.conversation.system or '(none)'}\n{settings}"
         )
 
@@ -397,17 +413,28 @@ class ChatSession:
         if needed + self.reply_room() > self.context_length:
             self.conversation.system, self.conversation.messages, self.conversation.ids = previous
             raise LlmcliError(f"{path} holds {needed} tokens; the context holds {self.context_length}")
+        changes = settings_changed(self.params, params)
         self.params = params
         prefilled = self.engine.warm(self.conversation.ids)
         self.view.info(
             f"loaded {len(self.conversation.messages)} messages from {path} "
             f"({len(self.conversation.ids)} tokens in context, {prefilled} prefilled now)"
         )
+        if changes:
+            self.view.notice(f"{path} brought its own settings: {changes}")
 
     def _crop_cache_to_conversation(self) -> None:
         from llmcli.engine.loop import common_prefix_length
 
         self.engine.crop_to(common_prefix_length(self.engine.cached_ids, self.conversation.ids))
+
+
+def settings_changed(before: SamplingParams, after: SamplingParams) -> str:
+    """ "temperature 0.2 → 0.8 · seed none → 7": what a /load replaced (empty: nothing)."""
+    old, new = before.as_dict(), after.as_dict()
+    return " · ".join(
+        f"{key} {shown(old[key])} → {shown(new[key])}" for key in SETTABLE if old.get(key) != new.get(key)
+    )
 
 
 def apply_setting(params: SamplingParams, key: str, value: Any) -> SamplingParams:
@@ -416,7 +443,7 @@ def apply_setting(params: SamplingParams, key: str, value: Any) -> SamplingParam
         stops: tuple[str, ...] = (
             ()
             if value in ("none", None)
-            else (tuple(value) if isinstance(value, list) else tuple(shlex.split(str(value))))
+            else (tuple(value) if isinstance(value, list) else tuple(map(unescape, shlex.split(str(value)))))
         )
         return params.with_(stop=SamplingSettings(stop=stops).validate().stop)
     if key == "seed" and value in ("none", None):

@@ -16,16 +16,17 @@ if TYPE_CHECKING:
     from llmcli.models.load import LoadedModel
 
 
+def announce_conversion(path: Path) -> None:
+    terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
+
+
 def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> LoadedModel:
     from llmcli.models.quant import bitsandbytes_only, gguf_refusal
-    from llmcli.models.resolve import default_model_spec, is_gguf_spec, resolve_model
+    from llmcli.models.resolve import default_model_spec, expand_default_alias, is_gguf_spec, resolve_model
 
-    model_spec = model_spec or default_model_spec()
+    model_spec = expand_default_alias(model_spec) or default_model_spec()
     if bitsandbytes_only(settings.quant, settings.engine) and is_gguf_spec(model_spec):
         raise gguf_refusal(settings.quant)  # before a conversion that may take a minute
-
-    def announce_conversion(path: Path) -> None:
-        terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
 
     # No spinner while resolving: a download or a GGUF conversion shows its own progress bar.
     resolved = resolve_model(model_spec, allow_pickle=settings.allow_pickle, on_convert=announce_conversion)

@@ -164,6 +164,7 @@ def run(
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
             "speculative": timings.get("speculative"),
             "sampling": resolved,
+            "num_beams": 1,  # beam search runs in-process only
             "server": target.client.url,
         }
         if output is not None:

@@ -27,6 +27,9 @@ from llmcli.frontends.chat_session import (
     SessionTotals,
     TurnReport,
     apply_setting,
+    plural,
+    settings_changed,
+    shown,
 )
 from llmcli.frontends.remote import Target, parsed_value, request_body
 
@@ -182,23 +185,25 @@ class RemoteChatSession:
                 raise UsageError(f"{url} is not an llmcli server: it drafts as it was started")
             draft_model = self.speculative.draft_model if self.speculative else None
             self.speculative = SpeculativeSettings(method=value, draft_model=draft_model)
-            self.view.info(f"speculative = {value!r}")
+            self.view.info(f"speculative = {value}")
             return
         if key not in SETTABLE or not value:
             raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
         self.params = apply_setting(self.params, key, value)
         self.explicit.add(key)
-        self.view.info(f"{key} = {getattr(self.params, key)!r}")
+        self.view.info(f"{key} = {shown(getattr(self.params, key))}")
 
     def _cmd_format(self, argument: str) -> None:
         self.output = format_command(argument, self.output)
         self.view.info(f"format {self.output.label if self.output else 'off (text)'}")
 
     def _cmd_show(self, _: str) -> None:
-        sent = " · ".join(f"{k} {getattr(self.params, k)!r}" for k in sorted(self.explicit)) or "the server's"
+        sent = " · ".join(f"{k} {shown(getattr(self.params, k))}" for k in sorted(self.explicit))
+        sent = sent or "the server's"
         self.view.info(
             f"model {self.target.model} · server {self.target.client.url}\n"
-            f"{len(self.messages) // 2} exchanges · context {self.context_length or 'unknown'} tokens\n"
+            f"{plural(len(self.messages) // 2, 'exchange')} · "
+            f"context {self.context_length or 'unknown'} tokens\n"
             f"system {self.system or '(none)'}\nsampling: {sent}"
         )
 
@@ -254,6 +259,7 @@ class RemoteChatSession:
             for m in messages
         ):
             raise LlmcliError(f"{path} is not an llmcli chat transcript")
+        before = self.params
         for key, value in (data.get("settings") or {}).items():
             if key in SETTABLE and value not in (None, []):
                 self.params = apply_setting(self.params, key, value)
@@ -261,6 +267,9 @@ class RemoteChatSession:
         self.system = data.get("system") if isinstance(data.get("system"), str) else self.system
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         self.view.info(f"loaded {len(self.messages)} messages from {path}")
+        changes = settings_changed(before, self.params)
+        if changes:
+            self.view.notice(f"{path} brought its own settings: {changes}")
 
 
 def _path(argument: str, usage: str) -> Path:

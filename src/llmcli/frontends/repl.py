@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -122,6 +123,10 @@ def run_scripted(session: ChatSession | RemoteChatSession, lines: Iterable[bytes
 
 
 def run_interactive(session: ChatSession | RemoteChatSession, console: Console) -> int:
+    # Cursor position requests let prompt-toolkit size menus below the prompt; a terminal that
+    # answers late, or a pseudo-terminal that never does, gets a "WARNING: your terminal doesn't
+    # support cursor position requests" in the middle of the chat. The REPL needs none.
+    os.environ.setdefault("PROMPT_TOOLKIT_NO_CPR", "1")
     history_file = state_dir() / "history"
     history_file.parent.mkdir(parents=True, exist_ok=True)
     prompt = PromptSession(
@@ -149,11 +154,12 @@ def run_interactive(session: ChatSession | RemoteChatSession, console: Console) 
         if not text.strip():
             continue
         try:
-            if text.lstrip().startswith("/") and "\n" not in text.strip():
-                if not session.command(text.strip()):
-                    return EXIT_OK
-            else:
-                session.turn(text)
+            with terminal.keeping_type_ahead():
+                if text.lstrip().startswith("/") and "\n" not in text.strip():
+                    if not session.command(text.strip()):
+                        return EXIT_OK
+                else:
+                    session.turn(text)
         except KeyboardInterrupt:
             continue  # landed between two steps of printing: nothing to undo
 

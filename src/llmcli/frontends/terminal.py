@@ -59,3 +59,30 @@ def error(message: str) -> None:
     else:
         sys.stderr.write(f"llmcli: error: {message}\n")
         sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def keeping_type_ahead() -> Iterator[None]:
+    """While a reply prints, keep what the user types for the next prompt, Ctrl-D included.
+
+    Between prompts the terminal is in cooked mode: the line discipline echoes keys over the
+    reply and turns Ctrl-D into an end-of-file that prompt-toolkit never sees. With line editing
+    and echo off (signals stay on, so Ctrl-C still stops the reply) every key stays in the input
+    queue as a byte, and the next prompt reads it. TCSANOW: switching back keeps that queue.
+    """
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):  # not a terminal, or no termios
+        yield
+        return
+    mode = termios.tcgetattr(fd)
+    mode[3] &= ~(termios.ICANON | termios.ECHO)
+    mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+    termios.tcsetattr(fd, termios.TCSANOW, mode)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)

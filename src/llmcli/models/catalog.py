@@ -35,6 +35,7 @@ class ModelEntry:
     parameters: int | None
     context_length: int | None
     chat_template: bool
+    default: bool = False  # what runs with no -m
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,7 +111,35 @@ def list_models() -> list[ModelEntry]:
                 **describe_folder(folder),
             )
         )
-    return entries
+    return _with_the_default(entries)
+
+
+def _with_the_default(entries: list[ModelEntry]) -> list[ModelEntry]:
+    """The default model marked; listed even before its first use (the demo's GGUF file, not
+    converted yet), since it is what runs without -m."""
+    from dataclasses import replace
+
+    from llmcli.models.resolve import default_model_spec
+
+    spec = default_model_spec()
+    name = Path(spec).stem if spec.endswith(".gguf") else spec
+    if any(entry.name == name for entry in entries):
+        return [replace(entry, default=entry.name == name) for entry in entries]
+    if not spec.endswith(".gguf"):
+        return entries  # the Hub default, not downloaded: nothing here to list
+    default = ModelEntry(
+        name=name,
+        revision="gguf file",
+        source="gguf",
+        path=spec,
+        size_bytes=Path(spec).stat().st_size,
+        architecture=None,
+        parameters=None,
+        context_length=None,
+        chat_template=True,
+        default=True,
+    )
+    return [default, *entries]
 
 
 def _hub_repos() -> list[Any]:
@@ -166,6 +195,7 @@ def model_summary(folder: Path, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "path": str(folder),
+        "folder_bytes": _folder_size(folder),
         **describe_folder(folder),
         "layers": text.get("num_hidden_layers"),
         "hidden_size": text.get("hidden_size"),

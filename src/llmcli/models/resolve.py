@@ -74,6 +74,38 @@ def default_model_spec() -> str:
     return str(demo) if demo else DEFAULT_HUB_MODEL
 
 
+# The default model's short name, for -m and `models show` (a config alias of the same name wins).
+DEFAULT_ALIAS = "smollm2"
+
+
+def expand_default_alias(spec: str | None) -> str | None:
+    return default_model_spec() if spec is not None and spec.lower() == DEFAULT_ALIAS else spec
+
+
+def closest_names(spec: str) -> list[str]:
+    """Model names this machine knows that look like `spec`, closest first."""
+    import difflib
+
+    from llmcli.models.catalog import model_names
+
+    names = [DEFAULT_ALIAS, *model_names()]
+    lowered = {name.lower(): name for name in names}
+    close = difflib.get_close_matches(spec.lower(), list(lowered), n=3, cutoff=0.5)
+    close += [key for key in lowered if key.startswith(spec.lower()) and key not in close]
+    return [lowered[key] for key in close[:3]]
+
+
+def unknown_model(spec: str) -> ModelNotFoundError:
+    """No model by this name: the closest names that do resolve, or where to look."""
+    close = closest_names(spec)
+    hint = (
+        f"did you mean {', '.join(close)}? (`llmcli models list` shows them all)"
+        if close
+        else ("`llmcli models list` shows the models here; a Hub id looks like org/name")
+    )
+    return ModelNotFoundError(f"no model named {spec!r} here: not a folder, a .gguf file or a Hub id", hint)
+
+
 def resolve_model(
     spec: str | None,
     *,
@@ -84,7 +116,7 @@ def resolve_model(
 
     `on_convert` is called before a GGUF file is converted, to tell the user why this run is slow.
     """
-    spec = spec or default_model_spec()
+    spec = expand_default_alias(spec) or default_model_spec()
     path = Path(spec).expanduser()
     imported = find_imported(spec) if not path.exists() else None
     if imported is not None:
@@ -100,11 +132,13 @@ def resolve_model(
         check_weights(path, allow_pickle=allow_pickle)
         return ResolvedModel(name=spec, path=path, source="folder")
     repo_id, _, revision = spec.partition("@")
-    if _looks_like_path(spec) or not _HUB_ID.match(repo_id):
+    if _looks_like_path(spec):
         raise ModelNotFoundError(
             f"model {spec!r} is not a folder, a .gguf file or a Hub id",
             "pass a local model folder, a .gguf file, or a Hub id such as org/name[@revision]",
         )
+    if not _HUB_ID.match(repo_id):
+        raise unknown_model(spec)
     folder = resolve_hub(repo_id, revision or None, allow_pickle=allow_pickle)
     return ResolvedModel(name=spec, path=folder, source="hub")
 

