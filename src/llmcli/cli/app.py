@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 app = typer.Typer(
     name="llmcli",
     help="Local chat and text generation with open-weight language models.",
-    no_args_is_help=True,
+    no_args_is_help=False,
     add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
@@ -870,7 +870,36 @@ def main() -> None:
     if not (sys.stderr and sys.stderr.isatty()):
         # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.
         os.environ.setdefault("TQDM_DISABLE", "1")
-    app(prog_name="llmcli")
+    sys.exit(run_command_line(sys.argv[1:]))
+
+
+def run_command_line(args: list[str]) -> int:
+    """The app, with click's usage errors (a bad value, an unknown option or command, a missing
+    sub-command) as one `llmcli: error:` line and exit 2, like every other error, rather than
+    click's boxed usage panel."""
+    try:  # typer ≥ 0.2x carries its own copy of click; older ones use click itself
+        from typer._click import exceptions as click
+    except ImportError:  # pragma: no cover - depends on the installed typer
+        from click import exceptions as click  # type: ignore[no-redef]
+
+    from llmcli.errors import EXIT_INTERRUPTED, EXIT_USAGE
+    from llmcli.frontends import terminal
+
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=args, prog_name="llmcli", standalone_mode=False)
+    except click.UsageError as error:
+        context = error.ctx
+        path = context.command_path if context else "llmcli"
+        commands = getattr(context.command, "commands", None) if context else None
+        message = error.format_message().rstrip(".")
+        if commands and message == "Missing command":
+            message = f"{path} needs a command ({', '.join(commands)})"
+        terminal.error(f"{message} — see `{path} --help`")
+        return EXIT_USAGE
+    except click.Abort:
+        return EXIT_INTERRUPTED
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import typer
 from llmcli.cli.support import handled_errors
 from llmcli.errors import LlmcliError, ModelNotFoundError, UsageError
 
-models_app = typer.Typer(help="List, fetch, inspect, import and remove models.", no_args_is_help=True)
+models_app = typer.Typer(help="List, fetch, inspect, import and remove models.", no_args_is_help=False)
 config_app = typer.Typer(
-    help="The config file: where it is, and the settings in effect.", no_args_is_help=True
+    help="The config file: where it is, and the settings in effect.", no_args_is_help=False
 )
 
 

@@ -33,6 +33,16 @@ QUANT_TYPES = ("nf4", "fp4")
 ENGINES = ("auto", "native", "transformers")
 
 
+def setting_name(key: str, where: str = "flag") -> str:
+    """A setting as the user wrote it: --top-p (a flag), LLMCLI_TOP_P (the environment), or
+    top_p in a config file's section."""
+    if where == "flag":
+        return "--" + key.replace("_", "-")
+    if where == "env":
+        return f"LLMCLI_{key.upper()}"
+    return f"{key} ({where})"
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """What the user asked for; `None` means "not given, take the next layer's value"."""
@@ -46,21 +56,26 @@ class SamplingSettings:
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
-    def validate(self) -> SamplingSettings:
-        """Refuse impossible values before anything slow happens."""
+    def validate(self, where: str = "flag") -> SamplingSettings:
+        """Refuse impossible values before anything slow happens. `where` the values came from
+        ("flag", "env", or a config file's "config PATH [section]") names them in the message."""
         checks = [
-            (self.temperature, lambda v: v >= 0, "--temperature must be ≥ 0 (0 means greedy)"),
-            (self.top_k, lambda v: v >= 0, "--top-k must be ≥ 0 (0 turns it off)"),
-            (self.top_p, lambda v: 0 < v <= 1, "--top-p must be in (0, 1] (1 turns it off)"),
-            (self.min_p, lambda v: 0 <= v <= 1, "--min-p must be in [0, 1] (0 turns it off)"),
-            (self.repetition_penalty, lambda v: v > 0, "--repetition-penalty must be > 0 (1 turns it off)"),
-            (self.max_new_tokens, lambda v: v >= 1, "--max-new-tokens must be ≥ 1"),
+            ("temperature", lambda v: v >= 0, "≥ 0 (0 means greedy)"),
+            ("top_k", lambda v: v >= 0, "≥ 0 (0 turns it off)"),
+            ("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 turns it off)"),
+            ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 turns it off)"),
+            ("repetition_penalty", lambda v: v > 0, "> 0 (1 turns it off)"),
+            ("max_new_tokens", lambda v: v >= 1, "≥ 1"),
+            # torch seeds a generator with an unsigned 64-bit number.
+            ("seed", lambda v: 0 <= v < 2**64, "in 0…18446744073709551615"),
         ]
-        for value, ok, message in checks:
-            if value is not None and (value != value or not ok(value)):  # value != value: NaN
-                raise UsageError(f"{message}, got {value}")
+        for key, ok, rule in checks:
+            value = getattr(self, key)
+            # value != value: NaN; value − value: inf (infinite values are no setting either)
+            if value is not None and (value != value or value - value != 0 or not ok(value)):
+                raise UsageError(f"{setting_name(key, where)} must be {rule}, got {value}")
         if any(s == "" for s in self.stop):
-            raise UsageError("--stop needs a non-empty string")
+            raise UsageError(f"{setting_name('stop', where)} needs a non-empty string")
         return self
 
     def resolve(self, generation_config: dict[str, Any]) -> SamplingParams:
@@ -231,6 +246,10 @@ def effective_settings(
     ]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    for name, layer in layers:
+        given = {key: layer[key] for key in (*BUILTIN_SAMPLING, "seed") if key in layer}
+        where = name if name in ("flag", "env") else f"{name} of {config.path}"
+        SamplingSettings(**given, stop=tuple(layer.get("stop") or ())).validate(where)
     for name, layer in layers:
         for key, value in layer.items():
             if key not in values:

@@ -85,7 +85,8 @@ def load_user_config(path: Path | None = None) -> UserConfig:
     path = path or config_path()
     if not path.is_file():
         if os.environ.get("LLMCLI_CONFIG"):
-            raise UsageError(f"LLMCLI_CONFIG names {path}, which does not exist")
+            what = "a folder" if path.is_dir() else "something that does not exist"
+            raise UsageError(f"LLMCLI_CONFIG names {path}, {what}: it must name a TOML file")
         return UserConfig(path=path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmcli.atomic import write_text_atomically
 from llmcli.errors import ContextOverflowError, LlmcliError
 
 Message = dict[str, Any]
@@ -266,6 +267,7 @@ def read_transcript(path: Path) -> dict[str, Any]:
 
 def write_transcript(path: Path, data: dict[str, Any]) -> None:
     try:
-        path.expanduser().write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        # Whole or not at all: /save over an earlier transcript never leaves half of either.
+        write_text_atomically(path.expanduser(), json.dumps(data, ensure_ascii=False, indent=2) + "\n")
     except OSError as error:
         raise LlmcliError(f"cannot write {path}: {error.strerror}") from error

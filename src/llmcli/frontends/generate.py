@@ -6,13 +6,15 @@ joined as "<arguments>\n\n<stdin>". Either alone is the whole prompt.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
-from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
 
@@ -188,11 +190,16 @@ class StdoutSink:
     def write(self, text: str) -> bool:
         if self.closed:
             return False
+        if sys.stdout is None:  # started with stdout closed (`>&-`): nobody reads; end quietly
+            self.closed = True
+            return False
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
-        except BrokenPipeError:
+        except OSError as error:
             self.closed = True
             terminal.detach_stdout()
-            return False
+            if error.errno == errno.ENOSPC:  # `>/dev/full`, a full disk: the output is lost
+                raise LlmcliError(f"cannot write the output: {os.strerror(error.errno)}") from None
+            return False  # the reader went away (`| head`), or stdout is not writable
         return True

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
-from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from rich.console import Console
 
@@ -127,10 +127,8 @@ def run_interactive(session: ChatSession | RemoteChatSession, console: Console) 
     # answers late, or a pseudo-terminal that never does, gets a "WARNING: your terminal doesn't
     # support cursor position requests" in the middle of the chat. The REPL needs none.
     os.environ.setdefault("PROMPT_TOOLKIT_NO_CPR", "1")
-    history_file = state_dir() / "history"
-    history_file.parent.mkdir(parents=True, exist_ok=True)
     prompt = PromptSession(
-        history=FileHistory(str(history_file)),
+        history=_history(),
         key_bindings=_key_bindings(),
         completer=SlashCompleter(),
         complete_while_typing=False,
@@ -162,6 +160,41 @@ def run_interactive(session: ChatSession | RemoteChatSession, console: Console) 
                     session.turn(text)
         except KeyboardInterrupt:
             continue  # landed between two steps of printing: nothing to undo
+
+
+def _history() -> History:
+    """The prompt's history file, or, where it cannot be written (a read-only file system, a
+    state folder under a file), the chat's own memory: a chat never fails over its history."""
+    try:
+        path = state_dir() / "history"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        terminal.note(f"History is kept in memory only: {_why(error)}.")
+        return InMemoryHistory()
+    return KeptFileHistory(str(path))
+
+
+class KeptFileHistory(FileHistory):
+    """A history file that may stop being writable mid-chat: say so once, keep going in memory
+    (prompt-toolkit's own FileHistory turns each such Enter into a traceback)."""
+
+    _failed = False
+
+    def store_string(self, string: str) -> None:
+        if self._failed:
+            return
+        try:
+            super().store_string(string)
+        except OSError as error:
+            self._failed = True
+            sys.stderr.write(f"llmcli: history is kept in memory only from now: {_why(error)}\n")
+
+
+def _why(error: OSError) -> str:
+    where = error.filename or "the history file"
+    return f"cannot write {where} ({error.strerror or error})"
 
 
 def read_message(prompt: PromptSession[str], continuation: PromptSession[str]) -> str:

@@ -33,8 +33,12 @@ def detach_stdout() -> None:
     """After the reader of stdout went away (`| head`): point stdout at /dev/null, so that the
     interpreter's final flush cannot fail with a traceback."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no stdout to point anywhere
+        pass
+    finally:
+        os.close(devnull)
 
 
 @contextlib.contextmanager

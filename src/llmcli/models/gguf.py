@@ -18,6 +18,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from filelock import FileLock
+
+from llmcli.atomic import write_text_atomically
 from llmcli.config.paths import gguf_cache_dir
 from llmcli.errors import ModelLoadError
 
@@ -53,16 +56,32 @@ def converted_folder(
 
     gguf_file = gguf_file.resolve()
     target = gguf_cache_dir() / f"{gguf_file.stem}-{fingerprint(gguf_file)}"
-    if not (target / _DONE_MARKER).is_file():
-        if on_convert is not None:
-            on_convert(gguf_file)
-        convert(gguf_file, target)
-    elif not (target / BLOCKS_FILE).is_file():  # written even when no tensor is 4-bit
-        # A conversion by an older llmcli: add the int4 codes it lacks (a second or two, once).
-        with contextlib.suppress(OSError, ValueError, KeyError, ImportError):
-            save_int4_blocks(gguf_file, target)
-    if name:
-        (target / _NAME_FILE).write_text(name + "\n")
+    if (target / _DONE_MARKER).is_file() and (target / BLOCKS_FILE).is_file() and not name:
+        return target  # the common case: converted before, nothing to write
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(target.parent / f".{target.name}.lock")
+        lock.acquire()
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot write llmcli's cache {target.parent} to convert {gguf_file.name} ({error.strerror})",
+            "point XDG_CACHE_HOME at a writable folder",
+        ) from None
+    # One converter at a time per file: processes started together wait for the first one's
+    # conversion instead of each making (and replacing) their own under each other's feet.
+    try:
+        if not (target / _DONE_MARKER).is_file():
+            if on_convert is not None:
+                on_convert(gguf_file)
+            convert(gguf_file, target)
+        elif not (target / BLOCKS_FILE).is_file():  # written even when no tensor is 4-bit
+            # A conversion by an older llmcli: add the int4 codes it lacks (a second or two, once).
+            with contextlib.suppress(OSError, ValueError, KeyError, ImportError):
+                save_int4_blocks(gguf_file, target)
+        if name:
+            write_text_atomically(target / _NAME_FILE, name + "\n")
+    finally:
+        lock.release()
     return target
 
 
@@ -97,8 +116,8 @@ def convert(gguf_file: Path, target: Path) -> None:
         (staging / _KIND_FILE).write_text(stored_weight_kind(gguf_file) + "\n")
         save_int4_blocks(gguf_file, staging)
         (staging / _DONE_MARKER).write_text(f"{gguf_file}\n")
-        if target.exists():  # a half-written folder from an older llmcli, or a lost race: ours is complete
-            shutil.rmtree(target, ignore_errors=True)
+        if target.exists():  # a folder without the done marker: an older llmcli's half-written one
+            shutil.rmtree(target, ignore_errors=True)  # (the caller holds the lock: nobody reads it)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -142,7 +161,7 @@ def weight_kind(folder: Path) -> str | None:
     except (OSError, ValueError, ImportError):
         return None
     with contextlib.suppress(OSError):  # a read-only cache: work it out again next time
-        remembered.write_text(kind + "\n")
+        write_text_atomically(remembered, kind + "\n")
     return kind
 
 

@@ -32,6 +32,7 @@ from llmcli.models.memory import (
     kv_bytes_per_token,
     measured_weight_bytes,
     native_mode,
+    read_safetensors_header,
     safetensors_shapes,
 )
 from llmcli.models.quant import (
@@ -82,7 +83,7 @@ class LoadedModel:
 
     def memory_summary(self) -> str:
         return (
-            f"weights {format_bytes(self.weight_bytes)} ({self.dtype_name}, quant {self.quant}) "
+            f"weights in memory {format_bytes(self.weight_bytes)} ({self.dtype_name}, quant {self.quant}) "
             f"on {self.device} · KV cache {format_bytes(self.kv_bytes_per_token)}/token"
         )
 
@@ -329,6 +330,8 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
 
     folder = resolved.path
     config = read_config(folder)
+    for file in sorted(folder.glob("*.safetensors")):
+        read_safetensors_header(file)  # a damaged file is named now, not crashed on later
     device = choose_device(settings.device)
     settings, native_quant, group = plan_quantization(settings, config, device, resolved.source, folder)
     dtype = prepare_device(settings, device, native_quant=native_quant is not None)

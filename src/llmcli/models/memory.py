@@ -157,13 +157,42 @@ def safetensors_shapes(folder: Path) -> dict[str, TensorHeader]:
     (no weights are read)."""
     tensors: dict[str, TensorHeader] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with file.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
+        header = read_safetensors_header(file)
         for name, entry in header.items():
             if name != "__metadata__":
                 tensors[name] = TensorHeader(entry["shape"], _ITEMSIZE.get(entry["dtype"], 4))
     return tensors
+
+
+def read_safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header, checked against the file: a file cut short (an interrupted
+    download or copy) or not safetensors at all is a ModelLoadError naming it, not a crash."""
+    from llmcli.errors import ModelLoadError
+
+    def damaged(why: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{file} is damaged ({why})",
+            "download it again, or remove the model (`llmcli models rm NAME`)",
+        )
+
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise damaged(f"{size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if 8 + length > size:
+            raise damaged(f"its header says {length} bytes, the file holds {size}")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            raise damaged("its header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise damaged("its header is not a table of tensors")
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    if 8 + length + max(ends, default=0) > size:
+        raise damaged(f"cut short: {size} bytes of {8 + length + max(ends)}")
+    return header
 
 
 def is_quantized_by_bitsandbytes(name: str, shape: list[int]) -> bool:

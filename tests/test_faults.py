@@ -1,0 +1,184 @@
+"""Faults a user can cause, injected on purpose: each ends in one `llmcli: error:` line and the
+right exit code (or, where nothing is wrong for the user, in a working chat), never a traceback
+or an "unexpected" error, and nothing typed is lost."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from llmcli.models.resolve import demo_gguf_path
+
+from cli_helpers import LLMCLI, run_cli
+
+TIGHT = ["--device", "cpu", "-n", "4"]
+
+
+def one_error_line(proc, code: int) -> str:
+    err = proc.stderr.decode()
+    assert proc.returncode == code, (proc.returncode, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmcli: error: "), err
+    assert "unexpected" not in err and "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["generate", "--seed", "abc", "hi"], "'--seed'"),
+        (["generate", "-n", "abc", "hi"], "'--max-new-tokens'"),
+        (["generate", "--no-such-option", "hi"], "--no-such-option"),
+        (["frobnicate"], "'frobnicate'"),
+        (["config"], "llmcli config needs a command"),
+        ([], "llmcli needs a command"),
+        (["bench", "--context-fill", "0"], "'--context-fill'"),
+    ],
+)
+def test_usage_errors_are_one_line(args: list[str], names: str) -> None:
+    proc = run_cli(*args)
+    line = one_error_line(proc, 2)
+    assert names in line and "--help" in line and proc.stdout == b""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seed", "99999999999999999999999"], "--seed must be in 0…18446744073709551615"),
+        (["--seed", "-1"], "--seed must be in 0…"),
+        (["-t", "inf"], "--temperature must be ≥ 0"),
+        (["-t", "1e400"], "--temperature must be ≥ 0"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1]"),
+        (["--min-p", "inf"], "--min-p must be in [0, 1]"),
+        (["--num-beams", "65"], "--num-beams must be in 1…64"),
+        (["--draft-tokens", "65"], "--draft-tokens must be in 1…64"),
+        (["--threads", "0"], "--threads must be ≥ 1"),
+        (["--ctx", "15"], "--ctx must be at least 16"),
+    ],
+)
+def test_numbers_beyond_their_limits_are_usage_errors(args: list[str], message: str) -> None:
+    # The model does not exist: the value is refused before it would matter.
+    line = one_error_line(run_cli("generate", "-m", "/nonexistent/model", *args, "hi"), 2)
+    assert message in line
+
+
+def test_the_largest_seed_works(tiny_llama: Path) -> None:
+    proc = run_cli("generate", "-m", str(tiny_llama), *TIGHT, "--seed", str(2**64 - 1), "hi")
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr.decode()
+
+
+def test_a_bad_value_names_where_it_came_from(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[defaults]\ntop_p = 5\n[models."some/model"]\ntemperature = -1\n')
+    from_file = one_error_line(run_cli("generate", "hi", env={"LLMCLI_CONFIG": str(config)}), 2)
+    assert "top_p (config [defaults] of " in from_file and str(config) in from_file
+    config.write_text('[models."some/model"]\ntemperature = -1\n')
+    section = one_error_line(
+        run_cli("generate", "-m", "some/model", "hi", env={"LLMCLI_CONFIG": str(config)}), 2
+    )
+    assert 'temperature (config [models."some/model"] of ' in section
+    from_env = one_error_line(run_cli("generate", "hi", env={"LLMCLI_TEMPERATURE": "-2"}), 2)
+    assert "LLMCLI_TEMPERATURE must be ≥ 0" in from_env and "--temperature" not in from_env
+    folder = one_error_line(run_cli("generate", "hi", env={"LLMCLI_CONFIG": str(tmp_path)}), 2)
+    assert "a folder" in folder and "does not exist" not in folder
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not safetensors"])
+def test_damaged_weights_name_the_file(tiny_llama: Path, tmp_path: Path, damage: str) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in tiny_llama.iterdir():
+        if file.is_file():
+            (model / file.name).write_bytes(file.read_bytes())
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(
+        {"truncated": data[: len(data) // 2], "empty": b"", "not safetensors": b"<html>"}[damage]
+    )
+    line = one_error_line(run_cli("generate", "-m", str(model), "hi"), 1)
+    assert f"{weights} is damaged" in line and "download it again" in line
+
+
+def test_a_closed_or_full_stdout(tiny_llama: Path) -> None:
+    command = [*LLMCLI, "generate", "-m", str(tiny_llama), *TIGHT, "hi"]
+    import subprocess
+
+    closed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=())
+    assert closed.returncode == 0
+    no_stdout = subprocess.run(
+        ["sh", "-c", '"$@" >&-', "sh", *command], stderr=subprocess.PIPE, timeout=120
+    )  # started with stdout closed: nobody reads it, so it ends quietly
+    assert no_stdout.returncode == 0 and no_stdout.stderr == b"", no_stdout.stderr.decode()
+    if Path("/dev/full").exists():
+        full = subprocess.run(
+            ["sh", "-c", '"$@" >/dev/full', "sh", *command], stderr=subprocess.PIPE, timeout=120
+        )
+        line = one_error_line(full, 1)
+        assert "cannot write the output" in line
+
+
+def test_a_chat_without_a_writable_history_starts_and_works(tiny_llama: Path, tmp_path: Path) -> None:
+    """The state folder under a regular file: mkdir fails for everyone, root included."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    env = {**os.environ, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    env["XDG_STATE_HOME"] = str(blocker / "state")
+    child = pexpect.spawn(
+        sys.executable, ["-m", "llmcli", "chat", "-m", str(tiny_llama), *TIGHT], env=env,
+        timeout=60, encoding="utf-8", dimensions=(50, 200),
+    )  # fmt: skip
+    child.expect("History is kept in memory only: cannot write")
+    child.expect(">>>")
+    child.sendline("Hello there")
+    child.expect(r"TTFT [0-9.]+ s")
+    child.expect(">>>")
+    child.sendline("/show")
+    child.expect("1 exchange")
+    child.expect(">>>")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert "Traceback" not in child.before
+
+
+@pytest.mark.demo
+@pytest.mark.skipif(demo_gguf_path() is None, reason="the demo model is not installed")
+def test_concurrent_first_runs_convert_once_and_all_succeed(tmp_path: Path) -> None:
+    """Three runs started a quarter second apart on a fresh cache: one converts the GGUF file,
+    the others wait for it; none sees a half-written folder."""
+    import subprocess
+    import time
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(3):
+        runs.append(
+            subprocess.Popen(
+                [*LLMCLI, "generate", "-t", "0", "-n", "3", "Hi"], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+        )  # fmt: skip
+        time.sleep(0.25)
+    outcomes = [run.communicate(timeout=300) for run in runs]
+    errors = [err.decode() for _, err in outcomes]
+    assert [run.returncode for run in runs] == [0, 0, 0], errors
+    assert sum("Converting" in err for err in errors) == 1, errors
+    folders = [p.name for p in (tmp_path / "cache" / "llmcli" / "gguf").iterdir() if p.is_dir()]
+    assert len(folders) == 1 and not folders[0].startswith("."), folders  # no staging left behind
+
+
+@pytest.mark.demo
+@pytest.mark.skipif(demo_gguf_path() is None, reason="the demo model is not installed")
+def test_an_unwritable_cache_is_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    proc = run_cli(
+        "generate", "-m", str(demo_gguf_path()), "hi", env={"XDG_CACHE_HOME": str(blocker / "cache")}
+    )
+    line = one_error_line(proc, 1)
+    assert "cannot write llmcli's cache" in line and "XDG_CACHE_HOME" in line
