@@ -78,10 +78,19 @@ def test_batch_cli_writes_results_in_input_order(tiny_llama: Path, tmp_path: Pat
     assert proc.returncode == 0, proc.stderr.decode()
     records = [json.loads(line) for line in proc.stdout.decode().splitlines()]
     assert [r["index"] for r in records] == list(range(len(PROMPTS)))
-    for text, record in zip(PROMPTS, records, strict=True):
-        single = json.loads(run_cli(*args, text).stdout)
-        assert record["text"] == single["text"]
-        assert record["completion_tokens"] == single["completion_tokens"]
+    # Each record equals that prompt generated alone, as `generate` does it (the chat template,
+    # the loop one token at a time): in-process here, one CLI run per prompt costs seconds each.
+    from llmcli.config.settings import LoadSettings
+    from llmcli.engine.conversation import build_messages, prompt_ids
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    loaded = load_model(resolve_model(str(tiny_llama)), LoadSettings(device="cpu"))
+    prompts = [prompt_ids(loaded.tokenizer, build_messages(text)) for text in PROMPTS]
+    alone = one_by_one(loaded, prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
+    for single, record in zip(alone, records, strict=True):
+        assert record["text"] == single.text
+        assert record["completion_tokens"] == len(single.token_ids)
     assert "tok/s aggregate" in proc.stderr.decode()
 
 

@@ -19,10 +19,14 @@ NEW_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def reference(loaded_tiny):
+    return searcher(loaded_tiny)
+
+
+def searcher(loaded):
     """transformers' beam search on the tiny model llmcli loaded, from the very prompt ids."""
     from llmcli.engine.conversation import build_messages, prompt_ids
 
-    model, tokenizer = loaded_tiny.model, loaded_tiny.tokenizer
+    model, tokenizer = loaded.model, loaded.tokenizer
     ids = prompt_ids(tokenizer, build_messages(PROMPT))
 
     def search(beams: int, stop: str | None = None) -> tuple[list[int], str]:
@@ -77,12 +81,17 @@ def test_beam_search_equals_transformers(loaded_tiny, reference, beams: int) -> 
     assert stopped.finish_reason == ("stop" if ended else "length")
 
 
-def test_beams_through_the_cli(tiny_model: Path, reference) -> None:
+def test_beams_through_the_cli(tiny_llama: Path) -> None:
     """The prompt through the chat template, the text, the fields, nothing on stderr."""
-    tokens, text = reference(4)
-    got = beams_through_the_cli(tiny_model, 4)
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    loaded = load_model(resolve_model(str(tiny_llama)), LoadSettings(device="cpu", threads=1))
+    tokens, text = searcher(loaded)(4)
+    got = beams_through_the_cli(tiny_llama, 4)
     assert got["text"] == text and got["completion_tokens"] == len(tokens) and got["num_beams"] == 4
-    greedy = beams_through_the_cli(tiny_model, 1, "-t", "0")
+    greedy = beams_through_the_cli(tiny_llama, 1, "-t", "0")
     assert greedy["text"] != text  # four beams choose another reply than greedy decoding here
 
 

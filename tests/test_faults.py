@@ -107,8 +107,6 @@ def test_a_closed_or_full_stdout(tiny_llama: Path) -> None:
     command = [*LLMCLI, "generate", "-m", str(tiny_llama), *TIGHT, "hi"]
     import subprocess
 
-    closed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=())
-    assert closed.returncode == 0
     no_stdout = subprocess.run(
         ["sh", "-c", '"$@" >&-', "sh", *command], stderr=subprocess.PIPE, timeout=120
     )  # started with stdout closed: nobody reads it, so it ends quietly
@@ -119,6 +117,32 @@ def test_a_closed_or_full_stdout(tiny_llama: Path) -> None:
         )
         line = one_error_line(full, 1)
         assert "cannot write the output" in line
+
+
+def test_a_history_file_that_breaks_mid_chat_is_said_once(tiny_llama: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    child = pexpect.spawn(
+        sys.executable, ["-m", "llmcli", "chat", "-m", str(tiny_llama), *TIGHT], env=env,
+        timeout=60, encoding="utf-8", dimensions=(50, 200),
+    )  # fmt: skip
+    child.expect(">>>")
+    history = tmp_path / "state" / "llmcli" / "history"
+    history.unlink()
+    history.mkdir()  # appending to it now fails, for root too
+    child.sendline("Hello there")
+    child.expect("history is kept in memory only from now: cannot write")
+    child.expect(r"TTFT [0-9.]+ s")  # the message was sent all the same
+    child.expect(">>>")
+    child.sendline("And again")
+    child.expect(r"TTFT [0-9.]+ s")
+    assert "history is kept" not in child.before  # said once
+    child.expect(">>>")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    output = child.before
+    assert child.exitstatus == 0 and "Traceback" not in output and "Press ENTER" not in output
 
 
 def test_a_chat_without_a_writable_history_starts_and_works(tiny_llama: Path, tmp_path: Path) -> None:

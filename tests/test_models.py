@@ -100,8 +100,9 @@ def test_models_pull_offline_is_a_clear_error(home: dict[str, str]) -> None:
 @pytest.mark.demo
 @pytest.mark.skipif(demo_gguf_path() is None, reason="the demo model is not installed")
 def test_models_import_names_a_gguf_file(home: dict[str, str], tmp_path: Path) -> None:
-    gguf = tmp_path / "demo.gguf"
-    shutil.copy(demo_gguf_path(), gguf)  # a copy: same content, so the conversion is found by fingerprint
+    gguf = tmp_path / demo_gguf_path().name
+    # A copy: the same name and content, so the session's conversion is found (name + fingerprint).
+    shutil.copy(demo_gguf_path(), gguf)
     proc = run_cli("models", "import", str(gguf), "--name", "smol-demo", env=home, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()
     assert "smol-demo" in run_cli("models", "list", env=home).stdout.decode()

@@ -204,13 +204,18 @@ def test_engine_setting_from_flag_env_and_config(tiny_llama, tmp_path, monkeypat
     via_flag = run_cli(*args, "--engine", "transformers")
     assert json.loads(via_flag.stdout)["engine"] == "transformers"
     assert json.loads(via_flag.stdout)["text"] == json.loads(native.stdout)["text"]
+
+    def engine_in_force(*flags: str) -> tuple[str, str]:  # the layers, as every command reads them
+        shown = json.loads(run_cli("config", "show", "--json", *flags).stdout)["engine"]
+        return shown["value"], shown["source"]
+
     monkeypatch.setenv("LLMCLI_ENGINE", "transformers")
-    assert json.loads(run_cli(*args).stdout)["engine"] == "transformers"
+    assert engine_in_force() == ("transformers", "env")
     monkeypatch.delenv("LLMCLI_ENGINE")
     config = tmp_path / "config.toml"
     config.write_text('[defaults]\nengine = "transformers"\n')
     monkeypatch.setenv("LLMCLI_CONFIG", str(config))
-    assert json.loads(run_cli(*args).stdout)["engine"] == "transformers"
+    assert engine_in_force() == ("transformers", "config [defaults]")
     assert json.loads(run_cli(*args, "--engine", "native").stdout)["engine"] == "native"  # flag wins
     bad = run_cli(*args, "--engine", "fast")
     assert bad.returncode == 2

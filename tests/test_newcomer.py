@@ -26,14 +26,16 @@ def test_stop_given_as_backslash_n_cuts_at_a_blank_line(tmp_path: Path) -> None:
     flag = run_cli(*LETTER[:-1], "--stop", r"\n\n", LETTER[-1])  # what a shell passes for "\n\n"
     cut = json.loads(flag.stdout)
     assert (cut["text"], cut["finish_reason"], cut["sampling"]["stop"]) == (expected, "stop", ["\n\n"])
-    env = json.loads(run_cli(*LETTER, env={"LLMCLI_STOP": r"\n\n"}).stdout)
-    assert env["text"] == expected
+
+    def stop_in_force(env: dict[str, str]) -> list[str]:
+        return json.loads(run_cli("config", "show", "--json", env=env).stdout)["stop"]["value"]
+
+    assert stop_in_force({"LLMCLI_STOP": r"\n\n"}) == ["\n\n"]
     # The config file is TOML: "\n" there is already a newline, and '\n' (a literal string) is a
     # backslash and an n — not unescaped a second time.
     config = tmp_path / "config.toml"
-    config.write_text("[defaults]\nstop = ['\\n\\n']\n")
-    literal = json.loads(run_cli(*LETTER, env={"LLMCLI_CONFIG": str(config)}).stdout)
-    assert literal["sampling"]["stop"] == ["\\n\\n"] and literal["text"] == whole["text"]
+    config.write_text("[defaults]\nstop = ['\\n\\n', \"\\n\\n\"]\n")
+    assert stop_in_force({"LLMCLI_CONFIG": str(config)}) == ["\\n\\n", "\n\n"]
 
 
 @pytest.mark.demo

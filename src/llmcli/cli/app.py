@@ -897,7 +897,7 @@ def run_command_line(args: list[str]) -> int:
             message = f"{path} needs a command ({', '.join(commands)})"
         terminal.error(f"{message} — see `{path} --help`")
         return EXIT_USAGE
-    except click.Abort:
+    except typer.Abort:  # Ctrl-C where click itself was waiting (a confirmation prompt)
         return EXIT_INTERRUPTED
     return code if isinstance(code, int) else 0
 
