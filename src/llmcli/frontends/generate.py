@@ -6,6 +6,7 @@ joined as "<arguments>\n\n<stdin>". Either alone is the whole prompt.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -172,12 +173,14 @@ def run(request: GenerateRequest) -> int:
 
 
 def record_extras(result: GenerationResult, output: OutputFormat | None) -> dict[str, Any]:
-    """--json's fields for constrained output: whether the value is whole, and the value itself."""
+    """--json's fields for constrained output: the format asked for, and the value (parsed; null
+    when the reply was cut before the value was complete)."""
     if output is None:
         return {}
-    import json as json_module
-
-    value = json_module.loads(result.text) if result.value_complete else None
+    value = None
+    if result.value_complete:
+        with contextlib.suppress(ValueError):  # the grammar guarantees it; never crash on it
+            value = json.loads(result.text)
     return {"format": output.label, "value": value}
 
 
