@@ -173,20 +173,21 @@ def test_a_chat_without_a_writable_history_starts_and_works(tiny_llama: Path, tm
 @pytest.mark.demo
 @pytest.mark.skipif(demo_gguf_path() is None, reason="the demo model is not installed")
 def test_concurrent_first_runs_convert_once_and_all_succeed(tmp_path: Path) -> None:
-    """Three runs started a quarter second apart on a fresh cache: one converts the GGUF file,
-    the others wait for it; none sees a half-written folder."""
+    """Three first runs a quarter second apart on a fresh cache — two generations and, between
+    them, an import of the same file under a name: one converts the GGUF file, the others wait
+    for it; none sees a half-written folder."""
     import subprocess
     import time
 
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    generate = [*LLMCLI, "generate", "-t", "0", "-n", "2", "Hi"]
     runs = []
-    for _ in range(3):
-        runs.append(
-            subprocess.Popen(
-                [*LLMCLI, "generate", "-t", "0", "-n", "3", "Hi"], env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            )
-        )  # fmt: skip
+    for command in (
+        generate,
+        [*LLMCLI, "models", "import", str(demo_gguf_path()), "--name", "smol"],
+        generate,
+    ):
+        runs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         time.sleep(0.25)
     outcomes = [run.communicate(timeout=300) for run in runs]
     errors = [err.decode() for _, err in outcomes]
