@@ -20,7 +20,9 @@ class Constraint:
 
     def __init__(self, output: OutputFormat, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]):
         from llguidance import LLMatcher
-        from llguidance.torch import allocate_token_bitmask
+
+        # llguidance's numpy helpers: its torch ones import torch.compile machinery (~3 s).
+        from llguidance.numpy import allocate_token_bitmask
 
         self.output = output
         self._vocab_size = vocab_size
@@ -29,14 +31,15 @@ class Constraint:
         )
         if self._matcher.is_error():
             raise LlmcliError(f"{output.label}: {self._matcher.get_error()}")
-        self._bitmask = allocate_token_bitmask(1, vocab_size)
+        self._words = allocate_token_bitmask(1, vocab_size)  # int32 words, 32 tokens each
+        self._bitmask = torch.from_numpy(self._words)  # the same memory, as a tensor
         self._bits: dict[torch.device, torch.Tensor] = {}
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of `logits` [1, V] with every token the grammar forbids at −inf."""
-        from llguidance.torch import fill_next_token_bitmask
+        from llguidance.numpy import fill_next_token_bitmask
 
-        fill_next_token_bitmask(self._matcher, self._bitmask)
+        fill_next_token_bitmask(self._matcher, self._words)
         device = logits.device
         bitmask = self._bitmask.to(device, non_blocking=True)
         bits = self._bits.get(device)
