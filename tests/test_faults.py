@@ -119,13 +119,18 @@ def test_a_closed_or_full_stdout(tiny_llama: Path) -> None:
         assert "cannot write the output" in line
 
 
-def test_a_history_file_that_breaks_mid_chat_is_said_once(tiny_llama: Path, tmp_path: Path) -> None:
+def chat_with_state(model: Path, state_home: Path) -> pexpect.spawn:
+    """A chat on a real pseudo-terminal, its state (the history file) under `state_home`."""
     env = {**os.environ, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
-    env["XDG_STATE_HOME"] = str(tmp_path / "state")
-    child = pexpect.spawn(
-        sys.executable, ["-m", "llmcli", "chat", "-m", str(tiny_llama), *TIGHT], env=env,
+    env["XDG_STATE_HOME"] = str(state_home)
+    return pexpect.spawn(
+        sys.executable, ["-m", "llmcli", "chat", "-m", str(model), *TIGHT], env=env,
         timeout=60, encoding="utf-8", dimensions=(50, 200),
     )  # fmt: skip
+
+
+def test_a_history_file_that_breaks_mid_chat_is_said_once(tiny_llama: Path, tmp_path: Path) -> None:
+    child = chat_with_state(tiny_llama, tmp_path / "state")
     child.expect(">>>")
     history = tmp_path / "state" / "llmcli" / "history"
     history.unlink()
@@ -149,12 +154,7 @@ def test_a_chat_without_a_writable_history_starts_and_works(tiny_llama: Path, tm
     """The state folder under a regular file: mkdir fails for everyone, root included."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    env = {**os.environ, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
-    env["XDG_STATE_HOME"] = str(blocker / "state")
-    child = pexpect.spawn(
-        sys.executable, ["-m", "llmcli", "chat", "-m", str(tiny_llama), *TIGHT], env=env,
-        timeout=60, encoding="utf-8", dimensions=(50, 200),
-    )  # fmt: skip
+    child = chat_with_state(tiny_llama, blocker / "state")
     child.expect("History is kept in memory only: cannot write")
     child.expect(">>>")
     child.sendline("Hello there")

@@ -145,8 +145,8 @@ def run(request: BatchRequest) -> int:
 
                 failed = True
                 tokens, limit = result.stats.completion_tokens, params.max_new_tokens
-                why = unfinished_value(output, result.finish_reason, tokens, limit)
-                terminal.error(f"prompt {index}: {why.replace('max_new_tokens', '--max-new-tokens')}")
+                why = unfinished_value(output, result.finish_reason, tokens, limit, "--max-new-tokens")
+                terminal.error(f"prompt {index}: {why}")
     seconds = time.perf_counter() - start
     rate = total_tokens / seconds if seconds else 0.0
     terminal.note(

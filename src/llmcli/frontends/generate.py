@@ -159,10 +159,15 @@ def run(request: GenerateRequest) -> int:
         from llmcli.engine.structured import unfinished_value
 
         stats = result.stats
-        message = unfinished_value(
-            request.output, result.finish_reason, stats.completion_tokens, params.max_new_tokens
+        terminal.error(
+            unfinished_value(
+                request.output,
+                result.finish_reason,
+                stats.completion_tokens,
+                params.max_new_tokens,
+                "--max-new-tokens",
+            )
         )
-        terminal.error(message.replace("max_new_tokens", "--max-new-tokens"))
         exit_code = EXIT_FAILURE
     if request.stats:
         terminal.note(

@@ -72,12 +72,16 @@ def format_command(argument: str, current: OutputFormat | None) -> OutputFormat 
     raise UsageError("usage: /format json | schema FILE | off")
 
 
-def unfinished_value(output: OutputFormat, finish_reason: str, tokens: int, max_new_tokens: int) -> str:
-    """Why a constrained reply ended before its JSON value was complete, naming the limit."""
+def unfinished_value(
+    output: OutputFormat, finish_reason: str, tokens: int, max_new_tokens: int, limit: str | None = None
+) -> str:
+    """Why a constrained reply ended before its JSON value was complete, naming the limit as the
+    user set it (`limit`: "--max-new-tokens" on the command line; in chat, /set's name)."""
     if finish_reason == "stop":
         cause = "a stop string cut it"
     elif tokens >= max_new_tokens:
-        cause = f"the token limit (max_new_tokens {max_new_tokens}) cut it"
+        named = f"{limit} {max_new_tokens}" if limit else f"the token limit (max_new_tokens {max_new_tokens})"
+        cause = f"{named} cut it"
     else:
         cause = f"the model's context ended it after {tokens} tokens"
     return f"the reply is not a complete JSON value ({output.label}): {cause}; raise the limit and retry"
