@@ -11,11 +11,12 @@ import jsonschema
 import pytest
 
 from engines import engine_for
-from llmcli.config.settings import SamplingParams
-from llmcli.engine.structured import OutputFormat, output_format
+from llmcli.config.settings import OutputSettings, SamplingParams
+from llmcli.engine.structured import OutputFormat
 from llmcli.engine.structured.constraint import Constraint
 from llmcli.engine.structured.grammar import _compiled
 from llmcli.errors import UsageError
+from llmcli.frontends.formats import output_format
 
 from cli_helpers import run_cli
 
@@ -192,12 +193,12 @@ def test_batch_lines_may_bring_their_own_schema(tiny_llama: Path, tmp_path: Path
 def test_a_schema_compiles_once() -> None:
     schema = json.dumps({"type": "object", "properties": {"once": {"type": "integer"}}})
     before = _compiled.cache_info()
-    output_format(None, schema)
-    output_format(None, schema)
+    output_format(OutputSettings(json_schema=schema))
+    output_format(OutputSettings(json_schema=schema))
     after = _compiled.cache_info()
     assert after.misses == before.misses + 1 and after.hits >= before.hits + 1
     with pytest.raises(UsageError):
-        output_format("yaml", None)
+        output_format(OutputSettings(format="yaml"))
 
 
 def test_properties_come_in_the_schemas_order(loaded_tiny) -> None:

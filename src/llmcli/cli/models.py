@@ -77,9 +77,9 @@ def pull(
     """Download config, tokenizer and safetensors into the Hugging Face cache (resumable)."""
     with handled_errors():
         from llmcli.config.user_config import load_user_config
-        from llmcli.models.resolve import resolve_hub
+        from llmcli.models.resolve import expand_default_alias, resolve_hub
 
-        spec = load_user_config().expand(model) or model
+        spec = load_user_config().expand(model, expand_default_alias) or model
         repo_id, _, revision = spec.partition("@")
         folder = resolve_hub(repo_id, revision or None, allow_pickle=allow_pickle)
         _print(f"{spec} is in {folder}")
@@ -174,38 +174,12 @@ def _sampling_defaults(generation: dict[str, Any]) -> str:
 
 
 def _local_folder(model: str) -> tuple[Path, str, Path | None]:
-    """A model that is here already (show never downloads; a .gguf file is converted once):
-    its folder, its source (gguf, folder or hub) and the GGUF file it came from, if any."""
+    """A model that is here already (show never downloads; a .gguf file is converted once)."""
     from llmcli.config.user_config import load_user_config
-    from llmcli.models.resolve import _HUB_ID, is_gguf_spec, unknown_model
+    from llmcli.frontends.loading import announce_conversion
+    from llmcli.models.resolve import expand_default_alias, find_local
 
-    spec = load_user_config().expand(model) or model
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path, "folder", None
-    if is_gguf_spec(spec) and path.is_file():
-        from llmcli.frontends.loading import announce_conversion
-        from llmcli.models.resolve import resolve_model
-
-        return resolve_model(spec, on_convert=announce_conversion).path, "gguf", path
-    from llmcli.models.catalog import find_imported
-
-    imported = find_imported(spec)
-    if imported is not None:
-        return imported, "gguf", None
-    repo_id, _, revision = spec.partition("@")
-    if not _HUB_ID.match(repo_id):
-        raise unknown_model(spec)  # never suggest pulling what is not a Hub id
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        folder = Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
-    except (LocalEntryNotFoundError, ValueError) as error:
-        raise ModelNotFoundError(
-            f"{spec} is not in the local caches", f"`llmcli models pull {spec}` first"
-        ) from error
-    return folder, "hub", None
+    return find_local(load_user_config().expand(model, expand_default_alias) or model, announce_conversion)
 
 
 @models_app.command("rm")
@@ -273,8 +247,9 @@ def show_config(
     """The settings in effect, and where each came from."""
     with handled_errors():
         from llmcli.config.settings import effective_settings
+        from llmcli.models.resolve import expand_default_alias
 
-        effective = effective_settings(model, {})
+        effective = effective_settings(model, {}, expand=expand_default_alias)
         generation_config = _generation_config_of(effective.model)
         params, filled = effective.sampling.resolve_with_sources(generation_config or {})
         sources = {**filled, **effective.sources}

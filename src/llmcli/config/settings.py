@@ -11,9 +11,13 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from llmcli.config.declare import Bounds, check_bounds, declarations, key_of, setting, setting_name
+from llmcli.config.units import parse_size
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from llmcli.config.user_config import UserConfig
 
 # llama.cpp's defaults: a mild temperature, min-p to cut the junk tail, no repetition penalty.
@@ -33,47 +37,74 @@ QUANT_TYPES = ("nf4", "fp4")
 ENGINES = ("auto", "native", "transformers")
 
 
-def setting_name(key: str, where: str = "flag") -> str:
-    """A setting as the user wrote it: --top-p (a flag), LLMCLI_TOP_P (the environment), or
-    top_p in a config file's section."""
-    if where == "flag":
-        return "--" + key.replace("_", "-")
-    if where == "env":
-        return f"LLMCLI_{key.upper()}"
-    return f"{key} ({where})"
+SAMPLING = "Sampling (default: the model's generation_config.json, else built-in)"
+LOADING = "Loading"
+SPECULATIVE = "Speculative decoding"
+STRUCTURED = "Structured output"
+SERVER = "Server"
 
 
 @dataclass(frozen=True)
 class SamplingSettings:
     """What the user asked for; `None` means "not given, take the next layer's value"."""
 
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    max_new_tokens: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    temperature: float | None = setting(
+        flags=("--temperature", "-t"),
+        help="0 = greedy. Built-in 0.8.",
+        panel=SAMPLING,
+        layered=True,
+        bounds=Bounds(ge=0, note="0 means greedy"),
+    )
+    top_k: int | None = setting(
+        help="Keep the k most likely tokens; 0 = off.",
+        panel=SAMPLING,
+        layered=True,
+        bounds=Bounds(ge=0, note="0 turns it off"),
+    )
+    top_p: float | None = setting(
+        help="Nucleus mass in (0, 1]; 1 = off.",
+        panel=SAMPLING,
+        layered=True,
+        bounds=Bounds(gt=0, le=1, note="1 turns it off"),
+    )
+    min_p: float | None = setting(
+        help="Drop tokens below min-p × the top probability; 0 = off.",
+        panel=SAMPLING,
+        layered=True,
+        bounds=Bounds(ge=0, le=1, note="0 turns it off"),
+    )
+    repetition_penalty: float | None = setting(
+        help="> 1 discourages repeats; 1 = off.",
+        panel=SAMPLING,
+        layered=True,
+        bounds=Bounds(gt=0, note="1 turns it off"),
+    )
+    max_new_tokens: int | None = setting(
+        flags=("--max-new-tokens", "-n"),
+        help="Upper bound on reply tokens.",
+        panel=SAMPLING,
+        layered=True,
+        bounds=Bounds(ge=1),
+    )
+    # torch seeds a generator with an unsigned 64-bit number.
+    seed: int | None = setting(
+        help="Seed for reproducible sampling.", panel=SAMPLING, layered=True, bounds=Bounds(ge=0, lt=2**64)
+    )
+    stop: tuple[str, ...] = setting(
+        (),
+        flags=("--stop",),
+        help='Stop before this text (repeatable); it is not printed. Escapes are read: "\\n\\n" is a '
+        "blank line (\\n \\t \\r \\\\ \\uXXXX).",
+        panel=SAMPLING,
+        layered=True,
+        cli_type=list[str] | None,
+        cli_default=None,
+    )
 
     def validate(self, where: str = "flag") -> SamplingSettings:
         """Refuse impossible values before anything slow happens. `where` the values came from
         ("flag", "env", or a config file's "config PATH [section]") names them in the message."""
-        checks = [
-            ("temperature", lambda v: v >= 0, "≥ 0 (0 means greedy)"),
-            ("top_k", lambda v: v >= 0, "≥ 0 (0 turns it off)"),
-            ("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 turns it off)"),
-            ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 turns it off)"),
-            ("repetition_penalty", lambda v: v > 0, "> 0 (1 turns it off)"),
-            ("max_new_tokens", lambda v: v >= 1, "≥ 1"),
-            # torch seeds a generator with an unsigned 64-bit number.
-            ("seed", lambda v: 0 <= v < 2**64, "in 0…18446744073709551615"),
-        ]
-        for key, ok, rule in checks:
-            value = getattr(self, key)
-            # value != value: NaN; value − value: inf (infinite values are no setting either)
-            if value is not None and (value != value or value - value != 0 or not ok(value)):
-                raise UsageError(f"{setting_name(key, where)} must be {rule}, got {value}")
+        check_bounds(self, where)
         if any(s == "" for s in self.stop):
             raise UsageError(f"{setting_name('stop', where)} needs a non-empty string")
         return self
@@ -135,38 +166,86 @@ def _sampling_from_generation_config(config: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class LoadSettings:
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
+    device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps.", panel=LOADING)
+    dtype: str = setting(
+        "auto", help="auto (bf16/fp16 on GPU, fp32 on CPU), bf16, fp16, fp32.", panel=LOADING, choices=DTYPES
+    )
+    threads: int | None = setting(
+        help="CPU threads. Default: one per available core.", panel=LOADING, bounds=Bounds(ge=1)
+    )
+    trust_remote_code: bool = setting(
+        False,
+        flags=("--trust-remote-code",),
+        help="Run Python code shipped with the model. Only if you trust it.",
+        panel=LOADING,
+    )
+    allow_pickle: bool = setting(
+        False,
+        flags=("--allow-pickle",),
+        help="Accept pickled *.bin/*.pt weights, which can run code.",
+        panel=LOADING,
+    )
     # auto (a GGUF's 4/8-bit weights stay int4/int8, else none), none, int8, int4 (native where it
     # runs, else bitsandbytes), nf4, fp4 (bitsandbytes)
-    quant: str = "auto"
-    quant_type: str = "nf4"  # for int4: nf4 or fp4
-    double_quant: bool = True  # for int4: quantize the block scales too (~0.4 bits/weight saved)
-    offload: bool = False  # let accelerate keep what does not fit on the GPU in CPU memory
-    max_memory: int | None = None  # bytes llmcli may use on the device; default: all that is free
-    context_length: int | None = None  # --ctx: at most this many tokens of context
-    fast: bool | None = None  # graph-captured decode; None: on CUDA only (native), off (transformers)
-    engine: str = "auto"  # native (llmcli's own forward), transformers, or auto: native where it runs
+    quant: str = setting(
+        "auto",
+        help="Quantize on load: int8 or int4 (llmcli's own kernels on the native engine, else "
+        "bitsandbytes), nf4 or fp4 (bitsandbytes), none, or auto: a GGUF file's 4-bit weights "
+        "stay int4 and its 8-bit ones int8, anything else loads as it is.",
+        panel=LOADING,
+        choices=QUANTS,
+    )
+    quant_type: str = setting("nf4", help="For int4: nf4 or fp4.", panel=LOADING, choices=QUANT_TYPES)
+    # for int4: quantize the block scales too (~0.4 bits/weight saved)
+    double_quant: bool = setting(
+        True, help="For int4: quantize the block scales too (smaller).", panel=LOADING
+    )
+    offload: bool = setting(  # let accelerate keep what does not fit on the GPU in CPU memory
+        False,
+        flags=("--offload",),
+        help="Keep what does not fit on the GPU in CPU memory (slower).",
+        panel=LOADING,
+    )
+    max_memory: int | None = setting(  # bytes llmcli may use on the device; default: all that is free
+        help="Use at most this much device memory, e.g. 8GB. Default: all that is free.",
+        panel=LOADING,
+        cli_type=str | None,
+        parse=parse_size,
+    )
+    context_length: int | None = setting(  # --ctx: at most this many tokens of context
+        flags=("--ctx",),
+        help="Use at most this many tokens of context. Default: the model's.",
+        panel=LOADING,
+        layered=True,
+        key="ctx",
+    )
+    # graph-captured decode; None: on CUDA only (native), off (transformers)
+    fast: bool | None = setting(
+        flags=("--fast/--no-fast",),
+        help="Decode step replayed as a CUDA graph (native engine: one per KV length bucket; "
+        "transformers: torch.compile). Default: on for the native engine with CUDA, off elsewhere.",
+        panel=LOADING,
+        show_default=False,
+    )
+    # native (llmcli's own forward), transformers, or auto: native where it runs
+    engine: str = setting(
+        "auto",
+        help="native (llmcli's own forward: Llama, Mistral, Qwen2/3, SmolLM), transformers (any "
+        "architecture), or auto: native where it runs. Default: auto ($LLMCLI_ENGINE, config file).",
+        panel=LOADING,
+        layered=True,
+        choices=ENGINES,
+        cli_default=None,
+        show_default=False,
+    )
 
     def validate(self) -> LoadSettings:
         device_kind = self.device.split(":", 1)[0]
         if device_kind not in DEVICES:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)} (or cuda:N), got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be ≥ 1, got {self.threads}")
-        if self.quant not in QUANTS:
-            raise UsageError(f"--quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
-        if self.quant_type not in QUANT_TYPES:
-            raise UsageError(f"--quant-type must be one of {', '.join(QUANT_TYPES)}, got {self.quant_type!r}")
+        check_bounds(self)
         if self.context_length is not None and self.context_length < 16:
             raise UsageError(f"--ctx must be at least 16 tokens, got {self.context_length}")
-        if self.engine not in ENGINES:
-            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.offload and device_kind not in ("auto", "cuda"):
             raise UsageError("--offload spreads a model over GPU and CPU memory: it needs --device cuda")
         return self
@@ -182,9 +261,32 @@ class SpeculativeSettings:
     """Speculative decoding: off, lookup (drafts from the context's own n-grams), or draft (a
     smaller model with the same vocabulary; "self" is the model's own int4 copy)."""
 
-    method: str = "off"
-    draft_model: str | None = None
-    draft_tokens: int | None = None  # None: as many as pay, measured as the reply goes
+    method: str = setting(
+        "off",
+        flags=("--speculative",),
+        help="Draft several tokens and check them in one pass; the output stays the same. lookup: "
+        "drafts from the text itself (rewriting, editing, extracting from piped input); draft: a "
+        "smaller model (--draft-model); off. Default: off ($LLMCLI_SPECULATIVE, config file).",
+        panel=SPECULATIVE,
+        layered=True,
+        key="speculative",
+        choices=SPECULATIVE_METHODS,
+        cli_default=None,
+        show_default=False,
+    )
+    draft_model: str | None = setting(
+        help="The drafting model: any with the model's tokenizer, or self (the model's own int4 copy).",
+        panel=SPECULATIVE,
+        layered=True,
+        show_default=False,
+    )
+    draft_tokens: int | None = setting(  # None: as many as pay, measured as the reply goes
+        help="Tokens drafted per pass. Default: as many as pay, measured while the reply is written.",
+        panel=SPECULATIVE,
+        layered=True,
+        bounds=Bounds(ge=1, lt=MOST_DRAFT_TOKENS + 1),
+        show_default=False,
+    )
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> SpeculativeSettings:
@@ -194,18 +296,75 @@ class SpeculativeSettings:
         return cls(method=method, draft_model=draft_model, draft_tokens=values.get("draft_tokens")).validate()
 
     def validate(self) -> SpeculativeSettings:
-        if self.method not in SPECULATIVE_METHODS:
-            raise UsageError(
-                f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
-            )
+        check_bounds(self)
         if self.method == "draft" and not self.draft_model:
             raise UsageError(
                 "--speculative draft needs a draft model",
                 "add --draft-model MODEL (same tokenizer) or --draft-model self (the model's int4 copy)",
             )
-        if self.draft_tokens is not None and not 1 <= self.draft_tokens <= MOST_DRAFT_TOKENS:
-            raise UsageError(f"--draft-tokens must be in 1…{MOST_DRAFT_TOKENS}, got {self.draft_tokens}")
         return self
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """What frames the user's text: the system prompt (layered like sampling)."""
+
+    system: str | None = setting(flags=("--system", "-s"), help="System prompt.", panel=None, layered=True)
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """--format / --json-schema as given; the front end reads the schema (a file or inline)."""
+
+    format: str | None = setting(
+        flags=("--format",),
+        help="json: the reply is a JSON object, guaranteed to parse (decoding allows only tokens that "
+        "keep it valid, and ends when it is complete). off: plain text.",
+        panel=STRUCTURED,
+        show_default=False,
+    )
+    json_schema: str | None = setting(
+        flags=("--json-schema",),
+        help="The reply is JSON valid under this JSON schema (a file, or inline JSON). An invalid or "
+        "unsatisfiable schema is refused before the model loads; a reply cut by --max-new-tokens "
+        "exits 1.",
+        panel=STRUCTURED,
+        show_default=False,
+    )
+
+    def validate(self) -> OutputSettings:
+        if self.format and self.json_schema and self.format != "json":
+            raise UsageError("--format off and --json-schema contradict each other: use one")
+        return self
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """Where generate and chat run: a server named, one found running, or in-process."""
+
+    server: str | None = setting(
+        flags=("--server",),
+        help="Use this OpenAI-compatible server (llmcli serve, vLLM, llama.cpp, ollama…); -m is its "
+        "model name. Default: a running `llmcli serve` of the same model and settings, else load here.",
+        panel=SERVER,
+        envvar="LLMCLI_SERVER",
+        show_default=False,
+    )
+    no_server: bool = setting(
+        False, flags=("--no-server",), help="Load the model here even if a server runs it.", panel=SERVER
+    )
+    api_key: str | None = setting(
+        flags=("--api-key",),
+        help="The server's API key (sent as a bearer token).",
+        panel=SERVER,
+        envvar="LLMCLI_API_KEY",
+        show_default=False,
+    )
+
+    @property
+    def url(self) -> str | None:
+        """The server named, unless --no-server says to load here."""
+        return None if self.no_server else self.server
 
 
 @dataclass(frozen=True)
@@ -220,13 +379,34 @@ class Effective:
     engine: str | None
     sources: dict[str, str]
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    load: LoadSettings = field(default_factory=LoadSettings)
+
+
+LAYERED_GROUPS = (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings)
+
+
+def flag_values(*groups: Any) -> dict[str, Any]:
+    """The layered settings these groups got from flags, by their config-file keys."""
+    values: dict[str, Any] = {}
+    for group in groups:
+        for name, declared in declarations(type(group)).items():
+            value = getattr(group, name)
+            if declared.layered and value is not None and value != ():
+                values[key_of(name, declared)] = value
+    return values
 
 
 def effective_settings(
-    model_flag: str | None, flags: dict[str, Any], user_config: UserConfig | None = None
+    model_flag: str | None,
+    flags: dict[str, Any],
+    user_config: UserConfig | None = None,
+    *,
+    load: LoadSettings | None = None,
+    expand: Callable[[str], str] | None = None,
 ) -> Effective:
     """flag > environment > the model's config section > config [defaults] (the model's
-    generation_config.json and the built-ins come after, when the model is loaded)."""
+    generation_config.json and the built-ins come after, when the model is loaded). `expand`
+    turns a built-in alias into what it names (the model layer knows them, not this one)."""
     from llmcli.config.user_config import env_settings, load_user_config
 
     config = user_config or load_user_config()
@@ -237,7 +417,7 @@ def effective_settings(
         (config.model, f"config {config.path}"),
     ]
     model, model_source = next(((m, source) for m, source in candidates if m), (None, "built-in default"))
-    model = config.expand(model)
+    model = config.expand(model, expand)
     layers = [
         ("flag", {k: v for k, v in flags.items() if v is not None and v != ()}),
         ("env", env_settings()),
@@ -258,6 +438,9 @@ def effective_settings(
         **{key: values.get(key) for key in (*BUILTIN_SAMPLING, "seed")},
         stop=tuple(values.get("stop") or ()),
     ).validate()
+    load = replace(
+        load or LoadSettings(), context_length=values.get("ctx"), engine=values.get("engine") or "auto"
+    )
     return Effective(
         model=model,
         model_source=model_source,
@@ -267,4 +450,5 @@ def effective_settings(
         engine=values.get("engine"),
         sources=sources,
         speculative=SpeculativeSettings.from_values(values),
+        load=load.validate(),
     )

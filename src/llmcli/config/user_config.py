@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,23 +35,16 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-# Every key a [defaults] or [models."…"] section may set, and its type.
-SETTING_TYPES: dict[str, type] = {
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
-    "min_p": float,
-    "repetition_penalty": float,
-    "max_new_tokens": int,
-    "seed": int,
-    "stop": list,
-    "system": str,
-    "ctx": int,
-    "engine": str,
-    "speculative": str,
-    "draft_model": str,
-    "draft_tokens": int,
-}
+
+def setting_types() -> dict[str, type]:
+    """Every key a [defaults] or [models."…"] section (or LLMCLI_<KEY>) may set, and its type:
+    the settings declared layered (config/settings.py)."""
+    from llmcli.config.declare import layered_types
+    from llmcli.config.settings import LAYERED_GROUPS
+
+    return layered_types(*LAYERED_GROUPS)
+
+
 TOP_LEVEL = {"model", "defaults", "aliases", "models"}
 
 
@@ -70,11 +64,13 @@ class UserConfig:
     aliases: dict[str, str] = field(default_factory=dict)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def expand(self, spec: str | None) -> str | None:
-        """An alias → what it stands for (aliases may not chain); anything else as it is."""
-        from llmcli.models.resolve import expand_default_alias
-
-        return expand_default_alias(self.aliases.get(spec, spec)) if spec else spec
+    def expand(self, spec: str | None, builtin: Callable[[str], str] | None = None) -> str | None:
+        """An alias → what it stands for (aliases may not chain), then `builtin` (the model
+        layer's own names, handed in: this layer does not know them); anything else as it is."""
+        if not spec:
+            return spec
+        spec = self.aliases.get(spec, spec)
+        return builtin(spec) if builtin else spec
 
     def for_model(self, name: str) -> dict[str, Any]:
         return self.models.get(name, {})
@@ -121,11 +117,10 @@ def _checked_settings(path: Path, section: str, table: Any) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise UsageError(f"{path}: {section} must be a table of settings")
     for key, value in table.items():
-        expected = SETTING_TYPES.get(key)
+        known = setting_types()
+        expected = known.get(key)
         if expected is None:
-            raise UsageError(
-                f"{path}: {section} has unknown setting {key!r} (known: {', '.join(SETTING_TYPES)})"
-            )
+            raise UsageError(f"{path}: {section} has unknown setting {key!r} (known: {', '.join(known)})")
         ok = isinstance(value, expected) and not (expected in (int, float) and isinstance(value, bool))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
@@ -135,11 +130,11 @@ def _checked_settings(path: Path, section: str, table: Any) -> dict[str, Any]:
 
 
 def env_settings() -> dict[str, Any]:
+    """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_SPECULATIVE: settings from the environment."""
     from llmcli.config.escapes import unescape
 
-    """LLMCLI_TEMPERATURE, LLMCLI_TOP_K, … LLMCLI_SPECULATIVE: settings from the environment."""
     values: dict[str, Any] = {}
-    for key, kind in SETTING_TYPES.items():
+    for key, kind in setting_types().items():
         raw = os.environ.get(f"LLMCLI_{key.upper()}")
         if raw is None or raw == "":
             continue

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from llmcli.config.settings import LoadSettings, SamplingParams, SamplingSettings
 from llmcli.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from llmcli.frontends import terminal
+from llmcli.frontends.formats import unfinished_value
 from llmcli.frontends.loading import load_with_feedback
 
 if TYPE_CHECKING:
@@ -141,8 +142,6 @@ def run(request: BatchRequest) -> int:
             else:
                 _write(result.text + "\n")
             if output is not None and not result.value_complete:
-                from llmcli.engine.structured import unfinished_value
-
                 failed = True
                 tokens, limit = result.stats.completion_tokens, params.max_new_tokens
                 why = unfinished_value(output, result.finish_reason, tokens, limit, "--max-new-tokens")

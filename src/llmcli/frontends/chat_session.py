@@ -1,8 +1,9 @@
 """A chat in progress: turns, slash commands, and what each turn cost. No terminal code.
 
-The session drives the engine and the conversation and reports through a `ChatView`, so the
-interactive REPL and scripted chat (stdin not a terminal) share every rule: nothing the user
-typed is lost, a failed or interrupted turn leaves the chat consistent, the cache is reused.
+The session drives a target's chat history (in-process: exact ids and a KV cache; through a
+server: messages re-sent) and reports through a `ChatView`, so the interactive REPL and scripted
+chat (stdin not a terminal), local or remote, share every rule: nothing the user typed is lost,
+a failed or interrupted turn leaves the chat consistent, the cache is reused.
 """
 
 from __future__ import annotations
@@ -10,23 +11,21 @@ from __future__ import annotations
 import difflib
 import json
 import shlex
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from llmcli.config.escapes import unescape
-from llmcli.config.settings import SPECULATIVE_METHODS, SamplingParams, SamplingSettings
-from llmcli.engine.conversation import Conversation, read_transcript, write_transcript
-from llmcli.engine.structured import format_command, unfinished_value
+from llmcli.config.settings import SPECULATIVE_METHODS, SamplingSettings
+from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.errors import LlmcliError, UsageError
+from llmcli.frontends.formats import format_command, unfinished_value
+from llmcli.frontends.target import Outcome, Target
 
-if TYPE_CHECKING:  # torch-free at import: a chat through a server (remote_chat.py) never loads it
-    from llmcli.engine.loop import Engine, GenerationResult
-    from llmcli.engine.speculative import Speculation
+if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads it
     from llmcli.engine.structured import OutputFormat
-    from llmcli.engine.structured.constraint import Constraint
-    from llmcli.models.load import LoadedModel
+    from llmcli.frontends.local import LocalHistory
+    from llmcli.frontends.remote import RemoteHistory
 
 HELP = """\
 /help                 this list
@@ -91,22 +90,26 @@ class TurnReport:
     speculative: dict[str, Any] | None = None  # method, drafted, accepted
 
     @classmethod
-    def of(cls, result: GenerationResult, context_used: int, context_length: int, dropped: int) -> TurnReport:
-        stats = result.stats
+    def of(cls, outcome: Outcome, context_used: int, context_length: int, dropped: int) -> TurnReport:
+        prompt_tokens = outcome.prompt_tokens or 0
+        cached = outcome.cached_tokens or 0
+        prefilled = (
+            outcome.prefilled_tokens if outcome.prefilled_tokens is not None else prompt_tokens - cached
+        )
         return cls(
-            reply=result.text,
-            prompt_tokens=stats.prompt_tokens,
-            prefilled_tokens=stats.prefilled_tokens,
-            cached_tokens=stats.cached_tokens,
-            completion_tokens=stats.completion_tokens,
-            ttft_s=round(stats.ttft_s, 6),
-            prefill_tok_s=round(stats.prefill_tok_s, 3),
-            decode_tok_s=round(stats.decode_tok_s, 3),
-            finish_reason=result.finish_reason,
+            reply=outcome.text,
+            prompt_tokens=prompt_tokens,
+            prefilled_tokens=prefilled,
+            cached_tokens=cached,
+            completion_tokens=outcome.completion_tokens or 0,
+            ttft_s=round(outcome.ttft_s or 0.0, 6),
+            prefill_tok_s=round(outcome.prefill_tok_s or 0.0, 3),
+            decode_tok_s=round(outcome.decode_tok_s or 0.0, 3),
+            finish_reason=outcome.finish_reason,
             context_used=context_used,
             context_length=context_length,
             dropped_exchanges=dropped,
-            speculative=stats.speculative.as_dict() if stats.speculative else None,
+            speculative=outcome.speculative,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -184,108 +187,78 @@ def speculative_note(record: dict[str, Any] | None) -> str:
 
 
 class ChatSession:
+    """A chat over any target: every /command exists once, here; what a target cannot do, it
+    refuses in one line."""
+
     def __init__(
         self,
-        loaded: LoadedModel,
-        params: SamplingParams,
+        target: Target,
         view: ChatView,
         *,
+        sampling: SamplingSettings | None = None,
         system: str | None = None,
-        engine: Engine | None = None,
-        speculate: Callable[[str], Speculation | None] | None = None,
         speculative: str = "off",
         output: OutputFormat | None = None,
     ) -> None:
-        self.loaded = loaded
-        self.output = output  # /format: replies constrained to JSON (a schema's, or any object)
-        self.params = params
+        self.target = target
         self.view = view
-        if engine is None:
-            from llmcli.engine.loop import Engine
-
-            engine = Engine.for_loaded(loaded)
-        self.engine = engine
-        # /set speculative: each method's speculation made once (a draft model loads once), kept.
-        self._speculate = speculate
-        self._speculations: dict[str, Speculation | None] = {"off": None}
+        # The values given (flags, env, config, /set); the target fills in the rest: the model's
+        # own defaults in-process, the server's defaults through one.
+        self.sampling = sampling or SamplingSettings()
+        self.output = output  # /format: replies constrained to JSON (a schema's, or any object)
         self.speculative = "off"
         if speculative != "off":
             self.set_speculative(speculative)
-        self.conversation = Conversation(loaded.tokenizer, loaded.context_length, system=system)
+        self.history: LocalHistory | RemoteHistory = target.chat(system)
         self.last_turn: TurnReport | None = None
         self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
+        if getattr(target, "is_llmcli", True) is False:
+            view.notice(
+                f"{target.where} is not an llmcli server: timings are its usage counts only, "
+                "and /undo re-sends the chat rather than cropping a cache."
+            )
 
     @property
     def context_length(self) -> int:
-        return self.conversation.context_length
+        return self.target.context_length
 
     # Turns ------------------------------------------------------------------------------------
 
-    def reply_room(self) -> int:
-        """Tokens kept free for the reply when deciding whether the prompt fits."""
-        return max(1, min(self.params.max_new_tokens, self.context_length // 4))
-
     def turn(self, user_text: str) -> TurnReport | None:
         """One exchange. On any failure the conversation is as it was before, and usable."""
+        history = self.history
         try:
-            prompt, dropped = self.conversation.prompt_for(user_text, self.reply_room())
+            dropped = history.prepare(user_text, self.sampling)
+            if dropped:
+                self.view.notice(
+                    f"Context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} to fit "
+                    f"({history.pending_tokens} of {self.context_length} tokens); the system prompt stays."
+                )
+            reply = history.ask(self.sampling, self.speculative, self.output)
         except LlmcliError as error:
+            history.abandon(error)
             self._fail(error.one_line())
             return None
-        if dropped:
-            self.view.notice(
-                f"Context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} "
-                f"to fit ({len(prompt)} of {self.context_length} tokens); the system prompt stays."
-            )
-        # The template's own stop strings end a text reply; a JSON reply ends with its value.
-        template_stops = self.conversation.stop_strings if self.output is None else ()
-        params = self.params.with_(stop=self.params.stop + template_stops)
-        try:
-            constraint = self._constraint()
-        except LlmcliError as error:
-            self._fail(error.one_line())
-            return None
-        generation = self.engine.generate(prompt, params, self.loaded.tokenizer, constraint)
         self.view.reply_start()
         try:
-            for piece in generation:
+            for piece in reply:
                 self.view.reply_piece(piece)
         except KeyboardInterrupt:
-            generation.interrupt()  # keep what was generated; the cache matches it again
+            reply.interrupt()  # keep what was generated; the cache matches it again
         except Exception as error:  # out of memory and the like: this turn is lost, the chat is not
-            self.engine.restore_consistency()
-            self._fail(self._turn_failure(error))
+            self._fail(history.abandon(error))
             return None
-        result = generation.result
-        self.conversation.commit(
-            user_text, prompt, dropped, result.text, result.token_ids, result.finish_reason
-        )
-        report = TurnReport.of(result, len(self.conversation.ids), self.context_length, dropped)
+        outcome = reply.outcome()
+        history.commit(outcome)
+        report = TurnReport.of(outcome, history.context_used, self.context_length, dropped)
         self.last_turn = report
         self.totals.add(report)
-        self.view.reply_end(result, report)
-        if self.output is not None and result.finish_reason != "interrupted" and not result.value_complete:
-            tokens, limit = result.stats.completion_tokens, params.max_new_tokens
-            self._fail(unfinished_value(self.output, result.finish_reason, tokens, limit))
+        self.view.reply_end(outcome, report)
+        if self.output is not None and outcome.finish_reason != "interrupted" and not outcome.value_complete:
+            limit = (outcome.sampling or {}).get("max_new_tokens") or self.sampling.max_new_tokens
+            self._fail(unfinished_value(self.output, outcome.finish_reason, outcome.completion_tokens, limit))
         return report
-
-    def _constraint(self) -> Constraint | None:
-        if self.output is None:
-            return None
-        from llmcli.engine.structured.constraint import Constraint
-
-        loaded = self.loaded
-        return Constraint(self.output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-
-    def _turn_failure(self, error: Exception) -> str:
-        if type(error).__name__ == "OutOfMemoryError":
-            self.engine.free_memory()
-            return (
-                f"out of memory during the reply ({len(self.engine.cached_ids)} tokens cached); "
-                "the conversation is as it was — try /set max_new_tokens lower, /undo or /reset"
-            )
-        return f"the reply failed: {type(error).__name__}: {error}".splitlines()[0]
 
     def _fail(self, message: str) -> None:
         self.failed = True
@@ -318,19 +291,15 @@ class ChatSession:
 
     def _cmd_system(self, text: str) -> None:
         if not text:
-            self.view.info(f"system prompt: {self.conversation.system or '(none)'}")
+            self.view.info(f"system prompt: {self.history.system or '(none)'}")
             return
-        self.conversation.set_system(None if text == "-" else text)
+        self.history.set_system(None if text == "-" else text)
         self.view.info("system prompt cleared" if text == "-" else "system prompt set")
 
     def set_speculative(self, method: str) -> None:
         if method not in SPECULATIVE_METHODS:
             raise UsageError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
-        if method not in self._speculations:
-            if self._speculate is None:
-                raise UsageError("speculative decoding is not available in this session")
-            self._speculations[method] = self._speculate(method)
-        self.engine.speculation = self._speculations[method]
+        self.target.speculation(method)
         self.speculative = method
 
     def _cmd_set(self, argument: str) -> None:
@@ -342,23 +311,21 @@ class ChatSession:
             return
         if key not in SETTABLE or not value:
             raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
-        self.params = apply_setting(self.params, key, value)
-        self.view.info(f"{key} = {shown(getattr(self.params, key))}")
+        self.sampling = apply_setting(self.sampling, key, value)
+        self.view.info(f"{key} = {shown(getattr(self.sampling, key))}")
 
     def _cmd_format(self, argument: str) -> None:
         self.output = format_command(argument, self.output)
         self.view.info(f"format {self.output.label if self.output else 'off (text)'}")
 
     def _cmd_show(self, _: str) -> None:
-        loaded = self.loaded
-        settings = " · ".join(f"{k} {shown(v)}" for k, v in self.params.as_dict().items())
+        target = self.target
+        values = target.shown_sampling(self.sampling)
+        settings = " · ".join(f"{k} {shown(v)}" for k, v in values.items()) or "the server's"
         self.view.info(
-            f"model {loaded.name} · {loaded.memory_summary()} · engine {self.engine.name}"
-            f" · speculative {self.speculative}\n"
-            f"context {len(self.conversation.ids)}/{self.context_length} tokens · "
-            f"{plural(len(self.conversation.messages) // 2, 'exchange')} · "
-            f"cache holds {len(self.engine.cached_ids)}\n"
-            f"system {self.conversation.system or '(none)'}\n{settings}"
+            f"model {target.name} · {target.summary()} · speculative {self.speculative}\n"
+            f"{self.history.describe()}\n"
+            f"system {self.history.system or '(none)'}\nsampling: {settings}"
         )
 
     def _cmd_stats(self, _: str) -> None:
@@ -368,76 +335,66 @@ class ChatSession:
         self.view.info(self.totals.stats_text(self.last_turn, self.speculative))
 
     def _cmd_reset(self, _: str) -> None:
-        self.conversation.reset()
-        self.engine.reset()
+        self.history.reset()
         self.view.info("conversation cleared")
 
     def _cmd_undo(self, _: str) -> None:
-        dropped = self.conversation.undo()
+        dropped = self.history.undo()
         if dropped is None:
             self.view.info("nothing to undo")
             return
-        self._crop_cache_to_conversation()
-        self.view.info(f"dropped: {_preview(dropped.user)}")
+        self.view.info(f"dropped: {_preview(dropped[0])}")
 
     def _cmd_retry(self, _: str) -> None:
-        last = self.conversation.undo()
+        last = self.history.undo(keep_cache=True)
         if last is None:
             self.view.info("nothing to retry")
             return
-        if self.turn(last.user) is None:
-            # The new attempt failed: put the previous reply back, so nothing is lost.
-            self.conversation.messages += [
-                {"role": "user", "content": last.user},
-                {"role": "assistant", "content": last.reply},
-            ]
-            self.conversation.ids = self.conversation.history_ids()
+        if self.turn(last[0]) is None:
+            self.history.restore(*last)  # the new attempt failed: put the previous reply back
 
     def _cmd_save(self, argument: str) -> None:
         path = _one_path(argument, "/save FILE")
-        write_transcript(
-            path, self.conversation.to_transcript(self.loaded.name, _settings_record(self.params))
-        )
-        self.view.info(f"saved {len(self.conversation.messages)} messages to {path}")
+        settings = self.target.shown_sampling(self.sampling)
+        data = {
+            "version": TRANSCRIPT_VERSION,
+            "model": self.target.name,
+            "system": self.history.system,
+            "settings": {key: list(v) if isinstance(v, tuple) else v for key, v in settings.items()},
+            "messages": self.history.messages,
+        }
+        write_transcript(path, data)
+        self.view.info(f"saved {len(self.history.messages)} messages to {path}")
 
     def _cmd_load(self, argument: str) -> None:
         path = _one_path(argument, "/load FILE")
         data = read_transcript(path)
-        params = self.params
+        messages = transcript_messages(data, path)
+        sampling = self.sampling
         for key, value in (data.get("settings") or {}).items():
-            if key in SETTABLE:
-                params = apply_setting(params, key, value)
-        previous = (self.conversation.system, list(self.conversation.messages), list(self.conversation.ids))
-        self.conversation.load_transcript(data)
-        needed = len(self.conversation.ids)
-        if needed + self.reply_room() > self.context_length:
-            self.conversation.system, self.conversation.messages, self.conversation.ids = previous
-            raise LlmcliError(f"{path} holds {needed} tokens; the context holds {self.context_length}")
-        changes = settings_changed(self.params, params)
-        self.params = params
-        prefilled = self.engine.warm(self.conversation.ids)
-        self.view.info(
-            f"loaded {len(self.conversation.messages)} messages from {path} "
-            f"({len(self.conversation.ids)} tokens in context, {prefilled} prefilled now)"
+            if key in SETTABLE and value not in (None, []):
+                sampling = apply_setting(sampling, key, value)
+        system = data.get("system") if isinstance(data.get("system"), str) else None
+        note = self.history.replace(system or None, messages, sampling, str(path))
+        changes = settings_changed(
+            self.target.shown_sampling(self.sampling), self.target.shown_sampling(sampling)
         )
+        self.sampling = sampling
+        self.view.info(f"loaded {len(messages)} messages from {path}{note}")
         if changes:
             self.view.notice(f"{path} brought its own settings: {changes}")
 
-    def _crop_cache_to_conversation(self) -> None:
-        from llmcli.engine.loop import common_prefix_length
 
-        self.engine.crop_to(common_prefix_length(self.engine.cached_ids, self.conversation.ids))
-
-
-def settings_changed(before: SamplingParams, after: SamplingParams) -> str:
+def settings_changed(before: dict[str, Any], after: dict[str, Any]) -> str:
     """ "temperature 0.2 → 0.8 · seed none → 7": what a /load replaced (empty: nothing)."""
-    old, new = before.as_dict(), after.as_dict()
     return " · ".join(
-        f"{key} {shown(old[key])} → {shown(new[key])}" for key in SETTABLE if old.get(key) != new.get(key)
+        f"{key} {shown(before.get(key))} → {shown(after.get(key))}"
+        for key in SETTABLE
+        if before.get(key) != after.get(key)
     )
 
 
-def apply_setting(params: SamplingParams, key: str, value: Any) -> SamplingParams:
+def apply_setting(sampling: SamplingSettings, key: str, value: Any) -> SamplingSettings:
     """One /set (or a loaded transcript's setting), checked by the same rules as the flags."""
     if key == "stop":
         stops: tuple[str, ...] = (
@@ -445,9 +402,9 @@ def apply_setting(params: SamplingParams, key: str, value: Any) -> SamplingParam
             if value in ("none", None)
             else (tuple(value) if isinstance(value, list) else tuple(map(unescape, shlex.split(str(value)))))
         )
-        return params.with_(stop=SamplingSettings(stop=stops).validate().stop)
+        return replace(sampling, stop=SamplingSettings(stop=stops).validate().stop)
     if key == "seed" and value in ("none", None):
-        return params.with_(seed=None)
+        return replace(sampling, seed=None)
     kind = int if key in ("top_k", "max_new_tokens", "seed") else float
     try:
         typed = kind(value)
@@ -456,13 +413,20 @@ def apply_setting(params: SamplingParams, key: str, value: Any) -> SamplingParam
             f"{key} needs {'an integer' if kind is int else 'a number'}, got {value!r}"
         ) from error
     SamplingSettings(**{key: typed}).validate()
-    return params.with_(**{key: typed})
+    return replace(sampling, **{key: typed})
 
 
-def _settings_record(params: SamplingParams) -> dict[str, Any]:
-    record = params.as_dict()
-    record["stop"] = list(params.stop)
-    return record
+def transcript_messages(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """A transcript's messages, checked: user and assistant turns with text."""
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise LlmcliError(
+            f"{path} is not an llmcli chat transcript: its messages must be user/assistant turns"
+        )
+    return messages
 
 
 def _one_path(argument: str, usage: str) -> Path:

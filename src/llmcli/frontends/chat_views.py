@@ -11,7 +11,7 @@ from rich.console import Console
 from llmcli.frontends import terminal
 
 if TYPE_CHECKING:
-    from llmcli.engine.loop import GenerationResult
+    from llmcli.frontends.target import Outcome
 from llmcli.frontends.chat_session import TurnReport
 
 
@@ -45,7 +45,7 @@ class TerminalView:
             self.console.file.write(text)
             self.console.file.flush()
 
-    def reply_end(self, result: GenerationResult, turn: TurnReport) -> None:
+    def reply_end(self, outcome: Outcome, turn: TurnReport) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -73,7 +73,7 @@ class PlainView:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    def reply_end(self, result: GenerationResult, turn: TurnReport) -> None:
+    def reply_end(self, outcome: Outcome, turn: TurnReport) -> None:
         sys.stdout.write("\n")
         sys.stdout.flush()
 
@@ -93,6 +93,6 @@ class JsonView(PlainView):
     def reply_piece(self, text: str) -> None:
         pass
 
-    def reply_end(self, result: GenerationResult, turn: TurnReport) -> None:
+    def reply_end(self, outcome: Outcome, turn: TurnReport) -> None:
         sys.stdout.write(json.dumps(turn.as_dict(), ensure_ascii=False) + "\n")
         sys.stdout.flush()

@@ -6,21 +6,21 @@ joined as "<arguments>\n\n<stdin>". Either alone is the whole prompt.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
+from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
-from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
+from llmcli.frontends.formats import unfinished_value
+from llmcli.frontends.loading import load_with_feedback
+from llmcli.frontends.target import Ask, Target, json_record
 
 if TYPE_CHECKING:
-    from llmcli.engine.loop import GenerationResult
     from llmcli.engine.structured import OutputFormat
 
 
@@ -34,9 +34,7 @@ class GenerateRequest:
     stats: bool
     sampling: SamplingSettings
     load: LoadSettings
-    server: str | None = None  # --server / LLMCLI_SERVER: use this OpenAI-compatible endpoint
-    api_key: str | None = None
-    no_server: bool = False  # --no-server: never use a running `llmcli serve`
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     num_beams: int = 1  # > 1: beam search, printed when it ends
     output: OutputFormat | None = None  # --format json / --json-schema: a JSON value, constrained
@@ -69,124 +67,59 @@ def assemble_prompt(words: tuple[str, ...], stdin_text: str) -> str:
 
 
 def run(request: GenerateRequest) -> int:
-    """Resolve, load, generate, print. Returns the exit code; raises LlmcliError on failure."""
+    """Find the target, generate, print. Returns the exit code; raises LlmcliError on failure."""
     stdin = sys.stdin.buffer if sys.stdin is not None else None
     prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
-    from llmcli.frontends import remote
-
-    in_process = request.no_server or request.num_beams > 1  # beams run on the loaded model itself
-    target = remote.find_server(
-        request.model, request.load, request.server, request.api_key, in_process, request.speculative
-    )
-    if target is not None:
-        out = StdoutSink()
-        return remote.run(
-            target,
-            prompt,
-            request.system,
-            request.raw,
-            request.sampling,
-            request.json,
-            request.stats,
-            out,
-            request.speculative,
-            request.output,
-        )
-
-    loaded = load_with_feedback(request.model, request.load)
-    from llmcli.engine.conversation import build_messages, prompt_ids
-
-    ids = prompt_ids(loaded.tokenizer, build_messages(prompt, request.system), raw=request.raw)
-    params = request.sampling.resolve(loaded.generation_config)
+    beams = request.num_beams > 1  # beam search runs on the loaded model itself
+    target = open_target(request.model, request.load, request.remote, request.speculative, beams)
+    messages = [{"role": "user", "content": prompt}]
+    if request.system:
+        messages.insert(0, {"role": "system", "content": request.system})
+    method, output = request.speculative.method, request.output
+    reply = target.reply(Ask(messages, request.sampling, method, output, request.raw, request.num_beams))
     out = StdoutSink()
     exit_code = EXIT_OK
-    if request.num_beams > 1:
-        from llmcli.engine.beams import beam_search
-
-        engine_name = "transformers (beam search)"
-        with terminal.status(f"Searching with {request.num_beams} beams…"):
-            result = beam_search(loaded, ids, params, request.num_beams)
-        if not request.json and not out.write(result.text):
-            return EXIT_OK
-    else:
-        engine = engine_with_feedback(loaded)
-        engine_name = engine.name
-        engine.speculation = speculation_with_feedback(
-            loaded, request.model, request.speculative, request.load
-        )
-        constraint = None
-        if request.output is not None:
-            from llmcli.engine.structured.constraint import Constraint
-
-            constraint = Constraint(request.output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-        generation = engine.generate(ids, params, loaded.tokenizer, constraint)
-        try:
-            for piece in generation:
-                if not request.json and not out.write(piece):
-                    return EXIT_OK  # the reader left (`| head`): stop generating, quietly
-        except KeyboardInterrupt:
-            generation.interrupt()
-            exit_code = EXIT_INTERRUPTED
-        result = generation.result
+    try:
+        for piece in reply:
+            if not request.json and not out.write(piece):
+                reply.interrupt()
+                return EXIT_OK  # the reader left (`| head`): stop generating, quietly
+    except KeyboardInterrupt:
+        reply.interrupt()
+        exit_code = EXIT_INTERRUPTED
+    outcome = reply.outcome()
     if request.json:
-        record = {
-            "text": result.text,
-            "model": loaded.name,
-            "prompt_tokens": result.stats.prompt_tokens,
-            "completion_tokens": result.stats.completion_tokens,
-            "finish_reason": result.finish_reason,
-            "ttft_s": round(result.stats.ttft_s, 6),
-            "prefill_tok_s": round(result.stats.prefill_tok_s, 3),
-            "decode_tok_s": round(result.stats.decode_tok_s, 3),
-            "weight_bytes": loaded.weight_bytes,
-            "device": str(loaded.device),
-            "dtype": loaded.dtype_name,
-            "quant": loaded.quant,
-            "quant_backend": loaded.quant_backend,
-            "engine": engine_name,
-            "num_beams": request.num_beams,
-            "kv_bytes_per_token": loaded.kv_bytes_per_token,
-            "context_length": loaded.context_length,
-            "cached_tokens": result.stats.cached_tokens,
-            "speculative": result.stats.speculative.as_dict() if result.stats.speculative else None,
-            "sampling": params.as_dict(),
-            **record_extras(result, request.output),
-        }
+        record = json_record(target, outcome, request.num_beams, output)
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    elif result.text and not result.text.endswith("\n"):
+    elif outcome.text and not outcome.text.endswith("\n"):
         out.write("\n")
-    if request.output is not None and exit_code == EXIT_OK and not result.value_complete:
-        from llmcli.engine.structured import unfinished_value
-
-        stats = result.stats
-        terminal.error(
-            unfinished_value(
-                request.output,
-                result.finish_reason,
-                stats.completion_tokens,
-                params.max_new_tokens,
-                "--max-new-tokens",
-            )
-        )
+    if output is not None and exit_code == EXIT_OK and not outcome.value_complete:
+        limit = (outcome.sampling or {}).get("max_new_tokens")
+        tokens = outcome.completion_tokens
+        terminal.error(unfinished_value(output, outcome.finish_reason, tokens, limit, "--max-new-tokens"))
         exit_code = EXIT_FAILURE
     if request.stats:
-        terminal.note(
-            f"{loaded.name} · {result.stats.summary()} · {result.finish_reason} · {loaded.memory_summary()}"
-            f" · engine {engine_name}"
-        )
+        summary = f"{outcome.stats_summary()} · {outcome.finish_reason} · {target.summary()}"
+        terminal.note(f"{target.name} · {summary}")
     return exit_code
 
 
-def record_extras(result: GenerationResult, output: OutputFormat | None) -> dict[str, Any]:
-    """--json's fields for constrained output: the format asked for, and the value (parsed; null
-    when the reply was cut before the value was complete)."""
-    if output is None:
-        return {}
-    value = None
-    if result.value_complete:
-        with contextlib.suppress(ValueError):  # the grammar guarantees it; never crash on it
-            value = json.loads(result.text)
-    return {"format": output.label, "value": value}
+def open_target(
+    model: str | None,
+    load: LoadSettings,
+    remote: RemoteSettings,
+    speculative: SpeculativeSettings,
+    in_process: bool = False,
+) -> Target:
+    """A running server that fits (or the one named), else the model loaded here."""
+    from llmcli.frontends.remote import find_server
+
+    found = find_server(model, load, remote, in_process, speculative)
+    if found is not None:
+        return found
+    from llmcli.frontends.local import InProcessTarget
+
+    return InProcessTarget(load_with_feedback(model, load), model, load, speculative)
 
 
 class StdoutSink:

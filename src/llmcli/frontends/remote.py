@@ -1,58 +1,66 @@
-"""`generate` through a server: a running `llmcli serve` found by itself, or any OpenAI-compatible
-endpoint named with --server. Same stdout, --json fields and exit codes as in-process, plus
-`"server": URL`. Nothing here imports torch or transformers: that is the point of a warm server.
+"""The remote target: a running `llmcli serve` found by itself, or any OpenAI-compatible endpoint
+named with --server. Nothing here imports torch or transformers: that is the point of a warm
+server.
+
+What only an in-process model gives degrades, and says so: a chat is kept as messages and
+re-sent whole each turn (llmcli's server prefills only what its cache does not hold; its exact
+token ids are the server's business, so /undo crops no cache here), and another kind of server
+reports only its `usage`, not llmcli's timings, drafts or the sampling values it used.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
-from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
-from llmcli.frontends import terminal
+from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
+from llmcli.errors import UsageError
+from llmcli.frontends.target import Ask, Outcome
 from llmcli.server.client import Client
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
 
-
-@dataclass
-class Target:
-    client: Client
-    model: str  # the name to send
-    info: dict[str, Any] | None  # llmcli's /health; None for another kind of server
+# What --json reports about how the model is loaded, as llmcli's /health gives it.
+LOAD_FACTS = (
+    "weight_bytes",
+    "device",
+    "dtype",
+    "quant",
+    "quant_backend",
+    "engine",
+    "kv_bytes_per_token",
+    "context_length",
+)
 
 
 def find_server(
     model: str | None,
     load: LoadSettings,
-    server: str | None,
-    api_key: str | None,
-    no_server: bool,
+    remote: RemoteSettings,
+    in_process: bool,
     speculative: SpeculativeSettings | None = None,
-) -> Target | None:
+) -> RemoteTarget | None:
     """The server to use, or None to load in-process. An explicit URL must answer; a discovered
     one that does not (hung, or gone since it wrote its record) is passed over quietly, and so
     is one without the draft model asked for."""
-    if no_server:
+    if remote.no_server or in_process:
         return None
-    if server:
-        client = Client(server, api_key)
+    if remote.server:
+        client = Client(remote.server, remote.api_key)
         info = client.llmcli_health(timeout_s=5.0)
         name = model or (info["model"] if info else client.first_model())
-        return Target(client, name, info)
+        return RemoteTarget(client, name, info, speculative)
     from llmcli.models.resolve import default_model_spec
     from llmcli.server.runtime import matching_server
 
     record = matching_server(model or default_model_spec(), load)
     if record is None or not _drafts_as_asked(record, speculative):
         return None
-    client = Client(record["url"], api_key)
+    client = Client(record["url"], remote.api_key)
     info = client.llmcli_health(timeout_s=1.0)
-    return Target(client, info["model"], info) if info else None
+    return RemoteTarget(client, info["model"], info, speculative) if info else None
 
 
 def _drafts_as_asked(record: dict[str, Any], speculative: SpeculativeSettings | None) -> bool:
@@ -62,29 +70,75 @@ def _drafts_as_asked(record: dict[str, Any], speculative: SpeculativeSettings | 
     return record.get("draft_model") == speculative.draft_model
 
 
-def request_body(
-    target: Target,
-    sampling: SamplingSettings,
-    speculative: SpeculativeSettings | None = None,
-    output: OutputFormat | None = None,
-) -> dict[str, Any]:
-    fields = {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,  # llmcli's extras: vLLM and llama.cpp's server read them too
-        "min_p": sampling.min_p,
-        "repetition_penalty": sampling.repetition_penalty,
-        "max_tokens": sampling.max_new_tokens,
-        "seed": sampling.seed,
-        "stop": list(sampling.stop) or None,
-    }
-    body = {name: value for name, value in fields.items() if value is not None}
-    if speculative is not None and target.info is not None:
-        # llmcli's own extra field, sent only to an llmcli server (others would not know it).
-        body["speculative"] = speculative.method
-    if output is not None:
-        body["response_format"] = response_format(output)
-    return {"model": target.model, **body, "stream_options": {"include_usage": True}}
+class RemoteTarget:
+    def __init__(
+        self,
+        client: Client,
+        model: str,
+        info: dict[str, Any] | None,
+        speculative: SpeculativeSettings | None = None,
+    ) -> None:
+        self.client = client
+        self.name = model  # the name to send
+        self.info = info  # llmcli's /health; None for another kind of server
+        self.where = client.url
+        self.dtype_name = (info or {}).get("dtype") or "remote"
+        self.context_length = int((info or {}).get("context_length") or 0)
+        self.engine_name = (info or {}).get("engine") or "remote"
+        self._speculative = speculative or SpeculativeSettings()
+
+    @property
+    def is_llmcli(self) -> bool:
+        return self.info is not None
+
+    def facts(self) -> dict[str, Any]:
+        info = self.info or {}
+        return {**{name: info.get(name) for name in LOAD_FACTS}, "server": self.client.url}
+
+    def summary(self) -> str:
+        return f"server {self.client.url}"
+
+    def shown_sampling(self, sampling: SamplingSettings) -> dict[str, Any]:
+        """Only the values given here are sent; the rest are the server's."""
+        return {name: value for name, value in vars(sampling).items() if value not in (None, ())}
+
+    def speculation(self, method: str) -> None:
+        if not self.is_llmcli:
+            raise UsageError(f"{self.client.url} is not an llmcli server: it drafts as it was started")
+        if method == "draft" and not self._speculative.draft_model:
+            raise UsageError("drafting needs a draft model: start chat with --draft-model MODEL or self")
+
+    def reply(self, ask: Ask) -> RemoteReply:
+        body = self.request_body(ask.sampling, ask.speculative, ask.output)
+        if ask.raw:
+            body["prompt"] = "\n\n".join(m["content"] for m in ask.messages)
+            return RemoteReply(self.client, "completions", body, ask.output)
+        body["messages"] = ask.messages
+        return RemoteReply(self.client, "chat/completions", body, ask.output)
+
+    def request_body(
+        self, sampling: SamplingSettings, speculative: str | None, output: OutputFormat | None
+    ) -> dict[str, Any]:
+        fields = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,  # llmcli's extras: vLLM and llama.cpp's server read them too
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "max_tokens": sampling.max_new_tokens,
+            "seed": sampling.seed,
+            "stop": list(sampling.stop) or None,
+        }
+        body = {name: value for name, value in fields.items() if value is not None}
+        if speculative is not None and self.is_llmcli:
+            # llmcli's own extra field, sent only to an llmcli server (others would not know it).
+            body["speculative"] = speculative
+        if output is not None:
+            body["response_format"] = response_format(output)
+        return {"model": self.name, **body, "stream_options": {"include_usage": True}}
+
+    def chat(self, system: str | None) -> RemoteHistory:
+        return RemoteHistory(self, system)
 
 
 def response_format(output: OutputFormat) -> dict[str, Any]:
@@ -96,102 +150,143 @@ def response_format(output: OutputFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "llmcli", "schema": output.schema, "strict": True}}
 
 
-def parsed_value(text: str) -> tuple[bool, Any]:
-    """(whether `text` is one whole JSON value, the value): a server's reply is checked here."""
-    try:
-        return True, json.loads(text)
-    except ValueError:
-        return False, None
+class RemoteReply:
+    """A streamed reply; leaving the stream early is a disconnect, and the server stops."""
 
+    def __init__(
+        self, client: Client, endpoint: str, body: dict[str, Any], output: OutputFormat | None
+    ) -> None:
+        self._events = client.stream(endpoint, body)
+        self._chat = endpoint == "chat/completions"
+        self._output = output
+        self._pieces: list[str] = []
+        self._finish = "stop"
+        self._usage: dict[str, Any] = {}
+        self._timings: dict[str, Any] = {}
+        self._sampling: dict[str, Any] | None = None
+        self._started = time.perf_counter()
+        self._first_at: float | None = None
 
-def run(
-    target: Target,
-    prompt: str,
-    system: str | None,
-    raw: bool,
-    sampling: SamplingSettings,
-    json_output: bool,
-    stats: bool,
-    out: Any,  # generate.StdoutSink
-    speculative: SpeculativeSettings | None = None,
-    output: OutputFormat | None = None,
-) -> int:
-    body = request_body(target, sampling, speculative, output)
-    if raw:
-        endpoint, body["prompt"] = "completions", prompt
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        endpoint, body["messages"] = "chat/completions", messages
-    pieces: list[str] = []
-    finish, usage, timings, resolved = "stop", {}, {}, None
-    started = time.perf_counter()
-    first_at = None
-    exit_code = EXIT_OK
-    events = target.client.stream(endpoint, body)
-    try:
-        for event in events:
-            for choice in event.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") if not raw else choice.get("text")
-                if piece:
-                    first_at = first_at or time.perf_counter()
-                    pieces.append(piece)
-                    if not json_output and not out.write(piece):
-                        return EXIT_OK  # the reader left (`| head`): closing the stream stops the server
-                finish = choice.get("finish_reason") or finish
-            usage = event.get("usage") or usage
-            timings = event.get("timings") or timings
-            resolved = event.get("sampling") or resolved
-    except KeyboardInterrupt:
-        finish, exit_code = "interrupted", EXIT_INTERRUPTED
-    finally:
-        events.close()  # a stream left early is a disconnect: the server stops generating
-    text = "".join(pieces)
-    ttft = timings.get("ttft_s", (first_at or started) - started)
-    if json_output:
-        info = target.info or {}
-        record = {
-            "text": text,
-            "model": target.model,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
-            "finish_reason": finish,
-            "ttft_s": ttft,
-            "prefill_tok_s": timings.get("prefill_tok_s"),
-            "decode_tok_s": timings.get("decode_tok_s"),
-            **{name: info.get(name) for name in _LOAD_FIELDS},
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "speculative": timings.get("speculative"),
-            "sampling": resolved,
-            "num_beams": 1,  # beam search runs in-process only
-            "server": target.client.url,
-        }
-        if output is not None:
-            record |= {"format": output.label, "value": parsed_value(text)[1]}
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    elif text and not text.endswith("\n"):
-        out.write("\n")
-    if output is not None and exit_code == EXIT_OK and not parsed_value(text)[0]:
-        cause = "max_tokens cut it" if finish == "length" else f"the server ended it ({finish})"
-        terminal.error(f"the reply is not a complete JSON value ({output.label}): {cause}")
-        exit_code = EXIT_FAILURE
-    if stats:
-        terminal.note(
-            f"{target.model} · {usage.get('prompt_tokens', '?')} prompt tok, "
-            f"{usage.get('completion_tokens', '?')} completion tok · TTFT {ttft:.3f} s · "
-            f"decode {timings.get('decode_tok_s', 0):.1f} tok/s · {finish} · server {target.client.url}"
+    def __iter__(self) -> Iterator[str]:
+        try:
+            for event in self._events:
+                for choice in event.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") if self._chat else choice.get("text")
+                    if piece:
+                        self._first_at = self._first_at or time.perf_counter()
+                        self._pieces.append(piece)
+                        yield piece
+                    self._finish = choice.get("finish_reason") or self._finish
+                self._usage = event.get("usage") or self._usage
+                self._timings = event.get("timings") or self._timings
+                self._sampling = event.get("sampling") or self._sampling
+        finally:
+            self._events.close()  # a stream left early is a disconnect: the server stops generating
+
+    def interrupt(self) -> None:
+        self._finish = "interrupted"
+        self._events.close()
+
+    def outcome(self) -> Outcome:
+        import json
+
+        text, usage, timings = "".join(self._pieces), self._usage, self._timings
+        prompt_tokens = usage.get("prompt_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        prefilled = timings.get("prefilled_tokens")
+        if prefilled is None and prompt_tokens is not None:
+            prefilled = prompt_tokens - (cached or 0)
+        complete = None
+        if self._output is not None:
+            try:
+                json.loads(text)
+                complete = True
+            except ValueError:
+                complete = False
+        return Outcome(
+            text=text,
+            finish_reason=self._finish,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=usage.get("completion_tokens", len(self._pieces) if self._pieces else None),
+            prefilled_tokens=prefilled,
+            cached_tokens=cached,
+            ttft_s=timings.get("ttft_s", (self._first_at or self._started) - self._started),
+            prefill_tok_s=timings.get("prefill_tok_s"),
+            decode_tok_s=timings.get("decode_tok_s"),
+            speculative=timings.get("speculative"),
+            sampling=self._sampling,
+            value_complete=complete,
         )
-    return exit_code
 
 
-_LOAD_FIELDS = (
-    "weight_bytes",
-    "device",
-    "dtype",
-    "quant",
-    "quant_backend",
-    "engine",
-    "kv_bytes_per_token",
-    "context_length",
-)
+class RemoteHistory:
+    """A chat through a server: messages kept here and re-sent whole each turn."""
+
+    def __init__(self, target: RemoteTarget, system: str | None) -> None:
+        self.target = target
+        self.system = system
+        self.messages: list[dict[str, Any]] = []
+        self._pending: str | None = None
+        self._last_used = 0
+
+    @property
+    def context_used(self) -> int:
+        return self._last_used
+
+    pending_tokens = 0  # counted by the server
+
+    def prepare(self, user_text: str, sampling: SamplingSettings) -> int:
+        self._pending = user_text
+        return 0  # the server fits the conversation to its context, or refuses it
+
+    def ask(self, sampling: SamplingSettings, speculative: str, output: OutputFormat | None) -> RemoteReply:
+        assert self._pending is not None
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        sent = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        messages = [*system, *sent, {"role": "user", "content": self._pending}]
+        return self.target.reply(Ask(messages, sampling, speculative, output))
+
+    def commit(self, outcome: Outcome) -> None:
+        assert self._pending is not None
+        assistant: dict[str, Any] = {"role": "assistant", "content": outcome.text}
+        if outcome.finish_reason == "interrupted":
+            assistant["interrupted"] = True
+        self.messages += [{"role": "user", "content": self._pending}, assistant]
+        self._pending = None
+        self._last_used = (outcome.prompt_tokens or 0) + (outcome.completion_tokens or 0)
+
+    def abandon(self, error: Exception) -> str:
+        from llmcli.errors import LlmcliError
+
+        self._pending = None
+        if isinstance(error, LlmcliError):
+            return error.one_line()
+        return f"the reply failed: {type(error).__name__}: {error}".splitlines()[0]
+
+    def set_system(self, text: str | None) -> None:
+        self.system = text or None
+
+    def undo(self, keep_cache: bool = False) -> tuple[str, str] | None:
+        if len(self.messages) < 2:
+            return None
+        user, reply = self.messages[-2]["content"], self.messages[-1]["content"]
+        del self.messages[-2:]
+        return user, reply
+
+    def restore(self, user: str, reply: str) -> None:
+        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+
+    def reset(self) -> None:
+        self.messages = []
+
+    def replace(
+        self, system: str | None, messages: list[dict[str, Any]], room: SamplingSettings, where: str
+    ) -> str:
+        self.system, self.messages = system, [dict(m) for m in messages]
+        return ""
+
+    def describe(self) -> str:
+        from llmcli.frontends.chat_session import plural
+
+        context = self.target.context_length or "unknown"
+        return f"{plural(len(self.messages) // 2, 'exchange')} · context {context} tokens"

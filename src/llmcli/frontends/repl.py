@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -17,16 +16,14 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from rich.console import Console
 
 from llmcli.config.paths import state_dir
-from llmcli.config.settings import LoadSettings, SamplingSettings, SpeculativeSettings
-from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
+from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from llmcli.frontends import terminal
 from llmcli.frontends.chat_session import COMMANDS, ChatSession, ChatView
 from llmcli.frontends.chat_views import JsonView, PlainView, TerminalView
-from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
-from llmcli.frontends.remote_chat import RemoteChatSession
+from llmcli.frontends.generate import open_target
 
 if TYPE_CHECKING:
-    from llmcli.engine.speculative import Speculation
     from llmcli.engine.structured import OutputFormat
 
 PROMPT = ">>> "
@@ -42,9 +39,7 @@ class ChatRequest:
     json: bool
     sampling: SamplingSettings
     load: LoadSettings
-    server: str | None = None  # as for generate: --server / LLMCLI_SERVER
-    api_key: str | None = None
-    no_server: bool = False
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     output: OutputFormat | None = None  # --format / --json-schema: every reply JSON (/format changes it)
 
@@ -57,47 +52,21 @@ def run(request: ChatRequest) -> int:
         view = TerminalView(console, markdown=request.markdown)
     else:
         view = JsonView() if request.json else PlainView()
-    from llmcli.frontends.remote import find_server
-
-    target = find_server(
-        request.model, request.load, request.server, request.api_key, request.no_server, request.speculative
+    target = open_target(request.model, request.load, request.remote, request.speculative)
+    session = ChatSession(
+        target,
+        view,
+        sampling=request.sampling,
+        system=request.system,
+        speculative=request.speculative.method,
+        output=request.output,
     )
-    session: ChatSession | RemoteChatSession
-    if target is not None:
-        session = RemoteChatSession(
-            target,
-            request.sampling,
-            view,
-            system=request.system,
-            speculative=request.speculative,
-            output=request.output,
-        )
-    else:
-        loaded = load_with_feedback(request.model, request.load)
-        params = request.sampling.resolve(loaded.generation_config)
-
-        def speculate(method: str) -> Speculation | None:
-            if method == "draft" and not request.speculative.draft_model:
-                raise UsageError("drafting needs a draft model: start chat with --draft-model MODEL or self")
-            settings = dataclasses.replace(request.speculative, method=method)
-            return speculation_with_feedback(loaded, request.model, settings, request.load)
-
-        session = ChatSession(
-            loaded,
-            params,
-            view,
-            system=request.system,
-            engine=engine_with_feedback(loaded),
-            speculate=speculate,
-            speculative=request.speculative.method,
-            output=request.output,
-        )
     if interactive:
         return run_interactive(session, console)
     return run_scripted(session, sys.stdin.buffer)
 
 
-def run_scripted(session: ChatSession | RemoteChatSession, lines: Iterable[bytes]) -> int:
+def run_scripted(session: ChatSession, lines: Iterable[bytes]) -> int:
     """One user message (or slash command) per line; replies in order. Exit 1 if anything failed."""
     try:
         for number, raw in enumerate(lines, start=1):
@@ -122,7 +91,7 @@ def run_scripted(session: ChatSession | RemoteChatSession, lines: Iterable[bytes
     return EXIT_FAILURE if session.failed else EXIT_OK
 
 
-def run_interactive(session: ChatSession | RemoteChatSession, console: Console) -> int:
+def run_interactive(session: ChatSession, console: Console) -> int:
     # Cursor position requests let prompt-toolkit size menus below the prompt; a terminal that
     # answers late, or a pseudo-terminal that never does, gets a "WARNING: your terminal doesn't
     # support cursor position requests" in the middle of the chat. The REPL needs none.
@@ -135,9 +104,9 @@ def run_interactive(session: ChatSession | RemoteChatSession, console: Console) 
         enable_open_in_editor=False,
     )
     continuation = PromptSession(history=InMemoryHistory(), key_bindings=_key_bindings())
-    loaded = session.loaded
+    target = session.target
     console.print(
-        f"llmcli chat · {loaded.name} · {loaded.device} · {loaded.dtype_name} · "
+        f"llmcli chat · {target.name} · {target.where} · {target.dtype_name} · "
         f"context {session.context_length} tokens · /help for commands, Ctrl-D to leave",
         style="dim",
         markup=False,

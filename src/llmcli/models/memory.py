@@ -37,32 +37,6 @@ def format_bytes(count: float) -> str:
     return f"{count:.0f} B"
 
 
-def parse_size(text: str) -> int:
-    """'8GB', '7.5GiB', '500MB', '1e9' → bytes."""
-    units = {
-        "": 1,
-        "b": 1,
-        "kb": 1e3,
-        "mb": 1e6,
-        "gb": 1e9,
-        "tb": 1e12,
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-    }
-    cleaned = text.strip().lower().replace(" ", "")
-    number = cleaned.rstrip("kmgtib")
-    unit = cleaned[len(number) :]
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError) as error:
-        raise ValueError(f"not a size: {text!r} (examples: 8GB, 7.5GiB, 500MB)") from error
-    if value <= 0:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return int(value)
-
-
 def context_length_of(config: dict[str, Any]) -> int:
     text = config.get("text_config") or config
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):

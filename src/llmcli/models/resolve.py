@@ -291,3 +291,29 @@ def _hub_model_info(repo_id: str, revision: str | None, spec: str) -> Any:
         f"{tried} and {constants.ENDPOINT} could not be reached ({type(error).__name__})",
         "check your network, or pass a local folder or .gguf file with -m",
     )
+
+
+def find_local(spec: str, on_convert: Callable[[Path], None] | None = None) -> tuple[Path, str, Path | None]:
+    """A model that is here already, never downloaded (a .gguf file is converted once): its
+    folder, its source (gguf, folder or hub) and the GGUF file it came from, if any."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path, "folder", None
+    if is_gguf_spec(spec) and path.is_file():
+        return resolve_model(spec, on_convert=on_convert).path, "gguf", path
+    imported = find_imported(spec)
+    if imported is not None:
+        return imported, "gguf", None
+    repo_id, _, revision = spec.partition("@")
+    if not _HUB_ID.match(repo_id):
+        raise unknown_model(spec)  # never suggest pulling what is not a Hub id
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError) as error:
+        raise ModelNotFoundError(
+            f"{spec} is not in the local caches", f"`llmcli models pull {spec}` first"
+        ) from error
+    return folder, "hub", None

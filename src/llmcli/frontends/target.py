@@ -1,0 +1,183 @@
+"""What a front end talks to: a model loaded in this process, or a server that runs one.
+
+`generate` and `chat` are written once, over this protocol. A `Target` starts `Reply`s: iterate
+one for its text, interrupt it (Ctrl-C, a reader gone), then read its `Outcome`. A chat keeps its
+history in the target's own `ChatHistory` (exact token ids and a KV cache in-process; messages
+re-sent whole to a server). What one side cannot do, it says in one line when asked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from llmcli.config.settings import SamplingSettings
+
+if TYPE_CHECKING:
+    from llmcli.engine.structured import OutputFormat
+
+
+@dataclass
+class Outcome:
+    """What a reply came to. A figure the target could not know (another kind of server
+    reports only usage counts) is None."""
+
+    text: str
+    finish_reason: str  # stop, length, interrupted
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prefilled_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None
+    speculative: dict[str, Any] | None = None  # method, drafted, accepted
+    sampling: dict[str, Any] | None = None  # the values in force, defaults filled in
+    value_complete: bool | None = None  # with a format: whether the JSON value was finished
+    token_ids: list[int] = field(default_factory=list)  # in-process only: the exact ids sampled
+
+    def stats_summary(self) -> str:
+        """The figures of a --stats line."""
+        text = (
+            f"{_count(self.prompt_tokens)} prompt tok, {_count(self.completion_tokens)} completion tok · "
+            f"TTFT {self.ttft_s or 0:.3f} s · prefill {self.prefill_tok_s or 0:.1f} tok/s · "
+            f"decode {self.decode_tok_s or 0:.1f} tok/s"
+        )
+        spec = self.speculative
+        if spec:
+            rate = f"{spec['accepted'] / spec['drafted']:.0%}" if spec["drafted"] else "0%"
+            text += (
+                f" · {spec['method']}: {spec['accepted']}/{spec['drafted']} drafted tokens accepted ({rate})"
+            )
+        return text
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
+class Reply(Protocol):
+    def __iter__(self) -> Iterator[str]:
+        """The reply's text, piece by piece as it is generated."""
+        ...
+
+    def interrupt(self) -> None:
+        """Stop here (Ctrl-C, a reader that left); whatever the target caches stays exact."""
+        ...
+
+    def outcome(self) -> Outcome: ...
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One reply asked of a target: what to answer, and how."""
+
+    messages: list[dict[str, Any]]  # system (optional) and user; with `raw`, one user text as-is
+    sampling: SamplingSettings
+    speculative: str = "off"
+    output: OutputFormat | None = None
+    raw: bool = False
+    num_beams: int = 1
+
+
+class ChatHistory(Protocol):
+    """A conversation as the target keeps it."""
+
+    system: str | None
+    messages: list[dict[str, Any]]
+
+    @property
+    def context_used(self) -> int: ...
+
+    def ask(self, user_text: str, sampling: SamplingSettings, speculative: str, output: Any) -> Reply:
+        """A reply to `user_text` after the conversation; it becomes part of it once it ends."""
+        ...
+
+    def commit(self, user_text: str, outcome: Outcome) -> int:
+        """Keep the finished turn; returns how many oldest exchanges were dropped to fit it."""
+        ...
+
+    def abandon(self) -> None:
+        """The reply failed: the conversation (and any cache) is as it was before it."""
+        ...
+
+    def set_system(self, text: str | None) -> None: ...
+    def undo(self) -> dict[str, Any] | None: ...
+    def restore(self, exchange: list[dict[str, Any]]) -> None: ...
+    def reset(self) -> None: ...
+    def replace(self, system: str | None, messages: list[dict[str, Any]]) -> str:
+        """A loaded transcript; returns what to add to the "loaded" line ('' for nothing)."""
+        ...
+
+    def describe(self) -> str:
+        """/show's line about the context and cache."""
+        ...
+
+
+class Target(Protocol):
+    name: str  # the model as the user named it (or the server calls it)
+    where: str  # the device, or the server's URL
+    dtype_name: str
+    context_length: int
+    engine_name: str
+
+    def facts(self) -> dict[str, Any]:
+        """What --json reports about the model and how it is loaded."""
+        ...
+
+    def summary(self) -> str:
+        """The end of a --stats line: memory and engine, or the server."""
+        ...
+
+    def reply(self, ask: Ask) -> Reply: ...
+
+    def chat(self, system: str | None) -> ChatHistory: ...
+
+    def shown_sampling(self, sampling: SamplingSettings) -> dict[str, Any]:
+        """The sampling values /show and /save give: in force here, or the ones sent."""
+        ...
+
+    def speculation(self, method: str) -> None:
+        """Check that `method` can run here (a draft model may load now); UsageError if not."""
+        ...
+
+
+def json_record(
+    target: Target, outcome: Outcome, num_beams: int, output: OutputFormat | None
+) -> dict[str, Any]:
+    """`generate --json`: one record, in-process or through a server (which adds "server")."""
+    record = {
+        "text": outcome.text,
+        "model": target.name,
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "finish_reason": outcome.finish_reason,
+        "ttft_s": _rounded(outcome.ttft_s, 6),
+        "prefill_tok_s": _rounded(outcome.prefill_tok_s, 3),
+        "decode_tok_s": _rounded(outcome.decode_tok_s, 3),
+        **target.facts(),
+        "num_beams": num_beams,
+        "cached_tokens": outcome.cached_tokens,
+        "speculative": outcome.speculative,
+        "sampling": outcome.sampling,
+    }
+    if output is not None:
+        record |= {"format": output.label, "value": json_value(outcome)}
+    return record
+
+
+def json_value(outcome: Outcome) -> Any:
+    """The reply's JSON value: null when it was cut before the value was complete (the grammar
+    guarantees the rest; a value that somehow does not parse is null, never a crash)."""
+    if outcome.value_complete is False:
+        return None
+    try:
+        return json.loads(outcome.text)
+    except ValueError:
+        return None
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
