@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from llmcli.engine.bench import measure_bandwidth
 from llmcli.engine.native import int8_cuda
-from llmcli.engine.native.quant import QuantizedLinear
+from llmcli.models.quantized import QuantizedLinear
 
 SHAPES = {  # (out, in)
     "qkv 6144×4096": (6144, 4096),

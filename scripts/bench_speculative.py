@@ -20,7 +20,7 @@ import statistics
 from llmcli.config.settings import LoadSettings, SamplingParams, SpeculativeSettings
 from llmcli.engine.conversation import build_messages, prompt_ids
 from llmcli.engine.loop import Engine
-from llmcli.engine.speculative.tasks import COPY_TASK, FREE_FORM
+from llmcli.frontends.bench_tasks import COPY_TASK, FREE_FORM
 from llmcli.frontends.loading import speculation_with_feedback
 from llmcli.models.load import load_model
 from llmcli.models.resolve import demo_gguf_path, resolve_model

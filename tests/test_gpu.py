@@ -150,7 +150,7 @@ def test_transformers_compiled_decode_equals_the_dynamic_path(tiny_llama: Path) 
 @pytest.mark.parametrize("rows", [1, 5, 32])  # decode, a short verification, a prefill chunk
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_kernels_on_cuda_match_their_weights_and_replay_in_a_graph(kind: str, rows: int) -> None:
-    from llmcli.engine.native.quant import QuantizedLinear
+    from llmcli.models.quantized import QuantizedLinear
 
     torch.manual_seed(0)
     out_features = 516 if kind == "int8" else 520  # int8: a ragged last block of channels

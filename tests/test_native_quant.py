@@ -16,8 +16,8 @@ import torch
 from engines import engine_for
 from llmcli.config.settings import LoadSettings, SamplingParams
 from llmcli.engine.conversation import build_messages, prompt_ids
-from llmcli.engine.native.quant import QuantizedLinear
 from llmcli.models.load import load_model
+from llmcli.models.quantized import QuantizedLinear
 from llmcli.models.resolve import ResolvedModel
 
 from cli_helpers import run_cli

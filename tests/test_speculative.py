@@ -441,7 +441,7 @@ def test_lookup_on_the_demo_model_copies_exactly(tmp_path: Path) -> None:
     is for: the same text, token for token, with most of it drafted and accepted."""
     from llmcli.config.settings import LoadSettings
     from llmcli.engine.conversation import build_messages, prompt_ids
-    from llmcli.engine.speculative.tasks import COPY_TASK
+    from llmcli.frontends.bench_tasks import COPY_TASK
     from llmcli.models.load import load_model
     from llmcli.models.resolve import demo_gguf_path, resolve_model
 

@@ -8,6 +8,7 @@ usage errors answer at once, and the heavy modules load inside command bodies.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
@@ -367,8 +368,10 @@ def bench(
         raise UsageError("--prompt-lengths must be ≥ 1, --new-tokens ≥ 2 and --runs ≥ 1")
     # Sampling, the system prompt and speculation as configured do not apply: bench measures
     # greedy decoding, and speculates only when its own flags say so.
-    effective = _effective(model, SamplingSettings(), PromptSettings(), load)
+    effective = _effective(model, SamplingSettings(), PromptSettings(), load, SpeculativeSettings())
     speculation = SpeculativeSettings.from_values(flag_values(speculative))
+    # The context too is the flag's alone: bench measures the model as asked on its command line.
+    measured = dataclasses.replace(effective.load, context_length=load.context_length)
     from llmcli.frontends.bench import BenchRequest, run
 
     code = run(
@@ -382,7 +385,7 @@ def bench(
             with_compiled=compiled,
             context_fill=context_fill,
             json=json_output,
-            load=effective.load,
+            load=measured,
             speculative=speculation,
         )
     )

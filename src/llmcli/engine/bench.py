@@ -143,7 +143,7 @@ def linear_ceiling(model: Any, runs: int) -> float:
     """Seconds for one pass over every linear layer's weights as matrix-vector products: what
     a batch-1 decode step of these weights costs when nothing else runs. One CUDA graph on CUDA
     (no launch gaps), plain calls elsewhere."""
-    from llmcli.engine.native.quant import QuantizedLinear
+    from llmcli.models.quantized import QuantizedLinear
 
     device, dtype = model.device, model.dtype
     # Dense layers as bare matrix products; llmcli's quantized ones through their own kernels.
@@ -277,70 +277,3 @@ def peak_memory(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-def render_table(report: BenchReport) -> str:
-    from llmcli.models.memory import format_bytes
-
-    def ms(seconds: float | None) -> str:
-        return "—" if seconds is None else f"{seconds * 1000:.1f}"
-
-    def num(value: float | None, digits: int = 1) -> str:
-        return "—" if value is None else f"{value:.{digits}f}"
-
-    def pct_of_bandwidth(achieved: float | None) -> str:
-        return num(None if achieved is None else 100 * achieved / report.bandwidth_gb_s)
-
-    first_length = next(iter(report.prefill_tok_s))
-    rows = [(f"prefill tok/s @ {n}", num(rate), "", "") for n, rate in report.prefill_tok_s.items()]
-    rows += [
-        (f"TTFT ms @ {first_length}", ms(report.ttft_s), ms(report.generate_ttft_s), ""),
-        (
-            f"decode tok/s @ {first_length}",
-            num(report.decode_tok_s),
-            num(report.generate_decode_tok_s),
-            num(report.compiled_decode_tok_s),
-        ),
-    ]
-    if report.context_fill is not None:
-        rows.append((f"decode tok/s @ {report.context_fill}", num(report.decode_tok_s_at_fill), "", ""))
-    rows += [
-        ("inter-token ms p50 / p99", f"{report.itl_p50_ms:.2f} / {report.itl_p99_ms:.2f}", "", ""),
-        ("achieved GB/s", num(report.achieved_gb_s), num(report.generate_achieved_gb_s), ""),
-        (
-            "% of measured bandwidth",
-            num(report.roofline_pct),
-            pct_of_bandwidth(report.generate_achieved_gb_s),
-            "",
-        ),
-        ("peak memory", format_bytes(report.peak_memory_bytes), "", ""),
-    ]
-    head = (
-        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
-        f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
-        f"weights {format_bytes(report.weight_bytes)} · "
-        f"bandwidth {report.bandwidth_gb_s:.1f} GB/s (measured) · "
-        f"{report.new_tokens} new tokens · median of {report.runs} runs"
-    )
-    lines = [
-        head,
-        "",
-        f"| {'':26} | {'llmcli':>14} | {'model.generate':>14} | {'compiled static':>15} |",
-        f"|{'-' * 28}|{'-' * 16}|{'-' * 16}|{'-' * 17}|",
-    ]
-    lines += [
-        f"| {name:26} | {ours:>14} | {eager:>14} | {compiled:>15} |" for name, ours, eager, compiled in rows
-    ]
-    lines.append("")
-    if report.ceiling_tok_s is not None:
-        lines.append(
-            f"ceiling (the linear layers alone, one GEMV each{', one CUDA graph' if report.graphs else ''}): "
-            f"{report.ceiling_tok_s:.1f} tok/s; llmcli reaches {report.ceiling_pct:.0f} % of it"
-        )
-    if report.speedup_vs_generate is not None:
-        lines.append(f"llmcli decodes {report.speedup_vs_generate:.2f}× as fast as model.generate")
-    if report.speedup_vs_compiled is not None:
-        lines.append(
-            f"llmcli decodes {report.speedup_vs_compiled:.2f}× as fast as transformers' compiled path"
-        )
-    return "\n".join(lines)

@@ -44,7 +44,8 @@ def run(request: BenchRequest) -> int:
     engine = engine_with_feedback(loaded)
     if request.speculative.method != "off":
         return _run_speculative(request, loaded, engine)
-    from llmcli.engine.bench import render_table, run_bench
+    from llmcli.engine.bench import run_bench
+    from llmcli.frontends.bench_tables import render_table
 
     with terminal.status("Measuring…"):
         report = run_bench(
@@ -62,7 +63,9 @@ def run(request: BenchRequest) -> int:
 
 
 def _run_speculative(request: BenchRequest, loaded: LoadedModel, plain) -> int:
-    from llmcli.engine.speculative.bench import render_speculative_table, run_speculative_bench
+    from llmcli.engine.speculative.bench import run_speculative_bench
+    from llmcli.frontends.bench_tables import render_speculative_table
+    from llmcli.frontends.bench_tasks import COPY_TASK, FREE_FORM
 
     speculating = engine_with_feedback(loaded)  # its own cache and graphs, the same weights
     speculating.speculation = _speculation(request, loaded)
@@ -74,6 +77,7 @@ def _run_speculative(request: BenchRequest, loaded: LoadedModel, plain) -> int:
             prompt_length=request.prompt_lengths[0],
             new_tokens=request.new_tokens,
             runs=request.runs,
+            tasks=[COPY_TASK, *FREE_FORM],
         )
     text = json.dumps(report.as_dict()) if request.json else render_speculative_table(report)
     sys.stdout.write(text + "\n")

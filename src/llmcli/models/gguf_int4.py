@@ -1,7 +1,7 @@
 """GGUF 4-bit blocks read as int4 codes, never dequantized: how a Q4_0/Q4_1 file stays exact.
 
 A Q4_0 block is 32 weights sharing an fp16 scale d (w = d·(q − 8)); a Q4_1 block adds an fp16
-min m (w = d·q + m). llmcli's int4 (engine/native/quant.py) is groups of weights along the input
+min m (w = d·q + m). llmcli's int4 (models/quantized.py) is groups of weights along the input
 with a float scale and zero point, w = (q − 8)·scale + zero: with groups of 32, scale = d and
 zero = 0 (Q4_0) or m + 8·d (Q4_1) give the same weights from the same codes. Both formulas are one
 exact product plus one rounded sum, so the dequantized weights are bit-equal in fp32 whenever

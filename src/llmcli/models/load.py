@@ -1,17 +1,12 @@
-"""Local files → (model, tokenizer) on a device, ready for inference.
-
-Device auto: CUDA if present, else Apple MPS, else CPU. Dtype auto: bf16 where the GPU supports it,
-else fp16 on GPUs, fp32 on CPU (CPU half-precision matmuls are slow or missing on many machines).
-"""
+"""Local files → (model, tokenizer) on a device, ready for inference (the device, dtype and
+threads are chosen in device.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-import os
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +16,7 @@ import torch
 
 from llmcli.config.settings import LoadSettings
 from llmcli.errors import LlmcliError, ModelLoadError, UsageError
+from llmcli.models.device import DTYPE_NAMES, choose_device, choose_dtype, configure_cpu_threads
 from llmcli.models.memory import (
     FitRequest,
     available_host_memory,
@@ -45,9 +41,6 @@ from llmcli.models.quant import (
     silence_bitsandbytes,
 )
 from llmcli.models.resolve import ResolvedModel
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {value: key for key, value in _DTYPES.items()}
 
 
 @dataclass
@@ -103,92 +96,6 @@ def quiet_libraries() -> None:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-
-
-def choose_device(requested: str) -> torch.device:
-    if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    device = torch.device(requested)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LlmcliError(
-            f"--device {requested} was asked for, but torch sees no CUDA GPU (torch {torch.__version__})",
-            "use --device cpu, or install a CUDA build of torch",
-        )
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise LlmcliError(f"--device {requested} was asked for, but MPS is not available", "use --device cpu")
-    return device
-
-
-def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
-    if requested != "auto":
-        return _DTYPES[requested]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "mps":
-        return torch.float16
-    return torch.float32
-
-
-def configure_cpu_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads: `threads` if given, else one per core that is free now.
-
-    torch's default, one thread per core, is fastest on an idle machine, but its OpenMP workers
-    meet at a barrier after every matmul: when another process holds one of the cores, every
-    step waits for the thread stuck behind it. Measured on 2 cores with SmolLM2-135M: 2 threads
-    give 26.6 tok/s idle but 0.8 tok/s with the other core busy; 1 thread gives 16.2 and 15.9.
-    So we count the cores other processes are using right now and leave them alone.
-    """
-    if threads is None:
-        cores = available_cores()
-        threads = max(1, cores - min(cores - 1, busy_cores_elsewhere()))
-    torch.set_num_threads(threads)
-    return threads
-
-
-def available_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def busy_cores_elsewhere(window_s: float = 0.1) -> int:
-    """Cores kept busy by other processes over a short window, from /proc/stat (0 where unreadable).
-
-    We sleep through the window, so what it counts is someone else's work.
-    """
-    try:
-        before = _cpu_busy_and_total()
-        time.sleep(window_s)
-        after = _cpu_busy_and_total()
-    except (OSError, ValueError, IndexError):
-        return 0
-    ours = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(before)
-    busy = 0.0
-    for cpu in ours & set(before) & set(after):
-        busy_delta = after[cpu][0] - before[cpu][0]
-        total_delta = after[cpu][1] - before[cpu][1]
-        if total_delta > 0:
-            busy += busy_delta / total_delta
-    # A core counts as taken when someone uses most of it; light background noise does not.
-    return int(busy + 0.3)
-
-
-def _cpu_busy_and_total() -> dict[int, tuple[int, int]]:
-    """Per CPU: (busy jiffies, total jiffies) since boot."""
-    counts: dict[int, tuple[int, int]] = {}
-    with open("/proc/stat") as stat:
-        for line in stat:
-            name, *fields = line.split()
-            if not name.startswith("cpu") or name == "cpu":
-                continue
-            values = [int(v) for v in fields[:8]]
-            idle = values[3] + values[4]  # idle + iowait
-            counts[int(name[3:])] = (sum(values) - idle, sum(values))
-    return counts
 
 
 def read_generation_config(folder: Path) -> dict[str, Any]:
@@ -365,7 +272,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     quant = quant_label(settings.quant, settings.quant_type, config)
     quant_backend = "bitsandbytes" if settings.quant != "none" else "none"
     if native_quant is not None:
-        from llmcli.engine.native.quant import quantize_model
+        from llmcli.models.quantized import quantize_model
 
         exact = None
         if resolved.source == "gguf" and native_quant == "int4":
@@ -432,7 +339,7 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     model.eval()
     quant = "none"
     if native_quant is not None:
-        from llmcli.engine.native.quant import quantize_model
+        from llmcli.models.quantized import quantize_model
 
         quant = quantize_model(model, native_quant)
     model_context = context_length_of(config)

@@ -392,7 +392,7 @@ def _projection(*linears: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     if len(linears) == 1:
         return linears[0].forward
     if _slices_of_one_whole(linears):
-        return linears[0].whole.forward  # quantized as one matrix (engine/native/quant.py)
+        return linears[0].whole.forward  # quantized as one matrix (models/quantized.py)
 
     def each(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([linear(x) for linear in linears], dim=-1)
@@ -401,7 +401,7 @@ def _projection(*linears: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _slices_of_one_whole(linears: tuple[Any, ...]) -> bool:
-    from llmcli.engine.native.quant import QuantizedSlice
+    from llmcli.models.quantized import QuantizedSlice
 
     if not all(isinstance(linear, QuantizedSlice) for linear in linears):
         return False

@@ -66,16 +66,16 @@ class SpeculativeBenchReport:
         return record
 
 
-def tasks_for(loaded: LoadedModel, prompt_length: int) -> list[tuple[str, list[int]]]:
-    """The copy task and free-form chat through the model's template; a random prompt when
+def tasks_for(
+    loaded: LoadedModel, prompt_length: int, tasks: list[tuple[str, str]]
+) -> list[tuple[str, list[int]]]:
+    """The tasks (label, user message) through the model's template; a random prompt when
     there is no tokenizer (random weights)."""
     if loaded.tokenizer is None:
         vocab = loaded.model.config.get_text_config().vocab_size
         return [(f"random prompt ({prompt_length} tokens)", prompt_of(prompt_length, vocab))]
     from llmcli.engine.conversation import build_messages, prompt_ids
-    from llmcli.engine.speculative.tasks import COPY_TASK, FREE_FORM
 
-    tasks = [COPY_TASK, *FREE_FORM]
     return [(label, prompt_ids(loaded.tokenizer, build_messages(text))) for label, text in tasks]
 
 
@@ -136,7 +136,9 @@ def run_speculative_bench(
     prompt_length: int,
     new_tokens: int,
     runs: int,
+    tasks: list[tuple[str, str]],
 ) -> SpeculativeBenchReport:
+    """`tasks`: (label, user message) pairs, run through the model's chat template."""
     assert speculating.speculation is not None
     drafter = speculating.speculation.drafter
     plain.eos_token_ids = speculating.eos_token_ids = loaded.eos_token_ids
@@ -154,7 +156,7 @@ def run_speculative_bench(
         random_weights=loaded.tokenizer is None,
         context=prompt_length,
     )
-    for task, ids in tasks_for(loaded, prompt_length):
+    for task, ids in tasks_for(loaded, prompt_length, tasks):
         if len(ids) + 2 > loaded.context_length:
             report.skipped.append(f"{task} ({len(ids)} tokens; the context holds {loaded.context_length})")
             continue
@@ -176,45 +178,3 @@ def run_speculative_bench(
     context = prompt_of(max(prompt_length, max(CHECK_LENGTHS)), vocab)
     report.decode_step_s, report.check_s = check_costs(plain, context, runs)
     return report
-
-
-def render_speculative_table(report: SpeculativeBenchReport) -> str:
-    draft = f" (draft model {report.draft})" if report.method == "draft" and report.draft else ""
-    head = (
-        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
-        f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
-        f"--speculative {report.method}{draft} · greedy, ≤ {report.new_tokens} new tokens · "
-        f"median of {report.runs} runs"
-    )
-    lines = [
-        head,
-        "",
-        "| task | tokens | off tok/s | speculative tok/s | speed-up | accepted/drafted | same tokens |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in report.rows:
-        rate = f" ({row.accepted / row.drafted:.0%})" if row.drafted else ""
-        lines.append(
-            f"| {row.task} | {row.tokens} | {row.off_tok_s:.1f} | {row.on_tok_s:.1f} | "
-            f"{row.speedup:.2f}× | {row.accepted}/{row.drafted}{rate} | "
-            f"{'yes' if row.same_tokens else 'no'} |"
-        )
-    if report.skipped:
-        lines += ["", f"Skipped, too long for the model's context: {'; '.join(report.skipped)}."]
-    if report.random_weights:
-        lines += ["", "Random weights: the speed-up above depends on the text written; the table below not."]
-    step_ms = report.decode_step_s * 1000
-    lines += [
-        "",
-        f"One pass of the model over K tokens after {report.context} cached (the cache cropped back):",
-        "",
-        "| K | ms | × a decode step | ms per token |",
-        "|---:|---:|---:|---:|",
-        f"| 1 (decode step) | {step_ms:.2f} | 1.00 | {step_ms:.2f} |",
-    ]
-    for count, seconds in report.check_s.items():
-        lines.append(
-            f"| {count} | {seconds * 1000:.2f} | {seconds / report.decode_step_s:.2f} | "
-            f"{seconds * 1000 / count:.2f} |"
-        )
-    return "\n".join(lines)

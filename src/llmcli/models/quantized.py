@@ -120,7 +120,7 @@ def _int8_mm(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
 
 
 def _int8_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-    from llmcli.engine.native.int8_cuda import int8_matmul
+    from llmcli.models.int8_cuda import int8_matmul
 
     return int8_matmul(x, layer.packed, layer.scales)
 

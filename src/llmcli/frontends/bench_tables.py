@@ -1,0 +1,115 @@
+"""`llmcli bench` reports as Markdown tables: what a person reads on a terminal or pastes in
+an issue. The measurements are the engine's (engine/bench.py, engine/speculative/bench.py)."""
+
+from __future__ import annotations
+
+from llmcli.engine.bench import BenchReport
+from llmcli.engine.speculative.bench import SpeculativeBenchReport
+from llmcli.models.memory import format_bytes
+
+
+def render_table(report: BenchReport) -> str:
+    def ms(seconds: float | None) -> str:
+        return "—" if seconds is None else f"{seconds * 1000:.1f}"
+
+    def num(value: float | None, digits: int = 1) -> str:
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    def pct_of_bandwidth(achieved: float | None) -> str:
+        return num(None if achieved is None else 100 * achieved / report.bandwidth_gb_s)
+
+    first_length = next(iter(report.prefill_tok_s))
+    rows = [(f"prefill tok/s @ {n}", num(rate), "", "") for n, rate in report.prefill_tok_s.items()]
+    rows += [
+        (f"TTFT ms @ {first_length}", ms(report.ttft_s), ms(report.generate_ttft_s), ""),
+        (
+            f"decode tok/s @ {first_length}",
+            num(report.decode_tok_s),
+            num(report.generate_decode_tok_s),
+            num(report.compiled_decode_tok_s),
+        ),
+    ]
+    if report.context_fill is not None:
+        rows.append((f"decode tok/s @ {report.context_fill}", num(report.decode_tok_s_at_fill), "", ""))
+    rows += [
+        ("inter-token ms p50 / p99", f"{report.itl_p50_ms:.2f} / {report.itl_p99_ms:.2f}", "", ""),
+        ("achieved GB/s", num(report.achieved_gb_s), num(report.generate_achieved_gb_s), ""),
+        (
+            "% of measured bandwidth",
+            num(report.roofline_pct),
+            pct_of_bandwidth(report.generate_achieved_gb_s),
+            "",
+        ),
+        ("peak memory", format_bytes(report.peak_memory_bytes), "", ""),
+    ]
+    head = (
+        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
+        f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
+        f"weights {format_bytes(report.weight_bytes)} · "
+        f"bandwidth {report.bandwidth_gb_s:.1f} GB/s (measured) · "
+        f"{report.new_tokens} new tokens · median of {report.runs} runs"
+    )
+    lines = [
+        head,
+        "",
+        f"| {'':26} | {'llmcli':>14} | {'model.generate':>14} | {'compiled static':>15} |",
+        f"|{'-' * 28}|{'-' * 16}|{'-' * 16}|{'-' * 17}|",
+    ]
+    lines += [
+        f"| {name:26} | {ours:>14} | {eager:>14} | {compiled:>15} |" for name, ours, eager, compiled in rows
+    ]
+    lines.append("")
+    if report.ceiling_tok_s is not None:
+        lines.append(
+            f"ceiling (the linear layers alone, one GEMV each{', one CUDA graph' if report.graphs else ''}): "
+            f"{report.ceiling_tok_s:.1f} tok/s; llmcli reaches {report.ceiling_pct:.0f} % of it"
+        )
+    if report.speedup_vs_generate is not None:
+        lines.append(f"llmcli decodes {report.speedup_vs_generate:.2f}× as fast as model.generate")
+    if report.speedup_vs_compiled is not None:
+        lines.append(
+            f"llmcli decodes {report.speedup_vs_compiled:.2f}× as fast as transformers' compiled path"
+        )
+    return "\n".join(lines)
+
+
+def render_speculative_table(report: SpeculativeBenchReport) -> str:
+    draft = f" (draft model {report.draft})" if report.method == "draft" and report.draft else ""
+    head = (
+        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
+        f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
+        f"--speculative {report.method}{draft} · greedy, ≤ {report.new_tokens} new tokens · "
+        f"median of {report.runs} runs"
+    )
+    lines = [
+        head,
+        "",
+        "| task | tokens | off tok/s | speculative tok/s | speed-up | accepted/drafted | same tokens |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in report.rows:
+        rate = f" ({row.accepted / row.drafted:.0%})" if row.drafted else ""
+        lines.append(
+            f"| {row.task} | {row.tokens} | {row.off_tok_s:.1f} | {row.on_tok_s:.1f} | "
+            f"{row.speedup:.2f}× | {row.accepted}/{row.drafted}{rate} | "
+            f"{'yes' if row.same_tokens else 'no'} |"
+        )
+    if report.skipped:
+        lines += ["", f"Skipped, too long for the model's context: {'; '.join(report.skipped)}."]
+    if report.random_weights:
+        lines += ["", "Random weights: the speed-up above depends on the text written; the table below not."]
+    step_ms = report.decode_step_s * 1000
+    lines += [
+        "",
+        f"One pass of the model over K tokens after {report.context} cached (the cache cropped back):",
+        "",
+        "| K | ms | × a decode step | ms per token |",
+        "|---:|---:|---:|---:|",
+        f"| 1 (decode step) | {step_ms:.2f} | 1.00 | {step_ms:.2f} |",
+    ]
+    for count, seconds in report.check_s.items():
+        lines.append(
+            f"| {count} | {seconds * 1000:.2f} | {seconds / report.decode_step_s:.2f} | "
+            f"{seconds * 1000 / count:.2f} |"
+        )
+    return "\n".join(lines)
