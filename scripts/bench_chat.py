@@ -42,10 +42,7 @@ def run_chat(loaded, params: SamplingParams, reuse_cache: bool) -> list[dict[str
         prompt, dropped = conversation.prompt_for(message, params.max_new_tokens)
         if not reuse_cache:
             engine.reset()
-        generation = engine.generate(prompt, params, loaded.tokenizer)
-        for _ in generation:
-            pass
-        result = generation.result
+        result = engine.complete(prompt, params, loaded.tokenizer)
         conversation.commit(message, prompt, dropped, result.text, result.token_ids, result.finish_reason)
         stats = result.stats
         turns.append(

@@ -29,11 +29,7 @@ from llmcli.models.resolve import demo_gguf_path, resolve_model
 def measure(engine: Engine, loaded, text: str, tokens: int) -> tuple[float, list[int], dict | None]:
     ids = prompt_ids(loaded.tokenizer, build_messages(text, None))
     engine.reset()
-    generation = engine.generate(
-        ids, SamplingParams(temperature=0.0, max_new_tokens=tokens), loaded.tokenizer
-    )
-    list(generation)
-    result = generation.result
+    result = engine.complete(ids, SamplingParams(temperature=0.0, max_new_tokens=tokens), loaded.tokenizer)
     spec = result.stats.speculative
     return result.stats.decode_tok_s, result.token_ids, spec.as_dict() if spec else None
 

@@ -123,11 +123,9 @@ def run_one(engine: Engine, loaded, ids: list[int], tokens: int, output: OutputF
     if output is not None:
         constraint = TimedConstraint(output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
     engine.reset()
-    generation = engine.generate(
+    return engine.complete(
         ids, SamplingParams(temperature=0.0, max_new_tokens=tokens), loaded.tokenizer, constraint
     )
-    list(generation)
-    return generation.result
 
 
 def lenient(text: str) -> object:

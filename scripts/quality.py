@@ -60,9 +60,9 @@ def greedy_replies(loaded, tokens: int) -> list[list[int]]:
     replies = []
     for prompt in PROMPTS:
         engine.reset()
-        generation = engine.generate(prompt_ids(loaded.tokenizer, build_messages(prompt)), params, None)
-        list(generation)
-        replies.append(generation.result.token_ids)
+        replies.append(
+            engine.complete(prompt_ids(loaded.tokenizer, build_messages(prompt)), params).token_ids
+        )
     return replies
 
 

@@ -109,10 +109,7 @@ def ours(engine: Engine, prompt: list[int], new_tokens: int) -> Callable[[], Any
 
     def run() -> Any:
         engine.reset()
-        generation = engine.generate(prompt, params, None)
-        for _ in generation:
-            pass
-        return generation.result
+        return engine.complete(prompt, params)
 
     return run
 

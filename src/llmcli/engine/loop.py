@@ -1,8 +1,10 @@
 """The hot loop: prefill the prompt in one forward pass, then one token per forward step.
 
-The engine owns the KV cache and the exact token ids it holds (`cached_ids`), so a later call
-whose prompt starts with those ids prefills only the rest. It never prints: a `Generation` yields
-text pieces and ends with a `GenerationResult`.
+The engine owns the KV cache and the exact token ids it holds (`cached_ids`: prefill, score and
+decode_step each extend them as they feed the backend), so a later call whose prompt starts with
+those ids prefills only the rest. It never prints: a `Generation` consumes the token ids a
+producer (producers.py: plain or speculative) yields, and turns them into text pieces and a
+`GenerationResult`; `Engine.complete` gives the result at once.
 
 Which backend runs the forward pass (llmcli's native one, or transformers) is settled when the
 engine is made; the loop never asks.
@@ -18,12 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmcli.config.settings import SamplingParams
+from llmcli.engine import producers
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
-from llmcli.engine.sampling import NOTHING_SEEN, make_generator, pick_token, process_logits
+from llmcli.engine.producers import Chooser
+from llmcli.engine.sampling import make_generator
 from llmcli.engine.speculative import Speculation, SpeculativeStats
-from llmcli.engine.speculative.acceptance import accept_or_resample
-from llmcli.engine.speculative.drafters import Draft
-from llmcli.engine.speculative.schedule import agreeing
 from llmcli.engine.stats import GenerationStats
 from llmcli.errors import ContextOverflowError
 
@@ -125,9 +126,20 @@ class Engine:
         self.cached_ids.extend(ids)
         return logits
 
-    def decode_step(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed one sampled token (shape [1]); the logits for the one after it, [1, vocab]."""
-        return self.backend.decode(token)
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Run `ids` after what is cached, in one pass; the logits after each, [len(ids), vocab]."""
+        rows = self.backend.score(ids)
+        self.cached_ids.extend(ids)
+        return rows
+
+    def decode_step(self, token_id: int, token: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one token (its id, and the same as a [1] device tensor when the caller has it:
+        no copy to the device then); the logits for the one after it, [1, vocab]."""
+        if token is None:
+            token = torch.tensor([token_id], dtype=torch.long, device=self.device)
+        logits = self.backend.decode(token)
+        self.cached_ids.append(token_id)
+        return logits
 
     def generate(
         self,
@@ -136,6 +148,7 @@ class Engine:
         tokenizer: Any,
         constraint: Constraint | None = None,
     ) -> Generation:
+        """A reply in progress: iterate it for text pieces, then read `result`."""
         if len(prompt_ids) >= self.context_length:
             raise ContextOverflowError(
                 f"the prompt is {len(prompt_ids)} tokens; the model's context holds {self.context_length}",
@@ -143,9 +156,25 @@ class Engine:
             )
         return Generation(self, prompt_ids, params, tokenizer, constraint)
 
+    def complete(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any = None,
+        constraint: Constraint | None = None,
+    ) -> GenerationResult:
+        """The whole reply at once, for callers that want a result rather than a stream."""
+        generation = self.generate(prompt_ids, params, tokenizer, constraint)
+        for _ in generation:
+            pass
+        return generation.result
+
 
 class Generation:
-    """One call in progress. Iterate it for text pieces; `result` is valid at any point after."""
+    """One call in progress: the text consumer of a token producer. Iterate it for text
+    pieces; `result` is valid at any point after. It takes each token the producer yields,
+    ends the reply (end of sequence, a stop string, a complete JSON value, the length limit),
+    detokenizes and keeps the statistics; what the cache holds is the producer's business."""
 
     def __init__(
         self,
@@ -159,12 +188,13 @@ class Generation:
         # A grammar masks every step's logits; it follows one token at a time, so no drafts.
         self._constraint = constraint
         self._prompt_ids = list(prompt_ids)
-        self._context = list(prompt_ids)  # the prompt, then every token taken
         self._params = params
         # No tokenizer (a benchmark on random weights): tokens only, no text.
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stop = StopMatcher(params.stop)
         self._emitted: list[str] = []
+        self._running: Iterator[str] | None = None
+        self._first_token_at = 0.0
         self.token_ids: list[int] = []
         self.finish_reason = "interrupted"  # until the loop says otherwise
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -173,13 +203,16 @@ class Generation:
         self._budget = min(params.max_new_tokens, engine.context_length - len(prompt_ids))
 
     def __iter__(self) -> Iterator[str]:
-        for piece in self._run():
+        self._running = self._run()
+        for piece in self._running:
             self._emitted.append(piece)
             yield piece
 
     def interrupt(self) -> None:
-        """Ctrl-C arrived: whatever the loop was doing, the cache must match `cached_ids` again."""
+        """Ctrl-C arrived, or the reader left: the producer leaves the cache exact."""
         self.finish_reason = "interrupted"
+        if self._running is not None:
+            self._running.close()
         self._engine.restore_consistency()
 
     @property
@@ -193,82 +226,22 @@ class Generation:
         )
 
     def _run(self) -> Iterator[str]:
-        """Rounds of: the model's logits after each token fed → the tokens they choose → print.
-
-        Without speculation a round feeds one token (the last one chosen) through the decode
-        step and chooses one. With it, the last token and a draft go through one pass; the
-        round chooses every draft token the model agrees with and then the model's own next
-        token, and the cache keeps exactly the tokens fed that lie before that last one.
-        """
-        engine, params, stats = self._engine, self._params, self.stats
-        constraint = self._constraint
-        speculation = engine.speculation if constraint is None else None
         start = time.perf_counter()
-        reused = engine.reuse_prefix(self._prompt_ids)
-        stats.prefilled_tokens = len(self._prompt_ids) - reused
-        rows = engine.prefill(self._prompt_ids[reused:])
-        self.prefill_logits = rows
-        generator = make_generator(params.seed, engine.device) if not params.greedy else None
-        if speculation is not None:
-            speculation.drafter.start(self._prompt_ids)
-            stats.speculative = SpeculativeStats(speculation.method)
-        round_start = start
-        fed: list[int] = []  # the tokens whose logits `rows` holds, past what is cached
-        draft = Draft([])  # the drafted tokens among them: all of `fed` but the first
-        proposal: list[int] = []  # what the drafter offered this round, checked or not
-        first_token_at = start
-        while True:
-            chosen, last = self._choose(rows, draft, generator)
-            now = time.perf_counter()
-            if speculation is not None and fed:
-                speculation.length.observe_pass(len(fed), now - round_start)
-                speculation.length.observe_match(proposal, chosen)
-                stats.speculative.drafted += len(draft.tokens)
-            finished = False
-            taken = 0
-            for token_id in chosen:
+        tokens = self._producer(start)
+        try:
+            for token_id in tokens:
+                now = time.perf_counter()
                 if not self.token_ids:
-                    first_token_at = now
-                    stats.ttft_s = now - start
-                stats.decode_s = now - first_token_at
-                stats.token_times.append(now)
-                self.token_ids.append(token_id)
-                self._context.append(token_id)
-                stats.completion_tokens = len(self.token_ids)
-                taken += 1
-                if constraint is not None:
-                    constraint.advance(token_id)
-                if token_id in engine.eos_token_ids:
-                    self.finish_reason, finished = "stop", True
-                    break
-                piece = self._stop.feed(self._detok.push(token_id) if self._detok else "")
+                    self.stats.ttft_s = now - start
+                    self._first_token_at = now
+                piece, ended = self._take(token_id, now)
                 if piece:
                     yield piece
-                if self._stop.stopped or (constraint is not None and constraint.finished):
-                    self.finish_reason, finished = "stop", True
+                if ended is not None:
+                    self.finish_reason = ended
                     break
-                if len(self.token_ids) == self._budget:
-                    self.finish_reason, finished = "length", True
-                    break
-            if speculation is not None and fed:
-                stats.speculative.accepted += min(taken, len(chosen) - 1)
-            # The cache keeps the fed tokens before the last one taken: everything the next
-            # token's logits depend on, and nothing past it.
-            engine.cached_ids.extend(fed[:taken])
-            if engine.backend.length != len(engine.cached_ids):
-                engine.backend.crop(len(engine.cached_ids))
-            if finished:
-                break
-            token_id = self.token_ids[-1]
-            proposal, draft = [], Draft([])
-            if speculation is not None:
-                proposal, draft = self._draft(speculation, generator)
-            round_start = time.perf_counter()
-            fed = [token_id, *draft.tokens]
-            if draft.tokens:
-                rows = engine.backend.score(fed)
-            else:
-                rows = engine.decode_step(last if last is not None else self._on_device(token_id))
+        finally:
+            tokens.close()  # the producer crops the cache to what was taken
         # The end: a character the model left unfinished, and text held back as a possible stop string.
         tail = self._stop.feed(self._detok.flush() if self._detok else "")
         if self._stop.stopped:
@@ -278,62 +251,37 @@ class Generation:
         if tail:
             yield tail
 
-    def _choose(
-        self, rows: torch.Tensor, draft: Draft, generator: torch.Generator | None
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """The tokens `rows` choose: every drafted token the model agrees with, then its own next
-        one. Without a draft, also that token as a device tensor: the next decode step's input."""
-        params, drafted = self._params, draft.tokens
-        if not drafted:
-            if self._constraint is not None:
-                rows = self._constraint.mask(rows)  # before every sampling filter
-            token = pick_token(process_logits(rows, self._seen([]), params), params, generator)
-            return [int(token)], token  # the one host sync per token: we need the id to print it
-        if params.greedy and params.repetition_penalty == 1.0:
-            best = rows.argmax(dim=-1).tolist()  # one host sync for the whole run
-            return best[: agreeing(best, drafted) + 1], None
-        chosen: list[int] = []
-        for i in range(rows.shape[0]):
-            logits = process_logits(rows[i : i + 1], self._seen(chosen), params)
-            if i < len(drafted) and not params.greedy:
-                probs = logits.float().softmax(dim=-1)[0]
-                draft_probs = None if draft.probs is None else _fit(draft.probs[i], probs.shape[0])
-                token = accept_or_resample(probs, drafted[i], draft_probs, generator)
-            else:
-                token = int(pick_token(logits, params, generator))
-            chosen.append(token)
-            if i == len(drafted) or token != drafted[i]:
-                break
-        return chosen, None
+    def _producer(self, start: float) -> Iterator[int]:
+        """Prefill what the cache does not hold yet, then the producer this call decodes with."""
+        engine, params, stats = self._engine, self._params, self.stats
+        reused = engine.reuse_prefix(self._prompt_ids)
+        stats.prefilled_tokens = len(self._prompt_ids) - reused
+        logits = engine.prefill(self._prompt_ids[reused:])
+        self.prefill_logits = logits
+        generator = make_generator(params.seed, engine.device) if not params.greedy else None
+        choose = Chooser(params, generator, engine.device, list(self._prompt_ids), self._constraint)
+        speculation = engine.speculation if self._constraint is None else None
+        if speculation is None:
+            return producers.plain(engine, logits, choose)
+        speculation.drafter.start(self._prompt_ids)
+        stats.speculative = SpeculativeStats(speculation.method)
+        return producers.speculative(engine, logits, choose, speculation, self._budget, stats.speculative)
 
-    def _draft(self, speculation: Speculation, generator: torch.Generator | None) -> tuple[list[int], Draft]:
-        """This round's proposal (to measure how drafts match) and the part of it to check."""
-        length, drafter = speculation.length, speculation.drafter
-        # Room for the drafted tokens and the model's own token after them.
-        available = self._budget - len(self.token_ids) - 1
-        if drafter.free:
-            # A lookup costs nothing: offer all of it, and measure it even when none is checked.
-            proposal = drafter.propose(self._context, available, self._params, generator).tokens
-            return proposal, Draft(proposal[: length.next(len(proposal))])
-        draft = drafter.propose(self._context, length.next(available, probing=True), self._params, generator)
-        length.observe_drafting(len(draft.tokens), draft.seconds)
-        return draft.tokens, draft
-
-    def _seen(self, chosen: list[int]) -> torch.Tensor:
-        """The tokens the repetition penalty looks at: the prompt, the reply, and `chosen` after it."""
-        if self._params.repetition_penalty == 1.0:
-            return NOTHING_SEEN
-        return torch.tensor([self._context + chosen], dtype=torch.long, device=self._engine.device)
-
-    def _on_device(self, token_id: int) -> torch.Tensor:
-        return torch.tensor([token_id], dtype=torch.long, device=self._engine.device)
-
-
-def _fit(probs: torch.Tensor, size: int) -> torch.Tensor:
-    """A draft model's distribution over the model's vocabulary size (either may be padded)."""
-    if probs.shape[0] == size:
-        return probs
-    fitted = probs.new_zeros(size)
-    common = min(size, probs.shape[0])
-    fitted[:common] = probs[:common]
-    return fitted
+    def _take(self, token_id: int, now: float) -> tuple[str, str | None]:
+        """One token taken: the text it completes, and why the reply ends with it (None: it
+        goes on)."""
+        stats, constraint = self.stats, self._constraint
+        stats.decode_s = now - self._first_token_at
+        stats.token_times.append(now)
+        self.token_ids.append(token_id)
+        stats.completion_tokens = len(self.token_ids)
+        if constraint is not None:
+            constraint.advance(token_id)
+        if token_id in self._engine.eos_token_ids:
+            return "", "stop"
+        piece = self._stop.feed(self._detok.push(token_id) if self._detok else "")
+        if self._stop.stopped or (constraint is not None and constraint.finished):
+            return piece, "stop"
+        if len(self.token_ids) == self._budget:
+            return piece, "length"
+        return piece, None

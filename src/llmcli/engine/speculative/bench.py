@@ -81,10 +81,7 @@ def tasks_for(
 
 def _generate(engine: Engine, ids: list[int], params: SamplingParams, tokenizer: Any) -> Any:
     engine.reset()
-    generation = engine.generate(ids, params, tokenizer)
-    for _ in generation:
-        pass
-    return generation.result
+    return engine.complete(ids, params, tokenizer)
 
 
 def compare(

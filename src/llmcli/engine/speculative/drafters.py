@@ -133,8 +133,7 @@ class ModelDrafter:
             tokens.append(token_id)
             if i + 1 == limit or token_id in engine.eos_token_ids:
                 break  # the last drafted token is not fed: the model's pass feeds it
-            logits = engine.decode_step(token)
-            engine.cached_ids.append(token_id)
+            logits = engine.decode_step(token_id, token.view(1))
         return Draft(tokens, torch.stack(probs) if probs else None, time.perf_counter() - started)
 
     def restore_consistency(self) -> None:
