@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcli.engine.bench import measure_bandwidth
-from llmcli.engine.native import int8_cuda
+from llmcli.models import int8_cuda
 from llmcli.models.quantized import QuantizedLinear
 
 SHAPES = {  # (out, in)

@@ -15,7 +15,7 @@ import torch
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
-from llmcli.engine.native.llama import NotSupported, check_supported
+from llmcli.engine.native.families import NotSupported, check_supported
 from llmcli.errors import LlmcliError
 
 VOCAB = 256
@@ -178,10 +178,10 @@ def test_a_prompt_longer_than_a_prefill_chunk_equals_one_pass(monkeypatch: pytes
 def test_decode_attention_split_along_the_keys_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Long buckets (≥ 2048 slots on a GPU) split attention along the keys; lowered thresholds
     run that path here over 512 slots in chunks of 64, every later slot masked."""
-    from llmcli.engine.native import llama
+    from llmcli.engine.native import attention
 
-    monkeypatch.setattr(llama, "SPLIT_ATTENTION_FROM", 256)
-    monkeypatch.setattr(llama, "SPLIT_CHUNK", 64)
+    monkeypatch.setattr(attention, "SPLIT_ATTENTION_FROM", 256)
+    monkeypatch.setattr(attention, "SPLIT_CHUNK", 64)
     model = build("llama", {})
     ids = prompt(300, seed=3)
     native = NativeBackend(model, CONTEXT, static_shapes=True)

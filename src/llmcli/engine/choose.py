@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def backend_for(loaded: LoadedModel) -> Backend:
     cuda = loaded.device.type == "cuda"
     if loaded.engine != "transformers":
-        from llmcli.engine.native.llama import NotSupported, check_supported
+        from llmcli.engine.native.families import NotSupported, check_supported
 
         try:
             check_supported(loaded.model, loaded.context_length)

@@ -18,10 +18,15 @@ from typing import Any
 from llmcli.errors import LlmcliError, UsageError
 
 NATIVE_QUANTS = ("int8", "int4")
-# What the native engine runs (engine/native/llama.py); here so that torch-free code can ask.
-SUPPORTED_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-)
+# What the native engine runs: architecture → its family (engine/native/families/); here so
+# that torch-free code can ask.
+NATIVE_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+}
+SUPPORTED_ARCHITECTURES = frozenset(NATIVE_FAMILIES)
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from llmcli.engine.native.forward import Transformer
 from llmcli.engine.native.graphs import StepGraphs
-from llmcli.engine.native.llama import Transformer
 
 # Long prompts are prefilled in chunks: attention after cached tokens needs a mask of chunk ×
 # cached positions (and, on kernels without grouped-query support, scores as large), which a
@@ -82,13 +82,12 @@ class NativeBackend:
             else:
                 logits = self._bucket_step(bucket)
         else:
-            where = torch.tensor([position], device=self.device)
-            logits = self.net.decode(token.view(1), where, self.cache, position + 1, masked=False)
+            logits = self.net.decode(token.view(1), position, self.cache)
         self.cache.length = position + 1
         return logits
 
     def _bucket_step(self, bucket: int) -> torch.Tensor:
-        return self.net.decode(self._token, self._position, self.cache, bucket, masked=True)
+        return self.net.decode(self._token, self._position, self.cache, bucket)
 
     def _graph_step(self, rows: int, bucket: int) -> torch.Tensor:
         if rows == 1:

@@ -1,0 +1,33 @@
+"""The model families the native engine runs, picked by architecture.
+
+Which architectures run natively is declared once, torch-free, in models/quant.py
+(`NATIVE_FAMILIES`: architecture → family), so the loader can ask before importing torch; here
+each family name finds its module. Adding a family is a module that gives `check_supported` and
+`weights`, and its architectures in that table.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from llmcli.engine.native.families import llama
+from llmcli.engine.native.families.base import NotSupported
+from llmcli.models.quant import NATIVE_FAMILIES
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama}
+
+
+def family_of(model: Any) -> ModuleType:
+    name = type(model).__name__
+    family = NATIVE_FAMILIES.get(name)
+    if family is None:
+        known = " or the ".join(family.capitalize() for family in FAMILIES)
+        raise NotSupported(f"{name} is not in the {known} family")
+    return FAMILIES[family]
+
+
+def check_supported(model: Any, context_length: int) -> None:
+    """Raise NotSupported unless `model` runs on the native engine; the message says why."""
+    family = family_of(model)
+    family.check_supported(model, context_length)

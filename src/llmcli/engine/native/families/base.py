@@ -1,0 +1,50 @@
+"""What a family module gives the native forward: its weights, as blocks the one layer loop
+(forward.py) runs. A family settles its differences when the model is built, never per token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from llmcli.engine.native.attention import Attention
+    from llmcli.engine.native.layers import Shape
+    from llmcli.engine.native.plans import Plan
+
+Layer = Callable[[torch.Tensor], torch.Tensor]
+
+
+class NotSupported(Exception):
+    """This model cannot run on the native engine; the message says why."""
+
+
+@dataclass
+class Block:
+    """One transformer layer: a norm, attention, a norm, a feed-forward, each added to the
+    residual stream. (A family with a norm after attention, or another feed-forward such as
+    a mixture of experts, brings its own block with the same call.)"""
+
+    attention_norm: Layer
+    attention: Attention
+    ffn_norm: Layer
+    feed_forward: Layer
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan) -> torch.Tensor:
+        attention = self.attention
+        q, k, v = attention.project(self.attention_norm(h), cos, sin)
+        h = h + attention.out(plan.attend(attention, q, k, v))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+@dataclass
+class Weights:
+    shape: Shape
+    embedding: torch.Tensor
+    blocks: list[Block]
+    norm: Layer
+    output: Layer
+    inv_freq: torch.Tensor  # RoPE frequencies, any scaling already in them
+    rope_scale: float

@@ -1,0 +1,92 @@
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM.
+
+    embedding → N × (RMSNorm → attention with RoPE and the KV cache → RMSNorm → gated MLP) → norm
+    → logits
+
+It reads the very tensors transformers loaded. The weights used together are stored together
+(q/k/v as one matrix, gate/up as one), and transformers' own modules are pointed at views of
+the fused matrices, so the model is still whole for transformers and no weight is held twice.
+What differs between the members is settled once, here, when the model is built: QKV bias
+(Qwen2), q/k RMSNorm (Qwen3), RoPE scaling (`llama3`, read from transformers' own inv_freq),
+tied embeddings, grouped-query attention, a head_dim that is not hidden/heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llmcli.engine.native.attention import Attention
+from llmcli.engine.native.families.base import Block, NotSupported, Weights
+from llmcli.engine.native.layers import FeedForward, RMSNorm, Shape, projection
+
+# RoPE whose frequencies do not depend on the sequence length: the table transformers built at
+# load time is the whole story. ("dynamic" and "longrope" rescale with the length.)
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def check_supported(model: Any, context_length: int) -> None:
+    """Raise NotSupported unless `model` reduces to the architecture this module implements."""
+    config = model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotSupported(f"activation {config.hidden_act!r}")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise NotSupported(f"RoPE type {rope_type!r}")
+    window = _sliding_window(config)
+    if window is not None and window < context_length:
+        raise NotSupported(
+            f"sliding-window attention ({window} tokens) with a {context_length}-token context"
+        )
+    linears = [m for m in model.modules() if type(m).__name__.startswith("Linear")]
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        raise NotSupported("quantized linear layers (bitsandbytes)")
+    if len({p.device for p in model.parameters()}) > 1 or model.device.type == "meta":
+        raise NotSupported("weights spread over several devices (--offload)")
+
+
+def _sliding_window(config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2/3 carry a window they don't use
+        return None
+    return window
+
+
+def weights(model: Any) -> Weights:
+    """The model's tensors as the native forward reads them."""
+    config = model.config
+    heads = config.num_attention_heads
+    shape = Shape(
+        layers=config.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        eps=config.rms_norm_eps,
+    )
+    body = model.model
+    return Weights(
+        shape=shape,
+        embedding=body.embed_tokens.weight,
+        blocks=[_block(layer, shape, i) for i, layer in enumerate(body.layers)],
+        norm=RMSNorm(body.norm.weight, shape.eps),
+        output=projection(model.lm_head),  # the embedding itself when tied
+        # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
+        inv_freq=body.rotary_emb.inv_freq.float(),
+        rope_scale=float(getattr(body.rotary_emb, "attention_scaling", 1.0)),
+    )
+
+
+def _block(layer: Any, shape: Shape, index: int) -> Block:
+    return Block(
+        attention_norm=RMSNorm(layer.input_layernorm.weight, shape.eps),
+        attention=Attention(layer.self_attn, shape, index),
+        ffn_norm=RMSNorm(layer.post_attention_layernorm.weight, shape.eps),
+        feed_forward=FeedForward(layer.mlp),
+    )

@@ -1,0 +1,89 @@
+"""llmcli's own forward pass: the model as a plain function of token ids, an attention plan and
+a KV cache, with the layer loop written once.
+
+    embedding → every block (its attention through the plan) → norm → logits
+
+The family (families/) gives the weights and the blocks, settled when the model is built; the
+plan (plans.py) says how this pass meets the cache: a prefill chunk, an exact decode step, a
+graphed bucket step, a speculative check row by row or in one call. The per-token path has no
+configuration branches and no Python work that does not launch a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmcli.engine.native.families import family_of
+from llmcli.engine.native.kvcache import KVCache
+from llmcli.engine.native.plans import BucketStep, CausalChunk, ExactDecode, PerRowCheck, Plan, RowsInOneCall
+
+
+class Transformer:
+    def __init__(self, model: Any) -> None:
+        weights = family_of(model).weights(model)
+        self.shape = weights.shape
+        self.embedding = weights.embedding
+        self.blocks = weights.blocks
+        self.norm = weights.norm
+        self.output = weights.output
+        self.inv_freq = weights.inv_freq
+        self.rope_scale = weights.rope_scale
+        self.device = self.embedding.device
+        self.dtype = self.embedding.dtype
+        # On a CPU the residual stream stays fp32 between layers (as llama.cpp keeps it): bf16
+        # sums over 30 layers tipped the demo's near-tied first token, and it costs nothing there.
+        self.residual_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        half = self.shape.head_dim // 2
+        self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
+
+    def new_cache(self, context_length: int) -> KVCache:
+        shape = self.shape
+        return KVCache(shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, head_dim] for these positions, computed as transformers computes
+        cos and sin (sin negated on its first half, for `rotate`)."""
+        freqs = positions.float()[:, None] * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.rope_scale).to(self.dtype)
+        return cos, (angles.sin() * self.rope_scale).to(self.dtype) * self.rope_sign
+
+    def forward(self, tokens: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """`tokens` [T] through every block; logits [1 or T, vocab] as the plan asks."""
+        cos, sin = self.rope(plan.positions)
+        h = F.embedding(tokens, self.embedding).to(self.residual_dtype)
+        for block in self.blocks:
+            h = block(h, cos, sin, plan)
+        plan.finish()
+        return self.output(self.norm(h[-1:] if plan.last_only else h)).float()
+
+    # The passes the backend runs, by name --------------------------------------------------
+
+    def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run `ids` [T] after what `cache` holds; logits [1, vocab] for the token after them."""
+        return self.forward(ids, CausalChunk(cache, ids.shape[0], self.device))
+
+    def decode(
+        self, token: torch.Tensor, position: int | torch.Tensor, cache: KVCache, bucket: int | None = None
+    ) -> torch.Tensor:
+        """One token [1]; logits [1, vocab]. Without a `bucket`: attention over exactly the
+        positions filled (`position` an int). With one: the graphable step over the bucket
+        (`position` a [1] device tensor). The caller advances cache.length."""
+        if bucket is None:
+            return self.forward(token, ExactDecode(cache, int(position), self.device))
+        return self.forward(token, BucketStep(cache, position, bucket))
+
+    def verify(self, ids: torch.Tensor, cache: KVCache, buckets: bool) -> torch.Tensor:
+        """Run `ids` [T] after what `cache` holds; logits [T, vocab], row i exactly what the
+        decode step would give after ids[: i + 1] (plans.PerRowCheck)."""
+        return self.forward(ids, PerRowCheck(cache, ids.shape[0], buckets, self.device))
+
+    def check_rows(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int
+    ) -> torch.Tensor:
+        """The graphed check pass (plans.RowsInOneCall); logits [R, vocab]. The caller sets
+        cache.length."""
+        return self.forward(tokens, RowsInOneCall(cache, positions, span))

@@ -1,0 +1,141 @@
+"""Attention plans: how one pass of the native forward writes its keys and values into the KV
+cache and which of them each row attends to. The layer loop (forward.py) is written once; a
+plan is what differs between a prefill, a decode step, a graphed step and a speculative check,
+and each exists for an exactness or a speed rule, said in its docstring.
+
+A plan gives the pass's `positions` (RoPE), `attend` (per layer: q, k, v → attention output,
+before the output projection), `finish` (the cache's new length, where the plan owns it) and
+`last_only` (the logits of the last row only).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from llmcli.engine.native.attention import Attention
+from llmcli.engine.native.kvcache import KVCache
+
+
+class Plan(Protocol):
+    positions: torch.Tensor
+    last_only: bool
+
+    def attend(
+        self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def finish(self) -> None: ...
+
+
+class CausalChunk:
+    """A prefill chunk: T tokens after what is cached, each attending to everything before it.
+    From an empty cache that is plain causal attention, which has the fastest kernels. Only the
+    last row's logits are computed: nothing else is sampled from."""
+
+    last_only = True
+
+    def __init__(self, cache: KVCache, count: int, device: torch.device) -> None:
+        self.cache, self.start = cache, cache.length
+        cache.ensure(self.start + count)
+        self.positions = torch.arange(self.start, self.start + count, device=device)
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.write(attention.layer, k, v)  # up to and including these tokens
+        return attention.attend_causal(q, keys, values)
+
+    def finish(self) -> None:
+        self.cache.length = self.start + self.positions.shape[0]
+
+
+class ExactDecode:
+    """One token attending over exactly the positions filled: the reference decode step, and
+    the one a CPU runs (no graph to replay there). The caller advances the cache's length."""
+
+    last_only = True
+
+    def __init__(self, cache: KVCache, position: int, device: torch.device) -> None:
+        self.cache, self.span = cache, position + 1
+        self.positions = torch.tensor([position], device=device)
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.span)
+        return attention.attend(q, keys, values, None)
+
+    def finish(self) -> None:
+        pass
+
+
+class BucketStep:
+    """One token attending over its whole length bucket, later slots masked: one fixed span
+    serves every position in the bucket, so the shapes and addresses stay the same from token
+    to token, which a CUDA graph needs. The position is a device tensor (the graph reads it from
+    a fixed buffer). The caller advances the cache's length."""
+
+    last_only = True
+
+    def __init__(self, cache: KVCache, position: torch.Tensor, bucket: int) -> None:
+        self.cache, self.positions, self.bucket = cache, position, bucket
+        self.mask = (torch.arange(bucket, device=position.device) <= position).view(1, 1, 1, bucket)
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.bucket)
+        return attention.attend(q, keys, values, self.mask)
+
+    def finish(self) -> None:
+        pass
+
+
+class PerRowCheck:
+    """Speculative decoding's check on a CPU: T tokens after what is cached, row i exactly what
+    the decode step would give after the first i + 1 of them. The weights are read once for all
+    rows (their kernels compute each row alone, bit for bit as for one); attention runs per row,
+    as the decode step runs it (over exactly the positions seen, or with `buckets` over the
+    bucket with a mask), because an attention kernel's result depends on how many keys it is
+    handed."""
+
+    last_only = False
+
+    def __init__(self, cache: KVCache, count: int, buckets: bool, device: torch.device) -> None:
+        self.cache, self.start, self.buckets, self.device = cache, cache.length, buckets, device
+        cache.ensure(self.start + count)
+        self.positions = torch.arange(self.start, self.start + count, device=device)
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache, layer = self.cache, attention.layer
+        cache.write(layer, k, v)
+        keys, values = cache.keys[layer], cache.values[layer]
+        rows = []
+        for i in range(self.positions.shape[0]):
+            seen = self.start + i + 1
+            span, mask = seen, None
+            if self.buckets:
+                span = cache.bucket_for(seen)
+                mask = (torch.arange(span, device=self.device) < seen).view(1, 1, 1, span)
+            rows.append(attention.attend(q[:, i : i + 1], keys[:, :span], values[:, :span], mask))
+        return torch.cat(rows)
+
+    def finish(self) -> None:
+        self.cache.length = self.start + self.positions.shape[0]
+
+
+class RowsInOneCall:
+    """The check pass with fixed shapes, for a CUDA graph: R tokens at `positions` (a device
+    tensor), each attending to the first `span` slots up to its own position, all rows in one
+    call per layer (a graph's launches do not depend on R). A row's rounding is not the decode
+    step's bit for bit here, as on a GPU the matrix products' are not either. The caller sets
+    the cache's length."""
+
+    last_only = False
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor, span: int) -> None:
+        self.cache, self.positions, self.span = cache, positions, span
+        self.mask = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.span)
+        return attention.attend_rows(q, keys, values, self.mask)
+
+    def finish(self) -> None:
+        pass
