@@ -9,12 +9,11 @@ usage errors answer at once, and the heavy modules load inside command bodies.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from llmcli.cli.examples import BENCH_EPILOG, CHAT_EPILOG, GENERATE_EPILOG, SERVE_EPILOG
 from llmcli.cli.models import config_app, models_app
 from llmcli.cli.options import Only, with_settings
 from llmcli.config.settings import (
@@ -76,23 +75,6 @@ ModelOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object with the text and timings.")]
 # The loading flags `bench` uses: it measures a model as it loads by default, with these changes.
 BENCH_LOADING = Only("device", "dtype", "threads", "quant", "quant_type", "context_length", "fast", "engine")
-
-GENERATE_EPILOG = """\
-[bold]Examples[/]
-
-  llmcli generate "Name the capital of France."
-
-  cat notes.txt | llmcli generate "Summarize in three bullet points:"
-
-  llmcli generate -m Qwen/Qwen2.5-0.5B-Instruct -t 0 --json "2+2=" | jq .text
-
-  llmcli generate -m ./model.gguf --stop "\\n\\n" --max-new-tokens 64 "Once upon a time"
-
-  llmcli generate --batch questions.txt --batch-size 16 --json > answers.jsonl
-
-With both arguments and stdin, the prompt is the arguments, a blank line, then stdin.
-Exit codes: 0 done, 1 failure, 2 usage error, 130 interrupted.
-"""
 
 
 @app.command(epilog=GENERATE_EPILOG)
@@ -229,23 +211,6 @@ def _check_beams(num_beams: int, speculative: SpeculativeSettings, remote: Remot
         raise UsageError("--num-beams runs on the model in-process: it cannot go through --server")
 
 
-CHAT_EPILOG = """\
-[bold]Examples[/]
-
-  llmcli chat
-
-  llmcli chat -m Qwen/Qwen2.5-0.5B-Instruct -s "Answer in one sentence." --markdown
-
-  printf 'Hi!\\nWhat did I just say?\\n' | llmcli chat --json -t 0
-
-On a terminal: Esc then Enter (or a block between \"\"\" lines) for multiline input, Tab completes \
-slash commands, Ctrl-C stops a reply and keeps the conversation, Ctrl-D leaves. /help lists the commands.
-
-With stdin not a terminal, each line is one user message (or slash command) and each reply is \
-printed in turn; --json prints one object per turn instead.
-"""
-
-
 @app.command(epilog=CHAT_EPILOG)
 @with_settings
 def chat(
@@ -283,28 +248,6 @@ def chat(
         )
     )
     raise typer.Exit(code)
-
-
-BENCH_EPILOG = """\
-[bold]Examples[/]
-
-  llmcli bench
-
-  llmcli bench --config configs/llama-3.1-8b.json --random-weights --device cuda --json
-
-  llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7
-
-  llmcli bench --speculative lookup -n 200 --runs 3
-
-  llmcli bench --config configs/llama-3.2-1b.json --random-weights --device cuda --draft-model self
-
-  llmcli bench --config configs/llama-3.2-1b.json --random-weights --context-fill 8192
-
-Decode at batch 1 reads every weight once per token: "% of measured bandwidth" says how close \
-decoding comes to that floor, with the bandwidth measured on the spot by a large device copy; \
-the ceiling line times the model's linear layers alone, the fastest any batch-1 decode of these \
-weights can go on this device.
-"""
 
 
 @app.command(epilog=BENCH_EPILOG)
@@ -392,20 +335,6 @@ def bench(
     raise typer.Exit(code)
 
 
-SERVE_EPILOG = """\
-[bold]Examples[/]
-
-  llmcli serve                       # the default model at http://127.0.0.1:8471/v1
-
-  llmcli serve -m Qwen/Qwen2.5-0.5B-Instruct --port 9000
-
-  curl -s localhost:8471/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
-
-While it runs, [bold]llmcli generate[/] with the same model and settings uses it by itself (no load,
-no torch import); --no-server loads in-process instead. Any OpenAI client works against it.
-"""
-
-
 @app.command(epilog=SERVE_EPILOG)
 @with_settings
 def serve(
@@ -468,57 +397,3 @@ def root(
 
 app.add_typer(models_app, name="models")
 app.add_typer(config_app, name="config")
-
-
-def _flags_without_a_type() -> None:
-    """Typer's help prints a type after every option, `<bool>` after flags too (`--version
-    <bool>`), which reads as if the flag took a value: flags show none."""
-    from typer.core import TyperOption
-
-    typed = TyperOption.display_type_rich
-
-    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
-        return None if self.is_flag else typed(self, ctx)
-
-    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
-
-
-def main() -> None:
-    _flags_without_a_type()
-    if not (sys.stderr and sys.stderr.isatty()):
-        # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.
-        os.environ.setdefault("TQDM_DISABLE", "1")
-    sys.exit(run_command_line(sys.argv[1:]))
-
-
-def run_command_line(args: list[str]) -> int:
-    """The app, with click's usage errors (a bad value, an unknown option or command, a missing
-    sub-command) as one `llmcli: error:` line and exit 2, like every other error, rather than
-    click's boxed usage panel."""
-    try:  # typer ≥ 0.2x carries its own copy of click; older ones use click itself
-        from typer._click import exceptions as click
-    except ImportError:  # pragma: no cover - depends on the installed typer
-        from click import exceptions as click  # type: ignore[no-redef]
-
-    from llmcli.errors import EXIT_INTERRUPTED, EXIT_USAGE
-    from llmcli.frontends import terminal
-
-    command = typer.main.get_command(app)
-    try:
-        code = command.main(args=args, prog_name="llmcli", standalone_mode=False)
-    except click.UsageError as error:
-        context = error.ctx
-        path = context.command_path if context else "llmcli"
-        commands = getattr(context.command, "commands", None) if context else None
-        message = error.format_message().rstrip(".")
-        if commands and message == "Missing command":
-            message = f"{path} needs a command ({', '.join(commands)})"
-        terminal.error(f"{message} — see `{path} --help`")
-        return EXIT_USAGE
-    except typer.Abort:  # Ctrl-C where click itself was waiting (a confirmation prompt)
-        return EXIT_INTERRUPTED
-    return code if isinstance(code, int) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -103,12 +103,14 @@ def flag_of(name: str, declared: Declared) -> str:
 
 
 def setting_name(key: str, where: str = "flag", flag: str | None = None) -> str:
-    """A setting as the user wrote it: --top-p (a flag), LLMCLI_TOP_P (the environment), or
-    top_p in a config file's section."""
+    """A setting as the user wrote it: --top-p (a flag), LLMCLI_TOP_P (the environment), top_p
+    in a config file's section, or top_p in a server request."""
     if where == "flag":
         return flag or "--" + key.replace("_", "-")
     if where == "env":
         return f"LLMCLI_{key.upper()}"
+    if where == "request":  # a server request's field
+        return key
     return f"{key} ({where})"
 
 

@@ -58,6 +58,18 @@ class _Row:
             self.finish_reason = "length"
             self._flush()
 
+    def result(self, ttft: float, elapsed: float) -> GenerationResult:
+        self.end()
+        stats = GenerationStats(
+            prompt_tokens=len(self.prompt),
+            prefilled_tokens=len(self.prompt),
+            completion_tokens=len(self.token_ids),
+            ttft_s=ttft,
+            decode_s=elapsed - ttft,
+        )
+        complete = None if self.constraint is None else self.constraint.complete
+        return GenerationResult(self.text, self.token_ids, self.finish_reason or "length", stats, complete)
+
     def _flush(self) -> None:
         tail = self.stop.feed(self.detok.flush())
         self.text += tail if self.stop.stopped else tail + self.stop.flush()
@@ -77,84 +89,102 @@ def generate_batch(
 ) -> list[GenerationResult]:
     """Greedy or sampled generation for every prompt, in one batch; results in input order.
     `constraints`: a grammar per prompt (or None), masking that row's logits."""
-    from transformers import DynamicCache, StaticCache
-
-    device = model.device
     constraints = constraints or [None] * len(prompts)
     rows = [_Row(p, tokenizer, params, c) for p, c in zip(prompts, constraints, strict=True)]
-    width = max(len(p) for p in prompts)
-    budget = max(0, min(params.max_new_tokens, context_length - width))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_token_ids or {0})
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    # Repetition penalty history: padding is filled with the row's own first token, which is
-    # already in its history, so the pad id is not penalised by accident.
-    seen = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts], device=device)
-    cache = (
-        StaticCache(config=model.config, max_cache_len=width + budget)
-        if static_cache
-        else DynamicCache(config=model.config)
-    )
-    generator = make_generator(params.seed, device) if not params.greedy else None
+    batch = _Batch(model, rows, params, eos_token_ids, context_length, tokenizer.pad_token_id)
     start = time.perf_counter()
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-        past_key_values=cache,
-        cache_position=torch.arange(width, device=device),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = out.logits[:, -1, :]
-    next_position = mask.sum(-1, keepdim=True)
+    logits = batch.prefill(static_cache)
     ttft = 0.0
-    for step in range(budget):
-        for i, row in enumerate(rows):
-            if row.constraint is not None and row.finish_reason is None:
-                logits[i : i + 1] = row.constraint.mask(logits[i : i + 1])
-        tokens = pick_token(process_logits(logits, seen, params), params, generator)
-        token_ids = tokens.tolist()  # one host sync per step for the whole batch
+    for step in range(batch.budget):
+        tokens = batch.choose(logits)
         if step == 0:
             ttft = time.perf_counter() - start
-        for row, token_id in zip(rows, token_ids, strict=True):
-            if row.finish_reason is None:
-                row.take(token_id, eos_token_ids)
-        if all(row.finish_reason is not None for row in rows) or step + 1 == budget:
+        if batch.done or step + 1 == batch.budget:
             break
-        feed = torch.tensor(
-            [
-                [token_id if row.finish_reason is None else pad]
-                for row, token_id in zip(rows, token_ids, strict=True)
-            ],
-            device=device,
+        logits = batch.step(tokens, step)
+    elapsed = time.perf_counter() - start
+    return [row.result(ttft, elapsed) for row in rows]
+
+
+class _Batch:
+    """The batch's tensors: inputs left-padded to one width, the attention mask, positions,
+    the repetition penalty's history, and one KV cache."""
+
+    def __init__(
+        self,
+        model: Any,
+        rows: list[_Row],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        context_length: int,
+        pad_token_id: int | None,
+    ) -> None:
+        self.model, self.rows, self.params, self.eos_token_ids = model, rows, params, eos_token_ids
+        self.device = device = model.device
+        prompts = [row.prompt for row in rows]
+        self.width = width = max(len(p) for p in prompts)
+        self.budget = max(0, min(params.max_new_tokens, context_length - width))
+        self.pad = pad_token_id if pad_token_id is not None else min(eos_token_ids or {0})
+        self.input_ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
+        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        # Repetition penalty history: padding is filled with the row's own first token, which is
+        # already in its history, so the pad id is not penalised by accident.
+        self.seen = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts], device=device)
+        self.next_position = self.mask.sum(-1, keepdim=True)
+        self.generator = make_generator(params.seed, device) if not params.greedy else None
+        self.cache: Any = None
+
+    @property
+    def done(self) -> bool:
+        return all(row.finish_reason is not None for row in self.rows)
+
+    def prefill(self, static_cache: bool) -> torch.Tensor:
+        from transformers import DynamicCache, StaticCache
+
+        config = self.model.config
+        self.cache = (
+            StaticCache(config=config, max_cache_len=self.width + self.budget)
+            if static_cache
+            else DynamicCache(config=config)
         )
-        if params.repetition_penalty != 1.0:
-            seen = torch.cat([seen, tokens.view(-1, 1)], dim=1)
-        mask = torch.cat([mask, torch.ones_like(feed)], dim=1)
-        out = model(
+        out = self.model(
+            input_ids=self.input_ids,
+            attention_mask=self.mask,
+            position_ids=(self.mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=self.cache,
+            cache_position=torch.arange(self.width, device=self.device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token (a grammar masks its own row); the rows still going take it."""
+        for i, row in enumerate(self.rows):
+            if row.constraint is not None and row.finish_reason is None:
+                logits[i : i + 1] = row.constraint.mask(logits[i : i + 1])
+        tokens = pick_token(process_logits(logits, self.seen, self.params), self.params, self.generator)
+        for row, token_id in zip(self.rows, tokens.tolist(), strict=True):  # one host sync a step
+            if row.finish_reason is None:
+                row.take(token_id, self.eos_token_ids)
+        return tokens
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed each row's token (padding for rows that have finished); the next logits."""
+        feed = torch.tensor(
+            [[row.token_ids[-1] if row.finish_reason is None else self.pad] for row in self.rows],
+            device=self.device,
+        )
+        if self.params.repetition_penalty != 1.0:
+            self.seen = torch.cat([self.seen, tokens.view(-1, 1)], dim=1)
+        self.mask = torch.cat([self.mask, torch.ones_like(feed)], dim=1)
+        out = self.model(
             input_ids=feed,
-            attention_mask=mask,
-            position_ids=next_position,
-            past_key_values=cache,
-            cache_position=torch.tensor([width + step], device=device),
+            attention_mask=self.mask,
+            position_ids=self.next_position,
+            past_key_values=self.cache,
+            cache_position=torch.tensor([self.width + step], device=self.device),
             use_cache=True,
         )
-        logits = out.logits[:, -1, :]
-        next_position = next_position + 1
-    elapsed = time.perf_counter() - start
-    results = []
-    for row in rows:
-        row.end()
-        stats = GenerationStats(
-            prompt_tokens=len(row.prompt),
-            prefilled_tokens=len(row.prompt),
-            completion_tokens=len(row.token_ids),
-            ttft_s=ttft,
-            decode_s=elapsed - ttft,
-        )
-        complete = None if row.constraint is None else row.constraint.complete
-        results.append(
-            GenerationResult(row.text, row.token_ids, row.finish_reason or "length", stats, complete)
-        )
-    return results
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1, :]

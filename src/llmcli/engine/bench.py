@@ -209,7 +209,36 @@ def run_bench(
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    report.prefill_tok_s = _prefill_rates(engine, lengths, vocab, runs, device)
+    prompt = prompt_of(lengths[0], vocab)
+    compiled = with_compiled if with_compiled is not None else device.type == "cuda"
+    contenders = _contenders(loaded, engine, prompt, new_tokens, with_generate, compiled)
+    if context_fill and context_fill + new_tokens <= loaded.context_length:
+        filled = prompt_of(context_fill, vocab)
+        contenders |= {"fill/1": ours(engine, filled, 1), "fill/n": ours(engine, filled, new_tokens)}
+        report.context_fill = context_fill
+    medians = interleaved_medians(contenders, runs, device)
+    _fill_decode_figures(report, medians, [ours(engine, prompt, new_tokens)() for _ in range(runs)])
+    bytes_per_token = loaded.weight_bytes + loaded.kv_bytes_per_token * (lengths[0] + new_tokens / 2)
+    report.achieved_gb_s = bytes_per_token * report.decode_tok_s / 1e9
+    report.roofline_pct = 100 * report.achieved_gb_s / report.bandwidth_gb_s
+    if with_generate:
+        report.generate_ttft_s = medians["generate/1"]
+        report.generate_achieved_gb_s = bytes_per_token * report.generate_decode_tok_s / 1e9
+        report.speedup_vs_generate = report.decode_tok_s / report.generate_decode_tok_s
+    if report.compiled_decode_tok_s:
+        report.speedup_vs_compiled = report.decode_tok_s / report.compiled_decode_tok_s
+    report.ceiling_tok_s = 1 / linear_ceiling(loaded.model, runs)
+    report.ceiling_pct = 100 * report.decode_tok_s / report.ceiling_tok_s
+    report.peak_memory_bytes = peak_memory(device)
+    return report
 
+
+def _prefill_rates(
+    engine: Engine, lengths: list[int], vocab: int, runs: int, device: torch.device
+) -> dict[int, float]:
+    """Prompt tokens per second at each length, from an empty cache."""
+    rates = {}
     for length in lengths:
         prompt = prompt_of(length, vocab)
 
@@ -217,56 +246,46 @@ def run_bench(
             engine.reset()
             engine.prefill(prompt)
 
-        report.prefill_tok_s[length] = (
-            length / interleaved_medians({"prefill": prefill}, runs, device)["prefill"]
-        )
+        rates[length] = length / interleaved_medians({"prefill": prefill}, runs, device)["prefill"]
+    return rates
 
-    prompt = prompt_of(lengths[0], vocab)
+
+def _contenders(
+    loaded: LoadedModel, engine: Engine, prompt: list[int], new_tokens: int, generate: bool, compiled: bool
+) -> dict[str, Callable[[], Any]]:
+    """Each contender twice, for 1 and for `new_tokens` tokens: decode speed is the difference."""
     contenders = {"ours/1": ours(engine, prompt, 1), "ours/n": ours(engine, prompt, new_tokens)}
-    if with_generate:
+    if generate:
         contenders |= {
             "generate/1": baseline(loaded.model, prompt, 1),
             "generate/n": baseline(loaded.model, prompt, new_tokens),
         }
-    if with_compiled if with_compiled is not None else device.type == "cuda":
+    if compiled:
         static = {"cache_implementation": "static"}
         contenders |= {
             "compiled/1": baseline(loaded.model, prompt, 1, **static),
             "compiled/n": baseline(loaded.model, prompt, new_tokens, **static),
         }
-    if context_fill and context_fill + new_tokens <= loaded.context_length:
-        filled = prompt_of(context_fill, vocab)
-        contenders |= {"fill/1": ours(engine, filled, 1), "fill/n": ours(engine, filled, new_tokens)}
-        report.context_fill = context_fill
-    medians = interleaved_medians(contenders, runs, device)
+    return contenders
+
+
+def _fill_decode_figures(report: BenchReport, medians: dict[str, float], results: list[Any]) -> None:
+    """Decode rates from the interleaved medians; TTFT and inter-token latency from `results`."""
+    new_tokens = report.new_tokens
 
     def decode_rate(name: str) -> float | None:
         if f"{name}/n" not in medians:
             return None
         return (new_tokens - 1) / (medians[f"{name}/n"] - medians[f"{name}/1"])
 
-    results = [ours(engine, prompt, new_tokens)() for _ in range(runs)]
     gaps = sorted(gap for result in results for gap in result.stats.inter_token_s)
     report.ttft_s = statistics.median(result.stats.ttft_s for result in results)
     report.decode_tok_s = decode_rate("ours") or 0.0
     report.decode_tok_s_at_fill = decode_rate("fill")
+    report.generate_decode_tok_s = decode_rate("generate")
+    report.compiled_decode_tok_s = decode_rate("compiled")
     report.itl_p50_ms = 1000 * gaps[len(gaps) // 2] if gaps else 0.0
     report.itl_p99_ms = 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] if gaps else 0.0
-    bytes_per_token = loaded.weight_bytes + loaded.kv_bytes_per_token * (lengths[0] + new_tokens / 2)
-    report.achieved_gb_s = bytes_per_token * report.decode_tok_s / 1e9
-    report.roofline_pct = 100 * report.achieved_gb_s / report.bandwidth_gb_s
-    if with_generate:
-        report.generate_ttft_s = medians["generate/1"]
-        report.generate_decode_tok_s = decode_rate("generate")
-        report.generate_achieved_gb_s = bytes_per_token * report.generate_decode_tok_s / 1e9
-        report.speedup_vs_generate = report.decode_tok_s / report.generate_decode_tok_s
-    report.compiled_decode_tok_s = decode_rate("compiled")
-    if report.compiled_decode_tok_s:
-        report.speedup_vs_compiled = report.decode_tok_s / report.compiled_decode_tok_s
-    report.ceiling_tok_s = 1 / linear_ceiling(loaded.model, runs)
-    report.ceiling_pct = 100 * report.decode_tok_s / report.ceiling_tok_s
-    report.peak_memory_bytes = peak_memory(device)
-    return report
 
 
 def peak_memory(device: torch.device) -> int:

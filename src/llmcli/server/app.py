@@ -181,9 +181,9 @@ async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: boo
 def _checked_sampling(body: _Sampling) -> SamplingSettings:
     sampling = body.sampling()
     try:
-        sampling.validate()
+        sampling.validate("request")
     except LlmcliError as error:
-        raise RequestError(400, error.message.replace("--", "")) from None
+        raise RequestError(400, error.message) from None
     return sampling
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmcli.config.declare import declarations
 from llmcli.config.settings import SamplingSettings
 from llmcli.errors import UsageError
 
@@ -57,18 +58,24 @@ class ResponseFormat(BaseModel):
         return output
 
 
+def _bounded(name: str) -> Any:
+    """An optional sampling field with the bounds its setting declares (config/settings.py)."""
+    bounds = declarations(SamplingSettings)[name].bounds
+    return Field(default=None, **(bounds.pydantic() if bounds else {}))
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    seed: int | None = None
+    max_tokens: int | None = _bounded("max_new_tokens")
+    max_completion_tokens: int | None = _bounded("max_new_tokens")
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k")
+    min_p: float | None = _bounded("min_p")
+    repetition_penalty: float | None = _bounded("repetition_penalty")
+    seed: int | None = _bounded("seed")
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request: batch-1 decode
     speculative: Literal["off", "lookup", "draft"] | None = None  # llmcli's: default, the server's

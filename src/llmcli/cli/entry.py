@@ -1,0 +1,60 @@
+"""The process around the app: what `llmcli` does before and after a command runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import typer
+
+
+def _flags_without_a_type() -> None:
+    """Typer's help prints a type after every option, `<bool>` after flags too (`--version
+    <bool>`), which reads as if the flag took a value: flags show none."""
+    from typer.core import TyperOption
+
+    typed = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else typed(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+def main() -> None:
+    _flags_without_a_type()
+    if not (sys.stderr and sys.stderr.isatty()):
+        # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    sys.exit(run_command_line(sys.argv[1:]))
+
+
+def run_command_line(args: list[str]) -> int:
+    """The app, with click's usage errors (a bad value, an unknown option or command, a missing
+    sub-command) as one `llmcli: error:` line and exit 2, like every other error, rather than
+    click's boxed usage panel."""
+    try:  # typer ≥ 0.2x carries its own copy of click; older ones use click itself
+        from typer._click import exceptions as click
+    except ImportError:  # pragma: no cover - depends on the installed typer
+        from click import exceptions as click  # type: ignore[no-redef]
+
+    from llmcli.cli.app import app
+    from llmcli.errors import EXIT_INTERRUPTED, EXIT_USAGE
+    from llmcli.frontends import terminal
+
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=args, prog_name="llmcli", standalone_mode=False)
+    except click.UsageError as error:
+        context = error.ctx
+        path = context.command_path if context else "llmcli"
+        commands = getattr(context.command, "commands", None) if context else None
+        message = error.format_message().rstrip(".")
+        if commands and message == "Missing command":
+            message = f"{path} needs a command ({', '.join(commands)})"
+        terminal.error(f"{message} — see `{path} --help`")
+        return EXIT_USAGE
+    except typer.Abort:  # Ctrl-C where click itself was waiting (a confirmation prompt)
+        return EXIT_INTERRUPTED
+    return code if isinstance(code, int) else 0
