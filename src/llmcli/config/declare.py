@@ -78,6 +78,7 @@ class Declared:
     show_default: bool = True
     envvar: str | None = None  # read by the flag itself (LLMCLI_SERVER), not through the layers
     parse: Any = None  # text → the field's value (--max-memory 8GB → bytes); ValueError if it is not
+    builtin: Any = None  # the value when no layer gives one (sampling: after the model's own)
 
 
 def setting(default: Any = None, **declaration: Any) -> Any:
@@ -131,14 +132,14 @@ def layered_types(*settings_classes: type) -> dict[str, type]:
     """Every key the environment and config file may set, and its type."""
     types: dict[str, type] = {}
     for settings_class in settings_classes:
-        hints = _field_types(settings_class)
+        hints = field_types(settings_class)
         for name, declared in declarations(settings_class).items():
             if declared.layered:
                 types[key_of(name, declared)] = hints[name]
     return types
 
 
-def _field_types(settings_class: type) -> dict[str, type]:
+def field_types(settings_class: type) -> dict[str, type]:
     """The plain type each field holds (int, float, str, list), from its default's annotation."""
     kinds = {"float": float, "int": int, "str": str, "bool": bool, "tuple": list, "list": list}
     found: dict[str, type] = {}

@@ -20,16 +20,6 @@ if TYPE_CHECKING:
 
     from llmcli.config.user_config import UserConfig
 
-# llama.cpp's defaults: a mild temperature, min-p to cut the junk tail, no repetition penalty.
-BUILTIN_SAMPLING: dict[str, Any] = {
-    "temperature": 0.8,
-    "top_k": 40,
-    "top_p": 0.95,
-    "min_p": 0.05,
-    "repetition_penalty": 1.0,
-    "max_new_tokens": 512,
-}
-
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANTS = ("auto", "none", "int8", "int4", "nf4", "fp4")
@@ -52,30 +42,35 @@ class SamplingSettings:
         flags=("--temperature", "-t"),
         help="0 = greedy. Built-in 0.8.",
         panel=SAMPLING,
+        builtin=0.8,
         layered=True,
         bounds=Bounds(ge=0, note="0 means greedy"),
     )
     top_k: int | None = setting(
         help="Keep the k most likely tokens; 0 = off.",
         panel=SAMPLING,
+        builtin=40,
         layered=True,
         bounds=Bounds(ge=0, note="0 turns it off"),
     )
     top_p: float | None = setting(
         help="Nucleus mass in (0, 1]; 1 = off.",
         panel=SAMPLING,
+        builtin=0.95,
         layered=True,
         bounds=Bounds(gt=0, le=1, note="1 turns it off"),
     )
     min_p: float | None = setting(
         help="Drop tokens below min-p × the top probability; 0 = off.",
         panel=SAMPLING,
+        builtin=0.05,
         layered=True,
         bounds=Bounds(ge=0, le=1, note="0 turns it off"),
     )
     repetition_penalty: float | None = setting(
         help="> 1 discourages repeats; 1 = off.",
         panel=SAMPLING,
+        builtin=1.0,
         layered=True,
         bounds=Bounds(gt=0, note="1 turns it off"),
     )
@@ -83,6 +78,7 @@ class SamplingSettings:
         flags=("--max-new-tokens", "-n"),
         help="Upper bound on reply tokens.",
         panel=SAMPLING,
+        builtin=512,
         layered=True,
         bounds=Bounds(ge=1),
     )
@@ -129,6 +125,16 @@ class SamplingSettings:
             else:
                 values[name], sources[name] = BUILTIN_SAMPLING[name], "built-in"
         return SamplingParams(**values, seed=self.seed, stop=self.stop), sources
+
+
+# llama.cpp's defaults: a mild temperature, min-p to cut the junk tail, no repetition penalty.
+BUILTIN_SAMPLING: dict[str, Any] = {
+    name: declared.builtin
+    for name, declared in declarations(SamplingSettings).items()
+    if declared.builtin is not None
+}
+# The sampling settings that hold one number (stop holds strings).
+SAMPLING_NUMBERS = tuple(name for name in declarations(SamplingSettings) if name != "stop")
 
 
 @dataclass(frozen=True)
@@ -427,7 +433,7 @@ def effective_settings(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, layer in layers:
-        given = {key: layer[key] for key in (*BUILTIN_SAMPLING, "seed") if key in layer}
+        given = {key: layer[key] for key in SAMPLING_NUMBERS if key in layer}
         where = name if name in ("flag", "env") else f"{name} of {config.path}"
         SamplingSettings(**given, stop=tuple(layer.get("stop") or ())).validate(where)
     for name, layer in layers:
@@ -435,7 +441,7 @@ def effective_settings(
             if key not in values:
                 values[key], sources[key] = value, name
     sampling = SamplingSettings(
-        **{key: values.get(key) for key in (*BUILTIN_SAMPLING, "seed")},
+        **{key: values.get(key) for key in SAMPLING_NUMBERS},
         stop=tuple(values.get("stop") or ()),
     ).validate()
     load = replace(

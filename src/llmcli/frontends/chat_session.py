@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from llmcli.config.declare import declarations, field_types
 from llmcli.config.escapes import unescape
 from llmcli.config.settings import SPECULATIVE_METHODS, SamplingSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
@@ -27,10 +28,12 @@ if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads i
     from llmcli.frontends.local import LocalHistory
     from llmcli.frontends.remote import RemoteHistory
 
-HELP = """\
+# What /set may change: every sampling setting.
+SETTABLE = tuple(declarations(SamplingSettings))
+HELP = f"""\
 /help                 this list
 /system [TEXT | -]    show, set (or with "-" clear) the system prompt
-/set KEY VALUE        temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, seed, stop
+/set KEY VALUE        {", ".join(SETTABLE)}
                       ("none" unsets seed and stop); speculative off|lookup|draft
 /show                 settings, model, device, context used
 /stats                the last reply's timings, and the session's totals
@@ -59,7 +62,6 @@ COMMANDS = (
     "/exit",
 )
 ALIASES = {"/quit": "/exit", "/?": "/help", "/clear": "/reset"}
-SETTABLE = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "seed", "stop")
 
 
 class ChatView(Protocol):
@@ -405,7 +407,7 @@ def apply_setting(sampling: SamplingSettings, key: str, value: Any) -> SamplingS
         return replace(sampling, stop=SamplingSettings(stop=stops).validate().stop)
     if key == "seed" and value in ("none", None):
         return replace(sampling, seed=None)
-    kind = int if key in ("top_k", "max_new_tokens", "seed") else float
+    kind = field_types(SamplingSettings)[key]
     try:
         typed = kind(value)
     except (TypeError, ValueError) as error:

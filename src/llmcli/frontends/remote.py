@@ -14,10 +14,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
+from llmcli.config.settings import (
+    SAMPLING_NUMBERS,
+    LoadSettings,
+    RemoteSettings,
+    SamplingSettings,
+    SpeculativeSettings,
+)
 from llmcli.errors import UsageError
 from llmcli.frontends.target import Ask, Outcome
-from llmcli.server.client import Client
+from llmcli.server.client import OPENAI_NAMES, Client
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
@@ -119,16 +125,8 @@ class RemoteTarget:
     def request_body(
         self, sampling: SamplingSettings, speculative: str | None, output: OutputFormat | None
     ) -> dict[str, Any]:
-        fields = {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,  # llmcli's extras: vLLM and llama.cpp's server read them too
-            "min_p": sampling.min_p,
-            "repetition_penalty": sampling.repetition_penalty,
-            "max_tokens": sampling.max_new_tokens,
-            "seed": sampling.seed,
-            "stop": list(sampling.stop) or None,
-        }
+        fields = {OPENAI_NAMES.get(name, name): getattr(sampling, name) for name in SAMPLING_NUMBERS}
+        fields["stop"] = list(sampling.stop) or None
         body = {name: value for name, value in fields.items() if value is not None}
         if speculative is not None and self.is_llmcli:
             # llmcli's own extra field, sent only to an llmcli server (others would not know it).

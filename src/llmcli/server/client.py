@@ -15,6 +15,10 @@ from urllib.parse import urlsplit
 
 from llmcli.errors import LlmcliError
 
+# Sampling settings whose name in the OpenAI API differs from llmcli's; the others (top_k, min_p,
+# repetition_penalty: extras vLLM and llama.cpp's server read too) travel under their own names.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+
 
 class ServerError(LlmcliError):
     """The server answered with an error, or could not be reached."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from llmcli.config.declare import declarations
-from llmcli.config.settings import SamplingSettings
+from llmcli.config.declare import declarations, field_types
+from llmcli.config.settings import SAMPLING_NUMBERS, SamplingSettings
 from llmcli.errors import UsageError
+from llmcli.server.client import OPENAI_NAMES
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
@@ -58,24 +59,27 @@ class ResponseFormat(BaseModel):
         return output
 
 
-def _bounded(name: str) -> Any:
-    """An optional sampling field with the bounds its setting declares (config/settings.py)."""
-    bounds = declarations(SamplingSettings)[name].bounds
-    return Field(default=None, **(bounds.pydantic() if bounds else {}))
+def _sampling_fields() -> dict[str, Any]:
+    """One optional request field per numeric sampling setting, under its OpenAI name, with the
+    type and bounds its declaration gives (config/settings.py): a new sampling setting is a new
+    request field by itself. max_completion_tokens is OpenAI's newer name for max_tokens."""
+    types = field_types(SamplingSettings)
+    fields: dict[str, Any] = {}
+    for name in SAMPLING_NUMBERS:
+        bounds = declarations(SamplingSettings)[name].bounds
+        field = (types[name] | None, Field(default=None, **(bounds.pydantic() if bounds else {})))
+        fields[OPENAI_NAMES.get(name, name)] = field
+    fields["max_completion_tokens"] = fields[OPENAI_NAMES["max_new_tokens"]]
+    return fields
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+_SamplingFields: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "_SamplingFields", __config__=ConfigDict(extra="ignore"), **_sampling_fields()
+)
 
+
+class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     model: str | None = None
-    max_tokens: int | None = _bounded("max_new_tokens")
-    max_completion_tokens: int | None = _bounded("max_new_tokens")
-    temperature: float | None = _bounded("temperature")
-    top_p: float | None = _bounded("top_p")
-    top_k: int | None = _bounded("top_k")
-    min_p: float | None = _bounded("min_p")
-    repetition_penalty: float | None = _bounded("repetition_penalty")
-    seed: int | None = _bounded("seed")
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request: batch-1 decode
     speculative: Literal["off", "lookup", "draft"] | None = None  # llmcli's: default, the server's
@@ -93,16 +97,9 @@ class _Sampling(BaseModel):
 
     def sampling(self) -> SamplingSettings:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingSettings(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            max_new_tokens=self.max_completion_tokens or self.max_tokens,
-            seed=self.seed,
-            stop=tuple(stops),
-        )
+        values = {name: getattr(self, OPENAI_NAMES.get(name, name)) for name in SAMPLING_NUMBERS}
+        values["max_new_tokens"] = self.max_completion_tokens or values["max_new_tokens"]
+        return SamplingSettings(**values, stop=tuple(stops))
 
     @property
     def include_usage(self) -> bool:
