@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument(
         "--load", default="", help='load options for both sides, e.g. "--dtype fp32 --quant none"'
     )
+    parser.add_argument("--json", action="store_true", help="print one JSON object, not tables")
     args = parser.parse_args()
 
     runtime = tempfile.mkdtemp(prefix="llmcli-bench-serve-")
@@ -138,6 +139,20 @@ def main() -> None:
 
     warm_wall = statistics.median(w for w, _, _ in warm)
     local_wall = statistics.median(w for w, _, _ in local)
+    total = args.clients * args.requests
+    if args.json:
+        record = {
+            "warm_wall_s": warm_wall,
+            "warm_first_byte_s": statistics.median(f for _, f, _ in warm),
+            "local_wall_s": local_wall,
+            "local_first_byte_s": statistics.median(f for _, f, _ in local),
+            "concurrent_p50_s": percentile(latencies, 0.5),
+            "concurrent_p99_s": percentile(latencies, 0.99),
+            "requests_per_s": total / concurrent_s,
+            "equal_replies": f"{total - len(wrong)}/{total}",
+        }
+        print(json.dumps(record))
+        return
     print(f"\n{args.model or 'demo model'} {args.load} · generate -n {args.new_tokens} · greedy · medians\n")
     print("| | wall s / call | first byte s | calls |")
     print("|---|---:|---:|---:|")
@@ -150,7 +165,6 @@ def main() -> None:
         f"{args.calls * local_wall:.1f} s in-process ({args.calls} × the median) → "
         f"{local_wall / warm_wall:.1f}× faster"
     )
-    total = args.clients * args.requests
     print(
         f"\n{args.clients} concurrent streaming clients × {args.requests} requests: "
         f"{total - len(wrong)}/{total} replies equal to the in-process reply · "

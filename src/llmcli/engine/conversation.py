@@ -227,31 +227,6 @@ class Conversation:
         """The ids of the whole chat as it stands (what a loaded chat prefills)."""
         return self._render_ids(self._all_messages(), add_generation_prompt=False)
 
-    # Transcripts -------------------------------------------------------------------------------
-
-    def to_transcript(self, model: str, settings: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "version": TRANSCRIPT_VERSION,
-            "model": model,
-            "system": self.system,
-            "settings": settings,
-            "messages": self.messages,
-        }
-
-    def load_transcript(self, data: dict[str, Any]) -> None:
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict)
-            and m.get("role") in ("user", "assistant")
-            and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise LlmcliError("the transcript's messages must be a list of user/assistant messages")
-        self.system = data.get("system") or None
-        self.messages = [dict(m) for m in messages]
-        self.ids = []
-        self.ids = self.history_ids()
-
 
 def read_transcript(path: Path) -> dict[str, Any]:
     try:
