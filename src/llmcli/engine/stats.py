@@ -39,11 +39,3 @@ class GenerationStats:
         """Tokens after the first, over the time they took: the steady decode rate."""
         steps = self.completion_tokens - 1
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
-
-    def summary(self) -> str:
-        return (
-            f"{self.prompt_tokens} prompt tok, {self.completion_tokens} completion tok · "
-            f"TTFT {self.ttft_s:.3f} s · prefill {self.prefill_tok_s:.1f} tok/s · "
-            f"decode {self.decode_tok_s:.1f} tok/s"
-            + (f" · {self.speculative.summary()}" if self.speculative else "")
-        )

@@ -21,12 +21,10 @@ from llmcli.config.settings import SPECULATIVE_METHODS, SamplingSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.formats import format_command, unfinished_value
-from llmcli.frontends.target import Outcome, Target
+from llmcli.frontends.target import ChatHistory, Outcome, Target
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads it
     from llmcli.engine.structured import OutputFormat
-    from llmcli.frontends.local import LocalHistory
-    from llmcli.frontends.remote import RemoteHistory
 
 # What /set may change: every sampling setting.
 SETTABLE = tuple(declarations(SamplingSettings))
@@ -211,15 +209,12 @@ class ChatSession:
         self.speculative = "off"
         if speculative != "off":
             self.set_speculative(speculative)
-        self.history: LocalHistory | RemoteHistory = target.chat(system)
+        self.history: ChatHistory = target.chat(system)
         self.last_turn: TurnReport | None = None
         self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
-        if getattr(target, "is_llmcli", True) is False:
-            view.notice(
-                f"{target.where} is not an llmcli server: timings are its usage counts only, "
-                "and /undo re-sends the chat rather than cropping a cache."
-            )
+        if target.caveat:
+            view.notice(target.caveat)
 
     @property
     def context_length(self) -> int:

@@ -17,8 +17,7 @@ from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSetting
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.formats import unfinished_value
-from llmcli.frontends.loading import load_with_feedback
-from llmcli.frontends.target import Ask, Target, json_record
+from llmcli.frontends.target import Ask, json_record, open_target
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
@@ -102,24 +101,6 @@ def run(request: GenerateRequest) -> int:
         summary = f"{outcome.stats_summary()} · {outcome.finish_reason} · {target.summary()}"
         terminal.note(f"{target.name} · {summary}")
     return exit_code
-
-
-def open_target(
-    model: str | None,
-    load: LoadSettings,
-    remote: RemoteSettings,
-    speculative: SpeculativeSettings,
-    in_process: bool = False,
-) -> Target:
-    """A running server that fits (or the one named), else the model loaded here."""
-    from llmcli.frontends.remote import find_server
-
-    found = find_server(model, load, remote, in_process, speculative)
-    if found is not None:
-        return found
-    from llmcli.frontends.local import InProcessTarget
-
-    return InProcessTarget(load_with_feedback(model, load), model, load, speculative)
 
 
 class StdoutSink:

@@ -33,7 +33,6 @@ class InProcessTarget:
         model_spec: str | None,
         load: LoadSettings,
         speculative: SpeculativeSettings | None = None,
-        engine: Engine | None = None,
     ) -> None:
         self.loaded = loaded
         self.name = loaded.name
@@ -46,8 +45,7 @@ class InProcessTarget:
         # Each method's speculation made once (a draft model loads once), and kept.
         self._speculations: dict[str, Speculation | None] = {"off": None}
         self._beams = False  # a beam search ran: transformers' generate, not the engine
-        if engine is not None:
-            self.__dict__["engine"] = engine
+        self.caveat = None  # nothing an in-process chat cannot do
 
     @cached_property
     def engine(self) -> Engine:

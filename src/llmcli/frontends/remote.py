@@ -97,6 +97,15 @@ class RemoteTarget:
     def is_llmcli(self) -> bool:
         return self.info is not None
 
+    @property
+    def caveat(self) -> str | None:
+        if self.is_llmcli:
+            return None
+        return (
+            f"{self.client.url} is not an llmcli server: timings are its usage counts only, "
+            "and /undo re-sends the chat rather than cropping a cache."
+        )
+
     def facts(self) -> dict[str, Any]:
         info = self.info or {}
         return {**{name: info.get(name) for name in LOAD_FACTS}, "server": self.client.url}
@@ -115,6 +124,8 @@ class RemoteTarget:
             raise UsageError("drafting needs a draft model: start chat with --draft-model MODEL or self")
 
     def reply(self, ask: Ask) -> RemoteReply:
+        if ask.speculative != "off":
+            self.speculation(ask.speculative)  # another kind of server drafts as it was started
         body = self.request_body(ask.sampling, ask.speculative, ask.output)
         if ask.raw:
             body["prompt"] = "\n\n".join(m["content"] for m in ask.messages)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from llmcli.config.settings import SamplingSettings
+from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
@@ -83,36 +83,49 @@ class Ask:
 
 
 class ChatHistory(Protocol):
-    """A conversation as the target keeps it."""
+    """A conversation as the target keeps it. A turn is prepare → ask → commit (or abandon)."""
 
     system: str | None
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # user and assistant, alternating
+    pending_tokens: int  # the prepared prompt's length, where the target counts it
 
     @property
     def context_used(self) -> int: ...
 
-    def ask(self, user_text: str, sampling: SamplingSettings, speculative: str, output: Any) -> Reply:
-        """A reply to `user_text` after the conversation; it becomes part of it once it ends."""
+    def prepare(self, user_text: str, sampling: SamplingSettings) -> int:
+        """Ready the next turn; returns how many oldest exchanges had to go for it to fit."""
         ...
 
-    def commit(self, user_text: str, outcome: Outcome) -> int:
-        """Keep the finished turn; returns how many oldest exchanges were dropped to fit it."""
+    def ask(self, sampling: SamplingSettings, speculative: str, output: OutputFormat | None) -> Reply:
+        """The reply to the prepared message, after the conversation."""
         ...
 
-    def abandon(self) -> None:
-        """The reply failed: the conversation (and any cache) is as it was before it."""
+    def commit(self, outcome: Outcome) -> None:
+        """Keep the finished (or interrupted) turn."""
+        ...
+
+    def abandon(self, error: Exception) -> str:
+        """The turn failed: the conversation (and any cache) is as before it; what to say."""
         ...
 
     def set_system(self, text: str | None) -> None: ...
-    def undo(self) -> dict[str, Any] | None: ...
-    def restore(self, exchange: list[dict[str, Any]]) -> None: ...
+
+    def undo(self, keep_cache: bool = False) -> tuple[str, str] | None:
+        """Drop the last exchange: (user, reply), or None when there is none."""
+        ...
+
+    def restore(self, user: str, reply: str) -> None: ...
+
     def reset(self) -> None: ...
-    def replace(self, system: str | None, messages: list[dict[str, Any]]) -> str:
+
+    def replace(
+        self, system: str | None, messages: list[dict[str, Any]], room: SamplingSettings, where: str
+    ) -> str:
         """A loaded transcript; returns what to add to the "loaded" line ('' for nothing)."""
         ...
 
     def describe(self) -> str:
-        """/show's line about the context and cache."""
+        """/show's line about the exchanges, the context and the cache."""
         ...
 
 
@@ -122,6 +135,7 @@ class Target(Protocol):
     dtype_name: str
     context_length: int
     engine_name: str
+    caveat: str | None  # what this target cannot do that a chat should hear about, once
 
     def facts(self) -> dict[str, Any]:
         """What --json reports about the model and how it is loaded."""
@@ -139,9 +153,29 @@ class Target(Protocol):
         """The sampling values /show and /save give: in force here, or the ones sent."""
         ...
 
-    def speculation(self, method: str) -> None:
-        """Check that `method` can run here (a draft model may load now); UsageError if not."""
+    def speculation(self, method: str) -> object:
+        """Ready speculative decoding by `method` (a draft model may load now); UsageError when
+        it cannot run here."""
         ...
+
+
+def open_target(
+    model: str | None,
+    load: LoadSettings,
+    remote: RemoteSettings,
+    speculative: SpeculativeSettings,
+    in_process: bool = False,
+) -> Target:
+    """A running server that fits (or the one named), else the model loaded here."""
+    from llmcli.frontends.remote import find_server
+
+    found = find_server(model, load, remote, in_process, speculative)
+    if found is not None:
+        return found
+    from llmcli.frontends.loading import load_with_feedback
+    from llmcli.frontends.local import InProcessTarget
+
+    return InProcessTarget(load_with_feedback(model, load), model, load, speculative)
 
 
 def json_record(

@@ -37,13 +37,5 @@ class SpeculativeStats:
     drafted: int = 0  # drafted tokens the model checked
     accepted: int = 0  # of those, the ones that became output
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
     def as_dict(self) -> dict[str, object]:
         return {"method": self.method, "drafted": self.drafted, "accepted": self.accepted}
-
-    def summary(self) -> str:
-        rate = f"{self.acceptance_rate:.0%}"
-        return f"{self.method}: {self.accepted}/{self.drafted} drafted tokens accepted ({rate})"
