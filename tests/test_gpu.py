@@ -46,16 +46,18 @@ def fill_device_memory() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("engine", ["native", "transformers"])
 def test_out_of_memory_in_a_chat_turn_keeps_the_chat(tiny_llama: Path, engine: str) -> None:
+    from llmcli.config.settings import SamplingSettings
     from llmcli.frontends.chat_session import ChatSession
+    from llmcli.frontends.local import InProcessTarget
 
-    loaded = load_model(
-        ResolvedModel(name="tiny", path=tiny_llama, source="folder"),
-        LoadSettings(device="cuda", engine=engine),
-    )
+    settings = LoadSettings(device="cuda", engine=engine)
+    loaded = load_model(ResolvedModel(name="tiny", path=tiny_llama, source="folder"), settings)
     view = Recorder()
-    session = ChatSession(loaded, SamplingParams(temperature=0.0, max_new_tokens=8), view)
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=8)
+    session = ChatSession(InProcessTarget(loaded, None, settings), view, sampling=greedy)
+    history = session.history
     assert session.turn("Hello there") is not None
-    before = (list(session.conversation.messages), list(session.conversation.ids))
+    before = (list(history.conversation.messages), list(history.conversation.ids))
     message = "word " * 100  # fits the 1024-token context (about 400 tokens), not the memory
     assert len(loaded.tokenizer(message)["input_ids"]) + len(before[1]) < loaded.context_length // 2
     hogs = fill_device_memory()
@@ -65,8 +67,8 @@ def test_out_of_memory_in_a_chat_turn_keeps_the_chat(tiny_llama: Path, engine: s
         del hogs
         torch.cuda.empty_cache()
     assert view.errors and "out of memory" in view.errors[-1], view.errors
-    assert (session.conversation.messages, session.conversation.ids) == before
-    assert len(session.engine.cached_ids) == session.engine.backend.length
+    assert (history.conversation.messages, history.conversation.ids) == before
+    assert len(history.engine.cached_ids) == history.engine.backend.length
     assert session.turn("Still there?") is not None
 
 

@@ -154,6 +154,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether a rule looks at the tokens seen so far (the prompt and the reply)."""
+        return self.repetition_penalty != 1.0
+
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -175,7 +175,7 @@ class _Batch:
             [[row.token_ids[-1] if row.finish_reason is None else self.pad] for row in self.rows],
             device=self.device,
         )
-        if self.params.repetition_penalty != 1.0:
+        if self.params.needs_history:
             self.seen = torch.cat([self.seen, tokens.view(-1, 1)], dim=1)
         self.mask = torch.cat([self.mask, torch.ones_like(feed)], dim=1)
         out = self.model(

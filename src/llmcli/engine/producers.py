@@ -61,7 +61,7 @@ class Chooser:
         """The tokens `rows` [len(draft) + 1, vocab] choose: every drafted token the model
         agrees with, then its own next one."""
         params, drafted = self.params, draft.tokens
-        if params.greedy and params.repetition_penalty == 1.0:
+        if params.greedy and not params.needs_history:
             best = rows.argmax(dim=-1).tolist()  # one host sync for the whole run
             return best[: agreeing(best, drafted) + 1]
         chosen: list[int] = []
@@ -80,7 +80,7 @@ class Chooser:
 
     def seen(self, chosen: list[int]) -> torch.Tensor:
         """The tokens the repetition penalty looks at: the context, and `chosen` after it."""
-        if self.params.repetition_penalty == 1.0:
+        if not self.params.needs_history:
             return NOTHING_SEEN
         return torch.tensor([self.context + chosen], dtype=torch.long, device=self.device)
 

@@ -21,10 +21,11 @@ from llmcli.config.settings import SPECULATIVE_METHODS, SamplingSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.formats import format_command, unfinished_value
-from llmcli.frontends.target import ChatHistory, Outcome, Target
+from llmcli.frontends.target import Outcome
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads it
     from llmcli.engine.structured import OutputFormat
+    from llmcli.frontends.protocols import ChatHistory, Target
 
 # What /set may change: every sampling setting.
 SETTABLE = tuple(declarations(SamplingSettings))

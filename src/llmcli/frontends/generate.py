@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, BinaryIO
 from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
-from llmcli.frontends.formats import unfinished_value
 from llmcli.frontends.target import Ask, json_record, open_target
 
 if TYPE_CHECKING:
@@ -93,6 +92,8 @@ def run(request: GenerateRequest) -> int:
     elif outcome.text and not outcome.text.endswith("\n"):
         out.write("\n")
     if output is not None and exit_code == EXIT_OK and not outcome.value_complete:
+        from llmcli.frontends.formats import unfinished_value
+
         limit = (outcome.sampling or {}).get("max_new_tokens")
         tokens = outcome.completion_tokens
         terminal.error(unfinished_value(output, outcome.finish_reason, tokens, limit, "--max-new-tokens"))

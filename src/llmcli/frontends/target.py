@@ -1,6 +1,6 @@
 """What a front end talks to: a model loaded in this process, or a server that runs one.
 
-`generate` and `chat` are written once, over this protocol. A `Target` starts `Reply`s: iterate
+`generate` and `chat` are written once, over protocols.py. A `Target` starts `Reply`s: iterate
 one for its text, interrupt it (Ctrl-C, a reader gone), then read its `Outcome`. A chat keeps its
 history in the target's own `ChatHistory` (exact token ids and a KV cache in-process; messages
 re-sent whole to a server). What one side cannot do, it says in one line when asked.
@@ -9,14 +9,14 @@ re-sent whole to a server). What one side cannot do, it says in one line when as
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.frontends.protocols import Target
 
 
 @dataclass
@@ -58,18 +58,6 @@ def _count(value: int | None) -> str:
     return "?" if value is None else str(value)
 
 
-class Reply(Protocol):
-    def __iter__(self) -> Iterator[str]:
-        """The reply's text, piece by piece as it is generated."""
-        ...
-
-    def interrupt(self) -> None:
-        """Stop here (Ctrl-C, a reader that left); whatever the target caches stays exact."""
-        ...
-
-    def outcome(self) -> Outcome: ...
-
-
 @dataclass(frozen=True)
 class Ask:
     """One reply asked of a target: what to answer, and how."""
@@ -80,83 +68,6 @@ class Ask:
     output: OutputFormat | None = None
     raw: bool = False
     num_beams: int = 1
-
-
-class ChatHistory(Protocol):
-    """A conversation as the target keeps it. A turn is prepare → ask → commit (or abandon)."""
-
-    system: str | None
-    messages: list[dict[str, Any]]  # user and assistant, alternating
-    pending_tokens: int  # the prepared prompt's length, where the target counts it
-
-    @property
-    def context_used(self) -> int: ...
-
-    def prepare(self, user_text: str, sampling: SamplingSettings) -> int:
-        """Ready the next turn; returns how many oldest exchanges had to go for it to fit."""
-        ...
-
-    def ask(self, sampling: SamplingSettings, speculative: str, output: OutputFormat | None) -> Reply:
-        """The reply to the prepared message, after the conversation."""
-        ...
-
-    def commit(self, outcome: Outcome) -> None:
-        """Keep the finished (or interrupted) turn."""
-        ...
-
-    def abandon(self, error: Exception) -> str:
-        """The turn failed: the conversation (and any cache) is as before it; what to say."""
-        ...
-
-    def set_system(self, text: str | None) -> None: ...
-
-    def undo(self, keep_cache: bool = False) -> tuple[str, str] | None:
-        """Drop the last exchange: (user, reply), or None when there is none."""
-        ...
-
-    def restore(self, user: str, reply: str) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def replace(
-        self, system: str | None, messages: list[dict[str, Any]], room: SamplingSettings, where: str
-    ) -> str:
-        """A loaded transcript; returns what to add to the "loaded" line ('' for nothing)."""
-        ...
-
-    def describe(self) -> str:
-        """/show's line about the exchanges, the context and the cache."""
-        ...
-
-
-class Target(Protocol):
-    name: str  # the model as the user named it (or the server calls it)
-    where: str  # the device, or the server's URL
-    dtype_name: str
-    context_length: int
-    engine_name: str
-    caveat: str | None  # what this target cannot do that a chat should hear about, once
-
-    def facts(self) -> dict[str, Any]:
-        """What --json reports about the model and how it is loaded."""
-        ...
-
-    def summary(self) -> str:
-        """The end of a --stats line: memory and engine, or the server."""
-        ...
-
-    def reply(self, ask: Ask) -> Reply: ...
-
-    def chat(self, system: str | None) -> ChatHistory: ...
-
-    def shown_sampling(self, sampling: SamplingSettings) -> dict[str, Any]:
-        """The sampling values /show and /save give: in force here, or the ones sent."""
-        ...
-
-    def speculation(self, method: str) -> object:
-        """Ready speculative decoding by `method` (a draft model may load now); UsageError when
-        it cannot run here."""
-        ...
 
 
 def open_target(

@@ -119,7 +119,7 @@ class ModelDrafter:
         logits = engine.prefill(context[keep:])
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        with_penalty = params.repetition_penalty != 1.0
+        with_penalty = params.needs_history
         for i in range(limit):
             seen = torch.tensor([context + tokens], device=engine.device) if with_penalty else NOTHING_SEEN
             processed = process_logits(logits, seen, params)
