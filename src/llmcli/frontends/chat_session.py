@@ -370,7 +370,7 @@ class ChatSession:
         messages = transcript_messages(data, path)
         sampling = self.sampling
         for key, value in (data.get("settings") or {}).items():
-            if key in SETTABLE and value not in (None, []):
+            if key in SETTABLE:  # a null seed or an empty stop list unsets it
                 sampling = apply_setting(sampling, key, value)
         system = data.get("system") if isinstance(data.get("system"), str) else None
         note = self.history.replace(system or None, messages, sampling, str(path))

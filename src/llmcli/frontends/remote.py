@@ -57,7 +57,7 @@ def find_server(
         client = Client(remote.server, remote.api_key)
         info = client.llmcli_health(timeout_s=5.0)
         name = model or (info["model"] if info else client.first_model())
-        return RemoteTarget(client, name, info, speculative)
+        return RemoteTarget(client, name, info)
     from llmcli.models.resolve import default_model_spec
     from llmcli.server.runtime import matching_server
 
@@ -66,7 +66,7 @@ def find_server(
         return None
     client = Client(record["url"], remote.api_key)
     info = client.llmcli_health(timeout_s=1.0)
-    return RemoteTarget(client, info["model"], info, speculative) if info else None
+    return RemoteTarget(client, info["model"], info) if info else None
 
 
 def _drafts_as_asked(record: dict[str, Any], speculative: SpeculativeSettings | None) -> bool:
@@ -77,13 +77,7 @@ def _drafts_as_asked(record: dict[str, Any], speculative: SpeculativeSettings | 
 
 
 class RemoteTarget:
-    def __init__(
-        self,
-        client: Client,
-        model: str,
-        info: dict[str, Any] | None,
-        speculative: SpeculativeSettings | None = None,
-    ) -> None:
+    def __init__(self, client: Client, model: str, info: dict[str, Any] | None) -> None:
         self.client = client
         self.name = model  # the name to send
         self.info = info  # llmcli's /health; None for another kind of server
@@ -91,7 +85,6 @@ class RemoteTarget:
         self.dtype_name = (info or {}).get("dtype") or "remote"
         self.context_length = int((info or {}).get("context_length") or 0)
         self.engine_name = (info or {}).get("engine") or "remote"
-        self._speculative = speculative or SpeculativeSettings()
 
     @property
     def is_llmcli(self) -> bool:
@@ -118,10 +111,9 @@ class RemoteTarget:
         return {name: value for name, value in vars(sampling).items() if value not in (None, ())}
 
     def speculation(self, method: str) -> None:
+        # An llmcli server takes the method per request (and refuses draft without a draft model).
         if not self.is_llmcli:
             raise UsageError(f"{self.client.url} is not an llmcli server: it drafts as it was started")
-        if method == "draft" and not self._speculative.draft_model:
-            raise UsageError("drafting needs a draft model: start chat with --draft-model MODEL or self")
 
     def reply(self, ask: Ask) -> RemoteReply:
         if ask.speculative != "off":
