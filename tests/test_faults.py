@@ -207,3 +207,15 @@ def test_an_unwritable_cache_is_named(tmp_path: Path) -> None:
     )
     line = one_error_line(proc, 1)
     assert "cannot write llmcli's cache" in line and "XDG_CACHE_HOME" in line
+
+
+def test_a_history_file_unreadable_when_the_prompt_loads_it_starts_empty(tmp_path: Path) -> None:
+    """prompt-toolkit reads the history in a background thread once the prompt is up; a file
+    that became a folder by then must give an empty history, not kill the loader (the line the
+    user types next would never arrive)."""
+    from llmcli.frontends.repl import KeptFileHistory
+
+    path = tmp_path / "history"
+    history = KeptFileHistory(str(path))
+    path.mkdir()
+    assert list(history.load_history_strings()) == []

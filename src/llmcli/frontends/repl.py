@@ -151,6 +151,15 @@ class KeptFileHistory(FileHistory):
 
     _failed = False
 
+    def load_history_strings(self) -> Iterable[str]:
+        """prompt-toolkit reads the file in a background thread once the prompt is up: a file
+        gone unreadable by then (replaced, its permissions changed) is a history that starts
+        empty, not a prompt whose loader died. Writing to it says what is wrong, once."""
+        try:
+            return super().load_history_strings()
+        except OSError:
+            return []
+
     def store_string(self, string: str) -> None:
         if self._failed:
             return
