@@ -129,6 +129,8 @@ def generate(
             raise UsageError(f"--batch-size must be ≥ 1, got {batch_size}")
         if speculative.method not in (None, "off") or speculative.draft_model:
             raise UsageError("--speculative decodes one prompt at a time; --batch decodes many together")
+        if effective.think:
+            raise UsageError("--think applies to one reply at a time; --batch does not split thinking yet")
         from llmcli.frontends.batch import BatchRequest, run
 
         request = BatchRequest(
@@ -159,6 +161,7 @@ def generate(
             remote=remote,
             speculative=effective.speculative,
             num_beams=num_beams,
+            think=effective.think,
             output=constrained,
         )
     )
@@ -177,6 +180,7 @@ def _effective(
     from llmcli.models.resolve import expand_default_alias
 
     sampling.validate()
+    framing.validate()
     load = load.validate()
     flags = flag_values(sampling, framing, load, speculative)
     return effective_settings(model, flags, load=load, expand=expand_default_alias)
@@ -245,6 +249,7 @@ def chat(
             remote=remote,
             speculative=effective.speculative,
             output=constrained,
+            think=effective.think,
         )
     )
     raise typer.Exit(code)

@@ -263,6 +263,7 @@ class LoadSettings:
 
 
 SPECULATIVE_METHODS = ("off", "lookup", "draft")
+THINK_MODES = ("show", "hide", "off")
 MOST_DRAFT_TOKENS = 64
 MOST_BEAMS = 64  # --num-beams: beam search keeps this many sequences at most
 
@@ -321,6 +322,19 @@ class PromptSettings:
     """What frames the user's text: the system prompt (layered like sampling)."""
 
     system: str | None = setting(flags=("--system", "-s"), help="System prompt.", panel=None, layered=True)
+    think: str | None = setting(
+        help="A reasoning model's thinking: show (dimmed on stderr; the default on a terminal), hide "
+        "(the default in a pipe), or off (the model answers without thinking). stdout carries the "
+        "answer only.",
+        panel=None,
+        layered=True,
+        choices=THINK_MODES,
+        show_default=False,
+    )
+
+    def validate(self, where: str = "flag") -> PromptSettings:
+        check_bounds(self, where)
+        return self
 
 
 @dataclass(frozen=True)
@@ -391,6 +405,7 @@ class Effective:
     sources: dict[str, str]
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     load: LoadSettings = field(default_factory=LoadSettings)
+    think: str | None = None  # show, hide, off; None: the front end's choice (terminal or pipe)
 
 
 LAYERED_GROUPS = (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings)
@@ -441,6 +456,7 @@ def effective_settings(
         given = {key: layer[key] for key in SAMPLING_NUMBERS if key in layer}
         where = name if name in ("flag", "env") else f"{name} of {config.path}"
         SamplingSettings(**given, stop=tuple(layer.get("stop") or ())).validate(where)
+        PromptSettings(think=layer.get("think")).validate(where)
     for name, layer in layers:
         for key, value in layer.items():
             if key not in values:
@@ -462,4 +478,5 @@ def effective_settings(
         sources=sources,
         speculative=SpeculativeSettings.from_values(values),
         load=load.validate(),
+        think=values.get("think"),
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.atomic import write_text_atomically
+from llmcli.engine.reasoning import closing_text, opens_thinking, thinking_of
 from llmcli.errors import ContextOverflowError, LlmcliError
 
 Message = dict[str, Any]
@@ -46,7 +47,9 @@ def _template_view(messages: list[Message]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:
+def render_chat(
+    tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True, **options: Any
+) -> str:
     """The template's text for these messages. Templates that refuse a system role (Gemma's,
     Mistral's older ones) get the system text folded into the first user message instead."""
     from jinja2.exceptions import TemplateError
@@ -54,7 +57,7 @@ def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: 
     view = _template_view(messages)
     try:
         return tokenizer.apply_chat_template(
-            view, add_generation_prompt=add_generation_prompt, tokenize=False
+            view, add_generation_prompt=add_generation_prompt, tokenize=False, **options
         )
     except TemplateError:
         if not view or view[0]["role"] != "system" or len(view) < 2:
@@ -62,7 +65,7 @@ def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: 
         system, first, *rest = view
         merged = {"role": first["role"], "content": f"{system['content']}\n\n{first['content']}"}
         return tokenizer.apply_chat_template(
-            [merged, *rest], add_generation_prompt=add_generation_prompt, tokenize=False
+            [merged, *rest], add_generation_prompt=add_generation_prompt, tokenize=False, **options
         )
 
 
@@ -83,18 +86,44 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:
-    if has_chat_template(tokenizer):
-        return render_chat(tokenizer, messages, add_generation_prompt)
-    return render_plain(tokenizer, messages, add_generation_prompt)
+def render(
+    tokenizer: Any,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    think_off: bool = False,
+    options: dict[str, Any] | None = None,
+) -> str:
+    """The prompt as text. `think_off`: a reasoning model answers without thinking, through its
+    template's `enable_thinking` switch where it reads one, else by closing the think block."""
+    if not has_chat_template(tokenizer):
+        return render_plain(tokenizer, messages, add_generation_prompt)
+    thinking = thinking_of(tokenizer) if think_off else None
+    options = dict(options or {})  # the template's own keywords (a server's chat_template_kwargs)
+    if thinking and thinking.switchable:
+        options["enable_thinking"] = False
+    text = render_chat(tokenizer, messages, add_generation_prompt, **options)
+    if (
+        thinking
+        and add_generation_prompt
+        and (not thinking.switchable or opens_thinking(text, thinking.format))
+    ):
+        text += closing_text(text, thinking.format)
+    return text
 
 
-def prompt_ids(tokenizer: Any, messages: list[Message], *, raw: bool = False) -> list[int]:
+def prompt_ids(
+    tokenizer: Any,
+    messages: list[Message],
+    *,
+    raw: bool = False,
+    think_off: bool = False,
+    options: dict[str, Any] | None = None,
+) -> list[int]:
     """Token ids for a one-shot prompt: the chat template when the model has one, unless `raw`."""
     if raw or not has_chat_template(tokenizer):
         text = "\n\n".join(m["content"] for m in messages)
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    text = render_chat(tokenizer, messages)
+    text = render(tokenizer, messages, think_off=think_off, options=options)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -147,6 +176,7 @@ class Conversation:
     system: str | None = None
     messages: list[Message] = field(default_factory=list)  # user/assistant, alternating
     ids: list[int] = field(default_factory=list)
+    think_off: bool = False  # a reasoning model answers without thinking (chat --think off)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -159,7 +189,10 @@ class Conversation:
     def _render_ids(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
         if not messages:
             return []
-        return ids_for_text(self.tokenizer, self.ids, render(self.tokenizer, messages, add_generation_prompt))
+        text = render(
+            self.tokenizer, messages, add_generation_prompt, self.think_off and add_generation_prompt
+        )
+        return ids_for_text(self.tokenizer, self.ids, text)
 
     def prompt_for(self, user_text: str, reply_room: int) -> tuple[list[int], int]:
         """Prompt ids for a new user message, and how many oldest exchanges had to be dropped.

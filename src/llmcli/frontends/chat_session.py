@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from llmcli.config.declare import declarations, field_types
 from llmcli.config.escapes import unescape
-from llmcli.config.settings import SPECULATIVE_METHODS, SamplingSettings
+from llmcli.config.settings import SPECULATIVE_METHODS, THINK_MODES, SamplingSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
+from llmcli.engine.reasoning import REASONING
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.formats import format_command, unfinished_value
 from llmcli.frontends.target import Outcome
@@ -41,6 +42,7 @@ HELP = f"""\
 /retry                generate the last reply again
 /format [json | schema FILE | off]
                       replies as JSON (an object), or JSON valid under a schema; off: text
+/think show|hide|off  a reasoning model's thinking: shown dimmed, hidden, or not done
 /save FILE            write the chat (messages and settings) as JSON
 /load FILE            resume a saved chat
 /exit                 leave (Ctrl-D works too)
@@ -56,6 +58,7 @@ COMMANDS = (
     "/undo",
     "/retry",
     "/format",
+    "/think",
     "/save",
     "/load",
     "/exit",
@@ -65,6 +68,7 @@ ALIASES = {"/quit": "/exit", "/?": "/help", "/clear": "/reset"}
 
 class ChatView(Protocol):
     def reply_start(self) -> None: ...
+    def reasoning_piece(self, text: str) -> None: ...
     def reply_piece(self, text: str) -> None: ...
     def reply_end(self, result: Any, turn: TurnReport) -> None: ...
     def info(self, text: str) -> None: ...
@@ -89,6 +93,8 @@ class TurnReport:
     context_length: int
     dropped_exchanges: int
     speculative: dict[str, Any] | None = None  # method, drafted, accepted
+    reasoning: str | None = None  # a reasoning model's thinking (the reply is the answer alone)
+    reasoning_tokens: int | None = None
 
     @classmethod
     def of(cls, outcome: Outcome, context_used: int, context_length: int, dropped: int) -> TurnReport:
@@ -111,6 +117,8 @@ class TurnReport:
             context_length=context_length,
             dropped_exchanges=dropped,
             speculative=outcome.speculative,
+            reasoning=outcome.reasoning,
+            reasoning_tokens=outcome.reasoning_tokens,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -200,6 +208,7 @@ class ChatSession:
         system: str | None = None,
         speculative: str = "off",
         output: OutputFormat | None = None,
+        think: str = "show",
     ) -> None:
         self.target = target
         self.view = view
@@ -211,6 +220,8 @@ class ChatSession:
         if speculative != "off":
             self.set_speculative(speculative)
         self.history: ChatHistory = target.chat(system)
+        self.think = think  # show, hide, off (/think)
+        self.history.think_off = think == "off"
         self.last_turn: TurnReport | None = None
         self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
@@ -240,8 +251,12 @@ class ChatSession:
             return None
         self.view.reply_start()
         try:
-            for piece in reply:
-                self.view.reply_piece(piece)
+            for channel, piece in reply:
+                if channel == REASONING:
+                    if self.think == "show":
+                        self.view.reasoning_piece(piece)
+                else:
+                    self.view.reply_piece(piece)
         except KeyboardInterrupt:
             reply.interrupt()  # keep what was generated; the cache matches it again
         except Exception as error:  # out of memory and the like: this turn is lost, the chat is not
@@ -311,6 +326,13 @@ class ChatSession:
             raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
         self.sampling = apply_setting(self.sampling, key, value)
         self.view.info(f"{key} = {shown(getattr(self.sampling, key))}")
+
+    def _cmd_think(self, argument: str) -> None:
+        if argument not in THINK_MODES:
+            raise UsageError(f"usage: /think {' | '.join(THINK_MODES)} (now {self.think})")
+        self.think = argument
+        self.history.think_off = argument == "off"
+        self.view.info(f"think {argument}")
 
     def _cmd_format(self, argument: str) -> None:
         self.output = format_command(argument, self.output)

@@ -23,9 +23,11 @@ class TerminalView:
         self.markdown = markdown
         self._text = ""
         self._live: Any = None
+        self._thinking = False  # a thinking line is open above the answer
 
     def reply_start(self) -> None:
         self._text = ""
+        self._thinking = False
         if self.markdown:
             from rich.live import Live
             from rich.markdown import Markdown
@@ -35,7 +37,15 @@ class TerminalView:
             )
             self._live.start()
 
+    def reasoning_piece(self, text: str) -> None:
+        """Thinking streams dimmed, above the answer (markdown renders the answer alone)."""
+        self.console.print(text, style="dim", markup=False, highlight=False, end="")
+        self._thinking = True
+
     def reply_piece(self, text: str) -> None:
+        if self._thinking:
+            self.console.print("")  # the thinking's last line ends before the answer
+            self._thinking = False
         self._text += text
         if self._live is not None:
             from rich.markdown import Markdown
@@ -46,6 +56,9 @@ class TerminalView:
             self.console.file.flush()
 
     def reply_end(self, outcome: Outcome, turn: TurnReport) -> None:
+        if self._thinking:
+            self.console.print("")
+            self._thinking = False
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -67,13 +80,18 @@ class PlainView:
     """Scripted chat: each reply on stdout, followed by a newline; everything else on stderr."""
 
     def reply_start(self) -> None:
-        pass
+        self._thinking = terminal.Thinking(shown=True)
+
+    def reasoning_piece(self, text: str) -> None:
+        self._thinking.write(text)  # stderr: stdout carries the replies only
 
     def reply_piece(self, text: str) -> None:
+        self._thinking.end()
         sys.stdout.write(text)
         sys.stdout.flush()
 
     def reply_end(self, outcome: Outcome, turn: TurnReport) -> None:
+        self._thinking.end()
         sys.stdout.write("\n")
         sys.stdout.flush()
 
@@ -89,6 +107,9 @@ class PlainView:
 
 class JsonView(PlainView):
     """Scripted chat with --json: one object per turn on stdout, nothing else there."""
+
+    def reasoning_piece(self, text: str) -> None:
+        pass
 
     def reply_piece(self, text: str) -> None:
         pass

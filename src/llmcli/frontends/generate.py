@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO
 
 from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
+from llmcli.engine.reasoning import REASONING
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.target import Ask, json_record, open_target
@@ -36,6 +37,7 @@ class GenerateRequest:
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     num_beams: int = 1  # > 1: beam search, printed when it ends
     output: OutputFormat | None = None  # --format json / --json-schema: a JSON value, constrained
+    think: str | None = None  # show, hide, off; None: show on a terminal, hide in a pipe
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -74,17 +76,25 @@ def run(request: GenerateRequest) -> int:
     if request.system:
         messages.insert(0, {"role": "system", "content": request.system})
     method, output = request.speculative.method, request.output
-    reply = target.reply(Ask(messages, request.sampling, method, output, request.raw, request.num_beams))
+    think = request.think or ("show" if terminal.stderr_is_terminal() else "hide")
+    ask = Ask(messages, request.sampling, method, output, request.raw, request.num_beams, think == "off")
+    reply = target.reply(ask)
     out = StdoutSink()
+    thinking = terminal.Thinking(shown=think == "show" and not request.json)
     exit_code = EXIT_OK
     try:
-        for piece in reply:
+        for channel, piece in reply:
+            if channel == REASONING:
+                thinking.write(piece)  # stderr, dimmed: stdout carries the answer only
+                continue
+            thinking.end()
             if not request.json and not out.write(piece):
                 reply.interrupt()
                 return EXIT_OK  # the reader left (`| head`): stop generating, quietly
     except KeyboardInterrupt:
         reply.interrupt()
         exit_code = EXIT_INTERRUPTED
+    thinking.end()
     outcome = reply.outcome()
     if request.json:
         record = json_record(target, outcome, request.num_beams, output)

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from llmcli.config.settings import LoadSettings, SamplingParams, SamplingSettings, SpeculativeSettings
+from llmcli.engine.reasoning import CONTENT
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, speculation_with_feedback
@@ -99,7 +100,7 @@ class InProcessTarget:
     def reply(self, ask: Ask) -> LocalReply | BeamReply:
         from llmcli.engine.conversation import prompt_ids
 
-        ids = prompt_ids(self.loaded.tokenizer, ask.messages, raw=ask.raw)
+        ids = prompt_ids(self.loaded.tokenizer, ask.messages, raw=ask.raw, think_off=ask.think_off)
         params = self.params(ask.sampling)
         if ask.num_beams > 1:
             self._beams = True
@@ -110,8 +111,9 @@ class InProcessTarget:
         self, ids: list[int], params: SamplingParams, speculative: str, output: OutputFormat | None
     ) -> LocalReply:
         self.engine.speculation = self.speculation(speculative)
-        generation = self.engine.generate(ids, params, self.loaded.tokenizer, self.constraint(output))
-        return LocalReply(generation, params)
+        tokenizer = self.loaded.tokenizer
+        generation = self.engine.generate(ids, params, tokenizer, self.constraint(output))
+        return LocalReply(generation, params, tokenizer, ids)
 
     def chat(self, system: str | None) -> LocalHistory:
         return LocalHistory(self, system)
@@ -137,18 +139,30 @@ def outcome_of(result: GenerationResult, params: SamplingParams) -> Outcome:
 
 
 class LocalReply:
-    def __init__(self, generation: Generation, params: SamplingParams) -> None:
+    """A generation's text, split into thinking and answer when the model thinks."""
+
+    def __init__(
+        self, generation: Generation, params: SamplingParams, tokenizer: Any, prompt: list[int]
+    ) -> None:
+        from llmcli.engine.reasoning import ThinkingStream
+
         self.generation = generation
         self.params = params
+        self.thinking = ThinkingStream(tokenizer, prompt)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.generation)
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return self.thinking.split(self.generation)
 
     def interrupt(self) -> None:
         self.generation.interrupt()
 
     def outcome(self) -> Outcome:
-        return outcome_of(self.generation.result, self.params)
+        outcome = outcome_of(self.generation.result, self.params)
+        answer, reasoning, tokens = self.thinking.summary(outcome.text, outcome.token_ids)
+        if reasoning is not None or tokens is not None:
+            outcome.raw_text, outcome.text = self.thinking.said(outcome.text), answer
+            outcome.reasoning, outcome.reasoning_tokens = reasoning, tokens
+        return outcome
 
 
 class BeamReply:
@@ -164,7 +178,7 @@ class BeamReply:
         with terminal.status(f"Searching with {self._args[3]} beams…"):
             self._result = beam_search(*self._args)
         if self._result.text:
-            yield self._result.text
+            yield CONTENT, self._result.text
 
     def interrupt(self) -> None:
         pass  # the search ran in transformers' own generate: there is no cache of ours to fix
@@ -190,6 +204,14 @@ class LocalHistory:
     @property
     def system(self) -> str | None:
         return self.conversation.system
+
+    @property
+    def think_off(self) -> bool:
+        return self.conversation.think_off
+
+    @think_off.setter
+    def think_off(self, off: bool) -> None:
+        self.conversation.think_off = off  # the next prompt's generation prompt says so
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -226,9 +248,9 @@ class LocalHistory:
         assert self._pending is not None
         user_text, prompt, dropped = self._pending
         self._pending = None
-        self.conversation.commit(
-            user_text, prompt, dropped, outcome.text, outcome.token_ids, outcome.finish_reason
-        )
+        # The reply as generated, think block included: the template decides what it keeps.
+        said = outcome.raw_text if outcome.raw_text is not None else outcome.text
+        self.conversation.commit(user_text, prompt, dropped, said, outcome.token_ids, outcome.finish_reason)
 
     def abandon(self, error: Exception) -> str:
         self._pending = None

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 class Reply(Protocol):
-    def __iter__(self) -> Iterator[str]:
-        """The reply's text, piece by piece as it is generated."""
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        """The reply's text, piece by piece as it is generated: (channel, text), the channel
+        "reasoning" for a reasoning model's thinking, "content" for the answer."""
         ...
 
     def interrupt(self) -> None:
@@ -31,6 +32,7 @@ class ChatHistory(Protocol):
     system: str | None
     messages: list[dict[str, Any]]  # user and assistant, alternating
     pending_tokens: int  # the prepared prompt's length, where the target counts it
+    think_off: bool  # a reasoning model answers without thinking
 
     @property
     def context_used(self) -> int: ...

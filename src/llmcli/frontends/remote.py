@@ -21,6 +21,7 @@ from llmcli.config.settings import (
     SamplingSettings,
     SpeculativeSettings,
 )
+from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import UsageError
 from llmcli.frontends.target import Ask, Outcome
 from llmcli.server.client import OPENAI_NAMES, Client
@@ -123,6 +124,8 @@ class RemoteTarget:
             body["prompt"] = "\n\n".join(m["content"] for m in ask.messages)
             return RemoteReply(self.client, "completions", body, ask.output)
         body["messages"] = ask.messages
+        if ask.think_off:  # as vLLM and llmcli's server read it
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         return RemoteReply(self.client, "chat/completions", body, ask.output)
 
     def request_body(
@@ -161,6 +164,7 @@ class RemoteReply:
         self._chat = endpoint == "chat/completions"
         self._output = output
         self._pieces: list[str] = []
+        self._thinking: list[str] = []  # delta.reasoning_content, as llmcli, vLLM and llama.cpp send it
         self._finish = "stop"
         self._usage: dict[str, Any] = {}
         self._timings: dict[str, Any] = {}
@@ -168,15 +172,21 @@ class RemoteReply:
         self._started = time.perf_counter()
         self._first_at: float | None = None
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[tuple[str, str]]:
         try:
             for event in self._events:
                 for choice in event.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content") if self._chat else choice.get("text")
+                    delta = choice.get("delta") or {}
+                    thought = delta.get("reasoning_content") if self._chat else None
+                    if thought:
+                        self._first_at = self._first_at or time.perf_counter()
+                        self._thinking.append(thought)
+                        yield REASONING, thought
+                    piece = delta.get("content") if self._chat else choice.get("text")
                     if piece:
                         self._first_at = self._first_at or time.perf_counter()
                         self._pieces.append(piece)
-                        yield piece
+                        yield CONTENT, piece
                     self._finish = choice.get("finish_reason") or self._finish
                 self._usage = event.get("usage") or self._usage
                 self._timings = event.get("timings") or self._timings
@@ -217,6 +227,8 @@ class RemoteReply:
             speculative=timings.get("speculative"),
             sampling=self._sampling,
             value_complete=complete,
+            reasoning="".join(self._thinking) if self._thinking else None,
+            reasoning_tokens=(usage.get("completion_tokens_details") or {}).get("reasoning_tokens"),
         )
 
 
@@ -227,6 +239,7 @@ class RemoteHistory:
         self.target = target
         self.system = system
         self.messages: list[dict[str, Any]] = []
+        self.think_off = False  # sent as chat_template_kwargs
         self._pending: str | None = None
         self._last_used = 0
 
@@ -245,7 +258,7 @@ class RemoteHistory:
         system = [{"role": "system", "content": self.system}] if self.system else []
         sent = [{"role": m["role"], "content": m["content"]} for m in self.messages]
         messages = [*system, *sent, {"role": "user", "content": self._pending}]
-        return self.target.reply(Ask(messages, sampling, speculative, output))
+        return self.target.reply(Ask(messages, sampling, speculative, output, think_off=self.think_off))
 
     def commit(self, outcome: Outcome) -> None:
         assert self._pending is not None

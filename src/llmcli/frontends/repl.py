@@ -42,6 +42,7 @@ class ChatRequest:
     remote: RemoteSettings = field(default_factory=RemoteSettings)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     output: OutputFormat | None = None  # --format / --json-schema: every reply JSON (/format changes it)
+    think: str | None = None  # show, hide, off; None: show on a terminal, hide in a pipe
 
 
 def run(request: ChatRequest) -> int:
@@ -60,6 +61,7 @@ def run(request: ChatRequest) -> int:
         system=request.system,
         speculative=request.speculative.method,
         output=request.output,
+        think=request.think or ("show" if interactive else "hide"),
     )
     if interactive:
         return run_interactive(session, console)

@@ -37,6 +37,9 @@ class Outcome:
     sampling: dict[str, Any] | None = None  # the values in force, defaults filled in
     value_complete: bool | None = None  # with a format: whether the JSON value was finished
     token_ids: list[int] = field(default_factory=list)  # in-process only: the exact ids sampled
+    reasoning: str | None = None  # a reasoning model's thinking (None: the model does not think)
+    reasoning_tokens: int | None = None  # of completion_tokens, the thinking's, end marker included
+    raw_text: str | None = None  # in-process: the reply as the chat keeps it, think block included
 
     def stats_summary(self) -> str:
         """The figures of a --stats line."""
@@ -68,6 +71,7 @@ class Ask:
     output: OutputFormat | None = None
     raw: bool = False
     num_beams: int = 1
+    think_off: bool = False  # a reasoning model answers without thinking
 
 
 def open_target(
@@ -107,6 +111,8 @@ def json_record(
         "cached_tokens": outcome.cached_tokens,
         "speculative": outcome.speculative,
         "sampling": outcome.sampling,
+        "reasoning": outcome.reasoning,
+        "reasoning_tokens": outcome.reasoning_tokens,
     }
     if output is not None:
         record |= {"format": output.label, "value": json_value(outcome)}

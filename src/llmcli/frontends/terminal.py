@@ -56,6 +56,25 @@ def note(message: str) -> None:
     stderr_console().print(message, style="dim", markup=False)
 
 
+class Thinking:
+    """A reasoning model's thinking on stderr, dimmed, as it streams (or nothing, when not
+    `shown`); `end` closes its line before the answer."""
+
+    def __init__(self, shown: bool) -> None:
+        self.shown = shown
+        self._open = False
+
+    def write(self, text: str) -> None:
+        if self.shown:
+            stderr_console().print(text, style="dim", markup=False, highlight=False, end="")
+            self._open = True
+
+    def end(self) -> None:
+        if self._open:
+            stderr_console().print("", markup=False)
+            self._open = False
+
+
 def error(message: str) -> None:
     console = stderr_console()
     if console.is_terminal and not os.environ.get("NO_COLOR"):

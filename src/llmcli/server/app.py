@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmcli.config.settings import SamplingSettings
+from llmcli.engine.reasoning import REASONING, ThinkingStream
 from llmcli.errors import LlmcliError
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
 
@@ -72,10 +73,12 @@ class Served:
 
 @dataclass
 class Outcome:
-    text: str
+    text: str  # the answer
     finish_reason: str
     stats: Any  # GenerationStats
     sampling: dict[str, Any]
+    reasoning: str | None = None  # a reasoning model's thinking; None for a model that does not think
+    reasoning_tokens: int | None = None
 
 
 class RequestError(Exception):
@@ -117,7 +120,10 @@ def create_app(served: Served) -> ASGIApp:
 
         def tokenize() -> list[int]:
             try:
-                return prompt_ids(served.loaded.tokenizer, messages)
+                options = body.chat_template_kwargs
+                return prompt_ids(
+                    served.loaded.tokenizer, messages, think_off=body.think_off, options=options
+                )
             except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
                 message = f"the model's chat template refused these messages: {error}"
                 raise RequestError(400, message) from None
@@ -168,7 +174,7 @@ async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: boo
     created = int(time.time())
     if not body.stream:
         cancelled = threading.Event()
-        work = functools.partial(_generate, served, ids, sampling, None, cancelled, method, output)
+        work = functools.partial(_generate, served, ids, sampling, None, cancelled, method, output, chat)
         outcome = await loop.run_in_executor(served.worker, work)
         return _completion(served, request_id, created, outcome, chat)
     return StreamingResponse(
@@ -191,10 +197,11 @@ def _generate(
     served: Served,
     ids: list[int],
     sampling: SamplingSettings,
-    on_piece: Callable[[str], None] | None,
+    on_piece: Callable[[str, str], None] | None,
     cancelled: threading.Event,
     speculative: str = "off",
     output: OutputFormat | None = None,
+    chat: bool = True,
 ) -> Outcome | None:
     """On the worker thread: one generation, start to end (None when its client left first)."""
     if cancelled.is_set():
@@ -208,18 +215,21 @@ def _generate(
 
         constraint = Constraint(output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
     generation = served.engine.generate(ids, params, loaded.tokenizer, constraint)
+    # A chat's reply is split into thinking and answer; a text completion's is the text as it comes.
+    thinking = ThinkingStream(loaded.tokenizer if chat else None, ids)
     try:
-        for piece in generation:
+        for channel, piece in thinking.split(generation):
             if cancelled.is_set():
                 generation.interrupt()
                 break
             if on_piece is not None:
-                on_piece(piece)
+                on_piece(channel, piece)
     except BaseException:
         generation.interrupt()  # the cache must match what it says it holds, whatever went wrong
         raise
     result = generation.result
-    return Outcome(result.text, result.finish_reason, result.stats, params.as_dict())
+    answer, reasoning, reasoning_tokens = thinking.summary(result.text, result.token_ids)
+    return Outcome(answer, result.finish_reason, result.stats, params.as_dict(), reasoning, reasoning_tokens)
 
 
 async def _stream(
@@ -237,10 +247,10 @@ async def _stream(
     queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
     cancelled = threading.Event()
 
-    def on_piece(piece: str) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
+    def on_piece(channel: str, piece: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (channel, piece))
 
-    work = functools.partial(_generate, served, ids, sampling, on_piece, cancelled, speculative, output)
+    work = functools.partial(_generate, served, ids, sampling, on_piece, cancelled, speculative, output, chat)
     future = loop.run_in_executor(served.worker, work)
     future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
     chunk = functools.partial(_chunk, served.model_id, request_id, created, chat)
@@ -251,7 +261,8 @@ async def _stream(
             kind, piece = await queue.get()
             if kind == "done":
                 break
-            yield _sse(chunk({"content": piece} if chat else piece, None))
+            delta = {"reasoning_content" if kind == REASONING else "content": piece}
+            yield _sse(chunk(delta if chat else piece, None))
         try:
             outcome = future.result()
         except Exception as error:  # the stream has begun: the error goes in it, as OpenAI does
@@ -292,6 +303,8 @@ def _completion(served: Served, request_id: str, created: int, outcome: Outcome 
     finish = _finish_reason(outcome.finish_reason)
     if chat:
         message = {"role": "assistant", "content": outcome.text}
+        if outcome.reasoning_tokens is not None:  # a model that thinks: its thinking, apart
+            message["reasoning_content"] = outcome.reasoning
         choice = {"index": 0, "message": message, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": outcome.text, "finish_reason": finish, "logprobs": None}
@@ -318,6 +331,11 @@ def _usage(outcome: Outcome) -> dict[str, Any]:
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        **(
+            {"completion_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens}}
+            if outcome.reasoning_tokens is not None
+            else {}
+        ),
     }
 
 

@@ -125,6 +125,12 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Keywords for the chat template, as vLLM takes them: {"enable_thinking": false} above all.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def think_off(self) -> bool:
+        return (self.chat_template_kwargs or {}).get("enable_thinking") is False
 
     def chat_messages(self) -> list[dict[str, str]]:
         roles = {"developer": "system"}  # OpenAI's newer name for the system role

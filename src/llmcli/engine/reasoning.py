@@ -1,0 +1,215 @@
+"""Reasoning models: where the thinking is, recognised from the chat template and the tokenizer
+(never from the model's name), and the reply's text split into thinking and answer as it streams.
+
+A format is a small data entry. Qwen3, the DeepSeek-R1 distills, SmolLM3 and Phi-4-reasoning all
+write `<think>…</think>`; some templates open the block in the generation prompt (the model starts
+inside it), some let the model open it, and some read `enable_thinking` to switch it off.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+REASONING = "reasoning"
+CONTENT = "content"
+
+
+@dataclass(frozen=True)
+class ThinkFormat:
+    name: str
+    start: str
+    end: str
+
+
+# One entry per way of marking thinking; each is tested in tests/test_reasoning.py.
+THINK_FORMATS = (ThinkFormat("think tags", "<think>", "</think>"),)
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """How a model thinks: its format, and whether its template reads `enable_thinking`."""
+
+    format: ThinkFormat
+    switchable: bool
+
+
+def thinking_of(tokenizer: Any) -> Thinking | None:
+    """The model's thinking format: its end marker in the chat template, or both markers among
+    the tokenizer's added tokens. None for a model that does not think."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates: look at them all
+        template = "\n".join(str(text) for text in template.values())
+    try:
+        added = set(tokenizer.get_added_vocab())
+    except (AttributeError, TypeError):
+        added = set()
+    for think in THINK_FORMATS:
+        if think.end in template or {think.start, think.end} <= added:
+            return Thinking(think, "enable_thinking" in template)
+    return None
+
+
+def opens_thinking(prompt_text: str, think: ThinkFormat) -> bool:
+    """Whether the prompt leaves the model inside a think block (its last start marker comes
+    after its last end marker: the generation prompt opened one)."""
+    return prompt_text.rfind(think.start) > prompt_text.rfind(think.end)
+
+
+def closing_text(prompt_text: str, think: ThinkFormat) -> str:
+    """What to append to a prompt so that the model answers without thinking, for a template
+    that has no switch: the open block closed, or an empty block."""
+    if opens_thinking(prompt_text, think):
+        return f"\n{think.end}\n\n"
+    return f"{think.start}\n\n{think.end}\n\n"
+
+
+class ThinkSplitter:
+    """Streamed text → (channel, text) pieces: thinking, then the answer. The markers are never
+    shown, a marker split across pieces is held back until it is whole, and the blank lines
+    after the end marker are the answer's framing, not its text."""
+
+    def __init__(self, think: ThinkFormat, inside: bool) -> None:
+        self.think = think
+        self.inside = inside
+        self._held = ""
+        self._at_start = not inside  # an answer may still open a think block
+        self._after_end = False
+        self.said: dict[str, list[str]] = {REASONING: [], CONTENT: []}  # every piece given out
+        self.thought = inside  # whether any thinking happened
+        self.started_inside = inside
+
+    def text(self, channel: str) -> str:
+        """Everything given out on `channel` so far."""
+        return "".join(self.said[channel])
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._held += text
+        out: list[tuple[str, str]] = []
+        while self._held:
+            if self.inside:
+                if not self._reasoning(out):
+                    break
+            elif not self._content(out):
+                break
+        return self._given(out)
+
+    def flush(self) -> list[tuple[str, str]]:
+        """At the end: what was held back as a possible marker was text after all."""
+        held, self._held = self._held, ""
+        return self._given([(REASONING if self.inside else CONTENT, held)])
+
+    def _given(self, out: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        pieces = [(channel, piece) for channel, piece in out if piece]
+        for channel, piece in pieces:
+            self.said[channel].append(piece)
+        return pieces
+
+    def _reasoning(self, out: list[tuple[str, str]]) -> bool:
+        """Thinking up to the end marker; False when the rest must wait for more text."""
+        end = self.think.end
+        found = self._held.find(end)
+        if found >= 0:
+            out.append((REASONING, self._held[:found]))
+            self._held = self._held[found + len(end) :]
+            self.inside, self._after_end = False, True
+            return True
+        keep = _partial_suffix(self._held, end)
+        out.append((REASONING, self._held[: len(self._held) - keep]))
+        self._held = self._held[len(self._held) - keep :]
+        return False
+
+    def _content(self, out: list[tuple[str, str]]) -> bool:
+        start = self.think.start
+        if self._at_start or self._after_end:
+            stripped = self._held.lstrip()
+            if not stripped:
+                return False  # only blank so far: it may be framing
+            if self._at_start and stripped.startswith(start):
+                self._held, self.inside, self._at_start = stripped[len(start) :], True, False
+                self.thought = True
+                return True
+            if self._at_start and start.startswith(stripped):
+                return False  # could still become the start marker
+            if self._after_end:
+                self._held = stripped
+            self._at_start = self._after_end = False
+        out.append((CONTENT, self._held))
+        self._held = ""
+        return True
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0
+
+
+def reasoning_tokens(decode: Any, token_ids: list[int], think: ThinkFormat, inside: bool) -> int:
+    """How many of the reply's tokens are thinking, end marker included: the fewest whose text
+    holds the end marker (a binary search, a few decodes), all of them when it never came, none
+    when the reply did not think. `decode`: ids → text, special tokens kept."""
+    if not token_ids:
+        return 0
+    if not inside and not decode(token_ids).lstrip().startswith(think.start):
+        return 0
+    if think.end not in decode(token_ids):
+        return len(token_ids)
+    low, high = 1, len(token_ids)  # the smallest k with the end marker in decode(ids[:k])
+    while low < high:
+        middle = (low + high) // 2
+        if think.end in decode(token_ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+class ThinkingStream:
+    """A reply's text pieces as (channel, text), for whatever model: a model that does not
+    think gives its pieces as the answer. Afterwards, `summary` gives the answer, the thinking
+    and how many tokens the thinking took."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        from llmcli.engine.conversation import decode_exact
+
+        self.tokenizer = tokenizer
+        thinking = thinking_of(tokenizer) if tokenizer is not None else None
+        self.splitter: ThinkSplitter | None = None
+        self.opener = ""  # the part of the think block the generation prompt wrote
+        if thinking is not None:
+            # The prompt's last tokens say whether the generation prompt opened a block.
+            tail = decode_exact(tokenizer, prompt_ids[-64:])
+            inside = opens_thinking(tail, thinking.format)
+            self.splitter = ThinkSplitter(thinking.format, inside)
+            if inside:
+                self.opener = tail[tail.rfind(thinking.format.start) :]
+
+    def split(self, pieces: Iterable[str]) -> Iterator[tuple[str, str]]:
+        splitter = self.splitter
+        for piece in pieces:
+            yield from splitter.feed(piece) if splitter else [(CONTENT, piece)]
+        if splitter:
+            yield from splitter.flush()
+
+    def said(self, text: str) -> str:
+        """The reply as the assistant's message of a chat: the block the generation prompt
+        opened, then what the model wrote (the template decides what it keeps of it)."""
+        return self.opener + text
+
+    def summary(self, text: str, token_ids: list[int]) -> tuple[str, str | None, int | None]:
+        """(the answer, the thinking or None, its tokens or None) of a reply whose whole text
+        is `text`; a reply cut short (Ctrl-C) counts what was split before the cut."""
+        splitter = self.splitter
+        if splitter is None:
+            return text, None, None
+        from llmcli.engine.conversation import decode_exact
+
+        splitter.flush()
+        decode = functools.partial(decode_exact, self.tokenizer)
+        tokens = reasoning_tokens(decode, token_ids, splitter.think, splitter.started_inside)
+        return splitter.text(CONTENT), splitter.text(REASONING) if splitter.thought else None, tokens

@@ -1,0 +1,168 @@
+"""Reasoning models: thinking recognised from the template, split from the answer as it streams,
+kept off stdout, reported in --json and by the server, and switched off through the template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from llmcli.engine.reasoning import (
+    CONTENT,
+    REASONING,
+    THINK_FORMATS,
+    ThinkSplitter,
+    reasoning_tokens,
+    thinking_of,
+)
+
+from cli_helpers import run_cli
+
+THINK = THINK_FORMATS[0]
+# A DeepSeek-R1-distill-style template (the generation prompt opens the block) with Qwen3's
+# switch: enable_thinking=false writes an empty block instead.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
+
+
+def split(text: str, inside: bool, cuts: list[int]) -> dict[str, str]:
+    splitter = ThinkSplitter(THINK, inside)
+    pieces, start = [], 0
+    for cut in [*cuts, len(text)]:
+        pieces += splitter.feed(text[start:cut])
+        start = cut
+    pieces += splitter.flush()
+    joined = {REASONING: "", CONTENT: ""}
+    for channel, piece in pieces:
+        joined[channel] += piece
+    return joined
+
+
+@pytest.mark.parametrize(
+    ("text", "inside", "reasoning", "answer"),
+    [
+        ("I should add.</think>\n\nIt is 4.", True, "I should add.", "It is 4."),
+        ("<think>\nHmm.\n</think>\n\nParis.", False, "\nHmm.\n", "Paris."),
+        ("  <think>x</think>y", False, "x", "y"),
+        ("No thinking here.", False, "", "No thinking here."),
+        ("<thing> is not a marker", False, "", "<thing> is not a marker"),
+        ("still thinking, cut short", True, "still thinking, cut short", ""),
+        ("a < b and </thin is not the end</think>ok", True, "a < b and </thin is not the end", "ok"),
+    ],
+)
+def test_thinking_and_answer_split_wherever_the_pieces_break(text, inside, reasoning, answer) -> None:
+    for cuts in ([], *[[i] for i in range(1, len(text))], list(range(1, len(text)))):
+        assert split(text, inside, cuts) == {REASONING: reasoning, CONTENT: answer}, cuts
+
+
+def test_thinking_is_recognised_from_the_template_not_the_name(loaded_tiny) -> None:
+    tokenizer = loaded_tiny.tokenizer
+    assert thinking_of(tokenizer) is None  # ChatML without think tags
+    original = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = THINKING_TEMPLATE
+        thinking = thinking_of(tokenizer)
+        assert thinking is not None and thinking.format == THINK and thinking.switchable
+        tokenizer.chat_template = THINKING_TEMPLATE.replace("enable_thinking", "thoughts_on")
+        assert not thinking_of(tokenizer).switchable
+    finally:
+        tokenizer.chat_template = original
+
+
+def test_reasoning_tokens_count_up_to_the_end_marker() -> None:
+    words = ["Let", " me", " think", "</think>", "\n\n", "Yes"]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(words[i] for i in ids)
+
+    assert reasoning_tokens(decode, list(range(6)), THINK, inside=True) == 4
+    assert reasoning_tokens(decode, [0, 1, 2], THINK, inside=True) == 3  # never ended: all of it
+    assert reasoning_tokens(decode, [5], THINK, inside=False) == 0
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-thinking"
+    shutil.copytree(tiny_llama, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def generate(model: Path, *args: str, env: dict[str, str] | None = None):
+    return run_cli("generate", "-m", str(model), "--device", "cpu", "-t", "0", "-n", "12", *args, env=env)
+
+
+def test_generate_keeps_thinking_off_stdout(thinking_model: Path) -> None:
+    record = json.loads(generate(thinking_model, "--json", "Hello").stdout)
+    assert record["reasoning"] and "<think>" not in record["text"] and "<think>" not in record["reasoning"]
+    # The random model never closes the block it was put in: every token is thinking.
+    assert record["reasoning_tokens"] == record["completion_tokens"] == 12
+    hidden = generate(thinking_model, "--think", "hide", "Hello")
+    assert hidden.returncode == 0 and hidden.stdout == b"" and hidden.stderr == b""
+    shown = generate(thinking_model, "--think", "show", "Hello")
+    assert shown.returncode == 0 and shown.stdout == b""
+    assert record["reasoning"].strip() in shown.stderr.decode()  # dimmed on stderr, not stdout
+
+
+def test_think_off_reaches_the_template(thinking_model: Path) -> None:
+    off = json.loads(generate(thinking_model, "--json", "--think", "off", "Hello").stdout)
+    on = json.loads(generate(thinking_model, "--json", "Hello").stdout)
+    assert off["reasoning"] is None and off["reasoning_tokens"] == 0 and off["text"]
+    assert off["prompt_tokens"] > on["prompt_tokens"]  # the empty block the template writes
+    config_off = generate(thinking_model, "--json", "Hello", env={"LLMCLI_THINK": "off"})
+    assert json.loads(config_off.stdout)["text"] == off["text"]
+    bad = generate(thinking_model, "--think", "maybe", "Hello")
+    assert bad.returncode == 2 and b"--think must be one of show, hide, off" in bad.stderr
+
+
+def test_the_server_gives_reasoning_content(thinking_model: Path, tmp_path: Path) -> None:
+    import signal
+
+    from test_serve import start_server
+
+    server = start_server(thinking_model, tmp_path)
+    try:
+        client = server.client()
+        asked = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12}
+        reply = client.chat.completions.create(**asked, temperature=0)
+        message = reply.choices[0].message
+        assert message.model_extra["reasoning_content"] and message.content == ""
+        assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens
+        streamed = "".join(
+            (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+            for chunk in client.chat.completions.create(**asked, temperature=0, stream=True)
+            if chunk.choices
+        )
+        assert streamed == message.model_extra["reasoning_content"]
+        off = client.chat.completions.create(
+            **asked, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
+        assert off.choices[0].message.content and off.usage.completion_tokens_details.reasoning_tokens == 0
+    finally:
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=30)
+
+
+def test_a_thinking_chat_keeps_its_cache_and_its_switch(thinking_model: Path) -> None:
+    script = b"Hello\nAnd again\n/think off\nOnce more\n"
+    proc = run_cli(
+        "chat", "-m", str(thinking_model), "--device", "cpu", "-t", "0", "-n", "6", "--json", stdin=script
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    turns = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [bool(turn["reasoning"]) for turn in turns] == [True, True, False]
+    assert turns[0]["reply"] == "" and turns[2]["reply"]  # thinking stays out of the reply
+    assert turns[1]["cached_tokens"] >= turns[0]["prompt_tokens"]  # the first turn, reused exactly
+    assert "think off" in proc.stderr.decode()
