@@ -130,6 +130,8 @@ def test_think_off_reaches_the_template(thinking_model: Path) -> None:
 def test_the_server_gives_reasoning_content(thinking_model: Path, tmp_path: Path) -> None:
     import signal
 
+    import openai
+
     from test_serve import start_server
 
     server = start_server(thinking_model, tmp_path)
@@ -150,6 +152,8 @@ def test_the_server_gives_reasoning_content(thinking_model: Path, tmp_path: Path
             **asked, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
         )
         assert off.choices[0].message.content and off.usage.completion_tokens_details.reasoning_tokens == 0
+        with pytest.raises(openai.BadRequestError, match="does not read reasoning_effort"):
+            client.chat.completions.create(**asked, reasoning_effort="low")
     finally:
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=30)
@@ -166,3 +170,26 @@ def test_a_thinking_chat_keeps_its_cache_and_its_switch(thinking_model: Path) ->
     assert turns[0]["reply"] == "" and turns[2]["reply"]  # thinking stays out of the reply
     assert turns[1]["cached_tokens"] >= turns[0]["prompt_tokens"]  # the first turn, reused exactly
     assert "think off" in proc.stderr.decode()
+
+
+def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(
+    thinking_model: Path, loaded_tiny
+) -> None:
+    marker = len(loaded_tiny.tokenizer(THINK.end, add_special_tokens=False)["input_ids"])
+    proc = generate(thinking_model, "--json", "--think-budget", "4", "-n", "24", "Hello")
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(proc.stdout)
+    assert record["reasoning_tokens"] == 4 + marker  # the budget, then the end marker written for it
+    assert record["text"] and record["completion_tokens"] == 24
+    refused = generate(thinking_model, "--think-budget", "4", "--speculative", "lookup", "Hello")
+    assert refused.returncode == 2 and b"do not combine" in refused.stderr
+
+
+def test_a_schema_constrains_the_answer_after_the_thinking(thinking_model: Path) -> None:
+    schema = '{"enum": ["yes", "no"]}'
+    proc = generate(
+        thinking_model, "--json", "--think-budget", "3", "--json-schema", schema, "-n", "30", "Hi"
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(proc.stdout)
+    assert record["reasoning"] and record["value"] in ("yes", "no")  # it thought freely, then answered

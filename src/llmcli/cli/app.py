@@ -121,6 +121,7 @@ def generate(
     effective = _effective(model, sampling, framing, load, speculative)
     system = None if raw else effective.system
     _check_beams(num_beams, effective.speculative, remote)
+    _check_think_budget(effective, num_beams)
     constrained = _output_format(output, effective.speculative, num_beams)
     if batch is not None:
         if prompt:
@@ -162,6 +163,7 @@ def generate(
             speculative=effective.speculative,
             num_beams=num_beams,
             think=effective.think,
+            think_budget=effective.think_budget,
             output=constrained,
         )
     )
@@ -204,6 +206,15 @@ def _output_format(
     return constrained
 
 
+def _check_think_budget(effective: Effective, num_beams: int) -> None:
+    if effective.think_budget is None:
+        return
+    if effective.speculative.method != "off":
+        raise UsageError("--think-budget and --speculative do not combine yet: drafts would pass the budget")
+    if num_beams > 1:
+        raise UsageError("--think-budget and --num-beams do not combine: beams are transformers' own search")
+
+
 def _check_beams(num_beams: int, speculative: SpeculativeSettings, remote: RemoteSettings) -> None:
     if not 1 <= num_beams <= MOST_BEAMS:
         raise UsageError(f"--num-beams must be in 1…{MOST_BEAMS}, got {num_beams}")
@@ -235,6 +246,7 @@ def chat(
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     effective = _effective(model, sampling, framing, load, speculative)
+    _check_think_budget(effective, 1)
     constrained = _output_format(output, SpeculativeSettings(), 1)
     from llmcli.frontends.repl import ChatRequest, run
 
@@ -250,6 +262,7 @@ def chat(
             speculative=effective.speculative,
             output=constrained,
             think=effective.think,
+            think_budget=effective.think_budget,
         )
     )
     raise typer.Exit(code)

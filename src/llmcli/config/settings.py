@@ -331,6 +331,15 @@ class PromptSettings:
         choices=THINK_MODES,
         show_default=False,
     )
+    think_budget: int | None = setting(
+        flags=("--think-budget",),
+        help="At most this many thinking tokens: then the end of the thinking is written for the "
+        "model, which goes on to its answer.",
+        panel=None,
+        layered=True,
+        bounds=Bounds(ge=1),
+        show_default=False,
+    )
 
     def validate(self, where: str = "flag") -> PromptSettings:
         check_bounds(self, where)
@@ -406,6 +415,7 @@ class Effective:
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     load: LoadSettings = field(default_factory=LoadSettings)
     think: str | None = None  # show, hide, off; None: the front end's choice (terminal or pipe)
+    think_budget: int | None = None
 
 
 LAYERED_GROUPS = (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings)
@@ -456,7 +466,7 @@ def effective_settings(
         given = {key: layer[key] for key in SAMPLING_NUMBERS if key in layer}
         where = name if name in ("flag", "env") else f"{name} of {config.path}"
         SamplingSettings(**given, stop=tuple(layer.get("stop") or ())).validate(where)
-        PromptSettings(think=layer.get("think")).validate(where)
+        PromptSettings(think=layer.get("think"), think_budget=layer.get("think_budget")).validate(where)
     for name, layer in layers:
         for key, value in layer.items():
             if key not in values:
@@ -479,4 +489,5 @@ def effective_settings(
         speculative=SpeculativeSettings.from_values(values),
         load=load.validate(),
         think=values.get("think"),
+        think_budget=values.get("think_budget"),
     )

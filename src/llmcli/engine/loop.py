@@ -23,6 +23,7 @@ from llmcli.config.settings import SamplingParams
 from llmcli.engine import producers
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
 from llmcli.engine.producers import Chooser
+from llmcli.engine.reasoning import think_tracker
 from llmcli.engine.sampling import make_generator
 from llmcli.engine.speculative import Speculation, SpeculativeStats
 from llmcli.engine.stats import GenerationStats
@@ -147,14 +148,16 @@ class Engine:
         params: SamplingParams,
         tokenizer: Any,
         constraint: Constraint | None = None,
+        think_budget: int | None = None,
     ) -> Generation:
-        """A reply in progress: iterate it for text pieces, then read `result`."""
+        """A reply in progress: iterate it for text pieces, then read `result`. A reasoning
+        model thinks for `think_budget` tokens at most; a constraint starts when it stops."""
         if len(prompt_ids) >= self.context_length:
             raise ContextOverflowError(
                 f"the prompt is {len(prompt_ids)} tokens; the model's context holds {self.context_length}",
                 "shorten the input",
             )
-        return Generation(self, prompt_ids, params, tokenizer, constraint)
+        return Generation(self, prompt_ids, params, tokenizer, constraint, think_budget)
 
     def complete(
         self,
@@ -183,6 +186,7 @@ class Generation:
         params: SamplingParams,
         tokenizer: Any,
         constraint: Constraint | None = None,
+        think_budget: int | None = None,
     ) -> None:
         self._engine = engine
         # A grammar masks every step's logits; it follows one token at a time, so no drafts.
@@ -192,6 +196,11 @@ class Generation:
         # No tokenizer (a benchmark on random weights): tokens only, no text.
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stop = StopMatcher(params.stop)
+        # A reasoning model's thinking, followed only where it matters: a budget, or a constraint
+        # that must wait for the answer.
+        tracked = think_budget is not None or constraint is not None
+        self._thinking = think_tracker(tokenizer, prompt_ids, think_budget) if tracked else None
+        self._choose: Chooser | None = None
         self._emitted: list[str] = []
         self._running: Iterator[str] | None = None
         self._first_token_at = 0.0
@@ -260,12 +269,24 @@ class Generation:
         self.prefill_logits = logits
         generator = make_generator(params.seed, engine.device) if not params.greedy else None
         choose = Chooser(params, generator, engine.device, list(self._prompt_ids), self._constraint)
+        if self._thinking is not None:
+            choose.constrained = self._constraint is not None and not self._thinking.thinking
+        self._choose = choose
         speculation = engine.speculation if self._constraint is None else None
         if speculation is None:
             return producers.plain(engine, logits, choose)
         speculation.drafter.start(self._prompt_ids)
         stats.speculative = SpeculativeStats(speculation.method)
         return producers.speculative(engine, logits, choose, speculation, self._budget, stats.speculative)
+
+    def _follow_thinking(self, text: str) -> None:
+        """After each token of a reasoning model: force the end marker at the budget, and let
+        the constraint act once the thinking is over."""
+        assert self._thinking is not None and self._choose is not None
+        forced = self._thinking.take(text)
+        if forced:
+            self._choose.force(forced)
+        self._choose.constrained = self._constraint is not None and not self._thinking.thinking
 
     def _take(self, token_id: int, now: float) -> tuple[str, str | None]:
         """One token taken: the text it completes, and why the reply ends with it (None: it
@@ -275,12 +296,16 @@ class Generation:
         stats.token_times.append(now)
         self.token_ids.append(token_id)
         stats.completion_tokens = len(self.token_ids)
-        if constraint is not None:
+        text = self._detok.push(token_id) if self._detok else ""
+        thinking = self._thinking is not None and self._thinking.thinking
+        if constraint is not None and not thinking:
             constraint.advance(token_id)
         if token_id in self._engine.eos_token_ids:
             return "", "stop"
-        piece = self._stop.feed(self._detok.push(token_id) if self._detok else "")
-        if self._stop.stopped or (constraint is not None and constraint.finished):
+        if self._thinking is not None:
+            self._follow_thinking(text)
+        piece = self._stop.feed(text)
+        if self._stop.stopped or (constraint is not None and not thinking and constraint.finished):
             return piece, "stop"
         if len(self.token_ids) == self._budget:
             return piece, "length"

@@ -49,10 +49,19 @@ class Chooser:
         self.device = device
         self.context = context
         self.constraint = constraint
+        self.constrained = constraint is not None  # off while a reasoning model thinks
+        self.forced: list[int] = []  # tokens to take next whatever the logits say
+
+    def force(self, token_ids: list[int]) -> None:
+        """Take these tokens next (a thinking budget's end marker), before sampling again."""
+        self.forced.extend(token_ids)
 
     def one(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The next token, as an id and as a device tensor (the next decode step's input)."""
-        if self.constraint is not None:
+        if self.forced:
+            token_id = self.forced.pop(0)
+            return token_id, torch.tensor([token_id], dtype=torch.long, device=self.device)
+        if self.constraint is not None and self.constrained:
             logits = self.constraint.mask(logits)  # before every sampling filter
         token = pick_token(process_logits(logits, self.seen([]), self.params), self.params, self.generator)
         return int(token), token  # the one host sync per token: the id is printed

@@ -169,6 +169,48 @@ def reasoning_tokens(decode: Any, token_ids: list[int], think: ThinkFormat, insi
     return low
 
 
+class ThinkTracker:
+    """Token by token in the loop: whether the reply is thinking, how many tokens it thought,
+    and, at a budget, the end marker to force so that the model goes on to its answer."""
+
+    def __init__(self, think: ThinkFormat, inside: bool, end_ids: list[int], budget: int | None) -> None:
+        self._splitter = ThinkSplitter(think, inside)
+        self.end_ids = end_ids
+        self.budget = budget
+        self.tokens = 0
+        self._forced = False
+
+    @property
+    def thinking(self) -> bool:
+        return self._splitter.inside
+
+    def take(self, piece: str) -> list[int]:
+        """One token taken, and the text it completes; the ids to force next ([] for none)."""
+        was_thinking = self.thinking
+        self._splitter.feed(piece)
+        if was_thinking:
+            self.tokens += 1
+        if self.thinking and self.budget is not None and self.tokens >= self.budget and not self._forced:
+            self._forced = True
+            return list(self.end_ids)
+        return []
+
+
+def think_tracker(tokenizer: Any, prompt_ids: list[int], budget: int | None) -> ThinkTracker | None:
+    """The loop's tracker for a reasoning model's reply (None for a model that does not think)."""
+    if tokenizer is None:
+        return None
+    thinking = thinking_of(tokenizer)
+    if thinking is None:
+        return None
+    from llmcli.engine.conversation import decode_exact
+
+    think = thinking.format
+    inside = opens_thinking(decode_exact(tokenizer, prompt_ids[-64:]), think)
+    end_ids = list(tokenizer(think.end, add_special_tokens=False)["input_ids"])
+    return ThinkTracker(think, inside, end_ids, budget)
+
+
 class ThinkingStream:
     """A reply's text pieces as (channel, text), for whatever model: a model that does not
     think gives its pieces as the answer. Afterwards, `summary` gives the answer, the thinking

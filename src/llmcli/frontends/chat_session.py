@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from llmcli.config.declare import declarations, field_types
 from llmcli.config.escapes import unescape
-from llmcli.config.settings import SPECULATIVE_METHODS, THINK_MODES, SamplingSettings
+from llmcli.config.settings import SPECULATIVE_METHODS, THINK_MODES, PromptSettings, SamplingSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.engine.reasoning import REASONING
 from llmcli.errors import LlmcliError, UsageError
@@ -34,7 +34,7 @@ HELP = f"""\
 /help                 this list
 /system [TEXT | -]    show, set (or with "-" clear) the system prompt
 /set KEY VALUE        {", ".join(SETTABLE)}
-                      ("none" unsets seed and stop); speculative off|lookup|draft
+                      ("none" unsets seed and stop); speculative off|lookup|draft; think_budget N
 /show                 settings, model, device, context used
 /stats                the last reply's timings, and the session's totals
 /reset                clear the conversation and its cache
@@ -209,6 +209,7 @@ class ChatSession:
         speculative: str = "off",
         output: OutputFormat | None = None,
         think: str = "show",
+        think_budget: int | None = None,
     ) -> None:
         self.target = target
         self.view = view
@@ -222,6 +223,7 @@ class ChatSession:
         self.history: ChatHistory = target.chat(system)
         self.think = think  # show, hide, off (/think)
         self.history.think_off = think == "off"
+        self.history.think_budget = think_budget
         self.last_turn: TurnReport | None = None
         self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
@@ -322,8 +324,13 @@ class ChatSession:
             self.set_speculative(value)
             self.view.info(f"speculative = {value}")
             return
+        if key == "think_budget" and value:
+            self.history.think_budget = None if value == "none" else _think_budget(value)
+            self.view.info(f"think_budget = {shown(self.history.think_budget)}")
+            return
         if key not in SETTABLE or not value:
-            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(SETTABLE)}, speculative")
+            keys = ", ".join(SETTABLE)
+            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {keys}, speculative, think_budget")
         self.sampling = apply_setting(self.sampling, key, value)
         self.view.info(f"{key} = {shown(getattr(self.sampling, key))}")
 
@@ -434,6 +441,15 @@ def apply_setting(sampling: SamplingSettings, key: str, value: Any) -> SamplingS
         ) from error
     SamplingSettings(**{key: typed}).validate()
     return replace(sampling, **{key: typed})
+
+
+def _think_budget(value: str) -> int:
+    try:
+        budget = int(value)
+    except ValueError:
+        raise UsageError(f"think_budget needs an integer (or none), got {value!r}") from None
+    PromptSettings(think_budget=budget).validate("request")
+    return budget
 
 
 def transcript_messages(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ class GenerateRequest:
     num_beams: int = 1  # > 1: beam search, printed when it ends
     output: OutputFormat | None = None  # --format json / --json-schema: a JSON value, constrained
     think: str | None = None  # show, hide, off; None: show on a terminal, hide in a pipe
+    think_budget: int | None = None  # thinking tokens at most (in-process: a server has no budget)
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -70,14 +71,24 @@ def run(request: GenerateRequest) -> int:
     """Find the target, generate, print. Returns the exit code; raises LlmcliError on failure."""
     stdin = sys.stdin.buffer if sys.stdin is not None else None
     prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
-    beams = request.num_beams > 1  # beam search runs on the loaded model itself
-    target = open_target(request.model, request.load, request.remote, request.speculative, beams)
+    # Beam search and a thinking budget run on the loaded model itself.
+    in_process = request.num_beams > 1 or request.think_budget is not None
+    target = open_target(request.model, request.load, request.remote, request.speculative, in_process)
     messages = [{"role": "user", "content": prompt}]
     if request.system:
         messages.insert(0, {"role": "system", "content": request.system})
     method, output = request.speculative.method, request.output
     think = request.think or ("show" if terminal.stderr_is_terminal() else "hide")
-    ask = Ask(messages, request.sampling, method, output, request.raw, request.num_beams, think == "off")
+    ask = Ask(
+        messages,
+        request.sampling,
+        method,
+        output,
+        request.raw,
+        request.num_beams,
+        think == "off",
+        request.think_budget,
+    )
     reply = target.reply(ask)
     out = StdoutSink()
     thinking = terminal.Thinking(shown=think == "show" and not request.json)

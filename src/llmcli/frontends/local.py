@@ -105,14 +105,19 @@ class InProcessTarget:
         if ask.num_beams > 1:
             self._beams = True
             return BeamReply(self.loaded, ids, params, ask.num_beams)
-        return self.generate(ids, params, ask.speculative, ask.output)
+        return self.generate(ids, params, ask.speculative, ask.output, ask.think_budget)
 
     def generate(
-        self, ids: list[int], params: SamplingParams, speculative: str, output: OutputFormat | None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        speculative: str,
+        output: OutputFormat | None,
+        think_budget: int | None = None,
     ) -> LocalReply:
         self.engine.speculation = self.speculation(speculative)
         tokenizer = self.loaded.tokenizer
-        generation = self.engine.generate(ids, params, tokenizer, self.constraint(output))
+        generation = self.engine.generate(ids, params, tokenizer, self.constraint(output), think_budget)
         return LocalReply(generation, params, tokenizer, ids)
 
     def chat(self, system: str | None) -> LocalHistory:
@@ -199,6 +204,7 @@ class LocalHistory:
         self.target = target
         self.engine = target.engine
         self.conversation = Conversation(target.loaded.tokenizer, target.context_length, system=system)
+        self.think_budget: int | None = None
         self._pending: tuple[str, list[int], int] | None = None
 
     @property
@@ -242,7 +248,7 @@ class LocalHistory:
         # The template's own stop strings end a text reply; a JSON reply ends with its value.
         template_stops = self.conversation.stop_strings if output is None else ()
         params = params.with_(stop=params.stop + template_stops)
-        return self.target.generate(self._pending[1], params, speculative, output)
+        return self.target.generate(self._pending[1], params, speculative, output, self.think_budget)
 
     def commit(self, outcome: Outcome) -> None:
         assert self._pending is not None

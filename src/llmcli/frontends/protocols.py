@@ -33,6 +33,7 @@ class ChatHistory(Protocol):
     messages: list[dict[str, Any]]  # user and assistant, alternating
     pending_tokens: int  # the prepared prompt's length, where the target counts it
     think_off: bool  # a reasoning model answers without thinking
+    think_budget: int | None  # a reasoning model thinks this many tokens at most
 
     @property
     def context_used(self) -> int: ...

@@ -117,6 +117,8 @@ class RemoteTarget:
             raise UsageError(f"{self.client.url} is not an llmcli server: it drafts as it was started")
 
     def reply(self, ask: Ask) -> RemoteReply:
+        if ask.think_budget is not None:
+            raise UsageError("a thinking budget runs in-process only: the OpenAI API has no field for it")
         if ask.speculative != "off":
             self.speculation(ask.speculative)  # another kind of server drafts as it was started
         body = self.request_body(ask.sampling, ask.speculative, ask.output)
@@ -240,6 +242,7 @@ class RemoteHistory:
         self.system = system
         self.messages: list[dict[str, Any]] = []
         self.think_off = False  # sent as chat_template_kwargs
+        self.think_budget: int | None = None  # refused: the OpenAI API has no field for it
         self._pending: str | None = None
         self._last_used = 0
 
@@ -258,7 +261,10 @@ class RemoteHistory:
         system = [{"role": "system", "content": self.system}] if self.system else []
         sent = [{"role": m["role"], "content": m["content"]} for m in self.messages]
         messages = [*system, *sent, {"role": "user", "content": self._pending}]
-        return self.target.reply(Ask(messages, sampling, speculative, output, think_off=self.think_off))
+        ask = Ask(
+            messages, sampling, speculative, output, think_off=self.think_off, think_budget=self.think_budget
+        )
+        return self.target.reply(ask)
 
     def commit(self, outcome: Outcome) -> None:
         assert self._pending is not None

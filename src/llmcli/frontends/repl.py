@@ -43,6 +43,7 @@ class ChatRequest:
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     output: OutputFormat | None = None  # --format / --json-schema: every reply JSON (/format changes it)
     think: str | None = None  # show, hide, off; None: show on a terminal, hide in a pipe
+    think_budget: int | None = None
 
 
 def run(request: ChatRequest) -> int:
@@ -53,7 +54,9 @@ def run(request: ChatRequest) -> int:
         view = TerminalView(console, markdown=request.markdown)
     else:
         view = JsonView() if request.json else PlainView()
-    target = open_target(request.model, request.load, request.remote, request.speculative)
+    # A thinking budget runs on the loaded model itself: the OpenAI API has no field for it.
+    in_process = request.think_budget is not None
+    target = open_target(request.model, request.load, request.remote, request.speculative, in_process)
     session = ChatSession(
         target,
         view,
@@ -62,6 +65,7 @@ def run(request: ChatRequest) -> int:
         speculative=request.speculative.method,
         output=request.output,
         think=request.think or ("show" if interactive else "hide"),
+        think_budget=request.think_budget,
     )
     if interactive:
         return run_interactive(session, console)

@@ -72,6 +72,7 @@ class Ask:
     raw: bool = False
     num_beams: int = 1
     think_off: bool = False  # a reasoning model answers without thinking
+    think_budget: int | None = None  # a reasoning model thinks this many tokens at most
 
 
 def open_target(

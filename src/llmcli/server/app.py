@@ -118,9 +118,16 @@ def create_app(served: Served) -> ASGIApp:
 
         messages = body.chat_messages()
 
+        options = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            template = str(getattr(served.loaded.tokenizer, "chat_template", "") or "")
+            if "reasoning_effort" not in template:  # accepted and ignored would be a silent failure
+                message = "this model's chat template does not read reasoning_effort"
+                raise RequestError(400, message, "reasoning_effort")
+            options["reasoning_effort"] = body.reasoning_effort
+
         def tokenize() -> list[int]:
             try:
-                options = body.chat_template_kwargs
                 return prompt_ids(
                     served.loaded.tokenizer, messages, think_off=body.think_off, options=options
                 )

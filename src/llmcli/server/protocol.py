@@ -127,6 +127,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     # Keywords for the chat template, as vLLM takes them: {"enable_thinking": false} above all.
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # for templates that read it
 
     @property
     def think_off(self) -> bool:
