@@ -116,6 +116,9 @@ def create_app(served: Served) -> ASGIApp:
 
         from llmcli.engine.conversation import prompt_ids
 
+        if body.offers_tools:
+            message = "this server does not call tools yet: send the request without tools"
+            raise RequestError(400, message, "tools", "tools_unsupported")
         messages = body.chat_messages()
 
         options = dict(body.chat_template_kwargs or {})

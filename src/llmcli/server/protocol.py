@@ -128,6 +128,15 @@ class ChatRequest(_Sampling):
     # Keywords for the chat template, as vLLM takes them: {"enable_thinking": false} above all.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # for templates that read it
+    # Tool calling is not served yet: a request that offers tools is refused (a 400), never
+    # answered as if it had offered none.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools or self.functions) and self.tool_choice != "none"
 
     @property
     def think_off(self) -> bool:
