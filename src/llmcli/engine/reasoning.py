@@ -52,6 +52,30 @@ def thinking_of(tokenizer: Any) -> Thinking | None:
     return None
 
 
+@dataclass(frozen=True)
+class PromptThinking:
+    """Where a prompt leaves a reasoning model: its format, whether the generation prompt
+    opened a block (`inside`), and the part of that block the prompt wrote (`opener`)."""
+
+    format: ThinkFormat
+    inside: bool
+    opener: str
+
+
+def prompt_thinking(tokenizer: Any, prompt_ids: list[int]) -> PromptThinking | None:
+    """None for no tokenizer or a model that does not think. The prompt's last tokens say
+    whether the generation prompt opened a block."""
+    thinking = thinking_of(tokenizer) if tokenizer is not None else None
+    if thinking is None:
+        return None
+    from llmcli.engine.conversation import decode_exact
+
+    think = thinking.format
+    tail = decode_exact(tokenizer, prompt_ids[-64:])
+    inside = opens_thinking(tail, think)
+    return PromptThinking(think, inside, tail[tail.rfind(think.start) :] if inside else "")
+
+
 def opens_thinking(prompt_text: str, think: ThinkFormat) -> bool:
     """Whether the prompt leaves the model inside a think block (its last start marker comes
     after its last end marker: the generation prompt opened one)."""
@@ -155,9 +179,10 @@ def reasoning_tokens(decode: Any, token_ids: list[int], think: ThinkFormat, insi
     when the reply did not think. `decode`: ids → text, special tokens kept."""
     if not token_ids:
         return 0
-    if not inside and not decode(token_ids).lstrip().startswith(think.start):
+    whole = decode(token_ids)
+    if not inside and not whole.lstrip().startswith(think.start):
         return 0
-    if think.end not in decode(token_ids):
+    if think.end not in whole:
         return len(token_ids)
     low, high = 1, len(token_ids)  # the smallest k with the end marker in decode(ids[:k])
     while low < high:
@@ -198,17 +223,11 @@ class ThinkTracker:
 
 def think_tracker(tokenizer: Any, prompt_ids: list[int], budget: int | None) -> ThinkTracker | None:
     """The loop's tracker for a reasoning model's reply (None for a model that does not think)."""
-    if tokenizer is None:
+    start = prompt_thinking(tokenizer, prompt_ids)
+    if start is None:
         return None
-    thinking = thinking_of(tokenizer)
-    if thinking is None:
-        return None
-    from llmcli.engine.conversation import decode_exact
-
-    think = thinking.format
-    inside = opens_thinking(decode_exact(tokenizer, prompt_ids[-64:]), think)
-    end_ids = list(tokenizer(think.end, add_special_tokens=False)["input_ids"])
-    return ThinkTracker(think, inside, end_ids, budget)
+    end_ids = list(tokenizer(start.format.end, add_special_tokens=False)["input_ids"])
+    return ThinkTracker(start.format, start.inside, end_ids, budget)
 
 
 class ThinkingStream:
@@ -217,19 +236,10 @@ class ThinkingStream:
     and how many tokens the thinking took."""
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
-        from llmcli.engine.conversation import decode_exact
-
         self.tokenizer = tokenizer
-        thinking = thinking_of(tokenizer) if tokenizer is not None else None
-        self.splitter: ThinkSplitter | None = None
-        self.opener = ""  # the part of the think block the generation prompt wrote
-        if thinking is not None:
-            # The prompt's last tokens say whether the generation prompt opened a block.
-            tail = decode_exact(tokenizer, prompt_ids[-64:])
-            inside = opens_thinking(tail, thinking.format)
-            self.splitter = ThinkSplitter(thinking.format, inside)
-            if inside:
-                self.opener = tail[tail.rfind(thinking.format.start) :]
+        start = prompt_thinking(tokenizer, prompt_ids)
+        self.splitter = ThinkSplitter(start.format, start.inside) if start else None
+        self.opener = start.opener if start else ""  # the part of the block the prompt wrote
 
     def split(self, pieces: Iterable[str]) -> Iterator[tuple[str, str]]:
         splitter = self.splitter
