@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Annotated, Any, get_args, get_origin
 
@@ -90,7 +91,8 @@ def _settings_group(annotation: Any) -> tuple[type | None, list[str]]:
 def _option(parameter: str, name: str, declared: Declared, settings_class: type) -> inspect.Parameter:
     field = next(f for f in dataclasses.fields(settings_class) if f.name == name)
     default = field.default if declared.cli_default == "field" else declared.cli_default
-    kind = declared.cli_type or _cli_type(field.type, default)
+    # What the flag reads: the field's own type (float | None), unless the declaration says.
+    kind = declared.cli_type or typing.get_type_hints(settings_class)[name]
     flags = declared.flags or ("--" + name.replace("_", "-"),)
     if flags[0].startswith("--") and "/" not in flags[0] and kind is bool and default is True:
         flags = (f"{flags[0]}/--no-{flags[0][2:]}",)
@@ -104,14 +106,6 @@ def _option(parameter: str, name: str, declared: Declared, settings_class: type)
     return inspect.Parameter(
         parameter, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option]
     )
-
-
-def _cli_type(annotation: Any, default: Any) -> Any:
-    """What the flag reads: the field's own type, written as a string under
-    `from __future__ import annotations`."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "str")
-    base = {"float": float, "int": int, "str": str, "bool": bool}[text.replace(" ", "").split("|")[0]]
-    return base | None if "None" in text else base
 
 
 def _converted(value: Any, name: str, declared: Declared, field: dataclasses.Field[Any]) -> Any:

@@ -10,6 +10,8 @@ Nothing here imports typer or pydantic: the declarations are plain data.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,11 +142,13 @@ def layered_types(*settings_classes: type) -> dict[str, type]:
 
 
 def field_types(settings_class: type) -> dict[str, type]:
-    """The plain type each field holds (int, float, str, list), from its default's annotation."""
-    kinds = {"float": float, "int": int, "str": str, "bool": bool, "tuple": list, "list": list}
-    found: dict[str, type] = {}
-    for f in dataclasses.fields(settings_class):
-        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        head = annotation.replace(" ", "").split("|")[0].split("[")[0]
-        found[f.name] = kinds.get(head, str)
-    return found
+    """The plain type each field holds: int, float, str, bool, or list for a sequence."""
+    return {name: _plain(hint) for name, hint in typing.get_type_hints(settings_class).items()}
+
+
+def _plain(hint: Any) -> type:
+    """float | None → float; tuple[str, ...] → list."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    origin = typing.get_origin(hint) or hint
+    return list if origin in (tuple, list) else origin
