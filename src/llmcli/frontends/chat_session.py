@@ -262,7 +262,7 @@ class ChatSession:
         except KeyboardInterrupt:
             reply.interrupt()  # keep what was generated; the cache matches it again
         except Exception as error:  # out of memory and the like: this turn is lost, the chat is not
-            self._fail(history.abandon(error))
+            self._fail(history.abandon(error) or _failure(error))
             return None
         outcome = reply.outcome()
         history.commit(outcome)
@@ -441,6 +441,13 @@ def apply_setting(sampling: SamplingSettings, key: str, value: Any) -> SamplingS
         ) from error
     SamplingSettings(**{key: typed}).validate()
     return replace(sampling, **{key: typed})
+
+
+def _failure(error: Exception) -> str:
+    """A failed reply in one line: an llmcli error's own words, else the exception's."""
+    if isinstance(error, LlmcliError):
+        return error.one_line()
+    return f"the reply failed: {type(error).__name__}: {error}".splitlines()[0]
 
 
 def _think_budget(value: str) -> int:

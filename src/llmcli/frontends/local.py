@@ -258,7 +258,7 @@ class LocalHistory:
         said = outcome.raw_text if outcome.raw_text is not None else outcome.text
         self.conversation.commit(user_text, prompt, dropped, said, outcome.token_ids, outcome.finish_reason)
 
-    def abandon(self, error: Exception) -> str:
+    def abandon(self, error: Exception) -> str | None:
         self._pending = None
         self.engine.restore_consistency()
         if type(error).__name__ == "OutOfMemoryError":
@@ -267,9 +267,7 @@ class LocalHistory:
                 f"out of memory during the reply ({len(self.engine.cached_ids)} tokens cached); "
                 "the conversation is as it was — try /set max_new_tokens lower, /undo or /reset"
             )
-        if isinstance(error, LlmcliError):
-            return error.one_line()
-        return f"the reply failed: {type(error).__name__}: {error}".splitlines()[0]
+        return None
 
     def set_system(self, text: str | None) -> None:
         self.conversation.set_system(text)

@@ -50,8 +50,9 @@ class ChatHistory(Protocol):
         """Keep the finished (or interrupted) turn."""
         ...
 
-    def abandon(self, error: Exception) -> str:
-        """The turn failed: the conversation (and any cache) is as before it; what to say."""
+    def abandon(self, error: Exception) -> str | None:
+        """The turn failed: the conversation (and any cache) is as before it. What to say when
+        the target knows better than the error's own words (memory it ran out of)."""
         ...
 
     def set_system(self, text: str | None) -> None: ...

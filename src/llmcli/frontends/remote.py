@@ -275,13 +275,9 @@ class RemoteHistory:
         self._pending = None
         self._last_used = (outcome.prompt_tokens or 0) + (outcome.completion_tokens or 0)
 
-    def abandon(self, error: Exception) -> str:
-        from llmcli.errors import LlmcliError
-
+    def abandon(self, error: Exception) -> str | None:
         self._pending = None
-        if isinstance(error, LlmcliError):
-            return error.one_line()
-        return f"the reply failed: {type(error).__name__}: {error}".splitlines()[0]
+        return None  # nothing of the server's to put right here
 
     def set_system(self, text: str | None) -> None:
         self.system = text or None
