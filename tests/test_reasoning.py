@@ -193,3 +193,10 @@ def test_a_schema_constrains_the_answer_after_the_thinking(thinking_model: Path)
     assert proc.returncode == 0, proc.stderr.decode()
     record = json.loads(proc.stdout)
     assert record["reasoning"] and record["value"] in ("yes", "no")  # it thought freely, then answered
+
+
+def test_thinking_options_a_model_cannot_honour_are_refused(tiny_llama: Path, thinking_model: Path) -> None:
+    budget = generate(tiny_llama, "--think-budget", "4", "Hello")  # ChatML: no thinking to bound
+    assert budget.returncode == 2 and b"needs a model that thinks" in budget.stderr
+    raw = generate(thinking_model, "--raw", "--think", "off", "Hello")
+    assert raw.returncode == 2 and b"--think off asks the chat template" in raw.stderr

@@ -118,6 +118,8 @@ def generate(
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     if raw and framing.system:
         raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
+    if raw and framing.think == "off":
+        raise UsageError("--think off asks the chat template, and --raw turns it off: use one of them")
     effective = _effective(model, sampling, framing, load, speculative)
     system = None if raw else effective.system
     _check_beams(num_beams, effective.speculative, remote)

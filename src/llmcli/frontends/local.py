@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from llmcli.config.settings import LoadSettings, SamplingParams, SamplingSettings, SpeculativeSettings
-from llmcli.engine.reasoning import CONTENT
+from llmcli.engine.reasoning import CONTENT, thinking_of
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, speculation_with_feedback
@@ -117,6 +117,11 @@ class InProcessTarget:
     ) -> LocalReply:
         self.engine.speculation = self.speculation(speculative)
         tokenizer = self.loaded.tokenizer
+        if think_budget is not None and thinking_of(tokenizer) is None:
+            raise UsageError(
+                f"a thinking budget needs a model that thinks, and {self.name}'s template and "
+                "tokenizer mark no thinking"
+            )
         generation = self.engine.generate(ids, params, tokenizer, self.constraint(output), think_budget)
         return LocalReply(generation, params, tokenizer, ids)
 
