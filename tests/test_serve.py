@@ -375,14 +375,3 @@ def test_a_request_may_ask_for_speculation(server: Server, in_process) -> None:
     )
     assert status == 400 and "no draft model" in refused["error"]["message"]
     assert server.raw("GET", "/health")[0] == 200
-
-
-def test_tools_offered_are_refused_not_ignored(server: Server) -> None:
-    """Until tool calls are served, a request that offers tools gets a 400 that says so, rather
-    than a reply that never calls them."""
-    client = server.client()
-    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-    asked = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 4}
-    with pytest.raises(openai.BadRequestError, match="does not call tools yet"):
-        client.chat.completions.create(**asked, tools=[tool])
-    assert client.chat.completions.create(**asked, tools=[tool], tool_choice="none").choices  # none: fine

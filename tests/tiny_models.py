@@ -32,7 +32,12 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(vocab_size: int = 400, style: str = "bytelevel"):
+def train_tokenizer(
+    vocab_size: int = 400,
+    style: str = "bytelevel",
+    added: tuple[str, ...] = (),
+    special: tuple[str, ...] = (),
+):
     """A BPE tokenizer: GPT-2/Qwen style ("bytelevel"), or Llama-2 style ("metaspace": ▁ for
     spaces, <0xNN> byte fallback for characters it never saw, and a stripped leading space)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -72,17 +77,31 @@ def train_tokenizer(vocab_size: int = 400, style: str = "bytelevel"):
         unk_token="<|endoftext|>",
     )
     tokenizer.chat_template = CHATML_TEMPLATE
+    # Tokens a template family adds: `added` are text (Qwen's <tool_call>), `special` are not.
+    tokenizer.add_tokens(list(added))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     return tokenizer
 
 
-def build_tiny_model(folder: Path, arch: str, *, chat_template: bool = True, seed: int = 0) -> Path:
-    """Save a 2-layer `arch` ("llama" or "qwen2") model with random weights and a trained tokenizer."""
+def build_tiny_model(
+    folder: Path,
+    arch: str,
+    *,
+    chat_template: bool | str = True,
+    seed: int = 0,
+    added: tuple[str, ...] = (),
+    special: tuple[str, ...] = (),
+) -> Path:
+    """Save a 2-layer `arch` ("llama" or "qwen2") model with random weights and a trained
+    tokenizer (with `chat_template` as its template when it is text)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(added=added, special=special)
     if not chat_template:
         tokenizer.chat_template = None
+    elif isinstance(chat_template, str):
+        tokenizer.chat_template = chat_template
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     shape = {

@@ -42,9 +42,12 @@ def build_messages(user_text: str, system: str | None = None) -> list[Message]:
     return messages
 
 
-def _template_view(messages: list[Message]) -> list[dict[str, str]]:
+TEMPLATE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+def _template_view(messages: list[Message]) -> list[dict[str, Any]]:
     """Only what templates know about: our own keys (e.g. "interrupted") stay out."""
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{key: m[key] for key in TEMPLATE_KEYS if key in m} for m in messages]
 
 
 def render_chat(
@@ -63,7 +66,7 @@ def render_chat(
         if not view or view[0]["role"] != "system" or len(view) < 2:
             raise
         system, first, *rest = view
-        merged = {"role": first["role"], "content": f"{system['content']}\n\n{first['content']}"}
+        merged = {**first, "content": f"{system['content']}\n\n{first['content']}"}
         return tokenizer.apply_chat_template(
             [merged, *rest], add_generation_prompt=add_generation_prompt, tokenize=False, **options
         )

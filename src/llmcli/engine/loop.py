@@ -149,15 +149,17 @@ class Engine:
         tokenizer: Any,
         constraint: Constraint | None = None,
         think_budget: int | None = None,
+        keep_special: bool = False,
     ) -> Generation:
         """A reply in progress: iterate it for text pieces, then read `result`. A reasoning
-        model thinks for `think_budget` tokens at most; a constraint starts when it stops."""
+        model thinks for `think_budget` tokens at most; a constraint starts when it stops.
+        `keep_special`: special tokens stay in the text (a tool call's markers may be some)."""
         if len(prompt_ids) >= self.context_length:
             raise ContextOverflowError(
                 f"the prompt is {len(prompt_ids)} tokens; the model's context holds {self.context_length}",
                 "shorten the input",
             )
-        return Generation(self, prompt_ids, params, tokenizer, constraint, think_budget)
+        return Generation(self, prompt_ids, params, tokenizer, constraint, think_budget, keep_special)
 
     def complete(
         self,
@@ -187,6 +189,7 @@ class Generation:
         tokenizer: Any,
         constraint: Constraint | None = None,
         think_budget: int | None = None,
+        keep_special: bool = False,
     ) -> None:
         self._engine = engine
         # A grammar masks every step's logits; it follows one token at a time, so no drafts.
@@ -194,7 +197,7 @@ class Generation:
         self._prompt_ids = list(prompt_ids)
         self._params = params
         # No tokenizer (a benchmark on random weights): tokens only, no text.
-        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._detok = IncrementalDetokenizer(tokenizer, not keep_special) if tokenizer is not None else None
         self._stop = StopMatcher(params.stop)
         # A reasoning model's thinking, followed only where it matters: a budget, or a constraint
         # that must wait for the answer.

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,13 +31,18 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmcli.config.settings import SamplingSettings
-from llmcli.engine.reasoning import REASONING, ThinkingStream
+from llmcli.engine.reasoning import REASONING
+from llmcli.engine.reply import TOOL_CALL, ReplyStream
+from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import LlmcliError
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.tools import ToolCall
+    from llmcli.engine.tools.turn import ToolTurn
 
+T = TypeVar("T")
 MAX_BODY_BYTES = 8 << 20  # a prompt of ~2M tokens: larger is a mistake, not a prompt
 
 
@@ -79,6 +84,7 @@ class Outcome:
     sampling: dict[str, Any]
     reasoning: str | None = None  # a reasoning model's thinking; None for a model that does not think
     reasoning_tokens: int | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class RequestError(Exception):
@@ -115,11 +121,16 @@ def create_app(served: Served) -> ASGIApp:
         from jinja2.exceptions import TemplateError
 
         from llmcli.engine.conversation import prompt_ids
+        from llmcli.engine.tools.turn import tool_turn
 
-        if body.offers_tools:
-            message = "this server does not call tools yet: send the request without tools"
-            raise RequestError(400, message, "tools", "tools_unsupported")
-        messages = body.chat_messages()
+        try:
+            tools = body.tool_request()
+        except LlmcliError as error:
+            param = error.message.split(":")[0] if not body.functions else "functions"
+            raise RequestError(400, error.message, param) from None
+        if tools is not None and tools.callable and body.response_format is not None:
+            message = "tool calls and response_format at once are not supported: send one of them"
+            raise RequestError(400, message, "response_format")
 
         options = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:
@@ -129,17 +140,25 @@ def create_app(served: Served) -> ASGIApp:
                 raise RequestError(400, message, "reasoning_effort")
             options["reasoning_effort"] = body.reasoning_effort
 
-        def tokenize() -> list[int]:
+        def tokenize() -> tuple[list[int], ToolTurn]:
+            tokenizer = served.loaded.tokenizer
             try:
-                return prompt_ids(
-                    served.loaded.tokenizer, messages, think_off=body.think_off, options=options
+                loaded = served.loaded
+                turn = tool_turn(
+                    tokenizer, body.chat_messages(), tools, loaded.vocab_size, loaded.eos_token_ids
+                )
+                ids = prompt_ids(
+                    tokenizer, turn.messages, think_off=body.think_off, options=options | turn.options
                 )
             except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
                 message = f"the model's chat template refused these messages: {error}"
-                raise RequestError(400, message) from None
+                raise RequestError(400, message, "messages") from None
+            except LlmcliError as error:  # a tool result that answers no call, a bad arguments text
+                raise RequestError(400, error.message, "messages") from None
+            return ids, turn
 
-        ids = await _on_worker(served, tokenize)
-        return await _respond(served, body, ids, chat=True)
+        ids, turn = await _on_worker(served, tokenize)
+        return await _respond(served, body, ids, chat=True, tools=turn)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
@@ -152,18 +171,32 @@ def create_app(served: Served) -> ASGIApp:
     return BodyLimit(app, MAX_BODY_BYTES)
 
 
-async def _on_worker(served: Served, work: Callable[[], list[int]]) -> list[int]:
+async def _on_worker(served: Served, work: Callable[[], T]) -> T:
     """Tokenize on the worker thread: a Rust tokenizer used from two threads at once can fail
     ("Already borrowed"), and the worker is using it to detokenize."""
     return await asyncio.get_running_loop().run_in_executor(served.worker, work)
 
 
-async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: bool) -> Any:
+@dataclass(frozen=True)
+class Job:
+    """One generation as the worker runs it."""
+
+    ids: list[int]
+    sampling: SamplingSettings
+    speculative: str
+    output: OutputFormat | None
+    chat: bool
+    tools: ToolTurn | None = None
+
+
+async def _respond(
+    served: Served, body: _Sampling, ids: list[int], *, chat: bool, tools: ToolTurn | None = None
+) -> Any:
     sampling = _checked_sampling(body)
     method = body.speculative or served.speculative
     if method not in served.speculations:
         raise RequestError(400, "this server has no draft model: start it with --draft-model", "speculative")
-    output = None
+    output = tools.output if tools is not None else None
     if body.response_format is not None:
         try:
             output = body.response_format.output()
@@ -179,16 +212,16 @@ async def _respond(served: Served, body: _Sampling, ids: list[int], *, chat: boo
             f"exceeds the context of {context}"
         )
         raise RequestError(400, message, "max_tokens", "context_length_exceeded")
+    job = Job(ids, sampling, method, output, chat, tools)
     loop = asyncio.get_running_loop()
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if not body.stream:
-        cancelled = threading.Event()
-        work = functools.partial(_generate, served, ids, sampling, None, cancelled, method, output, chat)
+        work = functools.partial(_generate, served, job, None, threading.Event())
         outcome = await loop.run_in_executor(served.worker, work)
         return _completion(served, request_id, created, outcome, chat)
     return StreamingResponse(
-        _stream(served, ids, sampling, request_id, created, chat, body.include_usage, method, output),
+        _stream(served, job, request_id, created, body.include_usage),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -204,31 +237,28 @@ def _checked_sampling(body: _Sampling) -> SamplingSettings:
 
 
 def _generate(
-    served: Served,
-    ids: list[int],
-    sampling: SamplingSettings,
-    on_piece: Callable[[str, str], None] | None,
-    cancelled: threading.Event,
-    speculative: str = "off",
-    output: OutputFormat | None = None,
-    chat: bool = True,
+    served: Served, job: Job, on_piece: Callable[[str, Any], None] | None, cancelled: threading.Event
 ) -> Outcome | None:
-    """On the worker thread: one generation, start to end (None when its client left first)."""
+    """On the worker thread: one generation, start to end (None when its client left first).
+    `on_piece` gets (channel, piece): reasoning or content text, or a part of a tool call."""
     if cancelled.is_set():
         return None
     loaded = served.loaded
-    params = sampling.resolve(loaded.generation_config)
-    served.engine.speculation = served.speculations[speculative]
+    params = job.sampling.resolve(loaded.generation_config)
+    served.engine.speculation = served.speculations[job.speculative]
     constraint = None
-    if output is not None:  # here: llguidance reads the tokenizer, which only this thread uses
+    if job.output is not None:  # here: llguidance reads the tokenizer, which only this thread uses
         from llmcli.engine.structured.constraint import Constraint
 
-        constraint = Constraint(output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-    generation = served.engine.generate(ids, params, loaded.tokenizer, constraint)
-    # A chat's reply is split into thinking and answer; a text completion's is the text as it comes.
-    thinking = ThinkingStream(loaded.tokenizer if chat else None, ids)
+        constraint = Constraint(job.output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+    reader = job.tools.reader() if job.tools is not None else None
+    generation = served.engine.generate(
+        job.ids, params, loaded.tokenizer, constraint, keep_special=reader is not None
+    )
+    # A chat's reply is split into thinking, answer and calls; a text completion's is the text.
+    stream = ReplyStream(loaded.tokenizer if job.chat else None, job.ids, reader)
     try:
-        for channel, piece in thinking.split(generation):
+        for channel, piece in stream.split(generation):
             if cancelled.is_set():
                 generation.interrupt()
                 break
@@ -238,31 +268,26 @@ def _generate(
         generation.interrupt()  # the cache must match what it says it holds, whatever went wrong
         raise
     result = generation.result
-    answer, reasoning, reasoning_tokens = thinking.summary(result.text, result.token_ids)
-    return Outcome(answer, result.finish_reason, result.stats, params.as_dict(), reasoning, reasoning_tokens)
+    text, reasoning, reasoning_tokens, calls = stream.summary(result)
+    return Outcome(
+        text, result.finish_reason, result.stats, params.as_dict(), reasoning, reasoning_tokens, calls
+    )
 
 
 async def _stream(
-    served: Served,
-    ids: list[int],
-    sampling: SamplingSettings,
-    request_id: str,
-    created: int,
-    chat: bool,
-    include_usage: bool,
-    speculative: str,
-    output: OutputFormat | None,
+    served: Served, job: Job, request_id: str, created: int, include_usage: bool
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
 
-    def on_piece(channel: str, piece: str) -> None:
+    def on_piece(channel: str, piece: Any) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, (channel, piece))
 
-    work = functools.partial(_generate, served, ids, sampling, on_piece, cancelled, speculative, output, chat)
+    work = functools.partial(_generate, served, job, on_piece, cancelled)
     future = loop.run_in_executor(served.worker, work)
     future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
+    chat = job.chat
     chunk = functools.partial(_chunk, served.model_id, request_id, created, chat)
     try:
         if chat:
@@ -271,6 +296,9 @@ async def _stream(
             kind, piece = await queue.get()
             if kind == "done":
                 break
+            if kind == TOOL_CALL:
+                yield _sse(chunk({"tool_calls": [_call_delta(piece)]}, None))
+                continue
             delta = {"reasoning_content" if kind == REASONING else "content": piece}
             yield _sse(chunk(delta if chat else piece, None))
         try:
@@ -280,7 +308,7 @@ async def _stream(
             return
         if outcome is None:
             return
-        final = chunk({} if chat else "", _finish_reason(outcome.finish_reason))
+        final = chunk({} if chat else "", _finish_reason(outcome))
         final["timings"], final["sampling"] = _timings(outcome), outcome.sampling
         yield _sse(final)
         if include_usage:
@@ -289,6 +317,14 @@ async def _stream(
         yield "data: [DONE]\n\n"
     finally:
         cancelled.set()  # a client that left: its generation stops at the next token
+
+
+def _call_delta(part: CallStart | CallArguments) -> dict[str, Any]:
+    """A streamed call, as OpenAI streams it: its id and name first, then its arguments in pieces."""
+    if isinstance(part, CallStart):
+        function = {"name": part.name, "arguments": ""}
+        return {"index": part.index, "id": part.id, "type": "function", "function": function}
+    return {"index": part.index, "function": {"arguments": part.text}}
 
 
 def _chunk(
@@ -310,9 +346,12 @@ def _chunk(
 
 def _completion(served: Served, request_id: str, created: int, outcome: Outcome | None, chat: bool) -> Any:
     assert outcome is not None  # only streams are cancelled
-    finish = _finish_reason(outcome.finish_reason)
+    finish = _finish_reason(outcome)
     if chat:
-        message = {"role": "assistant", "content": outcome.text}
+        calls = outcome.tool_calls
+        message: dict[str, Any] = {"role": "assistant", "content": outcome.text or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
         if outcome.reasoning_tokens is not None:  # a model that thinks: its thinking, apart
             message["reasoning_content"] = outcome.reasoning
         choice = {"index": 0, "message": message, "finish_reason": finish}
@@ -330,8 +369,10 @@ def _completion(served: Served, request_id: str, created: int, outcome: Outcome 
     }
 
 
-def _finish_reason(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+def _finish_reason(outcome: Outcome) -> str:
+    if outcome.finish_reason == "length":
+        return "length"
+    return "tool_calls" if outcome.tool_calls else "stop"
 
 
 def _usage(outcome: Outcome) -> dict[str, Any]:

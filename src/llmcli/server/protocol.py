@@ -18,6 +18,7 @@ from llmcli.server.client import OPENAI_NAMES
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.tools import ToolRequest
 
 
 class StreamOptions(BaseModel):
@@ -111,11 +112,30 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, Any]  # JSON text, as OpenAI sends it (some clients send the object)
+
+
+class CallIn(BaseModel):
+    """An earlier call, in an assistant message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[CallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -128,23 +148,46 @@ class ChatRequest(_Sampling):
     # Keywords for the chat template, as vLLM takes them: {"enable_thinking": false} above all.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # for templates that read it
-    # Tool calling is not served yet: a request that offers tools is refused (a 400), never
-    # answered as if it had offered none.
+    # Checked by engine/tools (parse_tools, parse_choice): its messages name the tool at fault.
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI's deprecated form of tools: refused with a pointer to `tools`, never ignored.
     functions: list[Any] | None = None
+    function_call: Any = None
 
-    @property
-    def offers_tools(self) -> bool:
-        return bool(self.tools or self.functions) and self.tool_choice != "none"
+    def tool_request(self) -> ToolRequest | None:
+        """The tools on offer; None when none are (a tool_choice without tools is refused)."""
+        from llmcli.engine.tools import ToolRequest, parse_choice, parse_tools
+
+        if self.functions is not None or self.function_call is not None:
+            raise UsageError(
+                "functions and function_call are OpenAI's deprecated form: send tools and tool_choice"
+            )
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise UsageError("tool_choice needs tools")
+            return None
+        tools = parse_tools(self.tools, "tools")
+        choice = parse_choice(self.tool_choice, tools, "tool_choice")
+        return ToolRequest(tools, choice, self.parallel_tool_calls)
 
     @property
     def think_off(self) -> bool:
         return (self.chat_template_kwargs or {}).get("enable_thinking") is False
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         roles = {"developer": "system"}  # OpenAI's newer name for the system role
-        return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        messages: list[dict[str, Any]] = []
+        for message in self.messages:
+            role = roles.get(message.role, message.role)
+            shaped: dict[str, Any] = {"role": role, "content": message.text()}
+            if message.tool_calls:
+                shaped["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.role == "tool":
+                shaped["tool_call_id"] = message.tool_call_id
+            messages.append(shaped)
+        return messages
 
 
 class CompletionRequest(_Sampling):

@@ -19,10 +19,12 @@ from llmcli.errors import UsageError
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """What a reply must be: a JSON value valid under `schema` (`--format json`: any object)."""
+    """What a reply must be: a JSON value valid under `schema` (`--format json`: any object),
+    or, with `lark`, text under a whole grammar (a reply that may call tools)."""
 
     schema: dict[str, Any]
     label: str  # how messages name it: "--format json", "--json-schema person.json", …
+    lark: str | None = None  # an llguidance Lark grammar, used instead of the schema
 
     @property
     def schema_text(self) -> str:

@@ -43,9 +43,19 @@ def _compiled(schema_text: str) -> tuple[str, str]:
     return grammar, matcher.validate_grammar(grammar)
 
 
+@functools.lru_cache(maxsize=64)
+def _compiled_lark(lark: str) -> tuple[str, str]:
+    matcher = _llguidance().LLMatcher
+    try:
+        grammar = matcher.grammar_from_lark(lark)
+    except ValueError as error:
+        return "", str(error)
+    return grammar, matcher.validate_grammar(grammar)
+
+
 def check_format(output: OutputFormat) -> str:
     """The grammar for `output`; an invalid or unsatisfiable schema is one UsageError line."""
-    grammar, error = _compiled(output.schema_text)
+    grammar, error = _compiled_lark(output.lark) if output.lark else _compiled(output.schema_text)
     if error:
         message = " ".join(error.split())
         raise UsageError(f"{output.label}: {_plain(message)}", "check the schema")

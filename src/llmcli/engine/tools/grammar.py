@@ -1,0 +1,90 @@
+"""The grammar a reply that may call tools is generated under (llguidance's Lark).
+
+Each call is `{"name": <one of the tools>, "arguments": <that tool's schema>}`, written with
+the separators json.dumps and chat templates use (", " and ": "), so a call looks like the
+calls the model saw in training. With `required` or a named tool the reply is calls from its
+first token; with `auto` it is free text until the family's opener (a lazy trigger: the
+shortest text that ends with it), then a call held to the grammar to its end, then only the
+end of the reply. A special token in an opener is named by its id, as the tokenizer has it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmcli.engine.structured import OutputFormat
+from llmcli.engine.tools import Tool, ToolRequest
+from llmcli.engine.tools.formats import ToolFormat
+
+SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def call_schema(tools: tuple[Tool, ...], arguments_key: str) -> dict[str, Any]:
+    """One call of any of `tools`: its name, then its arguments (the grammar writes properties
+    in the schema's order, so a reader sees the name first)."""
+    return {
+        "x-guidance": SEPARATORS,
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+            for tool in tools
+        ],
+    }
+
+
+def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance: Any) -> OutputFormat | None:
+    """The reply's grammar; None when no call is possible (`none`): the reply is free text.
+    `guidance`: llguidance's view of the tokenizer, which says which tokens are special."""
+    tools = request.callable
+    if not tools:
+        return None
+    specials = _special_tokens(tokenizer, guidance)
+    body = "%json " + json.dumps(call_schema(tools, fmt.arguments_key))
+    between = fmt.between if request.parallel and request.choice in ("auto", "required") else None
+    repeat = f" ({_literal(between, specials)} call)*" if between is not None else ""
+    rules = [f"call: {body}", f"calls: call{repeat} {_literal(fmt.closer, specials)}".rstrip()]
+    if request.must_call:
+        start = f"start: {_literal(fmt.opener, specials)} calls"
+    elif fmt.at_reply_start:  # text is a reply that does not start with "{"
+        start = "start: calls | TEXT?"
+        rules.append(r"TEXT: /[^{](.|\n)*/")
+    else:
+        trigger, rest = fmt.trigger, _literal(fmt.opener[len(fmt.trigger) :], specials)
+        if trigger in specials:  # free text never holds a special token: it ends the text
+            start = f"start: TEXT | TEXT <[{specials[trigger]}]> {rest} calls"
+        else:  # the shortest text that ends with the trigger, then the call
+            start = f"start: TEXT | text_then_trigger {rest} calls"
+            rules.append(f"text_then_trigger[lazy]: TEXT {json.dumps(trigger)}")
+        rules.append(r"TEXT: /(.|\n)*/")
+    lark = "\n".join(["%llguidance {}", start, *rules, ""])
+    names = ", ".join(tool.name for tool in tools)
+    return OutputFormat({}, f"tool calls ({names})", lark=lark)
+
+
+def _literal(text: str, specials: dict[str, int]) -> str:
+    """`text` as a sequence of Lark strings and special tokens (`<[id]>`)."""
+    parts: list[str] = []
+    rest = text
+    while rest:
+        found = min(((rest.find(token), token) for token in specials if token in rest), default=None)
+        if found is None:
+            parts.append(json.dumps(rest))
+            break
+        index, token = found
+        if index:
+            parts.append(json.dumps(rest[:index]))
+        parts.append(f"<[{specials[token]}]>")
+        rest = rest[index + len(token) :]
+    return " ".join(parts)
+
+
+def _special_tokens(tokenizer: Any, guidance: Any) -> dict[str, int]:
+    """Added tokens llguidance takes as special: the grammar must name them by id, since text
+    never spells them (it counts Qwen's <tool_call> as special, though the tokenizer does not)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {token.content: id_ for id_, token in decoder.items() if guidance.is_special_token(id_)}
