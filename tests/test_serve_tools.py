@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from cli_helpers import run_cli
 from test_serve import Server, start_server
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL, TOOLS, WEATHER
@@ -25,6 +27,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("models") / "tiny-hermes"
     build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
     running = start_server(folder, tmp_path_factory.mktemp("runtime"))
+    running.model = folder
     yield running
     running.process.send_signal(signal.SIGTERM)
     assert running.process.wait(timeout=30) == 0
@@ -125,3 +128,49 @@ def test_bad_tool_requests_are_400s_that_say_why(server: Server, change: dict, w
     status, answer = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and words in answer["error"]["message"], answer
     assert server.raw("GET", "/health")[0] == 200
+
+
+def test_generate_tools_prints_each_call_as_a_json_line_in_process_and_through_the_server(
+    server: Server, tmp_path: Path
+) -> None:
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(TOOLS))
+    env = {"XDG_RUNTIME_DIR": str(server.runtime)}
+    args = ["generate", "-m", str(server.model), "--device", "cpu", "--dtype", "fp32", "-t", "0", "-n", "200"]
+    asked = [*args, "--tools", str(tools_file), "--tool-choice", "get_weather", "Weather in Paris?"]
+    local = run_cli(*asked, "--no-server", env=env)
+    assert local.returncode == 0 and local.stderr == b"", local.stderr.decode()
+    lines = [json.loads(line) for line in local.stdout.decode().splitlines()]
+    assert [line["name"] for line in lines] == ["get_weather"]
+    jsonschema.validate(lines[0]["arguments"], SCHEMAS["get_weather"])
+    # The same through the running server, and the tools read from stdin; --json holds them too.
+    remote = run_cli(*args, "--tools", "-", "--tool-choice", "get_weather", "--json", "Weather in Paris?",
+                     stdin=json.dumps(TOOLS).encode(), env=env)  # fmt: skip
+    assert remote.returncode == 0 and remote.stderr == b"", remote.stderr.decode()
+    record = json.loads(remote.stdout)
+    assert record["server"] == server.url and record["finish_reason"] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in record["tool_calls"]] == [
+        (line["name"], line["arguments"]) for line in lines
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--tools", "missing.json"], "cannot read it"),
+        (["--tool-choice", "required"], "--tool-choice needs --tools"),
+        (["--tools", "TOOLS", "--tool-choice", "nowhere"], "--tool-choice names 'nowhere'"),
+        (["--tools", "TOOLS", "--format", "json"], "do not combine"),
+        (["--tools", "TOOLS", "--raw"], "do not combine"),
+        (["--tools", "NOT_JSON"], "not JSON"),
+    ],
+)
+def test_generate_tools_bad_input_is_one_line_before_loading(
+    tmp_path: Path, flags: list[str], words: str
+) -> None:
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    (tmp_path / "bad.json").write_text("[{")
+    files = {"TOOLS": str(tmp_path / "tools.json"), "NOT_JSON": str(tmp_path / "bad.json")}
+    result = run_cli("generate", "-m", "nowhere/never", *[files.get(f, f) for f in flags], "hi")
+    lines = result.stderr.decode().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and words in lines[0], lines

@@ -9,6 +9,7 @@ usage errors answer at once, and the heavy modules load inside command bodies.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -26,6 +27,7 @@ from llmcli.config.settings import (
     RemoteSettings,
     SamplingSettings,
     SpeculativeSettings,
+    ToolSettings,
     effective_settings,
     flag_values,
 )
@@ -33,6 +35,7 @@ from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.tools import ToolRequest
 
 app = typer.Typer(
     name="llmcli",
@@ -74,6 +77,7 @@ ModelOption = Annotated[
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object with the text and timings.")]
 # The loading flags `bench` uses: it measures a model as it loads by default, with these changes.
+GENERATE_TOOLS = Only("tools", "tool_choice")
 BENCH_LOADING = Only("device", "dtype", "threads", "quant", "quant_type", "context_length", "fast", "engine")
 
 
@@ -114,6 +118,7 @@ def generate(
     ] = None,
     batch_size: Annotated[int, typer.Option(help="Prompts per batch with --batch.")] = 8,
     remote: RemoteSettings,
+    tool_settings: Annotated[ToolSettings, GENERATE_TOOLS],
 ) -> None:
     """Generate a reply to one prompt and print it: made for scripts and pipes."""
     if raw and framing.system:
@@ -125,6 +130,7 @@ def generate(
     _check_beams(num_beams, effective.speculative, remote)
     _check_think_budget(effective, num_beams)
     constrained = _output_format(output, effective.speculative, num_beams)
+    tools = _tools(tool_settings, constrained, effective.speculative, num_beams, raw, batch)
     if batch is not None:
         if prompt:
             raise UsageError("--batch reads the prompts from its file: give no prompt arguments")
@@ -167,9 +173,38 @@ def generate(
             think=effective.think,
             think_budget=effective.think_budget,
             output=constrained,
+            tools=tools,
+            tools_from_stdin=tool_settings.tools == "-",
         )
     )
     raise typer.Exit(code)
+
+
+def _tools(
+    settings: ToolSettings,
+    constrained: OutputFormat | None,
+    speculative: SpeculativeSettings,
+    num_beams: int,
+    raw: bool,
+    batch: str | None,
+) -> ToolRequest | None:
+    """--tools and --tool-choice, read and checked before anything loads."""
+    if settings.tools is None:
+        if settings.tool_choice != "auto":
+            raise UsageError("--tool-choice needs --tools FILE")
+        return None
+    for clash, flag, why in (
+        (constrained is not None, constrained and constrained.label, "both would constrain the whole reply"),
+        (speculative.method != "off", "--speculative", "a call's grammar follows one token a step"),
+        (num_beams > 1, "--num-beams", "beams are searched without a grammar"),
+        (raw, "--raw", "the chat template offers the tools, and --raw turns it off"),
+        (batch is not None, "--batch", "tool calls are generated one prompt at a time"),
+    ):
+        if clash:
+            raise UsageError(f"--tools and {flag} do not combine: {why}")
+    from llmcli.frontends.tools import read_tools
+
+    return read_tools(settings.tools, settings.tool_choice, sys.stdin.buffer if sys.stdin else None)
 
 
 def _effective(

@@ -372,6 +372,44 @@ class OutputSettings:
         return self
 
 
+TOOLS = "Tool calls"
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """The tools a reply may call: generate's from a JSON file, chat's from a Python file."""
+
+    tools: str | None = setting(
+        flags=("--tools",),
+        help="Offer these tools (a JSON array of OpenAI tool objects in FILE, or - for stdin). Each "
+        "call is printed on stdout as one JSON line (with --json: the record's tool_calls); every "
+        "call parses and its arguments validate against its schema.",
+        panel=TOOLS,
+        show_default=False,
+    )
+    tool_choice: str = setting(
+        "auto",
+        flags=("--tool-choice",),
+        help="auto (text or calls), required (calls only), none (text only), or a tool's name (that "
+        "call only).",
+        panel=TOOLS,
+    )
+    functions: str | None = setting(
+        flags=("--functions",),
+        help="Offer the top-level functions of this Python file as tools (their type hints and "
+        "docstrings describe them). Each call is shown and asked for approval (y / n / a: always "
+        "this session) before it runs; its result goes back to the model.",
+        panel=TOOLS,
+        show_default=False,
+    )
+    yes: bool = setting(
+        False,
+        flags=("--yes",),
+        help="With --functions: run every call without asking.",
+        panel=TOOLS,
+    )
+
+
 @dataclass(frozen=True)
 class RemoteSettings:
     """Where generate and chat run: a server named, one found running, or in-process."""

@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
 from llmcli.engine.reasoning import REASONING
+from llmcli.engine.reply import TOOL_CALL
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.target import Ask, json_record, open_target
+from llmcli.frontends.tools import call_record
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.tools import ToolRequest
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class GenerateRequest:
     output: OutputFormat | None = None  # --format json / --json-schema: a JSON value, constrained
     think: str | None = None  # show, hide, off; None: show on a terminal, hide in a pipe
     think_budget: int | None = None  # thinking tokens at most (in-process: a server has no budget)
+    tools: ToolRequest | None = None  # --tools, read already
+    tools_from_stdin: bool = False  # --tools -: stdin held the tools, not the prompt
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -70,7 +75,7 @@ def assemble_prompt(words: tuple[str, ...], stdin_text: str) -> str:
 def run(request: GenerateRequest) -> int:
     """Find the target, generate, print. Returns the exit code; raises LlmcliError on failure."""
     stdin = sys.stdin.buffer if sys.stdin is not None else None
-    prompt = assemble_prompt(request.prompt_words, read_stdin(stdin))
+    prompt = assemble_prompt(request.prompt_words, "" if request.tools_from_stdin else read_stdin(stdin))
     # Beam search and a thinking budget run on the loaded model itself.
     in_process = request.num_beams > 1 or request.think_budget is not None
     target = open_target(request.model, request.load, request.remote, request.speculative, in_process)
@@ -88,6 +93,7 @@ def run(request: GenerateRequest) -> int:
         request.num_beams,
         think == "off",
         request.think_budget,
+        request.tools,
     )
     reply = target.reply(ask)
     out = StdoutSink()
@@ -98,6 +104,8 @@ def run(request: GenerateRequest) -> int:
             if channel == REASONING:
                 thinking.write(piece)  # stderr, dimmed: stdout carries the answer only
                 continue
+            if channel == TOOL_CALL:
+                continue  # a call's parts: the whole calls are printed at the end, one line each
             thinking.end()
             if not request.json and not out.write(piece):
                 reply.interrupt()
@@ -108,10 +116,13 @@ def run(request: GenerateRequest) -> int:
     thinking.end()
     outcome = reply.outcome()
     if request.json:
-        record = json_record(target, outcome, request.num_beams, output)
+        record = json_record(target, outcome, request.num_beams, output, request.tools is not None)
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    elif outcome.text and not outcome.text.endswith("\n"):
-        out.write("\n")
+    else:
+        if outcome.text and not outcome.text.endswith("\n"):
+            out.write("\n")
+        for call in outcome.tool_calls:  # one JSON line each, after the text
+            out.write(json.dumps(call_record(call), ensure_ascii=False) + "\n")
     if output is not None and exit_code == EXIT_OK and not outcome.value_complete:
         from llmcli.frontends.formats import unfinished_value
 

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from llmcli.engine.speculative import Speculation
     from llmcli.engine.structured import OutputFormat
     from llmcli.engine.structured.constraint import Constraint
+    from llmcli.engine.tools import ToolRequest
+    from llmcli.engine.tools.reader import ToolCallReader
+    from llmcli.engine.tools.turn import ToolTurn
     from llmcli.models.load import LoadedModel
 
 
@@ -100,12 +103,23 @@ class InProcessTarget:
     def reply(self, ask: Ask) -> LocalReply | BeamReply:
         from llmcli.engine.conversation import prompt_ids
 
-        ids = prompt_ids(self.loaded.tokenizer, ask.messages, raw=ask.raw, think_off=ask.think_off)
+        tokenizer, messages, output = self.loaded.tokenizer, ask.messages, ask.output
+        options, turn = None, None
+        if ask.tools is not None:
+            turn = self.tool_turn(messages, ask.tools)
+            messages, options, output = turn.messages, turn.options, turn.output
+        ids = prompt_ids(tokenizer, messages, raw=ask.raw, think_off=ask.think_off, options=options)
         params = self.params(ask.sampling)
         if ask.num_beams > 1:
             self._beams = True
             return BeamReply(self.loaded, ids, params, ask.num_beams)
-        return self.generate(ids, params, ask.speculative, ask.output, ask.think_budget)
+        return self.generate(ids, params, ask.speculative, output, ask.think_budget, turn)
+
+    def tool_turn(self, messages: list[dict[str, Any]], tools: ToolRequest | None) -> ToolTurn:
+        from llmcli.engine.tools.turn import tool_turn
+
+        loaded = self.loaded
+        return tool_turn(loaded.tokenizer, messages, tools, loaded.vocab_size, loaded.eos_token_ids)
 
     def generate(
         self,
@@ -114,6 +128,7 @@ class InProcessTarget:
         speculative: str,
         output: OutputFormat | None,
         think_budget: int | None = None,
+        tools: ToolTurn | None = None,
     ) -> LocalReply:
         self.engine.speculation = self.speculation(speculative)
         tokenizer = self.loaded.tokenizer
@@ -122,8 +137,11 @@ class InProcessTarget:
                 f"a thinking budget needs a model that thinks, and {self.name}'s template and "
                 "tokenizer mark no thinking"
             )
-        generation = self.engine.generate(ids, params, tokenizer, self.constraint(output), think_budget)
-        return LocalReply(generation, params, tokenizer, ids)
+        reader = tools.reader() if tools is not None else None
+        generation = self.engine.generate(
+            ids, params, tokenizer, self.constraint(output), think_budget, keep_special=reader is not None
+        )
+        return LocalReply(generation, params, tokenizer, ids, reader)
 
     def chat(self, system: str | None) -> LocalHistory:
         return LocalHistory(self, system)
@@ -149,29 +167,39 @@ def outcome_of(result: GenerationResult, params: SamplingParams) -> Outcome:
 
 
 class LocalReply:
-    """A generation's text, split into thinking and answer when the model thinks."""
+    """A generation's text, split into thinking, answer and tool calls (engine/reply.py)."""
 
     def __init__(
-        self, generation: Generation, params: SamplingParams, tokenizer: Any, prompt: list[int]
+        self,
+        generation: Generation,
+        params: SamplingParams,
+        tokenizer: Any,
+        prompt: list[int],
+        reader: ToolCallReader | None = None,
     ) -> None:
-        from llmcli.engine.reasoning import ThinkingStream
+        from llmcli.engine.reply import ReplyStream
 
         self.generation = generation
         self.params = params
-        self.thinking = ThinkingStream(tokenizer, prompt)
+        self.stream = ReplyStream(tokenizer, prompt, reader)
 
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return self.thinking.split(self.generation)
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self.stream.split(self.generation)
 
     def interrupt(self) -> None:
         self.generation.interrupt()
 
     def outcome(self) -> Outcome:
         outcome = outcome_of(self.generation.result, self.params)
-        answer, reasoning, tokens = self.thinking.summary(outcome.text, outcome.token_ids)
+        raw = outcome.text
+        answer, reasoning, tokens, calls = self.stream.summary(self.generation.result)
+        outcome.text, outcome.tool_calls = answer, calls
         if reasoning is not None or tokens is not None:
-            outcome.raw_text, outcome.text = self.thinking.said(outcome.text), answer
             outcome.reasoning, outcome.reasoning_tokens = reasoning, tokens
+        if reasoning is not None or tokens is not None or self.stream.reader is not None:
+            outcome.raw_text = self.stream.thinking.said(raw)  # as generated: the chat keeps it whole
+        if calls and outcome.finish_reason == "stop":
+            outcome.finish_reason = "tool_calls"
         return outcome
 
 

@@ -22,12 +22,14 @@ from llmcli.config.settings import (
     SpeculativeSettings,
 )
 from llmcli.engine.reasoning import CONTENT, REASONING
+from llmcli.engine.tools import CHOICES, ToolCall
 from llmcli.errors import UsageError
 from llmcli.frontends.target import Ask, Outcome
 from llmcli.server.client import OPENAI_NAMES, Client
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.tools import ToolRequest
 
 # What --json reports about how the model is loaded, as llmcli's /health gives it.
 LOAD_FACTS = (
@@ -128,6 +130,8 @@ class RemoteTarget:
         body["messages"] = ask.messages
         if ask.think_off:  # as vLLM and llmcli's server read it
             body["chat_template_kwargs"] = {"enable_thinking": False}
+        if ask.tools is not None:
+            body |= tools_fields(ask.tools)
         return RemoteReply(self.client, "chat/completions", body, ask.output)
 
     def request_body(
@@ -156,6 +160,18 @@ def response_format(output: OutputFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "llmcli", "schema": output.schema, "strict": True}}
 
 
+def tools_fields(tools: ToolRequest) -> dict[str, Any]:
+    """OpenAI's tools, tool_choice and parallel_tool_calls for a request."""
+    choice: Any = tools.choice
+    if choice not in CHOICES:
+        choice = {"type": "function", "function": {"name": choice}}
+    return {
+        "tools": [tool.openai() for tool in tools.tools],
+        "tool_choice": choice,
+        "parallel_tool_calls": tools.parallel,
+    }
+
+
 class RemoteReply:
     """A streamed reply; leaving the stream early is a disconnect, and the server stops."""
 
@@ -167,6 +183,7 @@ class RemoteReply:
         self._output = output
         self._pieces: list[str] = []
         self._thinking: list[str] = []  # delta.reasoning_content, as llmcli, vLLM and llama.cpp send it
+        self._calls: dict[int, dict[str, str]] = {}  # delta.tool_calls by index: id, name, arguments
         self._finish = "stop"
         self._usage: dict[str, Any] = {}
         self._timings: dict[str, Any] = {}
@@ -184,6 +201,8 @@ class RemoteReply:
                         self._first_at = self._first_at or time.perf_counter()
                         self._thinking.append(thought)
                         yield REASONING, thought
+                    for part in delta.get("tool_calls") or () if self._chat else ():
+                        self._take_call_part(part)
                     piece = delta.get("content") if self._chat else choice.get("text")
                     if piece:
                         self._first_at = self._first_at or time.perf_counter()
@@ -195,6 +214,14 @@ class RemoteReply:
                 self._sampling = event.get("sampling") or self._sampling
         finally:
             self._events.close()  # a stream left early is a disconnect: the server stops generating
+
+    def _take_call_part(self, part: dict[str, Any]) -> None:
+        """A streamed call: its id and name first, then its arguments in pieces (OpenAI's shape)."""
+        call = self._calls.setdefault(int(part.get("index", 0)), {"id": "", "name": "", "arguments": ""})
+        function = part.get("function") or {}
+        call["id"] = part.get("id") or call["id"]
+        call["name"] = function.get("name") or call["name"]
+        call["arguments"] += function.get("arguments") or ""
 
     def interrupt(self) -> None:
         self._finish = "interrupted"
@@ -231,6 +258,10 @@ class RemoteReply:
             value_complete=complete,
             reasoning="".join(self._thinking) if self._thinking else None,
             reasoning_tokens=(usage.get("completion_tokens_details") or {}).get("reasoning_tokens"),
+            tool_calls=[
+                ToolCall(call["id"], call["name"], call["arguments"] or "{}")
+                for _, call in sorted(self._calls.items())
+            ],
         )
 
 

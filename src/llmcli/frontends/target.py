@@ -16,6 +16,7 @@ from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSetting
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.tools import ToolCall, ToolRequest
     from llmcli.frontends.protocols import Target
 
 
@@ -40,6 +41,7 @@ class Outcome:
     reasoning: str | None = None  # a reasoning model's thinking (None: the model does not think)
     reasoning_tokens: int | None = None  # of completion_tokens, the thinking's, end marker included
     raw_text: str | None = None  # in-process: the reply as the chat keeps it, think block included
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls the reply made
 
     def stats_summary(self) -> str:
         """The figures of a --stats line."""
@@ -73,6 +75,7 @@ class Ask:
     num_beams: int = 1
     think_off: bool = False  # a reasoning model answers without thinking
     think_budget: int | None = None  # a reasoning model thinks this many tokens at most
+    tools: ToolRequest | None = None  # tools the reply may call
 
 
 def open_target(
@@ -95,7 +98,7 @@ def open_target(
 
 
 def json_record(
-    target: Target, outcome: Outcome, num_beams: int, output: OutputFormat | None
+    target: Target, outcome: Outcome, num_beams: int, output: OutputFormat | None, tools: bool = False
 ) -> dict[str, Any]:
     """`generate --json`: one record, in-process or through a server (which adds "server")."""
     record = {
@@ -115,6 +118,10 @@ def json_record(
         "reasoning": outcome.reasoning,
         "reasoning_tokens": outcome.reasoning_tokens,
     }
+    if tools:  # offered: the calls made, [] for none
+        from llmcli.frontends.tools import call_record
+
+        record["tool_calls"] = [call_record(call) for call in outcome.tool_calls]
     if output is not None:
         record |= {"format": output.label, "value": json_value(outcome)}
     return record

@@ -123,7 +123,7 @@ def parse_choice(choice: object, tools: tuple[Tool, ...], where: str) -> str:
     if not isinstance(name, str):
         raise UsageError(f'{where}: a named tool_choice is {{"type": "function", "function": {{"name": …}}}}')
     if all(tool.name != name for tool in tools):
-        raise UsageError(f"{where}: tool_choice names {name!r}, which is not among the tools")
+        raise UsageError(f"{where} names {name!r}, which is not among the tools")
     return name
 
 

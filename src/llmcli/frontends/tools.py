@@ -1,0 +1,45 @@
+"""The tools a command line offers: `generate --tools FILE` (OpenAI tool objects in JSON) and
+`chat --functions FILE.py` (a Python file's functions); checked before the model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from llmcli.engine.tools import CHOICES, ToolCall, ToolRequest, parse_choice, parse_tools
+from llmcli.errors import UsageError
+
+
+def read_tools(path: str, choice: str, stdin: BinaryIO | None) -> ToolRequest:
+    """--tools FILE (or - for stdin) and --tool-choice, as a request; one line for what is wrong."""
+    where = "--tools" if path == "-" else f"--tools {path}"
+    try:
+        if path == "-":
+            if stdin is None or stdin.isatty():
+                raise UsageError("--tools - reads the tools from stdin, and stdin is a terminal")
+            text = stdin.read().decode("utf-8")
+        else:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        objects = json.loads(text)
+    except OSError as error:
+        raise UsageError(f"{where}: cannot read it ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: not UTF-8 text") from None
+    except ValueError as error:
+        raise UsageError(f"{where}: not JSON ({error})") from None
+    tools = parse_tools(objects, where)
+    if not tools:
+        raise UsageError(f"{where}: the array holds no tools")
+    named = choice if choice in CHOICES else {"type": "function", "function": {"name": choice}}
+    return ToolRequest(tools, parse_choice(named, tools, "--tool-choice"))
+
+
+def call_record(call: ToolCall) -> dict[str, Any]:
+    """A call as `generate` reports it: its arguments an object (for jq). Another kind of
+    server's arguments that are not JSON stay text, as they came."""
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = call.arguments
+    return {"id": call.id, "name": call.name, "arguments": arguments}
