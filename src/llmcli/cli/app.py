@@ -36,6 +36,7 @@ from llmcli.errors import UsageError
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
     from llmcli.engine.tools import ToolRequest
+    from llmcli.frontends.functions import Functions
 
 app = typer.Typer(
     name="llmcli",
@@ -78,6 +79,7 @@ ModelOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object with the text and timings.")]
 # The loading flags `bench` uses: it measures a model as it loads by default, with these changes.
 GENERATE_TOOLS = Only("tools", "tool_choice")
+CHAT_TOOLS = Only("functions", "yes", "tool_choice")
 BENCH_LOADING = Only("device", "dtype", "threads", "quant", "quant_type", "context_length", "fast", "engine")
 
 
@@ -280,11 +282,13 @@ def chat(
     speculative: SpeculativeSettings,
     output: OutputSettings,
     remote: RemoteSettings,
+    tool_settings: Annotated[ToolSettings, CHAT_TOOLS],
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     effective = _effective(model, sampling, framing, load, speculative)
     _check_think_budget(effective, 1)
     constrained = _output_format(output, SpeculativeSettings(), 1)
+    functions = _functions(tool_settings, constrained)
     from llmcli.frontends.repl import ChatRequest, run
 
     code = run(
@@ -300,9 +304,32 @@ def chat(
             output=constrained,
             think=effective.think,
             think_budget=effective.think_budget,
+            functions=functions,
         )
     )
     raise typer.Exit(code)
+
+
+def _functions(settings: ToolSettings, constrained: OutputFormat | None) -> Functions | None:
+    """--functions FILE.py, read (not run) before anything loads; --yes only with it."""
+    if settings.functions is None:
+        for given, flag in ((settings.yes, "--yes"), (settings.tool_choice != "auto", "--tool-choice")):
+            if given:
+                raise UsageError(f"{flag} applies to --functions calls: give --functions FILE.py")
+        return None
+    if constrained is not None:
+        raise UsageError(f"--functions and {constrained.label} do not combine: a reply is a call or JSON")
+    from llmcli.engine.tools import CHOICES, parse_choice
+    from llmcli.frontends.functions import Functions, read_functions
+
+    tools = read_functions(settings.functions)
+    named = settings.tool_choice
+    choice = parse_choice(
+        named if named in CHOICES else {"type": "function", "function": {"name": named}},
+        tools,
+        "--tool-choice",
+    )
+    return Functions(settings.functions, tools, run_all=settings.yes, first_choice=choice)
 
 
 @app.command(epilog=BENCH_EPILOG)

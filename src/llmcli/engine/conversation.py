@@ -19,11 +19,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.atomic import write_text_atomically
 from llmcli.engine.reasoning import closing_text, opens_thinking, thinking_of
 from llmcli.errors import ContextOverflowError, LlmcliError
+
+if TYPE_CHECKING:
+    from llmcli.engine.tools import ToolRequest
 
 Message = dict[str, Any]
 
@@ -177,9 +180,10 @@ class Conversation:
     tokenizer: Any
     context_length: int
     system: str | None = None
-    messages: list[Message] = field(default_factory=list)  # user/assistant, alternating
+    messages: list[Message] = field(default_factory=list)  # exchanges: user, [calls, results], reply
     ids: list[int] = field(default_factory=list)
     think_off: bool = False  # a reasoning model answers without thinking (chat --think off)
+    tools: ToolRequest | None = None  # tools the replies may call (chat --functions)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -192,23 +196,37 @@ class Conversation:
     def _render_ids(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
         if not messages:
             return []
+        options = None
+        if self.tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+            from llmcli.engine.tools.formats import template_messages, tool_format_of
+
+            messages, options = template_messages(messages, self.tools, tool_format_of(self.tokenizer))
         text = render(
-            self.tokenizer, messages, add_generation_prompt, self.think_off and add_generation_prompt
+            self.tokenizer, messages, add_generation_prompt, self.think_off and add_generation_prompt, options
         )
         return ids_for_text(self.tokenizer, self.ids, text)
 
-    def prompt_for(self, user_text: str, reply_room: int) -> tuple[list[int], int]:
-        """Prompt ids for a new user message, and how many oldest exchanges had to be dropped.
+    def exchange_starts(self) -> list[int]:
+        """Where each exchange begins: at its user message (tool calls and results come between
+        it and the reply)."""
+        return [i for i, message in enumerate(self.messages) if message["role"] == "user"]
+
+    def prompt_for(
+        self, user_text: str, reply_room: int, steps: list[Message] | None = None
+    ) -> tuple[list[int], int]:
+        """Prompt ids for a new user message (and the tool calls and results of this turn so
+        far, `steps`), and how many oldest exchanges had to be dropped.
 
         Nothing changes here: the caller commits the turn only once it has a reply. The prompt
         plus `reply_room` tokens must fit in the context; the oldest exchanges go first, the
         system prompt always stays.
         """
         user = {"role": "user", "content": user_text}
-        for dropped in range(0, len(self.messages) // 2 + 1):
-            kept = self.messages[2 * dropped :]
+        starts = [*self.exchange_starts(), len(self.messages)]
+        for dropped in range(0, len(starts)):
+            kept = self.messages[starts[dropped] :]
             head = [{"role": "system", "content": self.system}] if self.system else []
-            ids = self._render_ids([*head, *kept, user], add_generation_prompt=True)
+            ids = self._render_ids([*head, *kept, user, *(steps or [])], add_generation_prompt=True)
             if len(ids) + reply_room <= self.context_length:
                 return ids, dropped
         raise ContextOverflowError(
@@ -225,10 +243,14 @@ class Conversation:
         reply: str,
         reply_ids: list[int],
         finish_reason: str,
+        steps: list[Message] | None = None,
     ) -> None:
-        """Record a finished (or interrupted) turn: its messages and the exact ids of both."""
-        del self.messages[: 2 * dropped]
+        """Record a finished (or interrupted) turn: its messages and the exact ids of both
+        (`prompt` holds the turn's tool calls and results, `steps`, already)."""
+        starts = [*self.exchange_starts(), len(self.messages)]
+        del self.messages[: starts[dropped]]
         self.messages.append({"role": "user", "content": user_text})
+        self.messages.extend(steps or [])
         assistant: Message = {"role": "assistant", "content": reply}
         if finish_reason == "interrupted":
             assistant["interrupted"] = True
@@ -236,9 +258,10 @@ class Conversation:
         self.ids = prompt + reply_ids
 
     def last_exchange(self) -> Exchange | None:
-        if len(self.messages) < 2:
+        starts = self.exchange_starts()
+        if not starts or starts[-1] == len(self.messages) - 1:
             return None
-        user, assistant = self.messages[-2], self.messages[-1]
+        user, assistant = self.messages[starts[-1]], self.messages[-1]
         finish = "interrupted" if assistant.get("interrupted") else "stop"
         return Exchange(user=user["content"], reply=assistant["content"], finish_reason=finish)
 
@@ -246,7 +269,7 @@ class Conversation:
         """Drop the last exchange; the ids go back to what the remaining messages render to."""
         last = self.last_exchange()
         if last is not None:
-            del self.messages[-2:]
+            del self.messages[self.exchange_starts()[-1] :]
             self.ids = self._render_ids(self._all_messages(), add_generation_prompt=False)
         return last
 

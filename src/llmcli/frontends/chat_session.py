@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import shlex
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,15 +19,20 @@ from llmcli.config.declare import declarations, field_types
 from llmcli.config.escapes import unescape
 from llmcli.config.settings import SPECULATIVE_METHODS, THINK_MODES, PromptSettings, SamplingSettings
 from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
-from llmcli.engine.reasoning import REASONING
+from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.formats import format_command, unfinished_value
+from llmcli.frontends.functions import describe_call
 from llmcli.frontends.target import Outcome
+from llmcli.frontends.tools import call_record
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads it
     from llmcli.engine.structured import OutputFormat
+    from llmcli.engine.tools import ToolCall, ToolRequest
+    from llmcli.frontends.functions import Functions
     from llmcli.frontends.protocols import ChatHistory, Target
 
+MOST_TOOL_ROUNDS = 8  # replies that call tools, in one exchange, before one must answer
 # What /set may change: every sampling setting.
 SETTABLE = tuple(declarations(SamplingSettings))
 HELP = f"""\
@@ -67,6 +72,12 @@ ALIASES = {"/quit": "/exit", "/?": "/help", "/clear": "/reset"}
 
 
 class ChatView(Protocol):
+    def tool_call(self, text: str) -> None: ...
+    def approve(self, name: str) -> str | None:
+        """y, n or a (always this function, this session); None where nobody can be asked."""
+        ...
+
+    def tool_result(self, text: str) -> None: ...
     def reply_start(self) -> None: ...
     def reasoning_piece(self, text: str) -> None: ...
     def reply_piece(self, text: str) -> None: ...
@@ -95,6 +106,7 @@ class TurnReport:
     speculative: dict[str, Any] | None = None  # method, drafted, accepted
     reasoning: str | None = None  # a reasoning model's thinking (the reply is the answer alone)
     reasoning_tokens: int | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # id, name, arguments, result
 
     @classmethod
     def of(cls, outcome: Outcome, context_used: int, context_length: int, dropped: int) -> TurnReport:
@@ -210,6 +222,7 @@ class ChatSession:
         output: OutputFormat | None = None,
         think: str = "show",
         think_budget: int | None = None,
+        functions: Functions | None = None,
     ) -> None:
         self.target = target
         self.view = view
@@ -224,6 +237,8 @@ class ChatSession:
         self.think = think  # show, hide, off (/think)
         self.history.think_off = think == "off"
         self.history.think_budget = think_budget
+        self.functions = functions  # chat --functions: tools the replies may call
+        self.history.tools = functions.request(0, False) if functions else None
         self.last_turn: TurnReport | None = None
         self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
@@ -237,16 +252,53 @@ class ChatSession:
     # Turns ------------------------------------------------------------------------------------
 
     def turn(self, user_text: str) -> TurnReport | None:
-        """One exchange. On any failure the conversation is as it was before, and usable."""
+        """One exchange: the user's message, then replies until one calls no tool (with
+        --functions, each call is run or declined and its result read by the next). On any
+        failure the conversation is as it was before, and usable."""
+        history, steps = self.history, []
+        for round_ in range(MOST_TOOL_ROUNDS + 1):
+            tools = self.functions.request(round_, round_ == MOST_TOOL_ROUNDS) if self.functions else None
+            asked = self._reply(user_text, steps, tools)
+            if asked is None:
+                return None
+            outcome, dropped = asked
+            if not outcome.tool_calls or outcome.finish_reason == "interrupted":
+                break
+            history.step(outcome)
+            steps.append(
+                {
+                    "role": "assistant",
+                    "content": outcome.text,
+                    "tool_calls": [c.openai() for c in outcome.tool_calls],
+                }
+            )
+            results = [self._run_call(call) for call in outcome.tool_calls]
+            steps += [
+                {"role": "tool", "tool_call_id": c.id, "content": r}
+                for c, r in zip(outcome.tool_calls, results, strict=True)
+            ]
+            self._report(outcome, dropped, results)
+        history.commit(outcome, steps)
+        report = self._report(outcome, dropped, [])
+        if self.output is not None and outcome.finish_reason != "interrupted" and not outcome.value_complete:
+            limit = (outcome.sampling or {}).get("max_new_tokens") or self.sampling.max_new_tokens
+            self._fail(unfinished_value(self.output, outcome.finish_reason, outcome.completion_tokens, limit))
+        return report
+
+    def _reply(
+        self, user_text: str, steps: list[dict[str, Any]], tools: ToolRequest | None
+    ) -> tuple[Outcome, int] | None:
+        """One reply, streamed to the view: its outcome and how many exchanges were dropped to
+        fit, or None when it failed (said already, the conversation as before)."""
         history = self.history
         try:
-            dropped = history.prepare(user_text, self.sampling)
+            dropped = history.prepare(user_text, self.sampling, steps)
             if dropped:
                 self.view.notice(
                     f"Context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''} to fit "
                     f"({history.pending_tokens} of {self.context_length} tokens); the system prompt stays."
                 )
-            reply = history.ask(self.sampling, self.speculative, self.output)
+            reply = history.ask(self.sampling, self.speculative, self.output, tools)
         except LlmcliError as error:
             history.abandon(error)
             self._fail(error.one_line())
@@ -257,23 +309,43 @@ class ChatSession:
                 if channel == REASONING:
                     if self.think == "show":
                         self.view.reasoning_piece(piece)
-                else:
+                elif channel == CONTENT:
                     self.view.reply_piece(piece)
         except KeyboardInterrupt:
             reply.interrupt()  # keep what was generated; the cache matches it again
         except Exception as error:  # out of memory and the like: this turn is lost, the chat is not
             self._fail(history.abandon(error) or _failure(error))
             return None
-        outcome = reply.outcome()
-        history.commit(outcome)
-        report = TurnReport.of(outcome, history.context_used, self.context_length, dropped)
+        return reply.outcome(), dropped
+
+    def _report(self, outcome: Outcome, dropped: int, results: list[str]) -> TurnReport:
+        report = TurnReport.of(outcome, self.history.context_used, self.context_length, dropped)
+        report.tool_calls = [
+            {**call_record(call), "result": result}
+            for call, result in zip(outcome.tool_calls, results, strict=False)
+        ]
         self.last_turn = report
         self.totals.add(report)
         self.view.reply_end(outcome, report)
-        if self.output is not None and outcome.finish_reason != "interrupted" and not outcome.value_complete:
-            limit = (outcome.sampling or {}).get("max_new_tokens") or self.sampling.max_new_tokens
-            self._fail(unfinished_value(self.output, outcome.finish_reason, outcome.completion_tokens, limit))
         return report
+
+    def _run_call(self, call: ToolCall) -> str:
+        """Run a call the user approves (or --yes did); what the model reads about it."""
+        functions = self.functions
+        assert functions is not None
+        self.view.tool_call(describe_call(call))
+        answer = "y" if functions.approved_without_asking(call) else self.view.approve(call.name)
+        if answer == "a":
+            functions.always.add(call.name)
+        if answer not in ("y", "a"):
+            why = (
+                "no terminal to ask on: start chat with --yes to run calls" if answer is None else "declined"
+            )
+            self.view.tool_result(f"not run ({why})")
+            return "The user did not allow this call to run."
+        result = functions.run(call)
+        self.view.tool_result(result)
+        return result
 
     def _fail(self, message: str) -> None:
         self.failed = True
@@ -342,7 +414,12 @@ class ChatSession:
         self.view.info(f"think {argument}")
 
     def _cmd_format(self, argument: str) -> None:
-        self.output = format_command(argument, self.output)
+        output = format_command(argument, self.output)
+        if output is not None and self.functions is not None:
+            raise UsageError(
+                "/format and --functions do not combine: a reply may call a tool or be JSON, not both"
+            )
+        self.output = output
         self.view.info(f"format {self.output.label if self.output else 'off (text)'}")
 
     def _cmd_show(self, _: str) -> None:
@@ -460,10 +537,13 @@ def _think_budget(value: str) -> int:
 
 
 def transcript_messages(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
-    """A transcript's messages, checked: user and assistant turns with text."""
+    """A transcript's messages, checked: user and assistant turns with text (and the tool
+    calls and results between them)."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+        isinstance(m, dict)
+        and m.get("role") in ("user", "assistant", "tool")
+        and isinstance(m.get("content"), str)
         for m in messages
     ):
         raise LlmcliError(

@@ -25,6 +25,26 @@ class TerminalView:
         self._live: Any = None
         self._thinking = False  # a thinking line is open above the answer
 
+    def tool_call(self, text: str) -> None:
+        if self._text and not self._text.endswith("\n"):
+            self.console.file.write("\n")
+        self.console.print(f"→ {text}", style="cyan", markup=False, highlight=False)
+
+    def approve(self, name: str) -> str | None:
+        """Asked on the terminal; Ctrl-C or Ctrl-D is a no."""
+        from prompt_toolkit import prompt
+
+        while True:
+            try:
+                answer = prompt(f"Run {name}? [y]es / [n]o / [a]lways this session: ").strip().lower()
+            except (KeyboardInterrupt, EOFError):
+                return "n"
+            if answer[:1] in ("y", "n", "a"):
+                return answer[:1]
+
+    def tool_result(self, text: str) -> None:
+        self.console.print(f"  {text}", style="dim", markup=False, highlight=False)
+
     def reply_start(self) -> None:
         self._text = ""
         self._thinking = False
@@ -79,6 +99,15 @@ class TerminalView:
 class PlainView:
     """Scripted chat: each reply on stdout, followed by a newline; everything else on stderr."""
 
+    def tool_call(self, text: str) -> None:
+        terminal.note(f"→ {text}")
+
+    def approve(self, name: str) -> str | None:
+        return None  # stdin holds the messages: nobody can be asked (--yes runs every call)
+
+    def tool_result(self, text: str) -> None:
+        terminal.note(f"  {text}")
+
     def reply_start(self) -> None:
         self._thinking = terminal.Thinking(shown=True)
 
@@ -106,7 +135,14 @@ class PlainView:
 
 
 class JsonView(PlainView):
-    """Scripted chat with --json: one object per turn on stdout, nothing else there."""
+    """Scripted chat with --json: one object per reply on stdout (its calls and their results
+    in it), nothing else there."""
+
+    def tool_call(self, text: str) -> None:
+        pass
+
+    def tool_result(self, text: str) -> None:
+        pass
 
     def reasoning_piece(self, text: str) -> None:
         pass

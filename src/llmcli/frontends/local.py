@@ -257,6 +257,14 @@ class LocalHistory:
         return self.conversation.messages
 
     @property
+    def tools(self) -> ToolRequest | None:
+        return self.conversation.tools
+
+    @tools.setter
+    def tools(self, request: ToolRequest | None) -> None:
+        self.conversation.tools = request  # the template offers them in every prompt from now
+
+    @property
     def context_used(self) -> int:
         return len(self.conversation.ids)
 
@@ -269,27 +277,46 @@ class LocalHistory:
         """Tokens kept free for the reply when deciding whether the prompt fits."""
         return max(1, min(params.max_new_tokens, self.target.context_length // 4))
 
-    def prepare(self, user_text: str, sampling: SamplingSettings) -> int:
+    def prepare(
+        self, user_text: str, sampling: SamplingSettings, steps: list[dict[str, Any]] | None = None
+    ) -> int:
         params = self.target.params(sampling)
-        prompt, dropped = self.conversation.prompt_for(user_text, self.reply_room(params))
+        prompt, dropped = self.conversation.prompt_for(user_text, self.reply_room(params), steps)
         self._pending = (user_text, prompt, dropped)
         return dropped
 
-    def ask(self, sampling: SamplingSettings, speculative: str, output: OutputFormat | None) -> LocalReply:
+    def ask(
+        self,
+        sampling: SamplingSettings,
+        speculative: str,
+        output: OutputFormat | None,
+        tools: ToolRequest | None = None,
+    ) -> LocalReply:
         assert self._pending is not None
         params = self.target.params(sampling)
         # The template's own stop strings end a text reply; a JSON reply ends with its value.
         template_stops = self.conversation.stop_strings if output is None else ()
         params = params.with_(stop=params.stop + template_stops)
-        return self.target.generate(self._pending[1], params, speculative, output, self.think_budget)
+        turn = self.target.tool_turn([], tools) if tools is not None else None
+        if turn is not None and turn.output is not None:
+            output = turn.output
+        return self.target.generate(self._pending[1], params, speculative, output, self.think_budget, turn)
 
-    def commit(self, outcome: Outcome) -> None:
+    def step(self, outcome: Outcome) -> None:
+        """A reply that called tools, before their results: the ids the model saw and wrote,
+        so that the next prompt of this turn reuses them (and the cache that holds them)."""
+        assert self._pending is not None
+        self.conversation.ids = self._pending[1] + outcome.token_ids
+
+    def commit(self, outcome: Outcome, steps: list[dict[str, Any]] | None = None) -> None:
         assert self._pending is not None
         user_text, prompt, dropped = self._pending
         self._pending = None
         # The reply as generated, think block included: the template decides what it keeps.
         said = outcome.raw_text if outcome.raw_text is not None else outcome.text
-        self.conversation.commit(user_text, prompt, dropped, said, outcome.token_ids, outcome.finish_reason)
+        self.conversation.commit(
+            user_text, prompt, dropped, said, outcome.token_ids, outcome.finish_reason, steps
+        )
 
     def abandon(self, error: Exception) -> str | None:
         self._pending = None
@@ -350,7 +377,8 @@ class LocalHistory:
 
         return (
             f"context {len(self.conversation.ids)}/{self.target.context_length} tokens · "
-            f"{plural(len(self.messages) // 2, 'exchange')} · cache holds {len(self.engine.cached_ids)}"
+            f"{plural(len(self.conversation.exchange_starts()), 'exchange')} · "
+            f"cache holds {len(self.engine.cached_ids)}"
         )
 
     def _crop_cache_to_conversation(self) -> None:

@@ -160,6 +160,11 @@ def response_format(output: OutputFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "llmcli", "schema": output.schema, "strict": True}}
 
 
+def sendable(message: dict[str, Any]) -> dict[str, Any]:
+    """A kept message as OpenAI's API takes it: our own keys ("interrupted") stay here."""
+    return {key: message[key] for key in ("role", "content", "tool_calls", "tool_call_id") if key in message}
+
+
 def tools_fields(tools: ToolRequest) -> dict[str, Any]:
     """OpenAI's tools, tool_choice and parallel_tool_calls for a request."""
     choice: Any = tools.choice
@@ -275,6 +280,8 @@ class RemoteHistory:
         self.think_off = False  # sent as chat_template_kwargs
         self.think_budget: int | None = None  # refused: the OpenAI API has no field for it
         self._pending: str | None = None
+        self._steps: list[dict[str, Any]] = []  # this turn's tool calls and results so far
+        self.tools: ToolRequest | None = None  # sent with each request (ask's choice of them)
         self._last_used = 0
 
     @property
@@ -283,27 +290,44 @@ class RemoteHistory:
 
     pending_tokens = 0  # counted by the server
 
-    def prepare(self, user_text: str, sampling: SamplingSettings) -> int:
-        self._pending = user_text
+    def prepare(
+        self, user_text: str, sampling: SamplingSettings, steps: list[dict[str, Any]] | None = None
+    ) -> int:
+        self._pending, self._steps = user_text, list(steps or [])
         return 0  # the server fits the conversation to its context, or refuses it
 
-    def ask(self, sampling: SamplingSettings, speculative: str, output: OutputFormat | None) -> RemoteReply:
+    def ask(
+        self,
+        sampling: SamplingSettings,
+        speculative: str,
+        output: OutputFormat | None,
+        tools: ToolRequest | None = None,
+    ) -> RemoteReply:
         assert self._pending is not None
         system = [{"role": "system", "content": self.system}] if self.system else []
-        sent = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-        messages = [*system, *sent, {"role": "user", "content": self._pending}]
+        sent = [sendable(m) for m in self.messages]
+        messages = [*system, *sent, {"role": "user", "content": self._pending}, *self._steps]
         ask = Ask(
-            messages, sampling, speculative, output, think_off=self.think_off, think_budget=self.think_budget
+            messages,
+            sampling,
+            speculative,
+            output,
+            think_off=self.think_off,
+            think_budget=self.think_budget,
+            tools=tools,
         )
         return self.target.reply(ask)
 
-    def commit(self, outcome: Outcome) -> None:
+    def step(self, outcome: Outcome) -> None:
+        """A reply that called tools: the server keeps its own cache; nothing to do here."""
+
+    def commit(self, outcome: Outcome, steps: list[dict[str, Any]] | None = None) -> None:
         assert self._pending is not None
         assistant: dict[str, Any] = {"role": "assistant", "content": outcome.text}
         if outcome.finish_reason == "interrupted":
             assistant["interrupted"] = True
-        self.messages += [{"role": "user", "content": self._pending}, assistant]
-        self._pending = None
+        self.messages += [{"role": "user", "content": self._pending}, *(steps or []), assistant]
+        self._pending, self._steps = None, []
         self._last_used = (outcome.prompt_tokens or 0) + (outcome.completion_tokens or 0)
 
     def abandon(self, error: Exception) -> str | None:
@@ -314,10 +338,11 @@ class RemoteHistory:
         self.system = text or None
 
     def undo(self, keep_cache: bool = False) -> tuple[str, str] | None:
-        if len(self.messages) < 2:
+        starts = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        if not starts or starts[-1] == len(self.messages) - 1:
             return None
-        user, reply = self.messages[-2]["content"], self.messages[-1]["content"]
-        del self.messages[-2:]
+        user, reply = self.messages[starts[-1]]["content"], self.messages[-1]["content"]
+        del self.messages[starts[-1] :]
         return user, reply
 
     def restore(self, user: str, reply: str) -> None:
@@ -336,4 +361,5 @@ class RemoteHistory:
         from llmcli.frontends.chat_session import plural
 
         context = self.target.context_length or "unknown"
-        return f"{plural(len(self.messages) // 2, 'exchange')} · context {context} tokens"
+        exchanges = sum(m["role"] == "user" for m in self.messages)
+        return f"{plural(exchanges, 'exchange')} · context {context} tokens"

@@ -25,6 +25,7 @@ from llmcli.frontends.target import open_target
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
+    from llmcli.frontends.functions import Functions
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -44,6 +45,7 @@ class ChatRequest:
     output: OutputFormat | None = None  # --format / --json-schema: every reply JSON (/format changes it)
     think: str | None = None  # show, hide, off; None: show on a terminal, hide in a pipe
     think_budget: int | None = None
+    functions: Functions | None = None  # --functions: read already (not run)
 
 
 def run(request: ChatRequest) -> int:
@@ -66,6 +68,7 @@ def run(request: ChatRequest) -> int:
         output=request.output,
         think=request.think or ("show" if interactive else "hide"),
         think_budget=request.think_budget,
+        functions=request.functions,
     )
     if interactive:
         return run_interactive(session, console)

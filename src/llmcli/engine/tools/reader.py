@@ -48,6 +48,8 @@ class ToolCallReader:
     calls: list[_Call] = field(default_factory=list)
     _state: str = "text"  # text, head, arguments, after, done
     _held: str = ""  # text not decided yet
+    _all: str = ""  # everything fed: a call cut short is given back as the text it was
+    _cut_from: int = 0  # where in `_all` the call in progress began (its opener, for the first)
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
@@ -59,6 +61,7 @@ class ToolCallReader:
 
     def feed(self, piece: str) -> list[Event]:
         self._held += piece
+        self._all += piece
         events: list[Event] = []
         while self._step(events):
             pass
@@ -72,9 +75,10 @@ class ToolCallReader:
             self._after(ended=True)
         if self._state == "text" and self._held and (self._started or not self.calls):
             events.append(self._held)
-        elif self._state in ("head", "arguments", "after"):  # a call cut short
-            cut = self.calls.pop().arguments if self._state != "head" else ""
-            events.append(self.fmt.opener + cut + self._held)
+        elif self._state in ("head", "arguments", "after"):  # a call cut short: text, as written
+            if self._state != "head":
+                self.calls.pop()
+            events.append(self._all[self._cut_from :])
         self._held = ""
         return events
 
@@ -110,6 +114,7 @@ class ToolCallReader:
             if not stripped:
                 return False
             if stripped.startswith("{") and not self._started:
+                self._cut_from = len(self._all) - len(stripped)
                 self._state, self._held = "head", stripped
                 return True
             self._started = True
@@ -122,6 +127,7 @@ class ToolCallReader:
             before = held[:at]
             if before.strip() or self._started:
                 events.append(before)
+            self._cut_from = len(self._all) - len(held) + at
             self._state, self._held = "head", held[at + len(trigger) :]
             return True
         keep = _partial_suffix(held, trigger)
@@ -173,6 +179,7 @@ class ToolCallReader:
         if between and rest.startswith(between):
             self.calls[-1].done = True
             self._state, self._held = "head", rest[len(between) :]
+            self._cut_from = len(self._all) - len(self._held)
             return True
         if between and between.startswith(rest) and not ended:
             return False

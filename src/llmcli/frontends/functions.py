@@ -1,0 +1,175 @@
+"""`chat --functions FILE.py`: a Python file's functions as tools, run only when the user says so.
+
+The file is read, not run, to describe its tools: its top-level public functions, their type
+hints and docstrings become OpenAI tool objects (ast, no import). The file runs the first time
+a call is approved (or with --yes), and each approved call runs its function with the call's
+arguments; its result, or the exception's text, is what the model reads next.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import runpy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmcli.engine.tools import Tool, ToolCall, ToolRequest
+from llmcli.errors import UsageError
+
+SIMPLE_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
+RESULT_CHARS = 8000  # a result longer than this is cut: the model's context is not a log file
+
+
+def read_functions(path: str) -> tuple[Tool, ...]:
+    """The file's public top-level functions as tools; a function the model could not call
+    correctly (a parameter without a type hint that says what to send) is refused by name."""
+    where = f"--functions {path}"
+    try:
+        source = Path(path).expanduser().read_text(encoding="utf-8")
+        module = ast.parse(source, filename=path)
+    except OSError as error:
+        raise UsageError(f"{where}: cannot read it ({error.strerror})") from None
+    except (SyntaxError, UnicodeDecodeError) as error:
+        raise UsageError(f"{where}: not Python ({error})") from None
+    tools = [
+        _tool(node, where)
+        for node in module.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    ]
+    if not tools:
+        raise UsageError(
+            f"{where}: no public top-level functions to offer (names starting with _ are private)"
+        )
+    return tuple(tools)
+
+
+def _tool(node: ast.FunctionDef, where: str) -> Tool:
+    arguments = node.args
+    if arguments.vararg or arguments.kwarg or arguments.posonlyargs:
+        raise UsageError(f"{where}: {node.name}() takes *args, **kwargs or positional-only parameters")
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    positional = arguments.args
+    defaults = [None] * (len(positional) - len(arguments.defaults)) + list(arguments.defaults)
+    pairs = [
+        *zip(positional, defaults, strict=True),
+        *zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True),
+    ]
+    doc = ast.get_docstring(node) or ""
+    described = _parameter_docs(doc)
+    for argument, default in pairs:
+        if argument.annotation is None:
+            raise UsageError(
+                f"{where}: {node.name}({argument.arg}) needs a type hint to be offered as a tool"
+            )
+        schema = _schema(argument.annotation, f"{where}: {node.name}({argument.arg})")
+        if argument.arg in described:
+            schema["description"] = described[argument.arg]
+        properties[argument.arg] = schema
+        if default is None:
+            required.append(argument.arg)
+    parameters = {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+    summary = doc.split("\n\n")[0].strip()
+    return Tool(node.name, summary, parameters)
+
+
+def _schema(annotation: ast.expr, where: str) -> dict[str, Any]:
+    """A type hint as a JSON schema: str, int, float, bool, list[X], dict, Literal[...],
+    X | None and Optional[X]."""
+    text = ast.unparse(annotation)
+    if text in SIMPLE_TYPES:
+        return {"type": SIMPLE_TYPES[text]}
+    if text in ("dict", "dict[str, Any]", "dict[str, str]"):
+        return {"type": "object"}
+    if text == "list":
+        return {"type": "array"}
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return {"anyOf": [_schema(annotation.left, where), _schema(annotation.right, where)]}
+    if isinstance(annotation, ast.Constant) and annotation.value is None:
+        return {"type": "null"}
+    if isinstance(annotation, ast.Subscript):
+        outer = ast.unparse(annotation.value)
+        inner = annotation.slice
+        if outer in ("list", "List"):
+            return {"type": "array", "items": _schema(inner, where)}
+        if outer in ("Optional", "typing.Optional"):
+            return {"anyOf": [_schema(inner, where), {"type": "null"}]}
+        if outer in ("Literal", "typing.Literal"):
+            values = inner.elts if isinstance(inner, ast.Tuple) else [inner]
+            if all(isinstance(value, ast.Constant) for value in values):
+                return {"enum": [value.value for value in values]}  # type: ignore[attr-defined]
+    raise UsageError(
+        f"{where}: the type hint {text} has no JSON schema here "
+        "(use str, int, float, bool, list, dict or Literal)"
+    )
+
+
+def _parameter_docs(doc: str) -> dict[str, str]:
+    """Google-style "Args:" lines (`name: what it is`) as parameter descriptions."""
+    described: dict[str, str] = {}
+    inside = False
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped in ("Args:", "Arguments:", "Parameters:"):
+            inside = True
+            continue
+        if inside and not stripped:
+            break
+        if inside and ":" in stripped:
+            name, _, text = stripped.partition(":")
+            described[name.split("(")[0].strip()] = text.strip()
+    return described
+
+
+@dataclass
+class Functions:
+    """The offered functions, and who may run them: every call asked about, unless --yes."""
+
+    path: str
+    tools: tuple[Tool, ...]
+    run_all: bool = False  # --yes
+    first_choice: str = "auto"  # --tool-choice: the first reply of each exchange; later ones auto
+    always: set[str] = field(default_factory=set)  # functions approved with "a", this session
+    _module: dict[str, Any] | None = None
+
+    def request(self, round_: int, last: bool) -> ToolRequest:
+        """What the `round_`th reply of an exchange may do: the last may call nothing, so that a
+        model that keeps calling gets to answer."""
+        choice = "none" if last else self.first_choice if round_ == 0 else "auto"
+        return ToolRequest(self.tools, choice)
+
+    def approved_without_asking(self, call: ToolCall) -> bool:
+        return self.run_all or call.name in self.always
+
+    def run(self, call: ToolCall) -> str:
+        """Run an approved call; its result as the model reads it (an exception's text too)."""
+        if self._module is None:
+            self._module = runpy.run_path(str(Path(self.path).expanduser()), run_name="llmcli_functions")
+        function = self._module.get(call.name)
+        if not callable(function):
+            return f"error: {call.name} is not a function in {self.path}"
+        try:
+            result = function(**json.loads(call.arguments))
+        except Exception as error:  # the model reads what went wrong, and the chat goes on
+            return f"error: {type(error).__name__}: {error}"
+        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+        return text if len(text) <= RESULT_CHARS else text[:RESULT_CHARS] + " …(cut)"
+
+
+def describe_call(call: ToolCall) -> str:
+    """get_weather(city="Paris", unit="celsius"): a call as a person reads it."""
+    try:
+        arguments = json.loads(call.arguments)
+        shown = ", ".join(
+            f"{name}={json.dumps(value, ensure_ascii=False)}" for name, value in arguments.items()
+        )
+    except (ValueError, AttributeError):
+        shown = call.arguments
+    return f"{call.name}({shown})"
