@@ -208,8 +208,9 @@ class Conversation:
 
     def exchange_starts(self) -> list[int]:
         """Where each exchange begins: at its user message (tool calls and results come between
-        it and the reply)."""
-        return [i for i, message in enumerate(self.messages) if message["role"] == "user"]
+        it and the reply); the first begins at the start, whatever a loaded chat starts with."""
+        later = [i for i, message in enumerate(self.messages) if message["role"] == "user" and i > 0]
+        return [0, *later] if self.messages else []
 
     def prompt_for(
         self, user_text: str, reply_room: int, steps: list[Message] | None = None

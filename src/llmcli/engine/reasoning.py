@@ -140,7 +140,7 @@ class ThinkSplitter:
             self._held = self._held[found + len(end) :]
             self.inside, self._after_end = False, True
             return True
-        keep = _partial_suffix(self._held, end)
+        keep = partial_suffix(self._held, end)
         out.append((REASONING, self._held[: len(self._held) - keep]))
         self._held = self._held[len(self._held) - keep :]
         return False
@@ -165,7 +165,7 @@ class ThinkSplitter:
         return True
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:length]):

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from llmcli.engine.reasoning import partial_suffix
 from llmcli.engine.tools import ToolCall, new_call_id
 from llmcli.engine.tools.formats import ToolFormat
 
@@ -130,7 +131,7 @@ class ToolCallReader:
             self._cut_from = len(self._all) - len(held) + at
             self._state, self._held = "head", held[at + len(trigger) :]
             return True
-        keep = _partial_suffix(held, trigger)
+        keep = partial_suffix(held, trigger)
         out = held[: len(held) - keep]
         if out.strip():  # blanks before a call are framing, not an answer: held until known
             self._started = True
@@ -187,13 +188,6 @@ class ToolCallReader:
             self.calls[-1].done = True
             self._state, self._held = "done", ""
         return False
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
 
 
 def read_calls(fmt: ToolFormat, pieces: Iterable[str]) -> tuple[str, list[ToolCall]]:
