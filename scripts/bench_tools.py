@@ -6,9 +6,9 @@ generic format): how many calls are valid, and what the call grammar costs per t
 
 20 prompts that call for one of 5 tools, greedy, each run three ways on the same prompt (the
 tools described in the system message):
-  required  the reply is calls, from the first token;
+  required  the reply is a call, from the first token (one call: parallel_tool_calls off);
   auto      free text until the model writes <tool_call>, then the call under the grammar;
-  plain     no grammar at all (the baseline for the per-token cost).
+  plain     the same prompt as auto, generated without the grammar (the baseline).
 Reported: valid calls (parse, name a given tool, arguments validate), calls to the tool the
 prompt asks for, plain answers, malformed calls (an opener left in the text, or a call that does
 not validate), and decode ms/token with the time spent in the grammar itself.
@@ -88,17 +88,19 @@ PROMPTS = [
 def reply(engine: Engine, loaded, messages: list[dict], choice: str | None, tokens: int):
     """One greedy reply: (answer, calls, result, seconds in the grammar)."""
     tools = parse_tools(TOOLS, "tools")
-    request = ToolRequest(tools, choice or "none")
+    # One call per reply: a small model held to "calls only" otherwise chains calls to the limit.
+    # No choice: the same prompt as auto (the tools described), generated without the grammar.
+    request = ToolRequest(tools, choice or "auto", parallel=False)
     turn = tool_turn(loaded.tokenizer, messages, request, loaded.vocab_size, loaded.eos_token_ids)
     ids = prompt_ids(loaded.tokenizer, turn.messages, options=turn.options)
     constraint = None
-    if turn.output is not None:
+    if turn.output is not None and choice is not None:
         constraint = TimedConstraint(turn.output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
     TimedConstraint.seconds = 0.0
     engine.reset()
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens)
     generation = engine.generate(ids, params, loaded.tokenizer, constraint, keep_special=True)
-    stream = ReplyStream(loaded.tokenizer, ids, turn.reader())
+    stream = ReplyStream(loaded.tokenizer, ids, turn.reader() if choice is not None else None)
     list(stream.split(generation))
     answer, _, _, calls = stream.summary(generation.result)
     return answer, calls, generation.result, TimedConstraint.seconds
@@ -135,6 +137,7 @@ def main() -> None:
     reply(engine, loaded, warm, "auto", 8)  # the tokenizer's grammar view, made once
     counts = {mode: {"valid": 0, "right": 0, "plain": 0, "malformed": 0} for mode in ("required", "auto")}
     step_ms: dict[str, list[float]] = {"required": [], "auto": [], "plain": []}
+    lengths: dict[str, list[int]] = {"required": [], "auto": [], "plain": []}
     grammar_us: dict[str, list[float]] = {"required": [], "auto": []}
     for text, wanted in PROMPTS:
         messages = [{"role": "user", "content": text}]
@@ -143,6 +146,7 @@ def main() -> None:
                 answer, calls, result, seconds = reply(engine, loaded, messages, choice, args.tokens)
                 if result.stats.decode_tok_s:
                     step_ms[mode].append(1000 / result.stats.decode_tok_s)
+                lengths[mode].append(result.stats.completion_tokens)
                 if mode == "plain":
                     continue
                 if result.stats.completion_tokens:
@@ -164,12 +168,13 @@ def main() -> None:
     print()
     print(
         "| tool_choice | valid calls | the tool asked for | plain answers | malformed "
-        "| decode ms/token | in the grammar, per token |"
+        "| tokens per reply | decode ms/token | in the grammar, per token |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode in ("required", "auto", "plain"):
         times = step_ms[mode]
-        spread = f"{statistics.median(times):.2f} ({min(times):.2f}–{max(times):.2f})"
+        median, low, high = statistics.median(times), min(times), max(times)
+        spread = f"{statistics.mean(lengths[mode]):.0f} | {median:.2f} ({low:.2f}–{high:.2f})"
         if mode == "plain":
             print(f"| none (no grammar) | – | – | – | – | {spread} | – |")
             continue
