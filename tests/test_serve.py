@@ -375,3 +375,48 @@ def test_a_request_may_ask_for_speculation(server: Server, in_process) -> None:
     )
     assert status == 400 and "no draft model" in refused["error"]["message"]
     assert server.raw("GET", "/health")[0] == 200
+
+
+def test_a_page_elsewhere_cannot_reach_the_server(server: Server) -> None:
+    """DNS rebinding (a foreign Host) and cross-origin requests (an Origin) are refused before
+    any route; the server's own names and addresses are not."""
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    json_type = {"Content-Type": "application/json"}
+    for headers in (
+        {"Host": "evil.example", "Origin": "http://evil.example"},  # rebinding, as a browser sends it
+        {"Host": f"evil.example:{server.port}"},
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+    ):
+        status, answer = server.raw("POST", "/v1/chat/completions", body, {**json_type, **headers})
+        assert status == 403 and answer["error"]["code"] == "forbidden", headers
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "localhost"):
+        assert server.raw("POST", "/v1/chat/completions", body, {**json_type, "Host": host})[0] == 200
+
+
+def test_cors_and_allowed_hosts_open_exactly_what_they_name(tiny_llama: Path, tmp_path: Path) -> None:
+    running = start_server(tiny_llama, tmp_path, "--cors", "http://app.example", "--allowed-hosts", "box.lan")
+    try:
+        connection = http.client.HTTPConnection(running.host, int(running.port), timeout=30)
+        connection.request(
+            "OPTIONS",
+            "/v1/chat/completions",
+            headers={
+                "Origin": "http://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type,authorization",
+            },
+        )
+        preflight = connection.getresponse()
+        preflight.read()
+        assert preflight.status == 200
+        assert preflight.getheader("access-control-allow-origin") == "http://app.example"
+        connection.close()
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+        allowed = {"Content-Type": "application/json", "Origin": "http://app.example", "Host": "box.lan"}
+        assert running.raw("POST", "/v1/chat/completions", body, allowed)[0] == 200
+        other = {**allowed, "Origin": "http://other.example"}
+        assert running.raw("POST", "/v1/chat/completions", body, other)[0] == 403
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        running.process.wait(timeout=30)

@@ -435,6 +435,24 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    allowed_hosts: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-hosts",
+            help="A name this server may be reached by (the Host header), besides its address and "
+            "localhost; repeat for more. Any other Host is refused (DNS rebinding).",
+            show_default=False,
+        ),
+    ] = None,
+    cors: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cors",
+            help="A web origin (e.g. http://localhost:3000) allowed to call this server from a "
+            "browser; repeat for more. Requests from any other page are refused.",
+            show_default=False,
+        ),
+    ] = None,
     load: LoadSettings,
     speculative: SpeculativeSettings,
 ) -> None:
@@ -452,6 +470,8 @@ def serve(
             api_key=api_key,
             load=effective.load,
             speculative=effective.speculative,
+            allowed_hosts=tuple(allowed_hosts or ()),
+            cors=tuple(cors or ()),
         )
     )
     raise typer.Exit(code)

@@ -29,6 +29,8 @@ class ServeRequest:
     api_key: str | None
     load: LoadSettings
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    allowed_hosts: tuple[str, ...] = ()  # names a Host header may carry besides the address
+    cors: tuple[str, ...] = ()  # web origins allowed to call it
 
 
 def is_loopback(host: str) -> bool:
@@ -75,7 +77,15 @@ def run(request: ServeRequest) -> int:
     model_spec = request.model or default_model_spec()
     loaded = load_with_feedback(model_spec, request.load)
     engine = engine_with_feedback(loaded)
-    served = Served(loaded=loaded, engine=engine, model_id=loaded.name, api_key=request.api_key)
+    served = Served(
+        loaded=loaded,
+        engine=engine,
+        model_id=loaded.name,
+        api_key=request.api_key,
+        host=request.host,
+        allowed_hosts=request.allowed_hosts,
+        cors=request.cors,
+    )
     speculative = request.speculative
     # Lookup costs nothing to offer, so any request may ask for it; drafting needs the model loaded.
     lookup = dataclasses.replace(speculative, method="lookup")

@@ -35,6 +35,7 @@ from llmcli.engine.reasoning import REASONING
 from llmcli.engine.reply import TOOL_CALL, ReplyStream
 from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import LlmcliError
+from llmcli.server.guard import HostGuard
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
 
 if TYPE_CHECKING:
@@ -59,6 +60,10 @@ class Served:
     # loaded), and what a request that names none gets: the server's --speculative.
     speculations: dict[str, Any] = field(default_factory=lambda: {"off": None})
     speculative: str = "off"
+    # Who may send requests (server/guard.py): the address it listens on, names for Host, origins.
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    cors: tuple[str, ...] = ()
 
     def info(self) -> dict[str, Any]:
         loaded = self.loaded
@@ -168,7 +173,14 @@ def create_app(served: Served) -> ASGIApp:
         )
         return await _respond(served, body, ids, chat=False)
 
-    return BodyLimit(app, MAX_BODY_BYTES)
+    guarded: ASGIApp = app
+    if served.cors:
+        from starlette.middleware.cors import CORSMiddleware
+
+        guarded = CORSMiddleware(
+            app, allow_origins=list(served.cors), allow_methods=["*"], allow_headers=["*"]
+        )
+    return BodyLimit(HostGuard(guarded, served.host, served.allowed_hosts, served.cors), MAX_BODY_BYTES)
 
 
 async def _on_worker(served: Served, work: Callable[[], T]) -> T:

@@ -1,0 +1,77 @@
+"""Who may talk to the server: the requests a web page in a browser could make are refused.
+
+A page on another site can reach a server on 127.0.0.1 in two ways: by DNS rebinding (its own
+name, re-pointed at 127.0.0.1, so the browser sends `Host: evil.example`) and by a cross-origin
+request (the browser sends its `Origin`). So a request whose Host is not an address the server
+answers on, `localhost` or a name given with --allowed-hosts, and one that carries an Origin
+not given with --cors, is a 403 before it reaches any route. With --cors the allowed origins get
+CORS headers (Starlette's CORSMiddleware); without it there are none.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+LOCAL_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
+
+
+class HostGuard:
+    def __init__(
+        self, app: ASGIApp, bound_host: str, allowed_hosts: Iterable[str] = (), origins: Iterable[str] = ()
+    ) -> None:
+        self.app = app
+        self.bound = _address(bound_host)
+        self.names = LOCAL_NAMES | {name.lower() for name in allowed_hosts}
+        self.origins = frozenset(origin.rstrip("/") for origin in origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        host = headers.get(b"host", b"").decode("latin-1")
+        origin = headers.get(b"origin")
+        if host and not self.host_allowed(host):
+            why = (
+                f"Host {host!r} is not an address this server answers on (start it with --allowed-hosts NAME)"
+            )
+            await _forbidden(why, send)
+            return
+        if origin is not None and origin.decode("latin-1").rstrip("/") not in self.origins:
+            page = origin.decode("latin-1")
+            why = f"requests from web pages at {page!r} are refused (start the server with --cors ORIGIN)"
+            await _forbidden(why, send)
+            return
+        await self.app(scope, receive, send)
+
+    def host_allowed(self, host: str) -> bool:
+        """The Host header without its port: a local name, an allowed name, or an address this
+        server can be reached at (a loopback one, the bound one, any when bound to all)."""
+        name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+        if name.lower() in self.names:
+            return True
+        address = _address(name)
+        if address is None:
+            return False
+        return address.is_loopback or self.bound is None or self.bound.is_unspecified or address == self.bound
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+
+
+async def _forbidden(message: str, send: Send) -> None:
+    body = json.dumps(
+        {"error": {"message": message, "type": "permission_error", "param": None, "code": "forbidden"}}
+    )
+    await send(
+        {"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"application/json")]}
+    )
+    await send({"type": "http.response.body", "body": body.encode()})
