@@ -216,10 +216,14 @@ def test_concurrent_clients_each_get_their_own_reply(server: Server, in_process)
     ("body", "status"),
     [
         (b"{not json", 400),
-        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 422),
-        (json.dumps({"messages": []}).encode(), 422),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 400),
+        (json.dumps({"messages": []}).encode(), 400),
+        (
+            b'{"messages": [{"role": "user", "content": "\\ud800 alone"}]}',
+            400,
+        ),  # not text: no tokenizer takes it
         (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(), 400),
-        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), 422),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), 400),
         (b'{"messages": [{"role": "user", "content": "' + b"a" * (9 << 20) + b'"}]}', 413),
     ],
 )
@@ -229,6 +233,26 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     got, answer = server.raw("POST", "/v1/chat/completions", body)
     assert got == status
     assert isinstance(answer["error"]["message"], str) and answer["error"]["message"]
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_a_chunked_body_over_the_limit_is_a_413_and_an_unknown_route_a_404(server: Server) -> None:
+    def pieces() -> Iterator[bytes]:
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(9):
+            yield b"a" * (1 << 20)
+        yield b'"}]}'
+
+    connection = http.client.HTTPConnection(server.host, int(server.port), timeout=30)
+    connection.request(
+        "POST", "/v1/chat/completions", body=pieces(), headers={"Content-Type": "application/json"},
+        encode_chunked=True,
+    )  # fmt: skip
+    response = connection.getresponse()
+    assert response.status == 413 and "over" in json.loads(response.read())["error"]["message"]
+    connection.close()
+    status, answer = server.raw("GET", "/v1/nothing")
+    assert status == 404 and "no route GET /v1/nothing" in answer["error"]["message"]
     assert server.raw("GET", "/health")[0] == 200
 
 

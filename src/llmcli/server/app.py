@@ -441,14 +441,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON", code="invalid_json")
         where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        return _error(422, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where, "invalid_value")
+        # 400, as OpenAI answers a bad value (FastAPI's own would be 422), naming the parameter.
+        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where, "invalid_value")
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, error: RequestError) -> JSONResponse:
         return _error(error.status, error.message, error.param, error.code)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            return _error(404, f"no route {request.method} {request.url.path} here (see GET /v1/models)")
+        if error.status_code == 405:
+            return _error(405, f"{request.url.path} does not take {request.method}")
         return _error(error.status_code, str(error.detail))
 
     @app.exception_handler(LlmcliError)
@@ -457,8 +462,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def crashed(_: Request, error: Exception) -> JSONResponse:
-        if isinstance(error, _TooLarge):
-            return _error(413, str(error))
         return _error(500, _describe(error))
 
 
@@ -477,32 +480,31 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
             return
-        seen = 0
-        started = False
+        seen, started, too_large = 0, False, False
 
         async def counting_receive() -> Any:
-            nonlocal seen
+            nonlocal seen, too_large
+            if too_large:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge(f"the request body is over {self.limit} bytes")
+                if seen > self.limit:  # the app stops reading here; its answer is replaced by a 413
+                    too_large = True
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracking_send(message: Any) -> None:
             nonlocal started
+            if too_large:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
         except Exception as error:  # answered already by the handlers: no traceback on stderr
-            if not started:
+            if not started and not too_large:
                 await _error(500, _describe(error))(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
+        if too_large and not started:
+            await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)

@@ -1,15 +1,16 @@
 """The OpenAI request bodies llmcli accepts, and its error objects.
 
 Unknown fields are ignored (clients send `user`, `logprobs: false`, …); known fields of the wrong
-type or out of range are a 422 naming the field. llmcli's own sampling controls (top_k, min_p,
+type or out of range are a 400 naming the field. llmcli's own sampling controls (top_k, min_p,
 repetition_penalty) ride along as extra fields, as vLLM and llama.cpp's server accept them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from llmcli.config.declare import declarations, field_types
 from llmcli.config.settings import SAMPLING_NUMBERS, SamplingSettings
@@ -87,6 +88,18 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> _Sampling:
+        """A lone UTF-16 surrogate (valid JSON, "\\ud800") is not text: no tokenizer takes it."""
+        try:
+            json.dumps(self.model_dump(), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            bad = error.object[error.start : error.end].encode("unicode_escape").decode()
+            raise ValueError(
+                f"the request holds a lone UTF-16 surrogate ({bad}), which is not text"
+            ) from None
+        return self
 
     @field_validator("stop")
     @classmethod
