@@ -4,8 +4,12 @@ or an "unexpected" error, and nothing typed is lost."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pexpect
@@ -219,3 +223,47 @@ def test_a_history_file_unreadable_when_the_prompt_loads_it_starts_empty(tmp_pat
     history = KeptFileHistory(str(path))
     path.mkdir()
     assert list(history.load_history_strings()) == []
+
+
+class _DyingServer(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-style server that dies mid-reply: two pieces, then the connection closes
+    without [DONE]."""
+
+    def do_GET(self) -> None:
+        self.send_error(404)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for piece in ("Hel", "lo"):
+            chunk = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def dying_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DyingServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_reply_cut_by_a_dying_server_is_an_error_not_a_complete_reply(dying_server: str) -> None:
+    result = run_cli("generate", "--server", dying_server, "-m", "any", "--json", "hi")
+    lines = result.stderr.decode().splitlines()
+    assert result.returncode == 1
+    assert len(lines) == 1 and "ended the reply before it was complete" in lines[0], lines
+    record = json.loads(result.stdout)
+    assert record["text"] == "Hello" and record["finish_reason"] == "error"
+    # A chat keeps what came, marked cut, says what happened, and goes on to the next message.
+    chat = run_cli("chat", "--server", dying_server, "-m", "any", stdin=b"hi\nagain\n")
+    assert chat.returncode == 1 and chat.stdout.decode().count("Hello") == 2
+    assert chat.stderr.decode().count("ended the reply before it was complete") == 2

@@ -253,7 +253,7 @@ class Conversation:
         self.messages.append({"role": "user", "content": user_text})
         self.messages.extend(steps or [])
         assistant: Message = {"role": "assistant", "content": reply}
-        if finish_reason == "interrupted":
+        if finish_reason in ("interrupted", "error"):  # cut: by Ctrl-C, or a server that stopped
             assistant["interrupted"] = True
         self.messages.append(assistant)
         self.ids = prompt + reply_ids

@@ -25,6 +25,7 @@ from llmcli.frontends.formats import format_command, unfinished_value
 from llmcli.frontends.functions import describe_call
 from llmcli.frontends.target import Outcome
 from llmcli.frontends.tools import call_record
+from llmcli.server.client import StreamBrokenError
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads it
     from llmcli.engine.structured import OutputFormat
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads i
     from llmcli.frontends.functions import Functions
     from llmcli.frontends.protocols import ChatHistory, Target
 
+CUT = ("interrupted", "error")  # replies kept as far as they came: Ctrl-C, a server that stopped
 MOST_TOOL_ROUNDS = 8  # replies that call tools, in one exchange, before one must answer
 # What /set may change: every sampling setting.
 SETTABLE = tuple(declarations(SamplingSettings))
@@ -137,7 +139,7 @@ class TurnReport:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def line(self) -> str:
-        interrupted = " · interrupted" if self.finish_reason == "interrupted" else ""
+        interrupted = {"interrupted": " · interrupted", "error": " · cut short"}.get(self.finish_reason, "")
         return (
             f"TTFT {self.ttft_s:.2f} s · {self.decode_tok_s:.1f} tok/s · prefilled {self.prefilled_tokens} · "
             f"reused {self.cached_tokens} · context {self.context_used}/{self.context_length}"
@@ -262,7 +264,7 @@ class ChatSession:
             if asked is None:
                 return None
             outcome, dropped = asked
-            if not outcome.tool_calls or outcome.finish_reason == "interrupted":
+            if not outcome.tool_calls or outcome.finish_reason in CUT:
                 break
             history.step(outcome)
             steps.append(
@@ -280,7 +282,7 @@ class ChatSession:
             self._report(outcome, dropped, results)
         history.commit(outcome, steps)
         report = self._report(outcome, dropped, [])
-        if self.output is not None and outcome.finish_reason != "interrupted" and not outcome.value_complete:
+        if self.output is not None and outcome.finish_reason not in CUT and not outcome.value_complete:
             limit = (outcome.sampling or {}).get("max_new_tokens") or self.sampling.max_new_tokens
             self._fail(unfinished_value(self.output, outcome.finish_reason, outcome.completion_tokens, limit))
         return report
@@ -313,6 +315,11 @@ class ChatSession:
                     self.view.reply_piece(piece)
         except KeyboardInterrupt:
             reply.interrupt()  # keep what was generated; the cache matches it again
+        except StreamBrokenError as error:  # the server stopped mid-reply: keep what came, cut
+            self._fail(error.one_line())
+            outcome = reply.outcome()
+            outcome.finish_reason = "error"  # kept as a cut reply, as after Ctrl-C
+            return outcome, dropped
         except Exception as error:  # out of memory and the like: this turn is lost, the chat is not
             self._fail(history.abandon(error) or _failure(error))
             return None

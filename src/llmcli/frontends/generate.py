@@ -99,6 +99,7 @@ def run(request: GenerateRequest) -> int:
     out = StdoutSink()
     thinking = terminal.Thinking(shown=think == "show" and not request.json)
     exit_code = EXIT_OK
+    broken: LlmcliError | None = None
     try:
         for channel, piece in reply:
             if channel == REASONING:
@@ -113,8 +114,12 @@ def run(request: GenerateRequest) -> int:
     except KeyboardInterrupt:
         reply.interrupt()
         exit_code = EXIT_INTERRUPTED
+    except LlmcliError as error:  # the reply broke off (a server that stopped): what came stays
+        broken = error
     thinking.end()
     outcome = reply.outcome()
+    if broken is not None:
+        outcome.finish_reason = "error"
     if request.json:
         record = json_record(target, outcome, request.num_beams, output, request.tools is not None)
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -123,7 +128,7 @@ def run(request: GenerateRequest) -> int:
             out.write("\n")
         for call in outcome.tool_calls:  # one JSON line each, after the text
             out.write(json.dumps(call_record(call), ensure_ascii=False) + "\n")
-    if output is not None and exit_code == EXIT_OK and not outcome.value_complete:
+    if output is not None and exit_code == EXIT_OK and broken is None and not outcome.value_complete:
         from llmcli.frontends.formats import unfinished_value
 
         limit = (outcome.sampling or {}).get("max_new_tokens")
@@ -133,6 +138,8 @@ def run(request: GenerateRequest) -> int:
     if request.stats:
         summary = f"{outcome.stats_summary()} · {outcome.finish_reason} · {target.summary()}"
         terminal.note(f"{target.name} · {summary}")
+    if broken is not None:
+        raise broken  # one line on stderr, exit 1, after what came (and its --json record)
     return exit_code
 
 

@@ -25,7 +25,7 @@ from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.engine.tools import CHOICES, ToolCall
 from llmcli.errors import UsageError
 from llmcli.frontends.target import Ask, Outcome
-from llmcli.server.client import OPENAI_NAMES, Client
+from llmcli.server.client import OPENAI_NAMES, Client, StreamBrokenError
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
@@ -217,6 +217,9 @@ class RemoteReply:
                 self._usage = event.get("usage") or self._usage
                 self._timings = event.get("timings") or self._timings
                 self._sampling = event.get("sampling") or self._sampling
+        except StreamBrokenError:
+            self._finish = "error"  # what came is kept; the caller says what happened
+            raise
         finally:
             self._events.close()  # a stream left early is a disconnect: the server stops generating
 
@@ -324,7 +327,7 @@ class RemoteHistory:
     def commit(self, outcome: Outcome, steps: list[dict[str, Any]] | None = None) -> None:
         assert self._pending is not None
         assistant: dict[str, Any] = {"role": "assistant", "content": outcome.text}
-        if outcome.finish_reason == "interrupted":
+        if outcome.finish_reason in ("interrupted", "error"):
             assistant["interrupted"] = True
         self.messages += [{"role": "user", "content": self._pending}, *(steps or []), assistant]
         self._pending, self._steps = None, []

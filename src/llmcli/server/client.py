@@ -24,6 +24,10 @@ class ServerError(LlmcliError):
     """The server answered with an error, or could not be reached."""
 
 
+class StreamBrokenError(ServerError):
+    """A reply stopped before the server said it was complete: what came is a part of it."""
+
+
 class Client:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -85,17 +89,24 @@ class Client:
                 raise ServerError(f"cannot reach {self.url}: {error}", "is the server running?") from None
             if response.status != 200:
                 raise _error_from(self.url, response.status, response.read())
-            for raw in response:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue  # comments, event names, keep-alives
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                event = json.loads(data)
-                if isinstance(event, dict) and "error" in event:
-                    raise _error_from(self.url, 500, data.encode())
-                yield event
+            try:
+                for raw in response:
+                    line = raw.decode("utf-8").strip()
+                    if not line.startswith("data:"):
+                        continue  # comments, event names, keep-alives
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if isinstance(event, dict) and "error" in event:
+                        raise _error_from(self.url, 500, data.encode())
+                    yield event
+            except (OSError, http.client.HTTPException, ValueError) as error:
+                raise StreamBrokenError(f"{self.url} broke off the reply ({error})") from None
+            # A stream that ends without [DONE] was cut: the server died, or a proxy dropped it.
+            raise StreamBrokenError(
+                f"{self.url} ended the reply before it was complete (no [DONE]: the server may have stopped)"
+            )
         finally:
             connection.close()
 
