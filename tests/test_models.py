@@ -144,6 +144,8 @@ min_p = 0.01
         "top_p": 0.5,  # the model's section, over the defaults' 0.9
         "top_k": 11,  # [defaults]
         "repetition_penalty": 1.1,  # [defaults], over generation_config.json's 1.5
+        "presence_penalty": 0.0,  # built-in
+        "frequency_penalty": 0.0,
         "max_new_tokens": 7,  # generation_config.json
         "seed": 1,
         "stop": [],

@@ -95,3 +95,30 @@ def test_same_seed_same_draws() -> None:
 
     assert draws(42) == draws(42)
     assert draws(42) != draws(43)
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.5, 0.0), (0.0, 0.7), (1.5, -0.3), (-2.0, 2.0)])
+def test_presence_and_frequency_penalties_count_each_seen_token(
+    logits: torch.Tensor, presence: float, frequency: float
+) -> None:
+    generator = torch.Generator().manual_seed(7)
+    seen = torch.randint(0, 50, (logits.shape[0], 40), generator=generator)  # many repeats
+    ours = sampling.apply_presence_and_frequency(logits, seen, presence, frequency)
+    expected = logits.clone()
+    for row in range(logits.shape[0]):
+        for token in set(seen[row].tolist()):
+            times = seen[row].tolist().count(token)
+            expected[row, token] -= frequency * times + presence
+    torch.testing.assert_close(ours, expected)
+
+
+def test_logit_bias_adds_to_the_named_tokens_only(logits: torch.Tensor) -> None:
+    bias = ((3, 5.0), (999, -100.0))
+    ours = sampling.apply_logit_bias(logits, bias)
+    expected = logits.clone()
+    expected[:, 3] += 5.0
+    expected[:, 999] -= 100.0
+    torch.testing.assert_close(ours, expected)
+    greedy = SamplingParams(temperature=0.0, logit_bias=((5, 1000.0),))
+    picked = sampling.pick_token(sampling.process_logits(logits, sampling.NOTHING_SEEN, greedy), greedy, None)
+    assert picked.tolist() == [5] * logits.shape[0]

@@ -20,7 +20,7 @@ from llmcli.config.settings import LoadSettings, SamplingParams
 from llmcli.engine.conversation import build_messages, prompt_ids
 from llmcli.engine.loop import Engine
 from llmcli.models.load import load_model
-from llmcli.models.resolve import ResolvedModel
+from llmcli.models.resolve import ResolvedModel, demo_gguf_path
 
 from cli_helpers import LLMCLI, run_cli
 
@@ -47,6 +47,15 @@ class Server:
             connection.close()
 
 
+ACCESS_LINE = re.compile(r"llmcli: (GET|POST|OPTIONS|PUT|DELETE) /\S* \d{3}( · \d+\+\d+ tokens)? · \d+ ms")
+
+
+def assert_access_log_only(stderr: bytes) -> None:
+    """What a server writes on stderr after its first line: one access-log line per request."""
+    for line in stderr.decode().splitlines():
+        assert ACCESS_LINE.fullmatch(line), line
+
+
 def start_server(model: Path, runtime: Path, *extra: str) -> Server:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     process = subprocess.Popen(
@@ -56,6 +65,8 @@ def start_server(model: Path, runtime: Path, *extra: str) -> Server:
         env=env,
     )
     line = process.stderr.readline().decode()  # "Serving NAME at URL/v1 (Ctrl-C stops)."
+    while line.startswith(("Converting", "Loading")):  # a first load's notes come before it
+        line = process.stderr.readline().decode()
     if "Serving" not in line:
         process.kill()
         raise AssertionError(f"the server did not start: {line}{process.stderr.read().decode()}")
@@ -69,7 +80,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     yield running
     running.process.send_signal(signal.SIGTERM)
     assert running.process.wait(timeout=30) == 0
-    assert running.process.stderr.read() == b""  # graceful: nothing more on stderr
+    assert_access_log_only(running.process.stderr.read())  # graceful: no traceback, no warning
     assert not list((running.runtime / "llmcli").glob("server-*.json"))  # its record is gone
 
 
@@ -444,3 +455,111 @@ def test_cors_and_allowed_hosts_open_exactly_what_they_name(tiny_llama: Path, tm
     finally:
         running.process.send_signal(signal.SIGTERM)
         running.process.wait(timeout=30)
+
+
+def metric(server: Server, name: str) -> float:
+    connection = http.client.HTTPConnection(server.host, int(server.port), timeout=30)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    connection.close()
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_metrics_count_requests_and_tokens(server: Server) -> None:
+    server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert metric(server, 'llmcli_requests_total{route="/v1/chat/completions",status="200"}') >= 1
+    assert metric(server, 'llmcli_tokens_total{kind="completion"}') >= 3
+    assert metric(server, "llmcli_time_to_first_token_seconds_count") >= 1
+
+
+@pytest.mark.demo
+def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Path) -> None:
+    """One generation runs, one waits (--max-queue 1), the next is a 503 with Retry-After; when
+    their clients leave, the running one stops and the waiting one never starts."""
+    demo = demo_gguf_path()
+    if demo is None:
+        pytest.skip("the demo model is not installed")
+    running = start_server(demo, tmp_path, "--max-queue", "1")
+    # SmolLM2's special tokens (ids 0-2, its end of turn among them) banned: a long reply for sure.
+    banned = {str(token): -100 for token in range(3)}
+    body = {
+        "messages": [{"role": "user", "content": "Write a story."}],
+        "max_tokens": 1000,
+        "logit_bias": banned,
+    }
+    try:
+        long = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        stream = long.getresponse()
+        stream.readline()  # the first event: the worker is busy with it
+        waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        waiting.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        wait_for(lambda: metric(running, "llmcli_queue_depth") == 1, "the second request to wait")
+        connection = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        refused = connection.getresponse()
+        assert refused.status == 503 and refused.getheader("Retry-After")
+        assert "busy" in json.loads(refused.read())["error"]["message"]
+        waiting.close()  # both clients leave
+        long.close()
+        wait_for(lambda: metric(running, "llmcli_requests_cancelled_total") == 2, "both to be cancelled")
+        assert metric(running, "llmcli_queue_depth") == 0
+        served = metric(running, 'llmcli_tokens_total{kind="completion"}')
+        assert served < 1000  # the long one stopped early; the waiting one never generated
+        reply = running.client().chat.completions.create(
+            model="demo", messages=body["messages"], max_tokens=3
+        )
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        running.process.wait(timeout=30)
+
+
+@pytest.mark.demo
+def test_a_shutdown_cuts_streams_with_an_error_and_refuses_waiting_requests(tmp_path: Path) -> None:
+    demo = demo_gguf_path()
+    if demo is None:
+        pytest.skip("the demo model is not installed")
+    running = start_server(demo, tmp_path)
+    banned = {str(token): -100 for token in range(3)}
+    body = {
+        "messages": [{"role": "user", "content": "Write a story."}],
+        "max_tokens": 1000,
+        "logit_bias": banned,
+    }
+    headers = {"Content-Type": "application/json"}
+    try:
+        long = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), headers)
+        stream = long.getresponse()
+        stream.readline()
+        waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        waiting.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+        wait_for(lambda: metric(running, "llmcli_queue_depth") == 1, "the second request to wait")
+        running.process.send_signal(signal.SIGTERM)
+        events = stream.read().decode()
+        assert "shutting down" in events and "[DONE]" not in events  # cut, and the client can tell
+        refused = waiting.getresponse()
+        assert refused.status == 503 and "shutting down" in json.loads(refused.read())["error"]["message"]
+        assert running.process.wait(timeout=10) == 0
+        assert_access_log_only(running.process.stderr.read())  # no traceback
+    finally:
+        if running.process.poll() is None:
+            running.process.kill()

@@ -453,12 +453,24 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            "--max-queue",
+            help="Requests that may wait for the model at once; beyond, a 503 with Retry-After.",
+        ),
+    ] = 16,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", help="No access log (one line per request on stderr).")
+    ] = False,
     load: LoadSettings,
     speculative: SpeculativeSettings,
 ) -> None:
     """Keep a model loaded behind an OpenAI-compatible API (chat and text completions, streaming)."""
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0…65535, got {port}")
+    if max_queue < 1:
+        raise UsageError(f"--max-queue must be at least 1, got {max_queue}")
     effective = _effective(model, SamplingSettings(), PromptSettings(), load, speculative)
     from llmcli.frontends.serve import ServeRequest, run
 
@@ -472,6 +484,8 @@ def serve(
             speculative=effective.speculative,
             allowed_hosts=tuple(allowed_hosts or ()),
             cors=tuple(cors or ()),
+            max_queue=max_queue,
+            quiet=quiet,
         )
     )
     raise typer.Exit(code)

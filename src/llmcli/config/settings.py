@@ -74,6 +74,20 @@ class SamplingSettings:
         layered=True,
         bounds=Bounds(gt=0, note="1 turns it off"),
     )
+    presence_penalty: float | None = setting(
+        help="Subtract this from every token already in the text (prompt and reply); 0 = off.",
+        panel=SAMPLING,
+        builtin=0.0,
+        layered=True,
+        bounds=Bounds(ge=-2, le=2, note="0 turns it off"),
+    )
+    frequency_penalty: float | None = setting(
+        help="Subtract this × the times a token is already in the text (prompt and reply); 0 = off.",
+        panel=SAMPLING,
+        builtin=0.0,
+        layered=True,
+        bounds=Bounds(ge=-2, le=2, note="0 turns it off"),
+    )
     max_new_tokens: int | None = setting(
         flags=("--max-new-tokens", "-n"),
         help="Upper bound on reply tokens.",
@@ -146,9 +160,12 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_new_tokens: int = 512
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): a server's
 
     @property
     def greedy(self) -> bool:
@@ -157,10 +174,19 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether a rule looks at the tokens seen so far (the prompt and the reply)."""
-        return self.repetition_penalty != 1.0
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The most likely token as the model gives it: no rule changes a logit first."""
+        return self.greedy and not self.needs_history and not self.logit_bias
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The values in force, as --json and the server report them (a bias only when given)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.logit_bias:
+            del values["logit_bias"]
+        return values
 
     def with_(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)

@@ -19,7 +19,7 @@ from llmcli.config.settings import SamplingParams
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
 from llmcli.engine.loop import GenerationResult
 from llmcli.engine.stats import GenerationStats
-from llmcli.errors import ContextOverflowError
+from llmcli.errors import ContextOverflowError, UsageError
 
 if TYPE_CHECKING:
     from llmcli.models.load import LoadedModel
@@ -36,6 +36,9 @@ def beam_search(
             f"the prompt is {len(prompt_ids)} tokens; the model's context holds {loaded.context_length}",
             "shorten the input",
         )
+    if params.presence_penalty or params.frequency_penalty or params.logit_bias:
+        # transformers' beam search has no such rules: honoured nowhere, so refused here.
+        raise UsageError("beam search takes no presence or frequency penalty and no logit bias")
     model, tokenizer = loaded.model, loaded.tokenizer
     defaults = model.generation_config
     eos = sorted(loaded.eos_token_ids)

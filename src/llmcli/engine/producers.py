@@ -70,7 +70,7 @@ class Chooser:
         """The tokens `rows` [len(draft) + 1, vocab] choose: every drafted token the model
         agrees with, then its own next one."""
         params, drafted = self.params, draft.tokens
-        if params.greedy and not params.needs_history:
+        if params.plain_greedy:
             best = rows.argmax(dim=-1).tolist()  # one host sync for the whole run
             return best[: agreeing(best, drafted) + 1]
         chosen: list[int] = []

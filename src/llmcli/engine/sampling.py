@@ -26,6 +26,27 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
     return logits.scatter(1, seen_ids, penalised)
 
 
+def apply_presence_and_frequency(
+    logits: torch.Tensor, seen_ids: torch.Tensor, presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI's penalties, as vLLM computes them: each token already seen loses `presence`
+    once and `frequency` for every time it was seen (here over the prompt and the reply, the
+    tokens the repetition penalty looks at, as llama.cpp applies them)."""
+    if (presence == 0 and frequency == 0) or seen_ids.numel() == 0:
+        return logits
+    counts = torch.zeros_like(logits).scatter_add_(1, seen_ids, torch.ones_like(seen_ids, dtype=logits.dtype))
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """OpenAI's logit_bias: a number added to given tokens' logits (-100 all but bans one)."""
+    if not bias:
+        return logits
+    ids = torch.tensor([token for token, _ in bias], device=logits.device)
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(1, ids, values.expand(logits.shape[0], -1))
+
+
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """p ∝ exp(logit / T): T < 1 sharpens the distribution, T > 1 flattens it."""
     return logits if temperature == 1.0 else logits / temperature
@@ -68,8 +89,11 @@ def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, seen_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Every enabled rule, in transformers' order. Greedy only needs the repetition penalty."""
+    """Every enabled rule, in transformers' order, after the bias a request gave. Greedy only
+    needs the bias and the penalties."""
+    logits = apply_logit_bias(logits, params.logit_bias)
     logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    logits = apply_presence_and_frequency(logits, seen_ids, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         return logits
     logits = apply_temperature(logits, params.temperature)

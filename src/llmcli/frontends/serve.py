@@ -1,6 +1,7 @@
 """`llmcli serve`: load once, then answer OpenAI-compatible requests until stopped.
 
-The socket is bound before the server is announced, so a port in use is one clear line, and the
+Only `llmcli serve` imports this module (and uvicorn with it). The socket is bound before the
+server is announced, so a port in use is one clear line, and the
 runtime record (server/runtime.py) exists only while something listens behind it.
 """
 
@@ -11,7 +12,10 @@ import dataclasses
 import ipaddress
 import signal
 import socket
+import threading
 from dataclasses import dataclass, field
+
+import uvicorn
 
 from llmcli.config.settings import LoadSettings, SpeculativeSettings
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
@@ -31,6 +35,8 @@ class ServeRequest:
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     allowed_hosts: tuple[str, ...] = ()  # names a Host header may carry besides the address
     cors: tuple[str, ...] = ()  # web origins allowed to call it
+    max_queue: int = 16  # generations waiting for the worker, at most
+    quiet: bool = False  # no access log
 
 
 def is_loopback(host: str) -> bool:
@@ -68,7 +74,6 @@ def bind(host: str, port: int) -> socket.socket:
 def run(request: ServeRequest) -> int:
     check_exposure(request.host, request.api_key)
     sock = bind(request.host, request.port)  # before the load: a taken port fails in a second
-    import uvicorn
 
     from llmcli.models.resolve import default_model_spec
     from llmcli.server.app import Served, create_app
@@ -85,6 +90,8 @@ def run(request: ServeRequest) -> int:
         host=request.host,
         allowed_hosts=request.allowed_hosts,
         cors=request.cors,
+        max_queue=request.max_queue,
+        quiet=request.quiet,
     )
     speculative = request.speculative
     # Lookup costs nothing to offer, so any request may ask for it; drafting needs the model loaded.
@@ -100,7 +107,7 @@ def run(request: ServeRequest) -> int:
     config = uvicorn.Config(
         create_app(served), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
     )
-    server = uvicorn.Server(config)
+    server = StoppingServer(config, served.stopping)
     draft_model = speculative.draft_model if speculative.method == "draft" else None
     write_record(url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load, draft_model)
     terminal.note(f"Serving {loaded.name} at {url}/v1 (Ctrl-C stops).")
@@ -117,6 +124,20 @@ def run(request: ServeRequest) -> int:
         with contextlib.suppress(OSError):
             sock.close()
     return EXIT_OK
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, which first tells every generation to stop: a shutdown cuts the replies
+    in flight (their streams get an error event) and refuses waiting requests, rather than
+    waiting them out."""
+
+    def __init__(self, config: uvicorn.Config, stopping: threading.Event) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        self.stopping.set()
+        super().handle_exit(sig, frame)
 
 
 def _exit_quietly(signum: int, frame: object) -> None:

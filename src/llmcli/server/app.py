@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -35,7 +35,8 @@ from llmcli.engine.reasoning import REASONING
 from llmcli.engine.reply import TOOL_CALL, ReplyStream
 from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import LlmcliError
-from llmcli.server.guard import HostGuard
+from llmcli.server.guard import HostGuard, KeyGuard
+from llmcli.server.metrics import Metrics, Observed
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MAX_BODY_BYTES = 8 << 20  # a prompt of ~2M tokens: larger is a mistake, not a prompt
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass
@@ -64,6 +66,31 @@ class Served:
     host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
     cors: tuple[str, ...] = ()
+    max_queue: int = 16  # generations waiting for the worker, at most: beyond, a 503
+    quiet: bool = False  # no access log
+    metrics: Metrics = field(default_factory=Metrics)
+    waiting: int = 0  # generations submitted and not started yet
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stopping: threading.Event = field(default_factory=threading.Event)  # shutting down: stop all
+
+    def admit(self) -> Ticket:
+        """Count a request in from its arrival (it waits for the worker to tokenize, then to
+        generate), or refuse it: the queue is bounded (--max-queue), and a stopping server
+        takes nothing new."""
+        if self.stopping.is_set():
+            raise RequestError(503, "the server is shutting down", code="shutting_down")
+        with self.lock:
+            if self.waiting >= self.max_queue:
+                message = (
+                    f"the server is busy: {self.waiting} requests are waiting (--max-queue {self.max_queue})"
+                )
+                raise RequestError(503, message, code="queue_full", headers={"Retry-After": "5"})
+            self.count_waiting(+1)
+        return Ticket(self)
+
+    def count_waiting(self, change: int) -> None:
+        self.waiting += change
+        self.metrics.waiting.set(self.waiting)
 
     def info(self) -> dict[str, Any]:
         loaded = self.loaded
@@ -81,6 +108,21 @@ class Served:
         }
 
 
+class Ticket:
+    """A request's place in the queue: given up when its generation starts, or when it ends
+    without one (refused, failed, its client gone)."""
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.held = True
+
+    def release(self) -> None:
+        with self.served.lock:
+            if self.held:
+                self.held = False
+                self.served.count_waiting(-1)
+
+
 @dataclass
 class Outcome:
     text: str  # the answer
@@ -93,26 +135,32 @@ class Outcome:
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def create_app(served: Served) -> ASGIApp:
     app = FastAPI(title="llmcli", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next: Callable[[Request], Any]) -> Any:
-        guarded = served.api_key and request.url.path.startswith("/v1/")
-        if guarded and request.headers.get("authorization", "") != f"Bearer {served.api_key}":
-            message = "a valid API key is required (Authorization: Bearer …)"
-            return _error(401, message, code="invalid_api_key")
-        return await call_next(request)
-
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", **served.info()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(served.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -122,12 +170,13 @@ def create_app(served: Served) -> ASGIApp:
         }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest) -> Any:
+    async def chat_completions(body: ChatRequest, request: Request) -> Any:
         from jinja2.exceptions import TemplateError
 
         from llmcli.engine.conversation import prompt_ids
         from llmcli.engine.tools.turn import tool_turn
 
+        ticket = request.state.ticket = served.admit()  # given back by the worker or the error handler
         try:
             tools = body.tool_request()
         except LlmcliError as error:
@@ -163,24 +212,26 @@ def create_app(served: Served) -> ASGIApp:
             return ids, turn
 
         ids, turn = await _on_worker(served, tokenize)
-        return await _respond(served, body, ids, chat=True, tools=turn)
+        return await _respond(served, request, body, ids, ticket, chat=True, tools=turn)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        ticket = request.state.ticket = served.admit()
         text = body.text()
         ids = await _on_worker(
             served, lambda: list(served.loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
         )
-        return await _respond(served, body, ids, chat=False)
+        return await _respond(served, request, body, ids, ticket, chat=False)
 
-    guarded: ASGIApp = app
+    guarded: ASGIApp = KeyGuard(app, served.api_key)
     if served.cors:
         from starlette.middleware.cors import CORSMiddleware
 
         guarded = CORSMiddleware(
-            app, allow_origins=list(served.cors), allow_methods=["*"], allow_headers=["*"]
+            guarded, allow_origins=list(served.cors), allow_methods=["*"], allow_headers=["*"]
         )
-    return BodyLimit(HostGuard(guarded, served.host, served.allowed_hosts, served.cors), MAX_BODY_BYTES)
+    limited = BodyLimit(HostGuard(guarded, served.host, served.allowed_hosts, served.cors), MAX_BODY_BYTES)
+    return Observed(limited, served.metrics, served.quiet)
 
 
 async def _on_worker(served: Served, work: Callable[[], T]) -> T:
@@ -198,11 +249,20 @@ class Job:
     speculative: str
     output: OutputFormat | None
     chat: bool
+    ticket: Ticket
     tools: ToolTurn | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 async def _respond(
-    served: Served, body: _Sampling, ids: list[int], *, chat: bool, tools: ToolTurn | None = None
+    served: Served,
+    request: Request,
+    body: _Sampling,
+    ids: list[int],
+    ticket: Ticket,
+    *,
+    chat: bool,
+    tools: ToolTurn | None = None,
 ) -> Any:
     sampling = _checked_sampling(body)
     method = body.speculative or served.speculative
@@ -224,16 +284,31 @@ async def _respond(
             f"exceeds the context of {context}"
         )
         raise RequestError(400, message, "max_tokens", "context_length_exceeded")
-    job = Job(ids, sampling, method, output, chat, tools)
+    try:
+        bias = body.bias(served.loaded.vocab_size)
+    except LlmcliError as error:
+        raise RequestError(400, error.message, "logit_bias") from None
+    job = Job(ids, sampling, method, output, chat, ticket, tools, bias)
     loop = asyncio.get_running_loop()
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if not body.stream:
-        work = functools.partial(_generate, served, job, None, threading.Event())
-        outcome = await loop.run_in_executor(served.worker, work)
+        cancelled = threading.Event()
+        work = functools.partial(_generate, served, job, None, cancelled)
+        future = loop.run_in_executor(served.worker, work)
+        # A client that leaves stops its generation at the next token (or before it starts).
+        while not (await asyncio.wait({future}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                cancelled.set()
+        outcome = await future
+        if outcome is None and served.stopping.is_set():
+            raise RequestError(503, "the server is shutting down: this reply was cut", code="shutting_down")
+        if outcome is None:  # nobody is there to read an answer
+            return Response(status_code=499)
+        request.state.usage = (outcome.stats.prompt_tokens, outcome.stats.completion_tokens)
         return _completion(served, request_id, created, outcome, chat)
     return StreamingResponse(
-        _stream(served, job, request_id, created, body.include_usage),
+        _stream(served, request, job, request_id, created, body.include_usage),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -253,10 +328,12 @@ def _generate(
 ) -> Outcome | None:
     """On the worker thread: one generation, start to end (None when its client left first).
     `on_piece` gets (channel, piece): reasoning or content text, or a part of a tool call."""
-    if cancelled.is_set():
+    job.ticket.release()
+    if cancelled.is_set() or served.stopping.is_set():
+        served.metrics.cancelled.inc()
         return None
     loaded = served.loaded
-    params = job.sampling.resolve(loaded.generation_config)
+    params = job.sampling.resolve(loaded.generation_config).with_(logit_bias=job.logit_bias)
     served.engine.speculation = served.speculations[job.speculative]
     constraint = None
     if job.output is not None:  # here: llguidance reads the tokenizer, which only this thread uses
@@ -271,7 +348,7 @@ def _generate(
     stream = ReplyStream(loaded.tokenizer if job.chat else None, job.ids, reader)
     try:
         for channel, piece in stream.split(generation):
-            if cancelled.is_set():
+            if cancelled.is_set() or served.stopping.is_set():
                 generation.interrupt()
                 break
             if on_piece is not None:
@@ -280,6 +357,12 @@ def _generate(
         generation.interrupt()  # the cache must match what it says it holds, whatever went wrong
         raise
     result = generation.result
+    served.metrics.generation(result.stats)
+    if cancelled.is_set():
+        served.metrics.cancelled.inc()
+        return None
+    if served.stopping.is_set():
+        return None  # cut by a shutdown: the stream says so, a waiting request gets a 503
     text, reasoning, reasoning_tokens, calls = stream.summary(result)
     return Outcome(
         text, result.finish_reason, result.stats, params.as_dict(), reasoning, reasoning_tokens, calls
@@ -287,7 +370,7 @@ def _generate(
 
 
 async def _stream(
-    served: Served, job: Job, request_id: str, created: int, include_usage: bool
+    served: Served, request: Request, job: Job, request_id: str, created: int, include_usage: bool
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -319,7 +402,10 @@ async def _stream(
             yield _sse(error_body(_describe(error), "server_error"))
             return
         if outcome is None:
+            if served.stopping.is_set():  # an error event and no [DONE]: the client knows it was cut
+                yield _sse(error_body("the server is shutting down: this reply was cut", "server_error"))
             return
+        request.state.usage = (outcome.stats.prompt_tokens, outcome.stats.completion_tokens)
         final = chunk({} if chat else "", _finish_reason(outcome))
         final["timings"], final["sampling"] = _timings(outcome), outcome.sampling
         yield _sse(final)
@@ -445,8 +531,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where, "invalid_value")
 
     @app.exception_handler(RequestError)
-    async def refused(_: Request, error: RequestError) -> JSONResponse:
-        return _error(error.status, error.message, error.param, error.code)
+    async def refused(request: Request, error: RequestError) -> JSONResponse:
+        _release(request)
+        response = _error(error.status, error.message, error.param, error.code)
+        response.headers.update(error.headers or {})
+        return response
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -457,12 +546,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(error.status_code, str(error.detail))
 
     @app.exception_handler(LlmcliError)
-    async def llmcli_error(_: Request, error: LlmcliError) -> JSONResponse:
+    async def llmcli_error(request: Request, error: LlmcliError) -> JSONResponse:
+        _release(request)
         return _error(400, error.one_line())
 
     @app.exception_handler(Exception)
-    async def crashed(_: Request, error: Exception) -> JSONResponse:
+    async def crashed(request: Request, error: Exception) -> JSONResponse:
+        _release(request)
         return _error(500, _describe(error))
+
+
+def _release(request: Request) -> None:
+    """A request that failed before its generation started gives its place in the queue back."""
+    ticket = getattr(request.state, "ticket", None)
+    if ticket is not None:
+        ticket.release()
 
 
 class BodyLimit:

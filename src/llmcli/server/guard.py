@@ -68,10 +68,28 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 
 async def _forbidden(message: str, send: Send) -> None:
-    body = json.dumps(
-        {"error": {"message": message, "type": "permission_error", "param": None, "code": "forbidden"}}
-    )
-    await send(
-        {"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"application/json")]}
-    )
+    await _refuse(403, message, "permission_error", "forbidden", send)
+
+
+async def _refuse(status: int, message: str, kind: str, code: str, send: Send) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body.encode()})
+
+
+class KeyGuard:
+    """401 for a /v1/ request without the server's key (`Authorization: Bearer KEY`). Pure ASGI:
+    Starlette's BaseHTTPMiddleware holds streamed responses back at shutdown."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1/")
+        if guarded and dict(scope.get("headers", ())).get(b"authorization", b"") != self.expected:
+            message = "a valid API key is required (Authorization: Bearer …)"
+            await _refuse(401, message, "authentication_error", "invalid_api_key", send)
+            return
+        await self.app(scope, receive, send)

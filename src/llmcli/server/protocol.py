@@ -86,6 +86,7 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     n: int = Field(default=1, ge=1, le=1)  # one choice per request: batch-1 decode
     speculative: Literal["off", "lookup", "draft"] | None = None  # llmcli's: default, the server's
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) → added to its logit, -100…100
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -108,6 +109,24 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
         if any(stop == "" for stop in stops):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are in -100…100, got {bias} for token {token}")
+        return value
+
+    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (id, bias) pairs; an id outside the vocabulary is a UsageError."""
+        pairs = tuple((int(token), float(bias)) for token, bias in (self.logit_bias or {}).items())
+        outside = [token for token, _ in pairs if token >= vocab_size]
+        if outside:
+            raise UsageError(f"logit_bias names token {outside[0]}; the vocabulary has {vocab_size} tokens")
+        return pairs
 
     def sampling(self) -> SamplingSettings:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
