@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmcli.config.settings import LoadSettings, SamplingParams
 from llmcli.engine.conversation import build_messages, prompt_ids
@@ -563,3 +564,75 @@ def test_a_shutdown_cuts_streams_with_an_error_and_refuses_waiting_requests(tmp_
     finally:
         if running.process.poll() is None:
             running.process.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path):
+    """transformers' own model and tokenizer: the log-softmax the server's logprobs must equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def test_chat_logprobs_equal_transformers_log_softmax(server: Server, reference) -> None:
+    model, tokenizer = reference
+    messages = build_messages("Hello there")
+    asked = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    whole = server.client().chat.completions.create(**asked)
+    entries = whole.choices[0].logprobs.content
+    ids = prompt_ids(tokenizer, messages)
+    with torch.no_grad():
+        for entry in entries:
+            row = model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+            best = int(row.argmax())  # greedy: the token the server chose
+            assert entry.token == tokenizer.decode([best])
+            assert abs(entry.logprob - float(row[best])) <= 1e-4
+            assert len(entry.top_logprobs) == 3 and abs(entry.top_logprobs[0].logprob - entry.logprob) <= 1e-6
+            ids.append(best)
+    stream = server.client().chat.completions.create(**asked, stream=True)
+    streamed = [
+        e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
+        (e.token, round(e.logprob, 5)) for e in entries
+    ]
+
+
+def test_completions_echo_scores_the_prompt_as_transformers_does(server: Server, reference) -> None:
+    model, tokenizer = reference
+    prompt = "The capital of France is Paris."
+    scored = server.client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2
+    )
+    choice = scored.choices[0]
+    ids = tokenizer(prompt)["input_ids"]
+    assert choice.text == tokenizer.decode(ids) and len(choice.logprobs.tokens) == len(ids)
+    assert choice.logprobs.token_logprobs[0] is None  # nothing comes before the first token
+    with torch.no_grad():
+        rows = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for position in range(1, len(ids)):
+        assert (
+            abs(choice.logprobs.token_logprobs[position] - float(rows[position - 1, ids[position]])) <= 1e-4
+        )
+        top = choice.logprobs.top_logprobs[position]  # keyed by text: two byte pieces may share "�"
+        assert 1 <= len(top) <= 2 and abs(max(top.values()) - float(rows[position - 1].max())) <= 1e-4
+    generated = server.client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=0
+    )
+    assert generated.choices[0].text.startswith(tokenizer.decode(ids))
+    assert len(generated.choices[0].logprobs.token_logprobs) == len(ids) + 4
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "needs echo"),
+        ({"prompt": "hi", "best_of": 3}, "best_of is not supported"),
+        ({"prompt": "hi", "suffix": "end"}, "suffix"),
+        ({"prompt": "hi", "logprobs": 9}, "logprobs"),
+    ],
+)
+def test_what_completions_cannot_do_is_a_400_that_says_so(server: Server, body: dict, words: str) -> None:
+    status, answer = server.raw("POST", "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and words in answer["error"]["message"], answer

@@ -22,7 +22,7 @@ import torch
 from llmcli.config.settings import SamplingParams
 from llmcli.engine import producers
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
-from llmcli.engine.producers import Chooser
+from llmcli.engine.producers import Chooser, TokenLogprob
 from llmcli.engine.reasoning import think_tracker
 from llmcli.engine.sampling import make_generator
 from llmcli.engine.speculative import Speculation, SpeculativeStats
@@ -42,6 +42,7 @@ class GenerationResult:
     finish_reason: str  # "stop", "length" or "interrupted"
     stats: GenerationStats = field(default_factory=GenerationStats)
     value_complete: bool | None = None  # with a constraint: whether the JSON value was finished
+    logprobs: list[TokenLogprob] | None = None  # asked for: one per token in token_ids
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -150,16 +151,20 @@ class Engine:
         constraint: Constraint | None = None,
         think_budget: int | None = None,
         keep_special: bool = False,
+        logprobs: int | None = None,
     ) -> Generation:
         """A reply in progress: iterate it for text pieces, then read `result`. A reasoning
         model thinks for `think_budget` tokens at most; a constraint starts when it stops.
-        `keep_special`: special tokens stay in the text (a tool call's markers may be some)."""
+        `keep_special`: special tokens stay in the text (a tool call's markers may be some).
+        `logprobs`: record each token's log-probability and that many alternatives (no drafts)."""
         if len(prompt_ids) >= self.context_length:
             raise ContextOverflowError(
                 f"the prompt is {len(prompt_ids)} tokens; the model's context holds {self.context_length}",
                 "shorten the input",
             )
-        return Generation(self, prompt_ids, params, tokenizer, constraint, think_budget, keep_special)
+        generation = Generation(self, prompt_ids, params, tokenizer, constraint, think_budget, keep_special)
+        generation.logprobs = logprobs
+        return generation
 
     def complete(
         self,
@@ -204,6 +209,7 @@ class Generation:
         tracked = think_budget is not None or constraint is not None
         self._thinking = think_tracker(tokenizer, prompt_ids, think_budget) if tracked else None
         self._choose: Chooser | None = None
+        self.logprobs: int | None = None  # record log-probabilities, with this many alternatives
         self._emitted: list[str] = []
         self._running: Iterator[str] | None = None
         self._first_token_at = 0.0
@@ -235,7 +241,15 @@ class Generation:
             finish_reason=self.finish_reason,
             stats=self.stats,
             value_complete=None if self._constraint is None else self._constraint.complete,
+            logprobs=self.recorded_logprobs,
         )
+
+    @property
+    def recorded_logprobs(self) -> list[TokenLogprob] | None:
+        """What was recorded so far (one per token taken), when asked for."""
+        if self.logprobs is None:
+            return None
+        return list(self._choose.recorded[: len(self.token_ids)]) if self._choose else []
 
     def _run(self) -> Iterator[str]:
         start = time.perf_counter()
@@ -272,10 +286,12 @@ class Generation:
         self.prefill_logits = logits
         generator = make_generator(params.seed, engine.device) if not params.greedy else None
         choose = Chooser(params, generator, engine.device, list(self._prompt_ids), self._constraint)
+        choose.logprobs = self.logprobs
         if self._thinking is not None:
             choose.constrained = self._constraint is not None and not self._thinking.thinking
         self._choose = choose
-        speculation = engine.speculation if self._constraint is None else None
+        # A grammar and log-probabilities follow one token at a time: no drafts.
+        speculation = engine.speculation if self._constraint is None and self.logprobs is None else None
         if speculation is None:
             return producers.plain(engine, logits, choose)
         speculation.drafter.start(self._prompt_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,13 @@ if TYPE_CHECKING:
     from llmcli.engine.loop import Engine
     from llmcli.engine.speculative import Speculation, SpeculativeStats
     from llmcli.engine.structured.constraint import Constraint
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at that step, best first
 
 
 class Chooser:
@@ -51,6 +59,11 @@ class Chooser:
         self.constraint = constraint
         self.constrained = constraint is not None  # off while a reasoning model thinks
         self.forced: list[int] = []  # tokens to take next whatever the logits say
+        # With `logprobs` (the most likely alternatives to report, 0: none), each chosen token's
+        # log-probability under the model's own logits, and its alternatives', as vLLM defines
+        # them: log-softmax before any sampling rule or grammar.
+        self.logprobs: int | None = None
+        self.recorded: list[TokenLogprob] = []
 
     def force(self, token_ids: list[int]) -> None:
         """Take these tokens next (a thinking budget's end marker), before sampling again."""
@@ -58,13 +71,25 @@ class Chooser:
 
     def one(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The next token, as an id and as a device tensor (the next decode step's input)."""
+        raw = logits
         if self.forced:
             token_id = self.forced.pop(0)
+            self._record(raw, token_id)
             return token_id, torch.tensor([token_id], dtype=torch.long, device=self.device)
         if self.constraint is not None and self.constrained:
             logits = self.constraint.mask(logits)  # before every sampling filter
         token = pick_token(process_logits(logits, self.seen([]), self.params), self.params, self.generator)
-        return int(token), token  # the one host sync per token: the id is printed
+        token_id = int(token)  # the one host sync per token: the id is printed
+        self._record(raw, token_id)
+        return token_id, token
+
+    def _record(self, logits: torch.Tensor, token_id: int) -> None:
+        if self.logprobs is None:
+            return
+        row = logits[0].float().log_softmax(dim=-1)
+        top = row.topk(self.logprobs) if self.logprobs else None
+        alternatives = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
+        self.recorded.append(TokenLogprob(token_id, float(row[token_id]), alternatives))
 
     def run(self, rows: torch.Tensor, draft: Draft) -> list[int]:
         """The tokens `rows` [len(draft) + 1, vocab] choose: every drafted token the model

@@ -36,6 +36,7 @@ from llmcli.engine.reply import TOOL_CALL, ReplyStream
 from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import LlmcliError
 from llmcli.server.guard import HostGuard, KeyGuard
+from llmcli.server.logprobs import chat_logprobs, completion_logprobs, score_prompt
 from llmcli.server.metrics import Metrics, Observed
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MAX_BODY_BYTES = 8 << 20  # a prompt of ~2M tokens: larger is a mistake, not a prompt
+LOGPROBS, ECHO = "logprobs", "echo"  # the stream's channels beside text and tool calls
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
@@ -132,6 +134,10 @@ class Outcome:
     reasoning: str | None = None  # a reasoning model's thinking; None for a model that does not think
     reasoning_tokens: int | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[Any] | None = None  # asked for: one TokenLogprob per completion token
+    prompt_ids: list[int] = field(default_factory=list)  # with echo: the prompt, scored
+    prompt_logprobs: list[Any] | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class RequestError(Exception):
@@ -221,6 +227,8 @@ def create_app(served: Served) -> ASGIApp:
         ids = await _on_worker(
             served, lambda: list(served.loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
         )
+        if body.scores_only:
+            return await _scores_only(served, body, ids, ticket)
         return await _respond(served, request, body, ids, ticket, chat=False)
 
     guarded: ASGIApp = KeyGuard(app, served.api_key)
@@ -252,6 +260,8 @@ class Job:
     ticket: Ticket
     tools: ToolTurn | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # alternatives per token to report (0: the chosen one's only)
+    echo: bool = False  # completions: the prompt and its logprobs first
 
 
 async def _respond(
@@ -288,7 +298,8 @@ async def _respond(
         bias = body.bias(served.loaded.vocab_size)
     except LlmcliError as error:
         raise RequestError(400, error.message, "logit_bias") from None
-    job = Job(ids, sampling, method, output, chat, ticket, tools, bias)
+    logprobs, echo = _logprobs_asked(body, method)
+    job = Job(ids, sampling, method, output, chat, ticket, tools, bias, logprobs, echo)
     loop = asyncio.get_running_loop()
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
@@ -312,6 +323,48 @@ async def _respond(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def _scores_only(served: Served, body: CompletionRequest, ids: list[int], ticket: Ticket) -> Any:
+    """max_tokens 0 with echo: the prompt's tokens and their logprobs, nothing generated (how
+    lm-eval asks for a loglikelihood)."""
+    if not body.echo:
+        raise RequestError(400, "max_tokens 0 generates nothing: it needs echo: true", "max_tokens")
+    if len(ids) > served.loaded.context_length:
+        message = f"the prompt is {len(ids)} tokens; the context holds {served.loaded.context_length}"
+        raise RequestError(400, message, "prompt", "context_length_exceeded")
+
+    def score() -> list[Any]:
+        ticket.release()
+        return score_prompt(served.engine, ids, body.logprobs or 0)
+
+    scored = await asyncio.get_running_loop().run_in_executor(served.worker, score)
+    tokenizer = served.loaded.tokenizer
+    logprobs = completion_logprobs(tokenizer, ids, scored) if body.logprobs is not None else None
+    choice = {"index": 0, "text": tokenizer.decode(ids), "finish_reason": "length", "logprobs": logprobs}
+    return {
+        "id": "cmpl-" + uuid.uuid4().hex[:24],
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.model_id,
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)},
+    }
+
+
+def _logprobs_asked(body: _Sampling, method: str) -> tuple[int | None, bool]:
+    """(alternatives per token or None, echo): chat's logprobs/top_logprobs, completions'
+    logprobs N and echo. Drafts are checked several at a time: not with logprobs."""
+    if isinstance(body, ChatRequest):
+        try:
+            count, echo = body.logprob_count(), False
+        except LlmcliError as error:
+            raise RequestError(400, error.message, "top_logprobs") from None
+    else:
+        count, echo = getattr(body, "logprobs", None), bool(getattr(body, "echo", False))
+    if count is not None and body.speculative not in (None, "off"):
+        raise RequestError(400, "logprobs and speculative decoding do not combine", "speculative")
+    return count, echo
 
 
 def _checked_sampling(body: _Sampling) -> SamplingSettings:
@@ -341,9 +394,15 @@ def _generate(
 
         constraint = Constraint(job.output, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
     reader = job.tools.reader() if job.tools is not None else None
+    prompt_logprobs = None
+    if job.echo:  # the prompt scored in one pass; the generation then reuses the cache
+        prompt_logprobs = score_prompt(served.engine, job.ids, job.logprobs or 0)
+        if on_piece is not None:
+            on_piece(ECHO, prompt_logprobs)
     generation = served.engine.generate(
-        job.ids, params, loaded.tokenizer, constraint, keep_special=reader is not None
+        job.ids, params, loaded.tokenizer, constraint, keep_special=reader is not None, logprobs=job.logprobs
     )
+    sent = 0  # logprobs streamed so far
     # A chat's reply is split into thinking, answer and calls; a text completion's is the text.
     stream = ReplyStream(loaded.tokenizer if job.chat else None, job.ids, reader)
     try:
@@ -351,6 +410,11 @@ def _generate(
             if cancelled.is_set() or served.stopping.is_set():
                 generation.interrupt()
                 break
+            if on_piece is not None and job.logprobs is not None:
+                recorded = generation.recorded_logprobs or []
+                if len(recorded) > sent:
+                    on_piece(LOGPROBS, recorded[sent:])
+                    sent = len(recorded)
             if on_piece is not None:
                 on_piece(channel, piece)
     except BaseException:
@@ -364,9 +428,13 @@ def _generate(
     if served.stopping.is_set():
         return None  # cut by a shutdown: the stream says so, a waiting request gets a 503
     text, reasoning, reasoning_tokens, calls = stream.summary(result)
-    return Outcome(
+    outcome = Outcome(
         text, result.finish_reason, result.stats, params.as_dict(), reasoning, reasoning_tokens, calls
     )
+    outcome.logprobs, outcome.token_ids = result.logprobs, result.token_ids
+    if job.echo:
+        outcome.prompt_ids, outcome.prompt_logprobs = job.ids, prompt_logprobs
+    return outcome
 
 
 async def _stream(
@@ -393,6 +461,18 @@ async def _stream(
                 break
             if kind == TOOL_CALL:
                 yield _sse(chunk({"tool_calls": [_call_delta(piece)]}, None))
+                continue
+            if kind in (LOGPROBS, ECHO):  # the tokens of the text that follows, scored
+                tokenizer = served.loaded.tokenizer
+                ids = job.ids if kind == ECHO else [entry.token_id for entry in piece]
+                if chat:
+                    scored = chunk({}, None)
+                    scored["choices"][0]["logprobs"] = chat_logprobs(tokenizer, piece)
+                else:
+                    text = tokenizer.decode(ids) if kind == ECHO else ""
+                    scored = chunk(text, None)
+                    scored["choices"][0]["logprobs"] = completion_logprobs(tokenizer, ids, piece)
+                yield _sse(scored)
                 continue
             delta = {"reasoning_content" if kind == REASONING else "content": piece}
             yield _sse(chunk(delta if chat else piece, None))
@@ -452,9 +532,18 @@ def _completion(served: Served, request_id: str, created: int, outcome: Outcome 
             message["tool_calls"] = [call.openai() for call in calls]
         if outcome.reasoning_tokens is not None:  # a model that thinks: its thinking, apart
             message["reasoning_content"] = outcome.reasoning
-        choice = {"index": 0, "message": message, "finish_reason": finish}
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        if outcome.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(served.loaded.tokenizer, outcome.logprobs)
     else:
         choice = {"index": 0, "text": outcome.text, "finish_reason": finish, "logprobs": None}
+        tokenizer = served.loaded.tokenizer
+        prompt_text = tokenizer.decode(outcome.prompt_ids) if outcome.prompt_logprobs is not None else ""
+        if outcome.logprobs is not None or outcome.prompt_logprobs is not None:
+            ids = outcome.prompt_ids + outcome.token_ids[: len(outcome.logprobs or [])]
+            entries = [*(outcome.prompt_logprobs or []), *(outcome.logprobs or [])]
+            choice["logprobs"] = completion_logprobs(tokenizer, ids, entries)
+        choice["text"] = prompt_text + outcome.text
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",

@@ -184,6 +184,8 @@ class ChatRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    logprobs: bool = False  # each token's log-probability (the model's own log-softmax)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # and this many alternatives
     # OpenAI's deprecated form of tools: refused with a pointer to `tools`, never ignored.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -208,6 +210,12 @@ class ChatRequest(_Sampling):
     def think_off(self) -> bool:
         return (self.chat_template_kwargs or {}).get("enable_thinking") is False
 
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token (0: the chosen token's only); None: no logprobs."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UsageError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def chat_messages(self) -> list[dict[str, Any]]:
         roles = {"developer": "system"}  # OpenAI's newer name for the system role
         messages: list[dict[str, Any]] = []
@@ -224,6 +232,30 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # alternatives per token, as OpenAI's
+    echo: bool = False  # the prompt, and its tokens' log-probabilities, before the completion
+    # 0 with echo: score the prompt only (lm-eval's loglikelihood requests).
+    max_tokens: int | None = Field(default=None, ge=0)
+    best_of: int | None = None  # refused above 1: one completion is generated per prompt
+    suffix: str | None = None  # refused: no fill-in-the-middle here
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("best_of is not supported: one completion is generated per prompt")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (fill in the middle) is not supported")
+        return value
+
+    @property
+    def scores_only(self) -> bool:
+        return self.max_tokens == 0
 
     @field_validator("prompt")
     @classmethod
