@@ -163,3 +163,26 @@ def test_a_second_call_reuses_the_cached_prefix(loaded_tiny) -> None:
     list(second)
     assert second.result.stats.prefilled_tokens == 3
     assert second.result.token_ids == reference_greedy(loaded_tiny, longer, GREEDY.max_new_tokens)
+
+
+def test_a_character_cut_by_the_length_limit_is_dropped_not_shown_as_a_replacement(loaded_tiny) -> None:
+    """Random weights write emoji and CJK byte by byte: cut at every length, the text never
+    ends in U+FFFD, while the tokens' own decode does at some lengths (so the cut did happen)."""
+    from llmcli.config.settings import SamplingParams
+    from llmcli.engine.conversation import build_messages, prompt_ids
+    from llmcli.engine.loop import Engine
+
+    tokenizer = loaded_tiny.tokenizer
+    engine = Engine.for_loaded(loaded_tiny)
+    ids = prompt_ids(tokenizer, build_messages("Emoji split across tokens: 😀 🎉 🚀 and 你好，世界"))
+    cut_somewhere = False
+    for seed in range(6):
+        for limit in range(1, 24):
+            engine.reset()
+            params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=limit)
+            result = engine.complete(ids, params, tokenizer)
+            if result.finish_reason != "length":
+                break
+            assert not result.text.endswith("\ufffd"), (seed, limit)
+            cut_somewhere |= tokenizer.decode(result.token_ids).endswith("\ufffd")
+    assert cut_somewhere

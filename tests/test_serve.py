@@ -235,7 +235,7 @@ def test_concurrent_clients_each_get_their_own_reply(server: Server, in_process)
             400,
         ),  # not text: no tokenizer takes it
         (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(), 400),
-        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), 400),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 99}).encode(), 400),
         (b'{"messages": [{"role": "user", "content": "' + b"a" * (9 << 20) + b'"}]}', 413),
     ],
 )
@@ -458,6 +458,16 @@ def test_cors_and_allowed_hosts_open_exactly_what_they_name(tiny_llama: Path, tm
         running.process.wait(timeout=30)
 
 
+def read_until_text(stream: http.client.HTTPResponse) -> None:
+    """Read a stream until its first piece of text: its generation has started (the first event,
+    the role, comes before that)."""
+    while True:
+        line = stream.readline()
+        assert line, "the stream ended before any text"
+        if b'"content": "' in line and b'"content": ""' not in line:
+            return
+
+
 def metric(server: Server, name: str) -> float:
     connection = http.client.HTTPConnection(server.host, int(server.port), timeout=30)
     connection.request("GET", "/metrics")
@@ -505,7 +515,7 @@ def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Pa
         long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
                      {"Content-Type": "application/json"})  # fmt: skip
         stream = long.getresponse()
-        stream.readline()  # the first event: the worker is busy with it
+        read_until_text(stream)  # the worker is generating it
         waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
         waiting.request(
             "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
@@ -550,7 +560,7 @@ def test_a_shutdown_cuts_streams_with_an_error_and_refuses_waiting_requests(tmp_
         long = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
         long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), headers)
         stream = long.getresponse()
-        stream.readline()
+        read_until_text(stream)
         waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
         waiting.request("POST", "/v1/chat/completions", json.dumps(body), headers)
         wait_for(lambda: metric(running, "llmcli_queue_depth") == 1, "the second request to wait")
@@ -636,3 +646,34 @@ def test_completions_echo_scores_the_prompt_as_transformers_does(server: Server,
 def test_what_completions_cannot_do_is_a_400_that_says_so(server: Server, body: dict, words: str) -> None:
     status, answer = server.raw("POST", "/v1/completions", json.dumps(body).encode())
     assert status == 400 and words in answer["error"]["message"], answer
+
+
+def test_several_prompts_and_n_choices_come_back_one_choice_each(server: Server, in_process) -> None:
+    client = server.client()
+    texts = ["Hello there", "The capital of France"]
+    many = client.completions.create(model="tiny", prompt=texts, max_tokens=5, temperature=0)
+    assert [choice.index for choice in many.choices] == [0, 1]
+    singles = [
+        client.completions.create(model="tiny", prompt=text, max_tokens=5, temperature=0) for text in texts
+    ]
+    assert [c.text for c in many.choices] == [s.choices[0].text for s in singles]
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    # Token ids are a prompt too: the same ids, the same reply.
+    status, ids_reply = server.raw(
+        "POST", "/v1/completions",
+        json.dumps({"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 3, "temperature": 0}).encode(),
+    )  # fmt: skip
+    assert status == 200 and len(ids_reply["choices"]) == 2
+    status, refused = server.raw("POST", "/v1/completions", json.dumps({"prompt": [10**7]}).encode())
+    assert status == 400 and "not in the vocabulary" in refused["error"]["message"]
+    # n choices: a seed moves on per choice, so sampled choices differ; streamed alike.
+    messages = build_messages("Hello there")
+    asked = dict(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=5, n=3)
+    whole = client.chat.completions.create(**asked)
+    texts_n = [choice.message.content for choice in whole.choices]
+    assert [choice.index for choice in whole.choices] == [0, 1, 2] and len(set(texts_n)) > 1
+    streamed = {0: "", 1: "", 2: ""}
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [streamed[i] for i in range(3)] == texts_n

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ipaddress
+import logging
 import signal
 import socket
 import threading
@@ -108,6 +109,9 @@ def run(request: ServeRequest) -> int:
         create_app(served), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
     )
     server = StoppingServer(config, served.stopping)
+    # asyncio's "socket.send() raised exception." when a client left mid-stream is not ours to
+    # print: the generation stops at its next token, and the access log says how it ended.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     draft_model = speculative.draft_model if speculative.method == "draft" else None
     write_record(url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load, draft_model)
     terminal.note(f"Serving {loaded.name} at {url}/v1 (Ctrl-C stops).")

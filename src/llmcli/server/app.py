@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -218,18 +218,19 @@ def create_app(served: Served) -> ASGIApp:
             return ids, turn
 
         ids, turn = await _on_worker(served, tokenize)
-        return await _respond(served, request, body, ids, ticket, chat=True, tools=turn)
+        return await _respond(served, request, body, [ids], ticket, chat=True, tools=turn)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         ticket = request.state.ticket = served.admit()
-        text = body.text()
-        ids = await _on_worker(
-            served, lambda: list(served.loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
-        )
+        prompts = await _on_worker(served, lambda: body.prompt_ids(served.loaded.tokenizer))
+        try:
+            body.check_ids(prompts, served.loaded.vocab_size)
+        except LlmcliError as error:
+            raise RequestError(400, error.message, "prompt") from None
         if body.scores_only:
-            return await _scores_only(served, body, ids, ticket)
-        return await _respond(served, request, body, ids, ticket, chat=False)
+            return await _scores_only(served, body, prompts, ticket)
+        return await _respond(served, request, body, prompts, ticket, chat=False)
 
     guarded: ASGIApp = KeyGuard(app, served.api_key)
     if served.cors:
@@ -268,12 +269,13 @@ async def _respond(
     served: Served,
     request: Request,
     body: _Sampling,
-    ids: list[int],
+    prompts: list[list[int]],
     ticket: Ticket,
     *,
     chat: bool,
     tools: ToolTurn | None = None,
 ) -> Any:
+    """One choice per prompt and per `n`, generated one after another on the worker."""
     sampling = _checked_sampling(body)
     method = body.speculative or served.speculative
     if method not in served.speculations:
@@ -284,6 +286,44 @@ async def _respond(
             output = body.response_format.output()
         except LlmcliError as error:
             raise RequestError(400, error.message, "response_format") from None
+    for ids in prompts:
+        _check_fits(served, ids, sampling, chat)
+    try:
+        bias = body.bias(served.loaded.vocab_size)
+    except LlmcliError as error:
+        raise RequestError(400, error.message, "logit_bias") from None
+    logprobs, echo = _logprobs_asked(body, method)
+    jobs = [
+        Job(ids, _sample(sampling, k), method, output, chat, ticket, tools, bias, logprobs, echo)
+        for ids in prompts
+        for k in range(body.n)
+    ]
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if body.stream:
+        return StreamingResponse(
+            _stream(served, request, jobs, request_id, created, body.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    outcomes = []
+    for job in jobs:
+        outcome = await _run_while_connected(served, request, job)
+        if outcome is None and served.stopping.is_set():
+            raise RequestError(503, "the server is shutting down: this reply was cut", code="shutting_down")
+        if outcome is None:  # nobody is there to read an answer
+            return Response(status_code=499)
+        outcomes.append(outcome)
+    request.state.usage = _token_counts(outcomes)
+    return _completion(served, request_id, created, outcomes, chat)
+
+
+def _sample(sampling: SamplingSettings, k: int) -> SamplingSettings:
+    """The k-th of n choices: a given seed moves on by k, so that the choices differ."""
+    return sampling if k == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + k)
+
+
+def _check_fits(served: Served, ids: list[int], sampling: SamplingSettings, chat: bool) -> None:
     context = served.loaded.context_length
     if len(ids) >= context:
         message = f"the prompt is {len(ids)} tokens; the context holds {context}"
@@ -294,61 +334,59 @@ async def _respond(
             f"exceeds the context of {context}"
         )
         raise RequestError(400, message, "max_tokens", "context_length_exceeded")
-    try:
-        bias = body.bias(served.loaded.vocab_size)
-    except LlmcliError as error:
-        raise RequestError(400, error.message, "logit_bias") from None
-    logprobs, echo = _logprobs_asked(body, method)
-    job = Job(ids, sampling, method, output, chat, ticket, tools, bias, logprobs, echo)
-    loop = asyncio.get_running_loop()
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    if not body.stream:
-        cancelled = threading.Event()
-        work = functools.partial(_generate, served, job, None, cancelled)
-        future = loop.run_in_executor(served.worker, work)
-        # A client that leaves stops its generation at the next token (or before it starts).
-        while not (await asyncio.wait({future}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                cancelled.set()
-        outcome = await future
-        if outcome is None and served.stopping.is_set():
-            raise RequestError(503, "the server is shutting down: this reply was cut", code="shutting_down")
-        if outcome is None:  # nobody is there to read an answer
-            return Response(status_code=499)
-        request.state.usage = (outcome.stats.prompt_tokens, outcome.stats.completion_tokens)
-        return _completion(served, request_id, created, outcome, chat)
-    return StreamingResponse(
-        _stream(served, request, job, request_id, created, body.include_usage),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+
+
+async def _run_while_connected(served: Served, request: Request, job: Job) -> Outcome | None:
+    """A non-streaming generation; a client that leaves stops it at the next token (or before
+    it starts)."""
+    cancelled = threading.Event()
+    work = functools.partial(_generate, served, job, None, cancelled)
+    future = asyncio.get_running_loop().run_in_executor(served.worker, work)
+    while not (await asyncio.wait({future}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            cancelled.set()
+    return await future
+
+
+def _token_counts(outcomes: list[Outcome]) -> tuple[int, int]:
+    return (
+        sum(outcome.stats.prompt_tokens for outcome in outcomes),
+        sum(outcome.stats.completion_tokens for outcome in outcomes),
     )
 
 
-async def _scores_only(served: Served, body: CompletionRequest, ids: list[int], ticket: Ticket) -> Any:
-    """max_tokens 0 with echo: the prompt's tokens and their logprobs, nothing generated (how
+async def _scores_only(
+    served: Served, body: CompletionRequest, prompts: list[list[int]], ticket: Ticket
+) -> Any:
+    """max_tokens 0 with echo: each prompt's tokens and their logprobs, nothing generated (how
     lm-eval asks for a loglikelihood)."""
     if not body.echo:
         raise RequestError(400, "max_tokens 0 generates nothing: it needs echo: true", "max_tokens")
-    if len(ids) > served.loaded.context_length:
-        message = f"the prompt is {len(ids)} tokens; the context holds {served.loaded.context_length}"
-        raise RequestError(400, message, "prompt", "context_length_exceeded")
+    for ids in prompts:
+        if len(ids) > served.loaded.context_length:
+            message = f"the prompt is {len(ids)} tokens; the context holds {served.loaded.context_length}"
+            raise RequestError(400, message, "prompt", "context_length_exceeded")
 
-    def score() -> list[Any]:
+    def score() -> list[list[Any]]:
         ticket.release()
-        return score_prompt(served.engine, ids, body.logprobs or 0)
+        return [score_prompt(served.engine, ids, body.logprobs or 0) for ids in prompts]
 
     scored = await asyncio.get_running_loop().run_in_executor(served.worker, score)
     tokenizer = served.loaded.tokenizer
-    logprobs = completion_logprobs(tokenizer, ids, scored) if body.logprobs is not None else None
-    choice = {"index": 0, "text": tokenizer.decode(ids), "finish_reason": "length", "logprobs": logprobs}
+    choices = []
+    for index, (ids, entries) in enumerate(zip(prompts, scored, strict=True)):
+        logprobs = completion_logprobs(tokenizer, ids, entries) if body.logprobs is not None else None
+        choices.append(
+            {"index": index, "text": tokenizer.decode(ids), "finish_reason": "length", "logprobs": logprobs}
+        )
+    total = sum(len(ids) for ids in prompts)
     return {
         "id": "cmpl-" + uuid.uuid4().hex[:24],
         "object": "text_completion",
         "created": int(time.time()),
         "model": served.model_id,
-        "choices": [choice],
-        "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)},
+        "choices": choices,
+        "usage": {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total},
     }
 
 
@@ -438,8 +476,9 @@ def _generate(
 
 
 async def _stream(
-    served: Served, request: Request, job: Job, request_id: str, created: int, include_usage: bool
+    served: Served, request: Request, jobs: list[Job], request_id: str, created: int, include_usage: bool
 ) -> AsyncIterator[str]:
+    """The choices one after another, each chunk naming its choice's index."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
@@ -447,54 +486,63 @@ async def _stream(
     def on_piece(channel: str, piece: Any) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, (channel, piece))
 
-    work = functools.partial(_generate, served, job, on_piece, cancelled)
-    future = loop.run_in_executor(served.worker, work)
-    future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
-    chat = job.chat
-    chunk = functools.partial(_chunk, served.model_id, request_id, created, chat)
+    chat = jobs[0].chat
+    outcomes: list[Outcome] = []
     try:
-        if chat:
-            yield _sse(chunk({"role": "assistant", "content": ""}, None))
-        while True:
-            kind, piece = await queue.get()
-            if kind == "done":
-                break
-            if kind == TOOL_CALL:
-                yield _sse(chunk({"tool_calls": [_call_delta(piece)]}, None))
-                continue
-            if kind in (LOGPROBS, ECHO):  # the tokens of the text that follows, scored
-                tokenizer = served.loaded.tokenizer
-                ids = job.ids if kind == ECHO else [entry.token_id for entry in piece]
-                if chat:
-                    scored = chunk({}, None)
-                    scored["choices"][0]["logprobs"] = chat_logprobs(tokenizer, piece)
-                else:
-                    text = tokenizer.decode(ids) if kind == ECHO else ""
-                    scored = chunk(text, None)
-                    scored["choices"][0]["logprobs"] = completion_logprobs(tokenizer, ids, piece)
-                yield _sse(scored)
-                continue
-            delta = {"reasoning_content" if kind == REASONING else "content": piece}
-            yield _sse(chunk(delta if chat else piece, None))
-        try:
-            outcome = future.result()
-        except Exception as error:  # the stream has begun: the error goes in it, as OpenAI does
-            yield _sse(error_body(_describe(error), "server_error"))
-            return
-        if outcome is None:
-            if served.stopping.is_set():  # an error event and no [DONE]: the client knows it was cut
-                yield _sse(error_body("the server is shutting down: this reply was cut", "server_error"))
-            return
-        request.state.usage = (outcome.stats.prompt_tokens, outcome.stats.completion_tokens)
-        final = chunk({} if chat else "", _finish_reason(outcome))
-        final["timings"], final["sampling"] = _timings(outcome), outcome.sampling
-        yield _sse(final)
+        for index, job in enumerate(jobs):
+            chunk = functools.partial(_chunk, served.model_id, request_id, created, chat, index=index)
+            future = loop.run_in_executor(
+                served.worker, functools.partial(_generate, served, job, on_piece, cancelled)
+            )
+            future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
+            if chat:
+                yield _sse(chunk({"role": "assistant", "content": ""}, None))
+            while True:
+                kind, piece = await queue.get()
+                if kind == "done":
+                    break
+                yield _sse(_piece_chunk(served, job, chunk, kind, piece))
+            try:
+                outcome = future.result()
+            except Exception as error:  # the stream has begun: the error goes in it, as OpenAI does
+                yield _sse(error_body(_describe(error), "server_error"))
+                return
+            if outcome is None:
+                if served.stopping.is_set():  # an error event and no [DONE]: the client knows it was cut
+                    yield _sse(error_body("the server is shutting down: this reply was cut", "server_error"))
+                return
+            outcomes.append(outcome)
+            final = chunk({} if chat else "", _finish_reason(outcome))
+            final["timings"], final["sampling"] = _timings(outcome), outcome.sampling
+            yield _sse(final)
+        request.state.usage = _token_counts(outcomes)
         if include_usage:
-            usage = chunk({}, None) | {"choices": [], "usage": _usage(outcome)}
-            yield _sse(usage)
+            usage = _chunk(served.model_id, request_id, created, chat, {}, None)
+            yield _sse(usage | {"choices": [], "usage": _usage(outcomes)})
         yield "data: [DONE]\n\n"
     finally:
         cancelled.set()  # a client that left: its generation stops at the next token
+
+
+def _piece_chunk(
+    served: Served, job: Job, chunk: Callable[..., dict[str, Any]], kind: str, piece: Any
+) -> dict[str, Any]:
+    """One streamed piece as a chunk: text, thinking, a part of a call, or logprobs."""
+    chat = job.chat
+    if kind == TOOL_CALL:
+        return chunk({"tool_calls": [_call_delta(piece)]}, None)
+    if kind in (LOGPROBS, ECHO):  # the tokens of the text that follows, scored
+        tokenizer = served.loaded.tokenizer
+        ids = job.ids if kind == ECHO else [entry.token_id for entry in piece]
+        if chat:
+            scored = chunk({}, None)
+            scored["choices"][0]["logprobs"] = chat_logprobs(tokenizer, piece)
+        else:
+            scored = chunk(tokenizer.decode(ids) if kind == ECHO else "", None)
+            scored["choices"][0]["logprobs"] = completion_logprobs(tokenizer, ids, piece)
+        return scored
+    delta = {"reasoning_content" if kind == REASONING else "content": piece}
+    return chunk(delta if chat else piece, None)
 
 
 def _call_delta(part: CallStart | CallArguments) -> dict[str, Any]:
@@ -506,9 +554,9 @@ def _call_delta(part: CallStart | CallArguments) -> dict[str, Any]:
 
 
 def _chunk(
-    model: str, request_id: str, created: int, chat: bool, delta: Any, finish: str | None
+    model: str, request_id: str, created: int, chat: bool, delta: Any, finish: str | None, index: int = 0
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish}
     if chat:
         choice["delta"] = delta
     else:
@@ -522,9 +570,22 @@ def _chunk(
     }
 
 
-def _completion(served: Served, request_id: str, created: int, outcome: Outcome | None, chat: bool) -> Any:
-    assert outcome is not None  # only streams are cancelled
+def _completion(served: Served, request_id: str, created: int, outcomes: list[Outcome], chat: bool) -> Any:
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": served.model_id,
+        "choices": [_choice(served, index, outcome, chat) for index, outcome in enumerate(outcomes)],
+        "usage": _usage(outcomes),
+        "timings": _timings(outcomes[0]),
+        "sampling": outcomes[0].sampling,
+    }
+
+
+def _choice(served: Served, index: int, outcome: Outcome, chat: bool) -> dict[str, Any]:
     finish = _finish_reason(outcome)
+    tokenizer = served.loaded.tokenizer
     if chat:
         calls = outcome.tool_calls
         message: dict[str, Any] = {"role": "assistant", "content": outcome.text or (None if calls else "")}
@@ -532,28 +593,17 @@ def _completion(served: Served, request_id: str, created: int, outcome: Outcome 
             message["tool_calls"] = [call.openai() for call in calls]
         if outcome.reasoning_tokens is not None:  # a model that thinks: its thinking, apart
             message["reasoning_content"] = outcome.reasoning
-        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
         if outcome.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(served.loaded.tokenizer, outcome.logprobs)
-    else:
-        choice = {"index": 0, "text": outcome.text, "finish_reason": finish, "logprobs": None}
-        tokenizer = served.loaded.tokenizer
-        prompt_text = tokenizer.decode(outcome.prompt_ids) if outcome.prompt_logprobs is not None else ""
-        if outcome.logprobs is not None or outcome.prompt_logprobs is not None:
-            ids = outcome.prompt_ids + outcome.token_ids[: len(outcome.logprobs or [])]
-            entries = [*(outcome.prompt_logprobs or []), *(outcome.logprobs or [])]
-            choice["logprobs"] = completion_logprobs(tokenizer, ids, entries)
-        choice["text"] = prompt_text + outcome.text
-    return {
-        "id": request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": served.model_id,
-        "choices": [choice],
-        "usage": _usage(outcome),
-        "timings": _timings(outcome),
-        "sampling": outcome.sampling,
-    }
+            choice["logprobs"] = chat_logprobs(tokenizer, outcome.logprobs)
+        return choice
+    prompt_text = tokenizer.decode(outcome.prompt_ids) if outcome.prompt_logprobs is not None else ""
+    choice = {"index": index, "text": prompt_text + outcome.text, "finish_reason": finish, "logprobs": None}
+    if outcome.logprobs is not None or outcome.prompt_logprobs is not None:
+        ids = outcome.prompt_ids + outcome.token_ids[: len(outcome.logprobs or [])]
+        entries = [*(outcome.prompt_logprobs or []), *(outcome.logprobs or [])]
+        choice["logprobs"] = completion_logprobs(tokenizer, ids, entries)
+    return choice
 
 
 def _finish_reason(outcome: Outcome) -> str:
@@ -562,19 +612,19 @@ def _finish_reason(outcome: Outcome) -> str:
     return "tool_calls" if outcome.tool_calls else "stop"
 
 
-def _usage(outcome: Outcome) -> dict[str, Any]:
-    stats = outcome.stats
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-        **(
-            {"completion_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens}}
-            if outcome.reasoning_tokens is not None
-            else {}
-        ),
+def _usage(outcomes: list[Outcome]) -> dict[str, Any]:
+    """The tokens of every choice: each prompt once per choice, as OpenAI counts n > 1."""
+    prompt, completion = _token_counts(outcomes)
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(outcome.stats.cached_tokens for outcome in outcomes)},
     }
+    thought = [outcome.reasoning_tokens for outcome in outcomes if outcome.reasoning_tokens is not None]
+    if thought:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(thought)}
+    return usage
 
 
 def _timings(outcome: Outcome) -> dict[str, Any]:

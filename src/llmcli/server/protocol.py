@@ -83,7 +83,7 @@ _SamplingFields: type[BaseModel] = create_model(  # type: ignore[call-overload]
 class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     model: str | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request: batch-1 decode
+    n: int = Field(default=1, ge=1, le=16)  # choices, generated one after another
     speculative: Literal["off", "lookup", "draft"] | None = None  # llmcli's: default, the server's
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text) → added to its logit, -100…100
@@ -231,7 +231,8 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # A text, several texts, token ids, or several lists of token ids: a choice per prompt.
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)  # alternatives per token, as OpenAI's
     echo: bool = False  # the prompt, and its tokens' log-probabilities, before the completion
     # 0 with echo: score the prompt only (lm-eval's loglikelihood requests).
@@ -259,13 +260,31 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("one prompt per request")
+    def _some_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
+            raise ValueError("a prompt is a text or token ids, and none may be empty")
+        if isinstance(value, list) and len(value) > 64 and not isinstance(value[0], int):
+            raise ValueError("at most 64 prompts per request")
         return value
 
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompt_ids(self, tokenizer: Any) -> list[list[int]]:
+        """Each prompt's token ids: texts tokenized (with the tokenizer's BOS), ids as given."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return [
+            list(p) if isinstance(p, list) else list(tokenizer(p, add_special_tokens=True)["input_ids"])
+            for p in prompt
+        ]
+
+    @staticmethod
+    def check_ids(prompts: list[list[int]], vocab_size: int) -> None:
+        for ids in prompts:
+            outside = [token for token in ids if not 0 <= token < vocab_size]
+            if outside:
+                raise UsageError(f"prompt token {outside[0]} is not in the vocabulary ({vocab_size} tokens)")
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
