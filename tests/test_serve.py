@@ -677,3 +677,15 @@ def test_several_prompts_and_n_choices_come_back_one_choice_each(server: Server,
         for choice in chunk.choices:
             streamed[choice.index] += choice.delta.content or ""
     assert [streamed[i] for i in range(3)] == texts_n
+
+
+def test_a_model_is_listed_by_its_id_and_image_parts_are_refused(server: Server) -> None:
+    client = server.client()
+    served = client.models.list().data[0].id
+    assert client.models.retrieve(served).id == served
+    status, answer = server.raw("GET", "/v1/models/someone-else")
+    assert status == 404 and served in answer["error"]["message"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
+    status, answer = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "image_url parts are not supported" in answer["error"]["message"]

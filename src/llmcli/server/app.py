@@ -168,6 +168,14 @@ def create_app(served: Served) -> ASGIApp:
 
         return Response(served.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != served.model_id:
+            raise RequestError(
+                404, f"no model {model_id!r} here: this server runs {served.model_id!r}", "model"
+            )
+        return {"id": served.model_id, "object": "model", "created": 0, "owned_by": "llmcli"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {

@@ -169,6 +169,15 @@ class ChatMessage(BaseModel):
     tool_calls: list[CallIn] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result: the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":  # image_url, input_audio, file: refused, never dropped
+                raise ValueError(f"this server's model reads text only: {kind} parts are not supported")
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
