@@ -67,7 +67,8 @@ def test_beam_search_equals_transformers(loaded_tiny, reference, beams: int) -> 
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
     tokens, text = reference(beams)
     got = beam_search(loaded_tiny, ids, params, beams)
-    assert (got.token_ids, got.text, got.finish_reason) == (tokens, text, "length")
+    # Cut by the length limit: a character cut in its middle is dropped, as everywhere.
+    assert (got.token_ids, got.text, got.finish_reason) == (tokens, text.rstrip("\ufffd"), "length")
     # The stop string: a piece from the middle of that reply, so the search meets it.
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip() and stop in text

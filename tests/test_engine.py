@@ -60,7 +60,10 @@ def test_final_text_equals_decode_of_generated_ids(loaded_tiny) -> None:
     result, pieces = run(loaded_tiny, ids, SamplingParams(temperature=1.0, seed=3, max_new_tokens=60))
     text_ids = [t for t in result.token_ids if t not in loaded_tiny.eos_token_ids]
     assert "".join(pieces) == result.text
-    assert result.text == loaded_tiny.tokenizer.decode(text_ids, skip_special_tokens=True)
+    decoded = loaded_tiny.tokenizer.decode(text_ids, skip_special_tokens=True)
+    if result.finish_reason == "length":  # a character the limit cut in its middle is dropped
+        decoded = decoded.rstrip("\ufffd")
+    assert result.text == decoded
 
 
 def test_seeded_sampling_is_reproducible(loaded_tiny) -> None:

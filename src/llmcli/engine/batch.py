@@ -71,7 +71,7 @@ class _Row:
         return GenerationResult(self.text, self.token_ids, self.finish_reason or "length", stats, complete)
 
     def _flush(self) -> None:
-        tail = self.stop.feed(self.detok.flush())
+        tail = self.stop.feed(self.detok.flush(cut=self.finish_reason == "length"))
         self.text += tail if self.stop.stopped else tail + self.stop.flush()
 
 

@@ -68,7 +68,7 @@ def beam_search(
     ended = next((i for i, token in enumerate(tokens) if token in loaded.eos_token_ids), None)
     if ended is not None:
         tokens = tokens[: ended + 1]  # beams that ended earlier are padded after their end
-    text, stopped = _text_of(tokenizer, tokens, params.stop)
+    text, stopped = _text_of(tokenizer, tokens, params.stop, cut=ended is None)
     stats = GenerationStats(
         prompt_tokens=len(prompt_ids),
         prefilled_tokens=len(prompt_ids),
@@ -80,13 +80,14 @@ def beam_search(
     return GenerationResult(text=text, token_ids=tokens, finish_reason=finish, stats=stats)
 
 
-def _text_of(tokenizer: object, tokens: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
-    """The text of `tokens` as the streaming loop would print it: up to the first stop string."""
+def _text_of(tokenizer: object, tokens: list[int], stop: tuple[str, ...], cut: bool) -> tuple[str, bool]:
+    """The text of `tokens` as the streaming loop would print it: up to the first stop string
+    (`cut`: by the length limit, which drops a character it cut in its middle)."""
     detok, matcher = IncrementalDetokenizer(tokenizer), StopMatcher(stop)
     text = ""
     for token in tokens:
         text += matcher.feed(detok.push(token))
         if matcher.stopped:
             return text, True
-    text += matcher.feed(detok.flush())
+    text += matcher.feed(detok.flush(cut=cut))
     return (text, True) if matcher.stopped else (text + matcher.flush(), False)

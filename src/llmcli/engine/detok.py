@@ -43,14 +43,18 @@ class IncrementalDetokenizer:
         self._emitted_text += piece
         return piece
 
-    def flush(self) -> str:
+    def flush(self, cut: bool = False) -> str:
         """The rest of the text at the end of generation.
 
         The full decode is the reference: whatever it has beyond what was emitted comes out now,
-        including a U+FFFD for a character the model never finished.
+        including a U+FFFD for a character the model itself never finished. `cut`: the length
+        limit ended it, and a character it cut in its middle is dropped instead (its tokens
+        still count as generated).
         """
         full = self.text()
         rest = full[len(self._emitted_text) :] if full.startswith(self._emitted_text) else ""
+        if cut:
+            rest = rest.rstrip("\ufffd")
         self._emitted_text += rest
         return rest
 

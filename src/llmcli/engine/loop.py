@@ -269,11 +269,8 @@ class Generation:
         finally:
             tokens.close()  # the producer crops the cache to what was taken
         # The end: a character the model left unfinished, and text held back as a possible stop
-        # string. A character the length limit cut in its middle is dropped, never shown as
-        # U+FFFD (its tokens still count as generated); one the model itself ended on is kept.
-        rest = self._detok.flush() if self._detok else ""
-        if self.finish_reason == "length":
-            rest = rest.rstrip("\ufffd")
+        # string (a character the length limit cut in its middle is dropped, not shown as U+FFFD).
+        rest = self._detok.flush(cut=self.finish_reason == "length") if self._detok else ""
         tail = self._stop.feed(rest)
         if self._stop.stopped:
             self.finish_reason = "stop"
