@@ -689,3 +689,38 @@ def test_a_model_is_listed_by_its_id_and_image_parts_are_refused(server: Server)
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
     status, answer = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and "image_url parts are not supported" in answer["error"]["message"]
+
+
+def test_a_found_server_that_cannot_be_used_is_named_and_the_model_loads_here(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    running = start_server(tiny_llama, tmp_path, "--api-key", "sekrit")
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    args = [
+        "generate",
+        "-m",
+        str(tiny_llama),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "-n",
+        "3",
+        "--json",
+        "hi",
+    ]
+    try:
+        here = run_cli(*args, env=env)
+        notes = here.stderr.decode().splitlines()
+        assert here.returncode == 0 and "server" not in json.loads(here.stdout)
+        assert len(notes) == 1 and "needs its key" in notes[0] and "LLMCLI_API_KEY" in notes[0]
+        keyed = run_cli(*args, env={**env, "LLMCLI_API_KEY": "sekrit"})
+        assert json.loads(keyed.stdout)["server"] == running.url and keyed.stderr == b""
+        other = run_cli(
+            *[a if a != "fp32" else "bf16" for a in args], env={**env, "LLMCLI_API_KEY": "sekrit"}
+        )
+        assert "server" not in json.loads(other.stdout)
+        assert "other settings: dtype fp32 (here bf16)" in other.stderr.decode()
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        running.process.wait(timeout=30)

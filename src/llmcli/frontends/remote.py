@@ -24,6 +24,7 @@ from llmcli.config.settings import (
 from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.engine.tools import CHOICES, ToolCall
 from llmcli.errors import UsageError
+from llmcli.frontends import terminal
 from llmcli.frontends.target import Ask, Outcome
 from llmcli.server.client import OPENAI_NAMES, Client, StreamBrokenError
 
@@ -62,10 +63,25 @@ def find_server(
         name = model or (info["model"] if info else client.first_model())
         return RemoteTarget(client, name, info)
     from llmcli.models.resolve import default_model_spec
-    from llmcli.server.runtime import matching_server
+    from llmcli.server.runtime import matching_server, near_miss
 
-    record = matching_server(model or default_model_spec(), load)
-    if record is None or not _drafts_as_asked(record, speculative):
+    spec = model or default_model_spec()
+    record = matching_server(spec, load)
+    if record is None:
+        missed = near_miss(spec, load)
+        if missed is not None:  # said once, so that a slow load here is not a mystery
+            terminal.note(
+                f"The server at {missed[0]['url']} runs this model with other settings: {missed[1]}. "
+                "Loading it here (--no-server skips the check)."
+            )
+        return None
+    if not _drafts_as_asked(record, speculative):
+        return None
+    if record.get("needs_key") and not remote.api_key:
+        terminal.note(
+            f"The server at {record['url']} runs this model but needs its key: set LLMCLI_API_KEY "
+            "(or --api-key) to use it. Loading the model here (--no-server skips the check)."
+        )
         return None
     client = Client(record["url"], remote.api_key)
     info = client.llmcli_health(timeout_s=1.0)

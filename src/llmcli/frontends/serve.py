@@ -113,7 +113,10 @@ def run(request: ServeRequest) -> int:
     # print: the generation stops at its next token, and the access log says how it ended.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     draft_model = speculative.draft_model if speculative.method == "draft" else None
-    write_record(url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load, draft_model)
+    write_record(
+        url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load, draft_model,
+        needs_key=bool(request.api_key),
+    )  # fmt: skip
     terminal.note(f"Serving {loaded.name} at {url}/v1 (Ctrl-C stops).")
     # uvicorn shuts down gracefully, then re-raises the signal it caught: with this handler a
     # SIGTERM ends in SystemExit, so the `finally` below still removes the record.

@@ -38,6 +38,7 @@ def write_record(
     model_path: str,
     load: LoadSettings,
     draft_model: str | None = None,
+    needs_key: bool = False,
 ) -> Path:
     """Announce this process's server; atomic, so a reader sees all of it or nothing."""
     path = record_path()
@@ -50,6 +51,7 @@ def write_record(
         "model_path": model_path,
         "load": {name: asdict(load)[name] for name in _MATCHING_SETTINGS},
         "draft_model": draft_model,  # what `--speculative draft` through this server drafts with
+        "needs_key": needs_key,  # started with --api-key: a client without one is refused
     }
     staging = path.with_suffix(".tmp")
     staging.write_text(json.dumps(record))
@@ -87,6 +89,23 @@ def matching_server(model_spec: str, load: LoadSettings) -> dict[str, Any] | Non
         names = {record.get("model_spec"), record.get("model"), record.get("model_path")}
         if _same_model(model_spec, names) and record.get("load") == wanted:
             return record
+    return None
+
+
+def near_miss(model_spec: str, load: LoadSettings) -> tuple[dict[str, Any], str] | None:
+    """A running server of the same model whose settings differ, and which ones ("dtype bf16,
+    here fp32"): what a command that loads in-process instead should say."""
+    wanted = {name: asdict(load)[name] for name in _MATCHING_SETTINGS}
+    for record in running_servers():
+        names = {record.get("model_spec"), record.get("model"), record.get("model_path")}
+        served = record.get("load") or {}
+        if _same_model(model_spec, names) and served != wanted:
+            differ = [
+                f"{name} {served.get(name)} (here {wanted[name]})"
+                for name in _MATCHING_SETTINGS
+                if served.get(name) != wanted[name]
+            ]
+            return record, ", ".join(differ)
     return None
 
 
