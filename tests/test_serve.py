@@ -696,19 +696,8 @@ def test_a_found_server_that_cannot_be_used_is_named_and_the_model_loads_here(
 ) -> None:
     running = start_server(tiny_llama, tmp_path, "--api-key", "sekrit")
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
-    args = [
-        "generate",
-        "-m",
-        str(tiny_llama),
-        "--device",
-        "cpu",
-        "--dtype",
-        "fp32",
-        "-n",
-        "3",
-        "--json",
-        "hi",
-    ]
+    args = ["generate", "-m", str(tiny_llama), "--device", "cpu", "--dtype", "fp32", "-n", "3", "--json"]
+    args.append("hi")
     try:
         here = run_cli(*args, env=env)
         notes = here.stderr.decode().splitlines()

@@ -38,6 +38,7 @@ from llmcli.errors import LlmcliError
 from llmcli.server.guard import HostGuard, KeyGuard
 from llmcli.server.logprobs import chat_logprobs, completion_logprobs, score_prompt
 from llmcli.server.metrics import Metrics, Observed
+from llmcli.server.ollama import install_ollama
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
 
 if TYPE_CHECKING:
@@ -185,60 +186,13 @@ def create_app(served: Served) -> ASGIApp:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
-        from jinja2.exceptions import TemplateError
-
-        from llmcli.engine.conversation import prompt_ids
-        from llmcli.engine.tools.turn import tool_turn
-
-        ticket = request.state.ticket = served.admit()  # given back by the worker or the error handler
-        try:
-            tools = body.tool_request()
-        except LlmcliError as error:
-            param = error.message.split(":")[0] if not body.functions else "functions"
-            raise RequestError(400, error.message, param) from None
-        if tools is not None and tools.callable and body.response_format is not None:
-            message = "tool calls and response_format at once are not supported: send one of them"
-            raise RequestError(400, message, "response_format")
-
-        options = dict(body.chat_template_kwargs or {})
-        if body.reasoning_effort is not None:
-            template = str(getattr(served.loaded.tokenizer, "chat_template", "") or "")
-            if "reasoning_effort" not in template:  # accepted and ignored would be a silent failure
-                message = "this model's chat template does not read reasoning_effort"
-                raise RequestError(400, message, "reasoning_effort")
-            options["reasoning_effort"] = body.reasoning_effort
-
-        def tokenize() -> tuple[list[int], ToolTurn]:
-            tokenizer = served.loaded.tokenizer
-            try:
-                loaded = served.loaded
-                turn = tool_turn(
-                    tokenizer, body.chat_messages(), tools, loaded.vocab_size, loaded.eos_token_ids
-                )
-                ids = prompt_ids(
-                    tokenizer, turn.messages, think_off=body.think_off, options=options | turn.options
-                )
-            except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
-                message = f"the model's chat template refused these messages: {error}"
-                raise RequestError(400, message, "messages") from None
-            except LlmcliError as error:  # a tool result that answers no call, a bad arguments text
-                raise RequestError(400, error.message, "messages") from None
-            return ids, turn
-
-        ids, turn = await _on_worker(served, tokenize)
-        return await _respond(served, request, body, [ids], ticket, chat=True, tools=turn)
+        return await chat_response(served, request, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        ticket = request.state.ticket = served.admit()
-        prompts = await _on_worker(served, lambda: body.prompt_ids(served.loaded.tokenizer))
-        try:
-            body.check_ids(prompts, served.loaded.vocab_size)
-        except LlmcliError as error:
-            raise RequestError(400, error.message, "prompt") from None
-        if body.scores_only:
-            return await _scores_only(served, body, prompts, ticket)
-        return await _respond(served, request, body, prompts, ticket, chat=False)
+        return await completion_response(served, request, body)
+
+    install_ollama(app, served)
 
     guarded: ASGIApp = KeyGuard(app, served.api_key)
     if served.cors:
@@ -249,6 +203,64 @@ def create_app(served: Served) -> ASGIApp:
         )
     limited = BodyLimit(HostGuard(guarded, served.host, served.allowed_hosts, served.cors), MAX_BODY_BYTES)
     return Observed(limited, served.metrics, served.quiet)
+
+
+async def chat_response(served: Served, request: Request, body: ChatRequest) -> Any:
+    """A chat request answered, in OpenAI's shape (a dict, or a stream of server-sent events):
+    what every protocol's chat route translates to and from."""
+    from jinja2.exceptions import TemplateError
+
+    from llmcli.engine.conversation import prompt_ids
+    from llmcli.engine.tools.turn import tool_turn
+
+    ticket = request.state.ticket = served.admit()  # given back by the worker or the error handler
+    try:
+        tools = body.tool_request()
+    except LlmcliError as error:
+        param = error.message.split(":")[0] if not body.functions else "functions"
+        raise RequestError(400, error.message, param) from None
+    if tools is not None and tools.callable and body.response_format is not None:
+        message = "tool calls and response_format at once are not supported: send one of them"
+        raise RequestError(400, message, "response_format")
+
+    options = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        template = str(getattr(served.loaded.tokenizer, "chat_template", "") or "")
+        if "reasoning_effort" not in template:  # accepted and ignored would be a silent failure
+            message = "this model's chat template does not read reasoning_effort"
+            raise RequestError(400, message, "reasoning_effort")
+        options["reasoning_effort"] = body.reasoning_effort
+
+    def tokenize() -> tuple[list[int], ToolTurn]:
+        loaded = served.loaded
+        tokenizer = loaded.tokenizer
+        try:
+            turn = tool_turn(tokenizer, body.chat_messages(), tools, loaded.vocab_size, loaded.eos_token_ids)
+            ids = prompt_ids(
+                tokenizer, turn.messages, think_off=body.think_off, options=options | turn.options
+            )
+        except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
+            message = f"the model's chat template refused these messages: {error}"
+            raise RequestError(400, message, "messages") from None
+        except LlmcliError as error:  # a tool result that answers no call, a bad arguments text
+            raise RequestError(400, error.message, "messages") from None
+        return ids, turn
+
+    ids, turn = await _on_worker(served, tokenize)
+    return await _respond(served, request, body, [ids], ticket, chat=True, tools=turn)
+
+
+async def completion_response(served: Served, request: Request, body: CompletionRequest) -> Any:
+    """A text completion answered, in OpenAI's shape."""
+    ticket = request.state.ticket = served.admit()
+    prompts = await _on_worker(served, lambda: body.prompt_ids(served.loaded.tokenizer))
+    try:
+        body.check_ids(prompts, served.loaded.vocab_size)
+    except LlmcliError as error:
+        raise RequestError(400, error.message, "prompt") from None
+    if body.scores_only:
+        return await _scores_only(served, body, prompts, ticket)
+    return await _respond(served, request, body, prompts, ticket, chat=False)
 
 
 async def _on_worker(served: Served, work: Callable[[], T]) -> T:
@@ -668,39 +680,53 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
         first = problems[0] if problems else {}
         if first.get("type") == "json_invalid":
-            return _error(400, "the request body is not valid JSON", code="invalid_json")
+            return _answer(request, 400, "the request body is not valid JSON", code="invalid_json")
         where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
         # 400, as OpenAI answers a bad value (FastAPI's own would be 422), naming the parameter.
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where, "invalid_value")
+        return _answer(
+            request, 400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where, "invalid_value"
+        )
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
         _release(request)
-        response = _error(error.status, error.message, error.param, error.code)
+        response = _answer(request, error.status, error.message, error.param, error.code)
         response.headers.update(error.headers or {})
         return response
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         if error.status_code == 404:
-            return _error(404, f"no route {request.method} {request.url.path} here (see GET /v1/models)")
+            return _answer(
+                request, 404, f"no route {request.method} {request.url.path} here (see GET /v1/models)"
+            )
         if error.status_code == 405:
-            return _error(405, f"{request.url.path} does not take {request.method}")
-        return _error(error.status_code, str(error.detail))
+            return _answer(request, 405, f"{request.url.path} does not take {request.method}")
+        return _answer(request, error.status_code, str(error.detail))
 
     @app.exception_handler(LlmcliError)
     async def llmcli_error(request: Request, error: LlmcliError) -> JSONResponse:
         _release(request)
-        return _error(400, error.one_line())
+        return _answer(request, 400, error.one_line())
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, error: Exception) -> JSONResponse:
         _release(request)
-        return _error(500, _describe(error))
+        return _answer(request, 500, _describe(error))
+
+
+def _answer(
+    request: Request, status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """An error in the shape of the protocol the request spoke: Ollama's {"error": "…"} under
+    /api/, OpenAI's error object elsewhere."""
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": message}, status_code=status)
+    return _error(status, message, param, code)
 
 
 def _release(request: Request) -> None:

@@ -1,0 +1,98 @@
+"""Ollama's API on `llmcli serve`, driven by the official `ollama` client: the same replies as the
+OpenAI routes, NDJSON streams, Ollama's error shape, and every option it cannot honour refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_serve import Server, assert_access_log_only, start_server
+
+ollama = pytest.importorskip("ollama")
+
+GREEDY = {"temperature": 0, "num_predict": 8}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = start_server(tiny_llama, tmp_path_factory.mktemp("runtime"))
+    yield running
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=30) == 0
+    assert_access_log_only(running.process.stderr.read())
+
+
+def client(server: Server):
+    return ollama.Client(host=server.url)
+
+
+def test_the_model_is_listed_shown_and_running(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OLLAMA_HOST", f"{server.host}:{server.port}")  # as a user points a tool at it
+    listed = ollama.Client().list().models
+    assert len(listed) == 1 and listed[0].size > 0
+    name = listed[0].model
+    shown = client(server).show(name)
+    assert "im_start" in shown.template and "completion" in shown.capabilities
+    assert [m.model for m in client(server).ps().models] == [name]
+    status, version = server.raw("GET", "/api/version")
+    assert status == 200 and version["version"]
+
+
+def test_chat_and_generate_answer_as_the_openai_routes_do(server: Server) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    openai_reply = server.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0
+    )
+    expected = openai_reply.choices[0].message.content
+    whole = client(server).chat(model="tiny", messages=messages, options=GREEDY)
+    assert whole.message.content == expected and whole.done and whole.done_reason == "length"
+    assert whole.eval_count == 8 and whole.prompt_eval_count == openai_reply.usage.prompt_tokens
+    streamed = list(client(server).chat(model="tiny", messages=messages, options=GREEDY, stream=True))
+    assert "".join(part.message.content for part in streamed) == expected
+    assert streamed[-1].done and not any(part.done for part in streamed[:-1])
+    generated = client(server).generate(model="tiny", prompt="Hello there", options=GREEDY)
+    assert generated.response == expected  # generate applies the chat template, as ollama's does
+    raw = client(server).generate(model="tiny", prompt="Hello there", raw=True, options=GREEDY)
+    text = server.client().completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
+    assert raw.response == text.choices[0].text
+
+
+def test_format_json_holds_the_reply_to_json(server: Server) -> None:
+    reply = client(server).chat(
+        model="tiny", messages=[{"role": "user", "content": "JSON please"}], format="json",
+        options={"temperature": 0.8, "seed": 3, "num_predict": 200},
+    )  # fmt: skip
+    assert isinstance(json.loads(reply.message.content), dict)
+
+
+@pytest.mark.parametrize(
+    ("asked", "words"),
+    [
+        ({"options": {"num_ctx": 10**6}}, "over the loaded context"),
+        ({"options": {"mirostat": 2}}, "option mirostat is not supported"),
+        (
+            {"messages": [{"role": "user", "content": "what is this?", "images": ["AAAA"]}]},
+            "images are not supported",
+        ),
+        ({"format": "yaml"}, "format is"),
+        ({"options": {"temperature": -1}}, "temperature"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_in_ollamas_error_shape(
+    server: Server, asked: dict, words: str
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False} | asked
+    if asked.get("format") != "yaml":  # the client itself refuses that one before sending it
+        with pytest.raises(ollama.ResponseError) as refused:
+            client(server).chat(**body)
+        assert refused.value.status_code == 400 and words in refused.value.error
+    status, answer = server.raw("POST", "/api/chat", json.dumps(body).encode())
+    assert status == 400 and set(answer) == {"error"} and words in answer["error"]
+    status, _ = server.raw(
+        "POST", "/api/generate", json.dumps({"model": "tiny", "prompt": "x", "suffix": "y"}).encode()
+    )
+    assert status == 400
