@@ -34,7 +34,8 @@ class Server:
         self.host, self.port = url.removeprefix("http://").split(":")
 
     def client(self, **options: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **options)
+        settings = {"base_url": f"{self.url}/v1", "api_key": "unused", "max_retries": 0}
+        return openai.OpenAI(**(settings | options))
 
     def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         connection = http.client.HTTPConnection(self.host, int(self.port), timeout=30)

@@ -31,10 +31,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmcli.config.settings import SamplingSettings
-from llmcli.engine.reasoning import REASONING
+from llmcli.engine.reasoning import REASONING, thinking_of
 from llmcli.engine.reply import TOOL_CALL, ReplyStream
 from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import LlmcliError
+from llmcli.server.anthropic import install_anthropic
 from llmcli.server.guard import HostGuard, KeyGuard
 from llmcli.server.logprobs import chat_logprobs, completion_logprobs, score_prompt
 from llmcli.server.metrics import Metrics, Observed
@@ -193,6 +194,7 @@ def create_app(served: Served) -> ASGIApp:
         return await completion_response(served, request, body)
 
     install_ollama(app, served)
+    install_anthropic(app, served)
 
     guarded: ASGIApp = KeyGuard(app, served.api_key)
     if served.cors:
@@ -208,12 +210,19 @@ def create_app(served: Served) -> ASGIApp:
 async def chat_response(served: Served, request: Request, body: ChatRequest) -> Any:
     """A chat request answered, in OpenAI's shape (a dict, or a stream of server-sent events):
     what every protocol's chat route translates to and from."""
+    request.state.ticket = ticket = served.admit()  # given back by the worker or the error handler
+    ids, turn = await chat_prompt(served, body)
+    return await _respond(served, request, body, [ids], ticket, chat=True, tools=turn)
+
+
+async def chat_prompt(served: Served, body: ChatRequest) -> tuple[list[int], ToolTurn]:
+    """The prompt's token ids as the template renders the request (its tools too); every
+    request the template or the tools refuse is a 400 that says why."""
     from jinja2.exceptions import TemplateError
 
     from llmcli.engine.conversation import prompt_ids
     from llmcli.engine.tools.turn import tool_turn
 
-    ticket = request.state.ticket = served.admit()  # given back by the worker or the error handler
     try:
         tools = body.tool_request()
     except LlmcliError as error:
@@ -246,8 +255,7 @@ async def chat_response(served: Served, request: Request, body: ChatRequest) -> 
             raise RequestError(400, error.message, "messages") from None
         return ids, turn
 
-    ids, turn = await _on_worker(served, tokenize)
-    return await _respond(served, request, body, [ids], ticket, chat=True, tools=turn)
+    return await _on_worker(served, tokenize)
 
 
 async def completion_response(served: Served, request: Request, body: CompletionRequest) -> Any:
@@ -283,6 +291,7 @@ class Job:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # alternatives per token to report (0: the chosen one's only)
     echo: bool = False  # completions: the prompt and its logprobs first
+    think_budget: int | None = None  # a reasoning model thinks this many tokens at most
 
 
 async def _respond(
@@ -313,8 +322,12 @@ async def _respond(
     except LlmcliError as error:
         raise RequestError(400, error.message, "logit_bias") from None
     logprobs, echo = _logprobs_asked(body, method)
+    budget = getattr(body, "think_budget", None)
+    if budget is not None and thinking_of(served.loaded.tokenizer) is None:
+        message = "a thinking budget needs a model that thinks, and this model's template marks none"
+        raise RequestError(400, message, "think_budget")
     jobs = [
-        Job(ids, _sample(sampling, k), method, output, chat, ticket, tools, bias, logprobs, echo)
+        Job(ids, _sample(sampling, k), method, output, chat, ticket, tools, bias, logprobs, echo, budget)
         for ids in prompts
         for k in range(body.n)
     ]
@@ -458,7 +471,7 @@ def _generate(
         if on_piece is not None:
             on_piece(ECHO, prompt_logprobs)
     generation = served.engine.generate(
-        job.ids, params, loaded.tokenizer, constraint, keep_special=reader is not None, logprobs=job.logprobs
+        job.ids, params, loaded.tokenizer, constraint, job.think_budget, reader is not None, job.logprobs
     )
     sent = 0  # logprobs streamed so far
     # A chat's reply is split into thinking, answer and calls; a text completion's is the text.
@@ -475,6 +488,9 @@ def _generate(
                     sent = len(recorded)
             if on_piece is not None:
                 on_piece(channel, piece)
+        recorded = generation.recorded_logprobs or []
+        if on_piece is not None and len(recorded) > sent:  # tokens whose text never came (a cut character)
+            on_piece(LOGPROBS, recorded[sent:])
     except BaseException:
         generation.interrupt()  # the cache must match what it says it holds, whatever went wrong
         raise
@@ -723,9 +739,17 @@ def _answer(
     request: Request, status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     """An error in the shape of the protocol the request spoke: Ollama's {"error": "…"} under
-    /api/, OpenAI's error object elsewhere."""
-    if request.url.path.startswith("/api/"):
+    /api/, Anthropic's under /v1/messages, OpenAI's error object elsewhere."""
+    path = request.url.path
+    if path.startswith("/api/"):
         return JSONResponse({"error": message}, status_code=status)
+    if path.startswith("/v1/messages"):  # Anthropic's shape
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+            status, "invalid_request_error" if status < 500 else "api_error"
+        )
+        return JSONResponse(
+            {"type": "error", "error": {"type": kind, "message": message}}, status_code=status
+        )
     return _error(status, message, param, code)
 
 

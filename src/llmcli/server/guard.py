@@ -79,16 +79,21 @@ async def _refuse(status: int, message: str, kind: str, code: str, send: Send) -
 
 
 class KeyGuard:
-    """401 for a /v1/ request without the server's key (`Authorization: Bearer KEY`). Pure ASGI:
-    Starlette's BaseHTTPMiddleware holds streamed responses back at shutdown."""
+    """401 for an API request (/v1/, /api/) without the server's key: `Authorization: Bearer
+    KEY`, or Anthropic's `x-api-key: KEY`. Pure ASGI: Starlette's BaseHTTPMiddleware holds
+    streamed responses back at shutdown."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1/")
-        if guarded and dict(scope.get("headers", ())).get(b"authorization", b"") != self.expected:
+        guarded = (
+            self.key is not None and scope["type"] == "http" and scope["path"].startswith(("/v1/", "/api/"))
+        )
+        headers = dict(scope.get("headers", ())) if guarded else {}
+        given = (headers.get(b"authorization", b""), headers.get(b"x-api-key", b""))
+        if guarded and b"Bearer " + self.key not in given and self.key not in given:
             message = "a valid API key is required (Authorization: Bearer …)"
             await _refuse(401, message, "authentication_error", "invalid_api_key", send)
             return

@@ -193,6 +193,7 @@ class ChatRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    think_budget: int | None = Field(default=None, ge=1)  # llmcli's own: thinking tokens at most
     logprobs: bool = False  # each token's log-probability (the model's own log-softmax)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # and this many alternatives
     # OpenAI's deprecated form of tools: refused with a pointer to `tools`, never ignored.

@@ -141,6 +141,10 @@ class ToolCallReader:
         return False
 
     def _arguments(self, events: list[Event]) -> bool:
+        if not self.calls[-1].arguments:  # the object starts at its "{": blanks before it wait
+            self._held = self._held.lstrip()
+            if not self._held:
+                return False
         held, end = self._held, None
         for position, char in enumerate(held):
             if self._in_string:

@@ -1,0 +1,105 @@
+"""Anthropic's Messages API on `llmcli serve`, driven by the official `anthropic` client: the same
+replies as the OpenAI route, Anthropic's event stream, tool_use blocks that validate, tool results
+read back, token counts, and Anthropic's error shape."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from test_serve import Server, assert_access_log_only, start_server
+from tiny_models import build_tiny_model
+from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL, WEATHER
+
+anthropic = pytest.importorskip("anthropic")
+jsonschema = pytest.importorskip("jsonschema")
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL = {
+    "name": "get_weather",
+    "description": WEATHER["function"]["description"],
+    "input_schema": WEATHER["function"]["parameters"],
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("models") / "tiny-hermes-anthropic"
+    build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
+    running = start_server(folder, tmp_path_factory.mktemp("runtime"), "--api-key", "sekrit")
+    yield running
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=30) == 0
+    assert_access_log_only(running.process.stderr.read())
+
+
+def client(server: Server):
+    return anthropic.Anthropic(base_url=server.url, api_key="sekrit", max_retries=0)  # sent as x-api-key
+
+
+def test_a_message_answers_as_the_openai_route_does_streamed_and_not(server: Server) -> None:
+    openai_reply = server.client(api_key="sekrit").chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=8, temperature=0
+    )
+    expected = openai_reply.choices[0].message.content
+    greedy = {"extra_body": {"temperature": 0}}  # older clients send it as a parameter
+    message = client(server).messages.create(model="tiny", messages=ASK, max_tokens=8, **greedy)
+    assert message.type == "message" and message.role == "assistant"
+    assert [block.text for block in message.content] == [expected] and message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == 8 and message.usage.input_tokens == openai_reply.usage.prompt_tokens
+    with client(server).messages.stream(model="tiny", messages=ASK, max_tokens=8, **greedy) as stream:
+        streamed = stream.get_final_message()
+    assert [block.text for block in streamed.content] == [expected] and streamed.stop_reason == "max_tokens"
+    counted = client(server).messages.count_tokens(model="tiny", messages=ASK)
+    assert counted.input_tokens == openai_reply.usage.prompt_tokens
+
+
+def test_tool_use_blocks_validate_and_a_tool_result_is_read(server: Server) -> None:
+    asked = dict(
+        model="tiny", messages=ASK, max_tokens=200, extra_body={"temperature": 0}, tools=[TOOL],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )  # fmt: skip
+    message = client(server).messages.create(**asked)
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and [use.name for use in uses] == ["get_weather"]
+    jsonschema.validate(uses[0].input, TOOL["input_schema"])
+    with client(server).messages.stream(**asked) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [
+        (uses[0].name, uses[0].input)
+    ]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [use.model_dump() for use in uses]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "18 degrees"}],
+        },
+    ]
+    after = client(server).messages.create(model="tiny", messages=history, max_tokens=5, tools=[TOOL])
+    assert after.usage.input_tokens > message.usage.input_tokens  # the call and its result were read
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"messages": ASK}, "max_tokens"),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "image blocks are not supported",
+        ),
+        ({"max_tokens": 5, "messages": ASK, "temperature": "hot"}, "temperature"),
+        ({"max_tokens": 5, "messages": ASK, "container": "x"}, "container is not supported"),
+    ],
+)
+def test_bad_messages_are_400s_in_anthropics_shape(server: Server, body: dict, words: str) -> None:
+    headers = {"Content-Type": "application/json", "x-api-key": "sekrit"}
+    status, answer = server.raw(
+        "POST", "/v1/messages", json.dumps({"model": "tiny", **body}).encode(), headers
+    )
+    assert status == 400 and answer["type"] == "error" and words in answer["error"]["message"], answer
+    status, answer = server.raw("POST", "/v1/messages", json.dumps({"model": "tiny", **body}).encode())
+    assert status == 401  # no key
