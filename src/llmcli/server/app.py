@@ -41,6 +41,7 @@ from llmcli.server.logprobs import chat_logprobs, completion_logprobs, score_pro
 from llmcli.server.metrics import Metrics, Observed
 from llmcli.server.ollama import install_ollama
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
+from llmcli.server.responses import install_responses
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
@@ -195,6 +196,7 @@ def create_app(served: Served) -> ASGIApp:
 
     install_ollama(app, served)
     install_anthropic(app, served)
+    install_responses(app, served)
 
     guarded: ASGIApp = KeyGuard(app, served.api_key)
     if served.cors:
