@@ -33,10 +33,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def test_a_response_is_the_chat_reply_streamed_and_not(server: Server) -> None:
     client = server.client()
-    chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
-        max_tokens=8, temperature=0,
-    )  # fmt: skip
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     asked = dict(model="tiny", instructions="Be brief.", input="Hello", max_output_tokens=8, temperature=0)
     response = client.responses.create(**asked)
     assert response.output_text == chat.choices[0].message.content
