@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from llmcli.errors import LlmcliError
+from llmcli.server.translate import chunk_of, read_json, validated
 
 if TYPE_CHECKING:
     from llmcli.server.app import Served
@@ -45,7 +45,7 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     async def messages(request: Request) -> Any:
         from llmcli.server import app as openai
 
-        body = await _json(request)
+        body = await read_json(request, AnthropicError)
         answered = await openai.chat_response(served, request, _chat_request(body))
         model = body.get("model") or served.model_id
         if isinstance(answered, StreamingResponse):
@@ -57,19 +57,9 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     async def count_tokens(request: Request) -> dict[str, Any]:
         from llmcli.server import app as openai
 
-        body = await _json(request)
+        body = await read_json(request, AnthropicError)
         ids, _ = await openai.chat_prompt(served, _chat_request(body | {"max_tokens": 1}))
         return {"input_tokens": len(ids)}
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise AnthropicError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise AnthropicError("the request body is a JSON object")
-    return body
 
 
 def _chat_request(body: dict[str, Any]) -> Any:
@@ -115,12 +105,7 @@ def _chat_request(body: dict[str, Any]) -> Any:
             asked["chat_template_kwargs"] = {"enable_thinking": False}
         elif thinking.get("type") == "enabled" and thinking.get("budget_tokens"):
             asked["think_budget"] = thinking["budget_tokens"]
-    try:
-        return ChatRequest.model_validate(asked)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-        raise AnthropicError(f"{where}: {first.get('msg', 'invalid value')}") from None
+    return validated(ChatRequest, asked, AnthropicError)
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -235,10 +220,9 @@ async def _events(chunks: AsyncIterator[Any], model: str) -> AsyncIterator[str]:
     yield _event("message_start", {"message": start})
     index, open_kind, finish = -1, None, "stop"
     async for raw in chunks:
-        data = (raw if isinstance(raw, str) else raw.decode()).removeprefix("data: ").strip()
-        if not data or data == "[DONE]":
+        chunk = chunk_of(raw)
+        if chunk is None:
             continue
-        chunk = json.loads(data)
         if "error" in chunk:  # a cut reply: Anthropic's error event, and no message_stop
             yield _event("error", {"error": {"type": "api_error", "message": chunk["error"]["message"]}})
             return

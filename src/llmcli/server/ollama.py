@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from llmcli.errors import LlmcliError
+from llmcli.server.translate import chunk_of, read_json, validated
 
 if TYPE_CHECKING:
     from llmcli.server.app import Served
@@ -79,23 +79,13 @@ def install_ollama(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Any:
-        body = await _json(request)
+        body = await read_json(request, OllamaError)
         return await _answer(served, request, body, _chat_request(served, body), shape="chat")
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Any:
-        body = await _json(request)
+        body = await read_json(request, OllamaError)
         return await _answer(served, request, body, _generate_request(served, body), shape="generate")
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise OllamaError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise OllamaError("the request body is a JSON object")
-    return body
 
 
 def _sampling(served: Served, body: dict[str, Any]) -> dict[str, Any]:
@@ -184,16 +174,7 @@ async def _answer(
     from llmcli.server import app as openai
     from llmcli.server.protocol import ChatRequest, CompletionRequest
 
-    try:
-        parsed = (
-            ChatRequest.model_validate(asked)
-            if "messages" in asked
-            else CompletionRequest.model_validate(asked)
-        )
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-        raise OllamaError(f"{where}: {first.get('msg', 'invalid value')}") from None
+    parsed = validated(ChatRequest if "messages" in asked else CompletionRequest, asked, OllamaError)
     if isinstance(parsed, ChatRequest):
         answered = await openai.chat_response(served, request, parsed)
     else:
@@ -226,11 +207,9 @@ async def _lines(events: AsyncIterator[Any], model: str, chat: bool, started: fl
     """OpenAI's server-sent events, as Ollama's NDJSON lines."""
     finish, timings, calls = "stop", {}, []
     async for event in events:
-        text = event if isinstance(event, str) else event.decode()
-        data = text.removeprefix("data: ").strip()
-        if not data or data == "[DONE]":
+        chunk = chunk_of(event)
+        if chunk is None:
             continue
-        chunk = json.loads(data)
         if "error" in chunk:  # a cut reply: Ollama's error line, and no done line
             yield json.dumps({"error": chunk["error"]["message"]}) + "\n"
             return

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from llmcli.errors import LlmcliError
+from llmcli.server.translate import chunk_of, read_json, validated
 
 if TYPE_CHECKING:
     from llmcli.server.app import Served
@@ -56,7 +56,7 @@ def install_responses(app: FastAPI, served: Served) -> None:
     async def responses(request: Request) -> Any:
         from llmcli.server import app as openai
 
-        body = await _json(request)
+        body = _checked(await read_json(request, ResponsesError))
         history = _history(stored, body.get("previous_response_id"))
         messages = history + _input(body)
         asked = _chat_request(body, messages)
@@ -74,13 +74,7 @@ def install_responses(app: FastAPI, served: Served) -> None:
         return response
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise ResponsesError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ResponsesError("the request body is a JSON object")
+def _checked(body: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise ResponsesError(f"{unknown[0]} is not supported here")
@@ -186,12 +180,7 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
     effort = (body.get("reasoning") or {}).get("effort")
     if effort:
         asked["reasoning_effort"] = effort
-    try:
-        return ChatRequest.model_validate(asked)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-        raise ResponsesError(f"{where}: {first.get('msg', 'invalid value')}") from None
+    return validated(ChatRequest, asked, ResponsesError)
 
 
 def _shell(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -376,10 +365,9 @@ async def _events(
         return closing
 
     async for raw in chunks:
-        data = (raw if isinstance(raw, str) else raw.decode()).removeprefix("data: ").strip()
-        if not data or data == "[DONE]":
+        chunk = chunk_of(raw)
+        if chunk is None:
             continue
-        chunk = json.loads(data)
         if "error" in chunk:  # a cut reply: the stream says so, and no response.completed
             yield event(
                 "error", {"code": "server_error", "message": chunk["error"]["message"], "param": None}
