@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API over one loaded model (FastAPI on uvicorn, SSE for streams).
+"""The HTTP API over one loaded model (FastAPI on uvicorn): OpenAI's chat and text completions
+here, and the Responses, Anthropic and Ollama APIs as adapters that translate to and from them
+(responses.py, anthropic.py, ollama.py).
 
 One worker thread runs every generation, in arrival order: batch-1 decode is bound by reading
 the weights, so two generations at once would each run at half speed and share one KV cache.
@@ -6,9 +8,10 @@ That thread owns the engine, whose cache persists between requests: a request wh
 starts with what the cache holds (the next turn of a chat, re-sent whole by any client) prefills
 only the rest, and `usage.prompt_tokens_details.cached_tokens` says how much was reused.
 
-A streaming client that goes away stops its generation at the next token (the engine's cache
-is cropped back to what it holds exactly, as after Ctrl-C); one still waiting in the queue is
-skipped. Every failure is an OpenAI error object, and the worker lives on.
+A client that goes away stops its generation at the next token (the engine's cache is cropped
+back to what it holds exactly, as after Ctrl-C); one still waiting in the queue is skipped, and
+the queue is bounded. Every failure is an error object in the protocol's own shape, and the
+worker lives on.
 """
 
 from __future__ import annotations
