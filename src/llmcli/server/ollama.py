@@ -49,9 +49,9 @@ class OllamaError(LlmcliError):
 def install_ollama(app: FastAPI, served: Served) -> None:
     @app.get("/api/version")
     async def version() -> dict[str, Any]:
-        from llmcli import __version__
+        from importlib.metadata import version as installed
 
-        return {"version": __version__}
+        return {"version": installed("llmcli")}
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
