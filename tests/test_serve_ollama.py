@@ -96,3 +96,20 @@ def test_what_cannot_be_honoured_is_refused_in_ollamas_error_shape(
         "POST", "/api/generate", json.dumps({"model": "tiny", "prompt": "x", "suffix": "y"}).encode()
     )
     assert status == 400
+
+
+def test_a_tool_call_and_its_result_round_trip(server: Server) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    asked = [{"role": "user", "content": "Weather in Paris?"}]
+    first = client(server).chat(model="tiny", messages=asked, tools=[tool], options=GREEDY)
+    history = [
+        *asked,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "tool_name": "get_weather", "content": "18 degrees"},
+    ]
+    after = client(server).chat(model="tiny", messages=history, tools=[tool], options=GREEDY)
+    assert after.done and after.prompt_eval_count > first.prompt_eval_count  # the call and result were read
