@@ -56,6 +56,8 @@ def test_chat_and_generate_answer_as_the_openai_routes_do(server: Server) -> Non
     assert streamed[-1].done and not any(part.done for part in streamed[:-1])
     generated = client(server).generate(model="tiny", prompt="Hello there", options=GREEDY)
     assert generated.response == expected  # generate applies the chat template, as ollama's does
+    pieces = list(client(server).generate(model="tiny", prompt="Hello there", options=GREEDY, stream=True))
+    assert "".join(piece.response for piece in pieces) == expected and pieces[-1].done
     raw = client(server).generate(model="tiny", prompt="Hello there", raw=True, options=GREEDY)
     text = server.client().completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
     assert raw.response == text.choices[0].text
