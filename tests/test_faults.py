@@ -267,3 +267,21 @@ def test_a_reply_cut_by_a_dying_server_is_an_error_not_a_complete_reply(dying_se
     chat = run_cli("chat", "--server", dying_server, "-m", "any", stdin=b"hi\nagain\n")
     assert chat.returncode == 1 and chat.stdout.decode().count("Hello") == 2
     assert chat.stderr.decode().count("ended the reply before it was complete") == 2
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["generate", "--help"], ["config", "show"], ["models", "list"], ["config", "path"]],
+)
+def test_every_command_stops_quietly_when_its_reader_is_gone(args: list[str]) -> None:
+    """stdout a pipe nobody reads (`llmcli … | head -1` after head left): exit 0, nothing on
+    stderr — as generate does — for help and every command's output alike."""
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    try:
+        result = subprocess.run([*LLMCLI, *args], stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0 and result.stderr == b"", result.stderr.decode()

@@ -27,7 +27,22 @@ def main() -> None:
     if not (sys.stderr and sys.stderr.isatty()):
         # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.
         os.environ.setdefault("TQDM_DISABLE", "1")
-    sys.exit(run_command_line(sys.argv[1:]))
+    code = run_command_line(sys.argv[1:])
+    try:
+        sys.stdout.flush()  # what is still buffered, now: a reader that left is not an error
+    except (BrokenPipeError, ValueError, AttributeError):
+        from llmcli.frontends import terminal
+
+        terminal.detach_stdout()
+    sys.exit(code)
+
+
+def _stdout_is_devnull() -> bool:
+    try:
+        out, null = os.fstat(sys.stdout.fileno()), os.stat(os.devnull)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (out.st_dev, out.st_ino) == (null.st_dev, null.st_ino)
 
 
 def run_command_line(args: list[str]) -> int:
@@ -44,6 +59,7 @@ def run_command_line(args: list[str]) -> int:
     from llmcli.frontends import terminal
 
     command = typer.main.get_command(app)
+    quiet_before = _stdout_is_devnull()
     try:
         code = command.main(args=args, prog_name="llmcli", standalone_mode=False)
     except click.UsageError as error:
@@ -57,4 +73,16 @@ def run_command_line(args: list[str]) -> int:
         return EXIT_USAGE
     except typer.Abort:  # Ctrl-C where click itself was waiting (a confirmation prompt)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # output to a reader that left (`llmcli … | head -1`)
+        terminal.detach_stdout()
+        return 0
+    except SystemExit as leaving:
+        # A closed pipe (`llmcli … | head -1`) is answered with exit 1 by click (stdout wrapped
+        # in its PacifyFlushWrapper) and by rich (stdout pointed at /dev/null): a reader that
+        # left is not an error here, as for generate.
+        pacified = type(sys.stdout).__name__ == "PacifyFlushWrapper"
+        if leaving.code == 1 and (pacified or (not quiet_before and _stdout_is_devnull())):
+            terminal.detach_stdout()
+            return 0
+        raise leaving
     return code if isinstance(code, int) else 0

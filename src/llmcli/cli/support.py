@@ -24,6 +24,9 @@ def handled_errors() -> Iterator[None]:
         raise typer.Exit(error.exit_code) from None
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:  # the reader of stdout left (`| head -1`): not an error, a reason to stop
+        terminal.detach_stdout()
+        raise typer.Exit(0) from None
     except typer.Exit:
         raise
     except Exception as error:
