@@ -82,22 +82,24 @@ def test_format_json_holds_the_reply_to_json(server: Server) -> None:
         ),
         ({"format": "yaml"}, "format is"),
         ({"options": {"temperature": -1}}, "temperature"),
+        ({"keep_alive": 0}, "keep_alive 0"),
+        ({"template": "{{ .Prompt }}"}, "template is not supported"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_in_ollamas_error_shape(
     server: Server, asked: dict, words: str
 ) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False} | asked
-    if asked.get("format") != "yaml":  # the client itself refuses that one before sending it
+    if asked.get("format") != "yaml" and "template" not in asked:  # the client cannot send these
         with pytest.raises(ollama.ResponseError) as refused:
             client(server).chat(**body)
         assert refused.value.status_code == 400 and words in refused.value.error
     status, answer = server.raw("POST", "/api/chat", json.dumps(body).encode())
     assert status == 400 and set(answer) == {"error"} and words in answer["error"]
-    status, _ = server.raw(
-        "POST", "/api/generate", json.dumps({"model": "tiny", "prompt": "x", "suffix": "y"}).encode()
-    )
-    assert status == 400
+    for refused_generate in ({"suffix": "y"}, {"raw": True, "system": "Be brief."}):
+        generate = {"model": "tiny", "prompt": "x", "stream": False, **refused_generate}
+        status, _ = server.raw("POST", "/api/generate", json.dumps(generate).encode())
+        assert status == 400
 
 
 def test_a_tool_call_and_its_result_round_trip(server: Server) -> None:

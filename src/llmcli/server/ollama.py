@@ -4,9 +4,9 @@
 the same code as `/v1/`, and the answer is translated back: one object, or NDJSON lines (Ollama
 streams by default). Options map to llmcli's sampling settings; an option, field or content that
 is not honoured is a 400 that says so (`images` for a text model, `num_ctx` over the loaded
-context, `suffix`, `template`, `context`), never dropped. `keep_alive` is accepted: the model
-stays loaded for the server's life. `/api/tags`, `/api/show`, `/api/ps` and `/api/version`
-describe the one loaded model.
+context, `suffix`, `template`, `context`, any other field), never dropped. `keep_alive` is
+accepted (the model stays loaded for the server's life), except 0, which would unload it.
+`/api/tags`, `/api/show`, `/api/ps` and `/api/version` describe the one loaded model.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ OPTIONS = {
     "frequency_penalty": "frequency_penalty",
 }
 REFUSED_FIELDS = ("suffix", "template", "context")  # generate's: fill-in-the-middle, templates, old context
+# The fields each route takes; any other is refused, never ignored.
+COMMON_FIELDS = frozenset({"model", "stream", "format", "options", "think", "keep_alive"})
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
+GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw", "images", *REFUSED_FIELDS}
 
 
 class OllamaError(LlmcliError):
@@ -79,13 +83,22 @@ def install_ollama(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Any:
-        body = await read_json(request, OllamaError)
+        body = _checked(await read_json(request, OllamaError), CHAT_FIELDS)
         return await _answer(served, request, body, _chat_request(served, body), shape="chat")
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Any:
-        body = await read_json(request, OllamaError)
+        body = _checked(await read_json(request, OllamaError), GENERATE_FIELDS)
         return await _answer(served, request, body, _generate_request(served, body), shape="generate")
+
+
+def _checked(body: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise OllamaError(f"{unknown[0]} is not supported here")
+    if body.get("keep_alive") in (0, "0", "0s", "0m"):  # unload now: never done here
+        raise OllamaError("keep_alive 0 would unload the model: llmcli serve keeps it loaded while it runs")
+    return body
 
 
 def _sampling(served: Served, body: dict[str, Any]) -> dict[str, Any]:
@@ -159,6 +172,8 @@ def _generate_request(served: Served, body: dict[str, Any]) -> dict[str, Any]:
         raise OllamaError("this server's model reads text only: images are not supported")
     prompt = body.get("prompt") or ""
     if body.get("raw"):
+        if body.get("system"):  # raw: no template to put a system prompt in
+            raise OllamaError("system needs the chat template, and raw turns it off: send one of them")
         return {"prompt": prompt, **_sampling(served, body)}
     messages = [{"role": "user", "content": prompt}]
     if body.get("system"):
