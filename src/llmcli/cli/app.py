@@ -319,16 +319,11 @@ def _functions(settings: ToolSettings, constrained: OutputFormat | None) -> Func
         return None
     if constrained is not None:
         raise UsageError(f"--functions and {constrained.label} do not combine: a reply is a call or JSON")
-    from llmcli.engine.tools import CHOICES, parse_choice
     from llmcli.frontends.functions import Functions, read_functions
+    from llmcli.frontends.tools import flag_choice
 
     tools = read_functions(settings.functions)
-    named = settings.tool_choice
-    choice = parse_choice(
-        named if named in CHOICES else {"type": "function", "function": {"name": named}},
-        tools,
-        "--tool-choice",
-    )
+    choice = flag_choice(settings.tool_choice, tools)
     return Functions(settings.functions, tools, run_all=settings.yes, first_choice=choice)
 
 

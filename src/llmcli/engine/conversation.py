@@ -160,6 +160,13 @@ def ids_for_text(tokenizer: Any, held: list[int], text: str) -> list[int]:
     return held[:low] + list(new)
 
 
+def exchange_starts(messages: list[Message]) -> list[int]:
+    """Where each exchange of a chat begins: at its user message (tool calls and results come
+    between it and the reply); the first begins at the start, whatever a loaded chat starts with."""
+    later = [i for i, message in enumerate(messages) if message["role"] == "user" and i > 0]
+    return [0, *later] if messages else []
+
+
 @dataclass
 class Exchange:
     """What one turn added, for /undo and /retry."""
@@ -207,10 +214,7 @@ class Conversation:
         return ids_for_text(self.tokenizer, self.ids, text)
 
     def exchange_starts(self) -> list[int]:
-        """Where each exchange begins: at its user message (tool calls and results come between
-        it and the reply); the first begins at the start, whatever a loaded chat starts with."""
-        later = [i for i, message in enumerate(self.messages) if message["role"] == "user" and i > 0]
-        return [0, *later] if self.messages else []
+        return exchange_starts(self.messages)
 
     def prompt_for(
         self, user_text: str, reply_room: int, steps: list[Message] | None = None

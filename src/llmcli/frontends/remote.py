@@ -357,7 +357,9 @@ class RemoteHistory:
         self.system = text or None
 
     def undo(self, keep_cache: bool = False) -> tuple[str, str] | None:
-        starts = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        from llmcli.engine.conversation import exchange_starts
+
+        starts = exchange_starts(self.messages)
         if not starts or starts[-1] == len(self.messages) - 1:
             return None
         user, reply = self.messages[starts[-1]]["content"], self.messages[-1]["content"]
@@ -380,5 +382,7 @@ class RemoteHistory:
         from llmcli.frontends.chat_session import plural
 
         context = self.target.context_length or "unknown"
-        exchanges = sum(m["role"] == "user" for m in self.messages)
+        from llmcli.engine.conversation import exchange_starts
+
+        exchanges = len(exchange_starts(self.messages))
         return f"{plural(exchanges, 'exchange')} · context {context} tokens"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from llmcli.engine.tools import CHOICES, ToolCall, ToolRequest, parse_choice, parse_tools
+from llmcli.engine.tools import CHOICES, Tool, ToolCall, ToolRequest, parse_choice, parse_tools
 from llmcli.errors import UsageError
 
 
@@ -31,8 +31,13 @@ def read_tools(path: str, choice: str, stdin: BinaryIO | None) -> ToolRequest:
     tools = parse_tools(objects, where)
     if not tools:
         raise UsageError(f"{where}: the array holds no tools")
+    return ToolRequest(tools, flag_choice(choice, tools))
+
+
+def flag_choice(choice: str, tools: tuple[Tool, ...]) -> str:
+    """--tool-choice (auto, none, required, or a tool's name), checked against the tools."""
     named = choice if choice in CHOICES else {"type": "function", "function": {"name": choice}}
-    return ToolRequest(tools, parse_choice(named, tools, "--tool-choice"))
+    return parse_choice(named, tools, "--tool-choice")
 
 
 def call_record(call: ToolCall) -> dict[str, Any]:
