@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmcli.atomic import write_text_atomically
+from llmcli.engine.control_text import Prompt, guard_of, mark, parse
 from llmcli.engine.reasoning import closing_text, opens_thinking, thinking_of
 from llmcli.errors import ContextOverflowError, LlmcliError
 
@@ -101,10 +102,24 @@ def render(
 ) -> str:
     """The prompt as text. `think_off`: a reasoning model answers without thinking, through its
     template's `enable_thinking` switch where it reads one, else by closing the think block."""
+    return render_prompt(tokenizer, messages, add_generation_prompt, think_off, options).text
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    think_off: bool = False,
+    options: dict[str, Any] | None = None,
+) -> Prompt:
+    """The prompt, with the control tokens' text that the messages (or tools) carry kept apart
+    from the template's markup, so that it is encoded as text (see `control_text`)."""
+    guard = guard_of(tokenizer)
+    messages = mark(messages, guard)
     if not has_chat_template(tokenizer):
-        return render_plain(tokenizer, messages, add_generation_prompt)
+        return parse(render_plain(tokenizer, messages, add_generation_prompt), guard)
     thinking = thinking_of(tokenizer) if think_off else None
-    options = dict(options or {})  # the template's own keywords (a server's chat_template_kwargs)
+    options = mark(dict(options or {}), guard)  # the template's own keywords (chat_template_kwargs)
     if thinking and thinking.switchable:
         options["enable_thinking"] = False
     text = render_chat(tokenizer, messages, add_generation_prompt, **options)
@@ -114,7 +129,7 @@ def render(
         and (not thinking.switchable or opens_thinking(text, thinking.format))
     ):
         text += closing_text(text, thinking.format)
-    return text
+    return parse(text, guard)
 
 
 def prompt_ids(
@@ -125,12 +140,29 @@ def prompt_ids(
     think_off: bool = False,
     options: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids for a one-shot prompt: the chat template when the model has one, unless `raw`."""
-    if raw or not has_chat_template(tokenizer):
+    """Token ids for a one-shot prompt: the chat template when the model has one, unless `raw`.
+    Only `raw` lets the text's `<|…|>` become control tokens."""
+    if raw:
         text = "\n\n".join(m["content"] for m in messages)
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    text = render(tokenizer, messages, think_off=think_off, options=options)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not has_chat_template(tokenizer):
+        guard = guard_of(tokenizer)
+        prompt = parse("\n\n".join(mark(m["content"], guard) for m in messages), guard)
+        if len(prompt.pieces) == 1:
+            return list(tokenizer(prompt.text, add_special_tokens=True)["input_ids"])
+        head, tail = _added_around(tokenizer)
+        return head + prompt.encode(tokenizer) + tail
+    return render_prompt(tokenizer, messages, think_off=think_off, options=options).encode(tokenizer)
+
+
+def _added_around(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer adds before and after a text (a BOS, say) when asked to."""
+    bare = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    for at in range(len(full) - len(bare) + 1):
+        if full[at : at + len(bare)] == bare:
+            return full[:at], full[at + len(bare) :]
+    return [], []
 
 
 def decode_exact(tokenizer: Any, ids: list[int]) -> str:
@@ -138,13 +170,16 @@ def decode_exact(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def ids_for_text(tokenizer: Any, held: list[int], text: str) -> list[int]:
+def ids_for_text(tokenizer: Any, held: list[int], prompt: Prompt | str) -> list[int]:
     """Token ids for `text` that keep the longest prefix of `held` whose text `text` starts with.
 
     The held ids are what the model saw (its own sampled tokens included), so they are kept
     as they are; only the remainder of `text` is tokenized. A binary search finds the prefix,
     so a long chat costs a few decodes, not one per token.
     """
+    if isinstance(prompt, str):
+        prompt = Prompt(((prompt, False),))
+    text = prompt.text
     low, high = 0, len(held)  # decode(held[:low]) is a prefix of text; find the largest such
     if text.startswith(decode_exact(tokenizer, held)):
         low = high
@@ -155,9 +190,7 @@ def ids_for_text(tokenizer: Any, held: list[int], text: str) -> list[int]:
         else:
             high = middle - 1
     covered = len(decode_exact(tokenizer, held[:low]))
-    rest = text[covered:]
-    new = tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
-    return held[:low] + list(new)
+    return held[:low] + prompt.encode(tokenizer, covered)
 
 
 def exchange_starts(messages: list[Message]) -> list[int]:
@@ -208,10 +241,10 @@ class Conversation:
             from llmcli.engine.tools.formats import template_messages, tool_format_of
 
             messages, options = template_messages(messages, self.tools, tool_format_of(self.tokenizer))
-        text = render(
+        prompt = render_prompt(
             self.tokenizer, messages, add_generation_prompt, self.think_off and add_generation_prompt, options
         )
-        return ids_for_text(self.tokenizer, self.ids, text)
+        return ids_for_text(self.tokenizer, self.ids, prompt)
 
     def exchange_starts(self) -> list[int]:
         return exchange_starts(self.messages)
