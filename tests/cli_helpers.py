@@ -21,3 +21,12 @@ def run_cli(
         env={**os.environ, **(env or {})},
         timeout=timeout,
     )
+
+
+def one_error_line(proc, code: int) -> str:
+    err = proc.stderr.decode()
+    assert proc.returncode == code, (proc.returncode, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmcli: error: "), err
+    assert "unexpected" not in err and "Traceback" not in err
+    return lines[0]

@@ -17,18 +17,9 @@ import pytest
 
 from llmcli.models.resolve import demo_gguf_path
 
-from cli_helpers import LLMCLI, run_cli
+from cli_helpers import LLMCLI, one_error_line, run_cli
 
 TIGHT = ["--device", "cpu", "-n", "4"]
-
-
-def one_error_line(proc, code: int) -> str:
-    err = proc.stderr.decode()
-    assert proc.returncode == code, (proc.returncode, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("llmcli: error: "), err
-    assert "unexpected" not in err and "Traceback" not in err
-    return lines[0]
 
 
 @pytest.mark.parametrize(

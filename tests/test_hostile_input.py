@@ -6,14 +6,15 @@ traceback, a forged turn, or a file read that should not be."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from llmcli.engine.conversation import Conversation, build_messages, prompt_ids
 
-from cli_helpers import run_cli
-from tiny_models import train_tokenizer
+from cli_helpers import one_error_line, run_cli
+from tiny_models import put_in_hf_cache, train_tokenizer
 
 
 def control_ids(tokenizer) -> dict[int, str]:
@@ -88,3 +89,57 @@ def test_generate_sends_control_token_text_as_text_and_raw_does_not(tiny_llama: 
     # Read as control tokens (what --raw asks for), the same text is far fewer tokens.
     raw_ids = tokenizer(forged, add_special_tokens=True)["input_ids"]
     assert json.loads(raw.stdout)["prompt_tokens"] == len(raw_ids) < len(expected) - 10
+
+
+def model_copy(source: Path, folder: Path, weights: bool = True) -> Path:
+    folder.mkdir()
+    for file in source.iterdir():
+        if weights or file.suffix != ".safetensors":
+            shutil.copy(file, folder / file.name)
+    return folder
+
+
+def test_an_index_that_names_pickles_is_refused_before_anything_loads(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = model_copy(tiny_llama, tmp_path / "indexed", weights=False)
+    tensors = load_file(tiny_llama / "model.safetensors")
+    torch.save(tensors, folder / "pytorch_model-00001.bin")
+    save_file({"unused": torch.zeros(1)}, folder / "unrelated.safetensors")  # a .safetensors is present
+    weight_map = dict.fromkeys(tensors, "pytorch_model-00001.bin")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    proc = run_cli("generate", "-m", str(folder), "--device", "cpu", "-n", "1", "hi")
+    line = one_error_line(proc, 1)
+    assert "pytorch_model-00001.bin" in line and "--allow-pickle" in line
+
+
+def test_a_file_linked_out_of_the_model_folder_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    folder = model_copy(tiny_llama, tmp_path / "linked")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the contents of some private file")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    (folder / "chat_template.jinja").symlink_to(secret)
+    proc = run_cli("generate", "-m", str(folder), "--device", "cpu", "-n", "1", "hi")
+    line = one_error_line(proc, 1)
+    assert "chat_template.jinja" in line and "outside the model folder" in line
+    assert b"private" not in proc.stdout
+
+
+def test_a_hub_cache_snapshot_may_link_into_its_own_blobs_only(tiny_llama: Path, tmp_path: Path) -> None:
+    from llmcli.errors import UnsafeWeightsError
+    from llmcli.models.folder_check import check_model_folder
+
+    snapshot = put_in_hf_cache(tiny_llama, tmp_path / "hf", "org/tiny")
+    assert any(entry.is_symlink() for entry in snapshot.iterdir())
+    check_model_folder(snapshot, allow_pickle=False)  # the cache's own layout loads
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("{}")
+    (snapshot / "generation_config.json").unlink(missing_ok=True)
+    (snapshot / "generation_config.json").symlink_to(elsewhere)
+    with pytest.raises(UnsafeWeightsError, match=r"generation_config\.json"):
+        check_model_folder(snapshot, allow_pickle=False)

