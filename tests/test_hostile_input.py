@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 from llmcli.engine.conversation import Conversation, build_messages, prompt_ids
+from llmcli.errors import LlmcliError
+from test_reasoning import THINKING_TEMPLATE
 
 from cli_helpers import one_error_line, run_cli
-from tiny_models import put_in_hf_cache, train_tokenizer
+from tiny_models import CHATML_TEMPLATE, put_in_hf_cache, train_tokenizer
+from tool_templates import ADDED, HERMES_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, SPECIAL, TOOLS
 
 
 def control_ids(tokenizer) -> dict[int, str]:
@@ -143,3 +146,73 @@ def test_a_hub_cache_snapshot_may_link_into_its_own_blobs_only(tiny_llama: Path,
     (snapshot / "generation_config.json").symlink_to(elsewhere)
     with pytest.raises(UnsafeWeightsError, match=r"generation_config\.json"):
         check_model_folder(snapshot, allow_pickle=False)
+
+
+HOSTILE_TEMPLATES = {
+    "a huge string": "{{ 'A' * 4000000000 }}",
+    "a loop that does not end": "{% for i in range(99999) %}{% for j in range(99999) %}"
+    "{% endfor %}{% endfor %}",
+    "a huge padding": "{{ 'a' | center(1000000000) }}",
+    "doubling a string": "{% set ns = namespace(s='ab') %}"
+    "{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "a huge format width": "{{ '%0999999999d' % 1 }}",
+    "a huge output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_TEMPLATES)
+def test_a_template_that_would_not_stop_or_fill_memory_is_refused(name: str) -> None:
+    import resource
+
+    tokenizer = train_tokenizer()
+    tokenizer.chat_template = HOSTILE_TEMPLATES[name]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(LlmcliError, match="the model's chat template was stopped: it") as refused:
+        prompt_ids(tokenizer, build_messages("hi"))
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 600, (name, grown_mib)  # bounded: far below the gigabytes asked for
+    assert "--raw" in refused.value.one_line()
+
+
+def test_generate_refuses_a_hostile_template_in_one_line(tiny_llama: Path, tmp_path: Path) -> None:
+    folder = model_copy(tiny_llama, tmp_path / "hostile")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(HOSTILE_TEMPLATES["a huge string"])
+    proc = run_cli("generate", "-m", str(folder), "--device", "cpu", "-n", "1", "hi")
+    assert "chat template was stopped" in one_error_line(proc, 1)
+
+
+@pytest.mark.parametrize(
+    "template", [CHATML_TEMPLATE, HERMES_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, THINKING_TEMPLATE]
+)
+def test_the_bounded_sandbox_renders_as_transformers_does(template: str) -> None:
+    from llmcli.engine.conversation import render_chat
+
+    tokenizer = train_tokenizer(added=ADDED, special=SPECIAL)
+    tokenizer.chat_template = template
+    function = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    call = {"id": "call_1", "type": "function", "function": function}
+    chats = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi <b>&</b>"}],
+        [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+        ],
+    ]
+    for messages in chats:
+        for options in ({}, {"tools": TOOLS}, {"enable_thinking": False}):
+            for add_generation_prompt in (True, False):
+                try:
+                    expected = tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **options
+                    )
+                except Exception as error:
+                    with pytest.raises(LlmcliError, match="refused these messages"):
+                        render_chat(tokenizer, messages, add_generation_prompt, **options)
+                    assert type(error).__name__ == "TemplateError", error
+                    continue
+                assert render_chat(tokenizer, messages, add_generation_prompt, **options) == expected

@@ -36,6 +36,7 @@ Message = dict[str, Any]
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_STOP = "\nUser:"
 TRANSCRIPT_VERSION = 1
+TEMPLATE_HINT = "a chat template is code from the model's publisher; --raw sends text without it"
 
 
 def build_messages(user_text: str, system: str | None = None) -> list[Message]:
@@ -50,30 +51,40 @@ TEMPLATE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 def _template_view(messages: list[Message]) -> list[dict[str, Any]]:
-    """Only what templates know about: our own keys (e.g. "interrupted") stay out."""
-    return [{key: m[key] for key in TEMPLATE_KEYS if key in m} for m in messages]
+    """Only what templates know about: our own keys (e.g. "interrupted") stay out, and so do
+    keys whose value is None (templates test for a key, and would write "None")."""
+    return [{key: m[key] for key in TEMPLATE_KEYS if m.get(key) is not None} for m in messages]
 
 
 def render_chat(
     tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True, **options: Any
 ) -> str:
-    """The template's text for these messages. Templates that refuse a system role (Gemma's,
-    Mistral's older ones) get the system text folded into the first user message instead."""
+    """The template's text for these messages, rendered in a bounded sandbox (`templates`).
+    Templates that refuse a system role (Gemma's, Mistral's older ones) get the system text
+    folded into the first user message instead."""
     from jinja2.exceptions import TemplateError
 
+    from llmcli.engine.templates import TemplateLimitError, render_template
+
+    source = tokenizer.get_chat_template(tools=options.get("tools"))
+    context = {"tools": None, "documents": None, **tokenizer.special_tokens_map, **options}
     view = _template_view(messages)
+    context["add_generation_prompt"] = add_generation_prompt
     try:
-        return tokenizer.apply_chat_template(
-            view, add_generation_prompt=add_generation_prompt, tokenize=False, **options
-        )
-    except TemplateError:
-        if not view or view[0]["role"] != "system" or len(view) < 2:
+        try:
+            return render_template(source, messages=view, **context)
+        except TemplateLimitError:
             raise
-        system, first, *rest = view
-        merged = {**first, "content": f"{system['content']}\n\n{first['content']}"}
-        return tokenizer.apply_chat_template(
-            [merged, *rest], add_generation_prompt=add_generation_prompt, tokenize=False, **options
-        )
+        except TemplateError:
+            if not view or view[0]["role"] != "system" or len(view) < 2:
+                raise
+            system, first, *rest = view
+            merged = {**first, "content": f"{system['content']}\n\n{first['content']}"}
+            return render_template(source, messages=[merged, *rest], **context)
+    except TemplateLimitError as error:
+        raise LlmcliError(f"the model's chat template was stopped: {error}", TEMPLATE_HINT) from None
+    except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
+        raise LlmcliError(f"the model's chat template refused these messages: {error}") from None
 
 
 def render_plain(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:

@@ -223,8 +223,6 @@ async def chat_response(served: Served, request: Request, body: ChatRequest) -> 
 async def chat_prompt(served: Served, body: ChatRequest) -> tuple[list[int], ToolTurn]:
     """The prompt's token ids as the template renders the request (its tools too); every
     request the template or the tools refuse is a 400 that says why."""
-    from jinja2.exceptions import TemplateError
-
     from llmcli.engine.conversation import prompt_ids
     from llmcli.engine.tools.turn import tool_turn
 
@@ -253,10 +251,7 @@ async def chat_prompt(served: Served, body: ChatRequest) -> tuple[list[int], Too
             ids = prompt_ids(
                 tokenizer, turn.messages, think_off=body.think_off, options=options | turn.options
             )
-        except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
-            message = f"the model's chat template refused these messages: {error}"
-            raise RequestError(400, message, "messages") from None
-        except LlmcliError as error:  # a tool result that answers no call, a bad arguments text
+        except LlmcliError as error:  # a template that refuses them, a tool result that answers no call
             raise RequestError(400, error.message, "messages") from None
         return ids, turn
 
