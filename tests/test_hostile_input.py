@@ -216,3 +216,108 @@ def test_the_bounded_sandbox_renders_as_transformers_does(template: str) -> None
                     assert type(error).__name__ == "TemplateError", error
                     continue
                 assert render_chat(tokenizer, messages, add_generation_prompt, **options) == expected
+
+
+def run_measured(*args: str, stdin_path: Path | str) -> tuple[object, int]:
+    """`llmcli ARGS < stdin_path` as a child of a small Python that reports the child's peak
+    memory in MiB."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, subprocess, sys\n"
+        "command = [sys.executable, '-m', 'llmcli', *sys.argv[2:]]\n"
+        "proc = subprocess.run(command, stdin=open(sys.argv[1], 'rb'), capture_output=True)\n"
+        "sys.stderr.buffer.write(proc.stderr); sys.stdout.buffer.write(proc.stdout)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024, file=sys.stderr)\n"
+        "sys.exit(proc.returncode)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(stdin_path), *args], capture_output=True, timeout=300
+    )
+    *lines, peak = proc.stderr.decode().splitlines()
+    proc.stderr = ("\n".join(lines) + "\n").encode()
+    return proc, int(peak)
+
+
+def test_stdin_over_the_prompt_limit_is_refused_after_reading_just_past_it() -> None:
+    proc, peak_mib = run_measured("generate", "-m", "smollm2", stdin_path="/dev/zero")
+    assert "stdin: over the 64 MiB limit" in one_error_line(proc, 2)
+    assert peak_mib < 400, peak_mib  # read once, just past the limit; no model loaded
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_llama: Path, tmp_path: Path) -> None:
+    text = tmp_path / "long.txt"
+    text.write_text("lorem ipsum dolor sit amet " * 1_000_000)  # 27 MB
+    proc, peak_mib = run_measured("generate", "-m", str(tiny_llama), "--device", "cpu", stdin_path=text)
+    line = one_error_line(proc, 1)
+    assert "the prompt is 26999999 characters" in line and "the context holds 1024" in line
+    assert peak_mib < 1500, peak_mib  # tokenizing it all took gigabytes
+
+
+@pytest.mark.parametrize(
+    ("flag", "source", "message"),
+    [
+        ("--json-schema", "/dev/zero", "not a regular file"),
+        ("--json-schema", "/tmp", "a folder, not a file"),
+        ("--tools", "/dev/zero", "not a regular file"),
+    ],
+)
+def test_files_that_are_not_files_are_refused_without_reading(flag: str, source: str, message: str) -> None:
+    proc = run_cli("generate", "-m", "smollm2", flag, source, "hi", timeout=60)
+    line = one_error_line(proc, 2)
+    assert message in line and source in line
+
+
+def test_a_chat_line_over_the_limit_is_skipped_and_the_chat_goes_on(tiny_llama: Path) -> None:
+    from llmcli.reading import PROMPT_BYTES
+
+    script = b"x" * (PROMPT_BYTES + 10) + b"\nhello\n"
+    proc = run_cli("chat", "-m", str(tiny_llama), "--device", "cpu", "-n", "3", stdin=script, timeout=300)
+    assert proc.returncode == 1
+    assert "line 1 of stdin is over the size limit" in proc.stderr.decode()
+    assert proc.stdout.strip()  # line 2 was answered
+
+
+BAD_TRANSCRIPT_FIELDS = {
+    "system": (5, "system must be a text or null"),
+    "settings": ([1, 2], "settings must be an object"),
+    "settings.stop": ({"stop": [["x"]]}, "settings.stop must be a list of texts"),
+    "settings.temperature": ({"temperature": "hot"}, "settings.temperature must be a number"),
+    "settings.top_p": ({"top_p": 7}, "settings.top_p: --top-p must be in (0, 1]"),
+    "settings.colour": ({"colour": 1}, "unknown field 'colour'"),
+    "messages": ({"role": "user"}, "messages must be a list"),
+    "messages.content": ([{"role": "user", "content": 3}], "messages[0].content must be a text"),
+    "messages.extra": ([{"role": "user", "content": "x", "mood": "sad"}], "unknown field 'mood'"),
+}
+
+
+def test_a_bad_transcript_is_one_line_and_the_chat_goes_on(tiny_llama: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "good.json"
+    script = [f"Hi\n/save {saved}\n"]
+    bad_files = {}
+    for name in BAD_TRANSCRIPT_FIELDS:
+        bad_files[name] = tmp_path / f"bad-{name}.json"
+        script.append(f"/load {bad_files[name]}\n")
+    script.append("Again\n")
+
+    good = {"version": 1, "model": "tiny", "system": None, "settings": {"temperature": 0.5}, "messages": []}
+    for name, (value, _) in BAD_TRANSCRIPT_FIELDS.items():
+        top, _, inner = name.partition(".")
+        record = json.loads(json.dumps(good))
+        if top == "settings" and inner:
+            record["settings"] = value
+        else:
+            record[top] = value
+        bad_files[name].write_text(json.dumps(record))
+
+    proc = run_cli(
+        "chat", "-m", str(tiny_llama), "--device", "cpu", "-n", "3", "--json", stdin="".join(script).encode()
+    )
+    errors = [line for line in proc.stderr.decode().splitlines() if line.startswith("llmcli: error:")]
+    for name, (_, message) in BAD_TRANSCRIPT_FIELDS.items():
+        assert any(str(bad_files[name]) in line and message in line for line in errors), (name, errors)
+    assert "Traceback" not in proc.stderr.decode() and "unexpected" not in proc.stderr.decode()
+    turns = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert len(turns) == 2  # the chat went on after every refused /load ...
+    assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"]  # ... with its first exchange kept

@@ -31,9 +31,9 @@ from typing import Any
 from llmcli.errors import UsageError
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    pass
 
 
 def setting_types() -> dict[str, type]:
@@ -84,12 +84,9 @@ def load_user_config(path: Path | None = None) -> UserConfig:
             what = "a folder" if path.is_dir() else "something that does not exist"
             raise UsageError(f"LLMCLI_CONFIG names {path}, {what}: it must name a TOML file")
         return UserConfig(path=path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as error:
-        raise UsageError(f"{path}: {error}", "fix the file, or point LLMCLI_CONFIG elsewhere") from error
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read {path}: {error}") from error
+    from llmcli.reading import CONFIG_BYTES, parse_toml, read_text
+
+    data = parse_toml(read_text(path, CONFIG_BYTES, str(path)), str(path))
     unknown = set(data) - TOP_LEVEL
     if unknown:
         raise UsageError(

@@ -16,13 +16,11 @@ prefix ends where the rewrite starts, and the engine re-prefills from there.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmcli.atomic import write_text_atomically
 from llmcli.engine.control_text import Prompt, guard_of, mark, parse
+from llmcli.engine.prompt_bounds import refuse_unfittable
 from llmcli.engine.reasoning import closing_text, opens_thinking, thinking_of
 from llmcli.errors import ContextOverflowError, LlmcliError
 
@@ -35,7 +33,6 @@ Message = dict[str, Any]
 # the next "\nUser:" so a base model does not go on to write the user's side too.
 PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: "}
 PLAIN_STOP = "\nUser:"
-TRANSCRIPT_VERSION = 1
 TEMPLATE_HINT = "a chat template is code from the model's publisher; --raw sends text without it"
 
 
@@ -150,9 +147,13 @@ def prompt_ids(
     raw: bool = False,
     think_off: bool = False,
     options: dict[str, Any] | None = None,
+    context_length: int | None = None,
 ) -> list[int]:
     """Token ids for a one-shot prompt: the chat template when the model has one, unless `raw`.
-    Only `raw` lets the text's `<|…|>` become control tokens."""
+    Only `raw` lets the text's `<|…|>` become control tokens. With `context_length`, text that
+    cannot fit is refused before it is tokenized."""
+    if context_length is not None:
+        refuse_unfittable(tokenizer, [_text_of(m) for m in messages], context_length)
     if raw:
         text = "\n\n".join(m["content"] for m in messages)
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -164,6 +165,11 @@ def prompt_ids(
         head, tail = _added_around(tokenizer)
         return head + prompt.encode(tokenizer) + tail
     return render_prompt(tokenizer, messages, think_off=think_off, options=options).encode(tokenizer)
+
+
+def _text_of(message: Message) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else str(content or "")
 
 
 def _added_around(tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -270,6 +276,9 @@ class Conversation:
         plus `reply_room` tokens must fit in the context; the oldest exchanges go first, the
         system prompt always stays.
         """
+        refuse_unfittable(
+            self.tokenizer, [user_text, *(_text_of(m) for m in steps or [])], self.context_length
+        )
         user = {"role": "user", "content": user_text}
         starts = [*self.exchange_starts(), len(self.messages)]
         for dropped in range(0, len(starts)):
@@ -334,23 +343,3 @@ class Conversation:
     def history_ids(self) -> list[int]:
         """The ids of the whole chat as it stands (what a loaded chat prefills)."""
         return self._render_ids(self._all_messages(), add_generation_prompt=False)
-
-
-def read_transcript(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.expanduser().read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise LlmcliError(f"no such file: {path}") from error
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise LlmcliError(f"cannot read {path} as a chat transcript: {error}") from error
-    if not isinstance(data, dict) or data.get("version") != TRANSCRIPT_VERSION:
-        raise LlmcliError(f"{path} is not an llmcli chat transcript (version {TRANSCRIPT_VERSION})")
-    return data
-
-
-def write_transcript(path: Path, data: dict[str, Any]) -> None:
-    try:
-        # Whole or not at all: /save over an earlier transcript never leaves half of either.
-        write_text_atomically(path.expanduser(), json.dumps(data, ensure_ascii=False, indent=2) + "\n")
-    except OSError as error:
-        raise LlmcliError(f"cannot write {path}: {error.strerror}") from error

@@ -13,7 +13,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmcli.config.settings import LoadSettings, SamplingParams, SamplingSettings
@@ -52,14 +51,13 @@ class BatchRequest:
 def read_items(
     path: str, default_system: str | None, default_output: OutputFormat | None = None
 ) -> list[BatchItem]:
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).expanduser().read_bytes()
-    except OSError as error:
-        raise UsageError(f"cannot read --batch {path}: {error.strerror}") from error
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise UsageError(f"--batch {path} is not valid UTF-8 (byte offset {error.start})") from error
+    from llmcli.reading import BATCH_BYTES, decode, read_file, read_stream
+
+    where = f"--batch {path}"
+    if path == "-":
+        text = decode(read_stream(sys.stdin.buffer, BATCH_BYTES, where), where)
+    else:
+        text = decode(read_file(path, BATCH_BYTES, where), where)
     items = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from llmcli.config.declare import declarations, field_types
 from llmcli.config.escapes import unescape
 from llmcli.config.settings import SPECULATIVE_METHODS, THINK_MODES, PromptSettings, SamplingSettings
-from llmcli.engine.conversation import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.formats import format_command, unfinished_value
 from llmcli.frontends.functions import describe_call
 from llmcli.frontends.target import Outcome
 from llmcli.frontends.tools import call_record
+from llmcli.frontends.transcript import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.server.client import StreamBrokenError
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads it
@@ -479,14 +479,15 @@ class ChatSession:
 
     def _cmd_load(self, argument: str) -> None:
         path = _one_path(argument, "/load FILE")
-        data = read_transcript(path)
-        messages = transcript_messages(data, path)
+        transcript = read_transcript(path, SETTABLE)
+        messages = transcript.messages
         sampling = self.sampling
-        for key, value in (data.get("settings") or {}).items():
-            if key in SETTABLE:  # a null seed or an empty stop list unsets it
+        for key, value in transcript.settings.items():  # a null seed or an empty stop list unsets it
+            try:
                 sampling = apply_setting(sampling, key, value)
-        system = data.get("system") if isinstance(data.get("system"), str) else None
-        note = self.history.replace(system or None, messages, sampling, str(path))
+            except LlmcliError as error:
+                raise UsageError(f"{path}: settings.{key}: {error.message}") from None
+        note = self.history.replace(transcript.system, messages, sampling, str(path))
         changes = settings_changed(
             self.target.shown_sampling(self.sampling), self.target.shown_sampling(sampling)
         )
@@ -541,22 +542,6 @@ def _think_budget(value: str) -> int:
         raise UsageError(f"think_budget needs an integer (or none), got {value!r}") from None
     PromptSettings(think_budget=budget).validate("request")
     return budget
-
-
-def transcript_messages(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
-    """A transcript's messages, checked: user and assistant turns with text (and the tool
-    calls and results between them)."""
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict)
-        and m.get("role") in ("user", "assistant", "tool")
-        and isinstance(m.get("content"), str)
-        for m in messages
-    ):
-        raise LlmcliError(
-            f"{path} is not an llmcli chat transcript: its messages must be user/assistant turns"
-        )
-    return messages
 
 
 def _one_path(argument: str, usage: str) -> Path:

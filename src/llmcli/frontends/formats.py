@@ -4,8 +4,6 @@ loads), the chat's /format, and why a reply is not a complete JSON value."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from llmcli.config.settings import OutputSettings
@@ -76,20 +74,12 @@ def unfinished_value(
 
 def read_schema(value: str, where: str = "--json-schema") -> dict[str, Any]:
     """A schema given inline ('{"type": …}') or as a file path."""
+    from llmcli.reading import SCHEMA_BYTES, parse_json, read_text
+
     text = value
     if not value.lstrip().startswith("{"):
-        path = Path(value).expanduser()
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise UsageError(f"{where} {value}: no such file", "give a schema file or inline JSON") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise UsageError(f"{where} {value}: cannot be read ({error})") from None
-    try:
-        schema = json.loads(text)
-    except ValueError as error:
-        raise UsageError(f"{where} {_short(value)}: not valid JSON ({error})") from None
-    return parse_schema(schema, where)
+        text = read_text(value, SCHEMA_BYTES, f"{where} {value}")
+    return parse_schema(parse_json(text, f"{where} {_short(value)}"), where)
 
 
 def _short(value: str) -> str:

@@ -26,13 +26,13 @@ def read_functions(path: str) -> tuple[Tool, ...]:
     """The file's public top-level functions as tools; a function the model could not call
     correctly (a parameter without a type hint that says what to send) is refused by name."""
     where = f"--functions {path}"
+    from llmcli.reading import SCHEMA_BYTES, read_text
+
+    source = read_text(path, SCHEMA_BYTES, where)
     try:
-        source = Path(path).expanduser().read_text(encoding="utf-8")
         module = ast.parse(source, filename=path)
-    except OSError as error:
-        raise UsageError(f"{where}: cannot read it ({error.strerror})") from None
-    except (SyntaxError, UnicodeDecodeError) as error:
-        raise UsageError(f"{where}: not Python ({error})") from None
+    except (SyntaxError, RecursionError, MemoryError) as error:
+        raise UsageError(f"{where}: not Python ({type(error).__name__}: {error})") from None
     tools = [
         _tool(node, where)
         for node in module.body

@@ -48,16 +48,11 @@ class GenerateRequest:
 
 def read_stdin(stream: BinaryIO | None) -> str:
     """All of stdin as text, or '' when it is a terminal or closed (we never wait for typing)."""
+    from llmcli.reading import PROMPT_BYTES, decode, read_stream
+
     if stream is None or stream.isatty():
         return ""
-    data = stream.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UsageError(
-            f"stdin is not valid UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start})",
-            "convert it first, e.g. with `iconv -t UTF-8`",
-        ) from err
+    return decode(read_stream(stream, PROMPT_BYTES, "stdin"), "stdin")
 
 
 def assemble_prompt(words: tuple[str, ...], stdin_text: str) -> str:

@@ -108,7 +108,14 @@ class InProcessTarget:
         if ask.tools is not None:
             turn = self.tool_turn(messages, ask.tools)
             messages, options, output = turn.messages, turn.options, turn.output
-        ids = prompt_ids(tokenizer, messages, raw=ask.raw, think_off=ask.think_off, options=options)
+        ids = prompt_ids(
+            tokenizer,
+            messages,
+            raw=ask.raw,
+            think_off=ask.think_off,
+            options=options,
+            context_length=self.loaded.context_length,
+        )
         params = self.params(ask.sampling)
         if ask.num_beams > 1:
             self._beams = True

@@ -72,13 +72,20 @@ def run(request: ChatRequest) -> int:
     )
     if interactive:
         return run_interactive(session, console)
-    return run_scripted(session, sys.stdin.buffer)
+    from llmcli.reading import PROMPT_BYTES, bounded_lines
+
+    return run_scripted(session, bounded_lines(sys.stdin.buffer, PROMPT_BYTES))
 
 
-def run_scripted(session: ChatSession, lines: Iterable[bytes]) -> int:
-    """One user message (or slash command) per line; replies in order. Exit 1 if anything failed."""
+def run_scripted(session: ChatSession, lines: Iterable[bytes | None]) -> int:
+    """One user message (or slash command) per line (None: a line over the size limit);
+    replies in order. Exit 1 if anything failed."""
     try:
         for number, raw in enumerate(lines, start=1):
+            if raw is None:
+                session.failed = True
+                session.view.error(f"line {number} of stdin is over the size limit for a message; skipped")
+                continue
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError:

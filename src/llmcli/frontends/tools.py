@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from llmcli.engine.tools import CHOICES, Tool, ToolCall, ToolRequest, parse_choice, parse_tools
@@ -13,21 +12,16 @@ from llmcli.errors import UsageError
 
 def read_tools(path: str, choice: str, stdin: BinaryIO | None) -> ToolRequest:
     """--tools FILE (or - for stdin) and --tool-choice, as a request; one line for what is wrong."""
+    from llmcli.reading import SCHEMA_BYTES, decode, parse_json, read_file, read_stream
+
     where = "--tools" if path == "-" else f"--tools {path}"
-    try:
-        if path == "-":
-            if stdin is None or stdin.isatty():
-                raise UsageError("--tools - reads the tools from stdin, and stdin is a terminal")
-            text = stdin.read().decode("utf-8")
-        else:
-            text = Path(path).expanduser().read_text(encoding="utf-8")
-        objects = json.loads(text)
-    except OSError as error:
-        raise UsageError(f"{where}: cannot read it ({error.strerror})") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{where}: not UTF-8 text") from None
-    except ValueError as error:
-        raise UsageError(f"{where}: not JSON ({error})") from None
+    if path == "-":
+        if stdin is None or stdin.isatty():
+            raise UsageError("--tools - reads the tools from stdin, and stdin is a terminal")
+        data = read_stream(stdin, SCHEMA_BYTES, where)
+    else:
+        data = read_file(path, SCHEMA_BYTES, where)
+    objects = parse_json(decode(data, where), where)
     tools = parse_tools(objects, where)
     if not tools:
         raise UsageError(f"{where}: the array holds no tools")

@@ -249,7 +249,11 @@ async def chat_prompt(served: Served, body: ChatRequest) -> tuple[list[int], Too
         try:
             turn = tool_turn(tokenizer, body.chat_messages(), tools, loaded.vocab_size, loaded.eos_token_ids)
             ids = prompt_ids(
-                tokenizer, turn.messages, think_off=body.think_off, options=options | turn.options
+                tokenizer,
+                turn.messages,
+                think_off=body.think_off,
+                options=options | turn.options,
+                context_length=loaded.context_length,
             )
         except LlmcliError as error:  # a template that refuses them, a tool result that answers no call
             raise RequestError(400, error.message, "messages") from None
@@ -261,11 +265,17 @@ async def chat_prompt(served: Served, body: ChatRequest) -> tuple[list[int], Too
 async def completion_response(served: Served, request: Request, body: CompletionRequest) -> Any:
     """A text completion answered, in OpenAI's shape."""
     ticket = request.state.ticket = served.admit()
-    prompts = await _on_worker(served, lambda: body.prompt_ids(served.loaded.tokenizer))
-    try:
-        body.check_ids(prompts, served.loaded.vocab_size)
-    except LlmcliError as error:
-        raise RequestError(400, error.message, "prompt") from None
+    loaded = served.loaded
+
+    def tokenize() -> list[list[int]]:
+        try:
+            prompts = body.prompt_ids(loaded.tokenizer, loaded.context_length)
+            body.check_ids(prompts, loaded.vocab_size)
+        except LlmcliError as error:
+            raise RequestError(400, error.message, "prompt") from None
+        return prompts
+
+    prompts = await _on_worker(served, tokenize)
     if body.scores_only:
         return await _scores_only(served, body, prompts, ticket)
     return await _respond(served, request, body, prompts, ticket, chat=False)

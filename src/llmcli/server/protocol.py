@@ -277,13 +277,19 @@ class CompletionRequest(_Sampling):
             raise ValueError("at most 64 prompts per request")
         return value
 
-    def prompt_ids(self, tokenizer: Any) -> list[list[int]]:
-        """Each prompt's token ids: texts tokenized (with the tokenizer's BOS), ids as given."""
+    def prompt_ids(self, tokenizer: Any, context_length: int) -> list[list[int]]:
+        """Each prompt's token ids: texts tokenized (with the tokenizer's BOS), ids as given;
+        a text that cannot fit the context is refused before it is tokenized."""
+        from llmcli.engine.prompt_bounds import refuse_unfittable
+
         prompt = self.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
         if prompt and isinstance(prompt[0], int):
             return [list(prompt)]  # type: ignore[arg-type]
+        for text in prompt:
+            if isinstance(text, str):
+                refuse_unfittable(tokenizer, [text], context_length)
         return [
             list(p) if isinstance(p, list) else list(tokenizer(p, add_special_tokens=True)["input_ids"])
             for p in prompt
