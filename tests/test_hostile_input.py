@@ -321,3 +321,56 @@ def test_a_bad_transcript_is_one_line_and_the_chat_goes_on(tiny_llama: Path, tmp
     turns = [json.loads(line) for line in proc.stdout.decode().splitlines()]
     assert len(turns) == 2  # the chat went on after every refused /load ...
     assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"]  # ... with its first exchange kept
+
+
+GGUF_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures" / "fixture-F16.gguf"
+
+
+def test_a_changed_gguf_file_of_the_same_size_and_time_gets_a_new_cache_key(tmp_path: Path) -> None:
+    import os
+
+    from llmcli.models.gguf import fingerprint
+
+    copy = tmp_path / "model.gguf"
+    shutil.copy(GGUF_FIXTURE, copy)
+    before = fingerprint(copy)
+    assert fingerprint(copy) == before  # remembered: the same file is not read again
+    times = copy.stat()
+    with copy.open("r+b") as handle:  # one byte in the middle: outside the first and last MiB
+        handle.seek(times.st_size // 2)
+        byte = handle.read(1)
+        handle.seek(times.st_size // 2)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(copy, ns=(times.st_atime_ns, times.st_mtime_ns))  # the same size and mtime
+    assert copy.stat().st_size == times.st_size and copy.stat().st_mtime_ns == times.st_mtime_ns
+    assert fingerprint(copy) != before
+    twin = tmp_path / "twin.gguf"
+    shutil.copy(GGUF_FIXTURE, twin)
+    assert fingerprint(twin) == before  # a copy of the same content hits the same conversion
+
+
+def test_leftovers_of_a_killed_conversion_are_shown_and_removed(tmp_path: Path) -> None:
+    from filelock import FileLock
+
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    root = tmp_path / "cache" / "llmcli" / "gguf"
+    killed = root / ".fixture-F16-0123456789abcdef-k1ll3d"
+    running = root / ".other-fedcba9876543210-runn1ng"
+    for folder in (killed, running):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"\0" * 3_000_000)
+    lock = FileLock(root / ".other-fedcba9876543210.lock")
+    lock.acquire()  # a conversion still running holds its lock: its staging folder is no leftover
+    try:
+        listed = run_cli("models", "list", env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert "3.0 MB held by conversions that were killed" in listed.stdout.decode()
+        imported = run_cli("models", "import", str(GGUF_FIXTURE), env=env, timeout=300)
+        assert imported.returncode == 0, imported.stderr
+        assert not killed.exists() and running.exists()  # the next conversion cleaned up
+        killed.mkdir()
+        (killed / "model.safetensors").write_bytes(b"\0" * 1_000_000)
+        removed = run_cli("models", "rm", "--leftovers", env=env)
+        assert "1.0 MB freed" in removed.stdout.decode() and not killed.exists() and running.exists()
+    finally:
+        lock.release()

@@ -36,12 +36,19 @@ def list_models(
     """Models in the Hugging Face cache and llmcli's converted GGUF files."""
     with handled_errors():
         from llmcli.models.catalog import list_models as entries_of
+        from llmcli.models.gguf import folder_size, leftovers
         from llmcli.models.resolve import DEFAULT_ALIAS
 
         entries = entries_of()
+        left = sum(folder_size(folder) for folder in leftovers())
         if json_output:
             _print(json.dumps([e.as_dict() for e in entries], indent=2))
             return
+        if left:
+            _print(
+                f"{_bytes(left)} held by conversions that were killed before they finished: "
+                "the next conversion removes them, or `llmcli models rm --leftovers` now.\n"
+            )
         if not entries:
             _print("No models yet: `llmcli models pull ORG/NAME`, or `llmcli models import FILE.gguf`.")
             return
@@ -184,14 +191,25 @@ def _local_folder(model: str) -> tuple[Path, str, Path | None]:
 
 @models_app.command("rm")
 def remove(
-    model: Annotated[str, typer.Argument(help="A name from `models list`.")],
+    model: Annotated[str | None, typer.Argument(help="A name from `models list`.")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+    leftovers: Annotated[
+        bool, typer.Option("--leftovers", help="Only remove what killed conversions left behind.")
+    ] = False,
 ) -> None:
-    """Delete a model from the cache; asks first unless --yes."""
+    """Delete a model from the cache (asks first unless --yes), and what killed conversions left."""
     with handled_errors():
         from llmcli.models.catalog import list_models as entries_of
         from llmcli.models.catalog import remove_model
+        from llmcli.models.gguf import remove_leftovers
 
+        if model is None:
+            if not leftovers:
+                raise UsageError("llmcli models rm needs a model name (or --leftovers)")
+            _print(f"Removed leftovers of killed conversions: {_bytes(remove_leftovers())} freed.")
+            return
+        if leftovers:
+            raise UsageError("--leftovers removes only leftovers: give it without a model name")
         matches = [e for e in entries_of() if e.name == model.partition("@")[0]]
         if not matches:
             raise ModelNotFoundError(f"no model named {model} in the caches", "see `llmcli models list`")
@@ -203,7 +221,9 @@ def remove(
                 _print("Kept.")
                 return
         freed = remove_model(model)
-        _print(f"Removed {model}: {_bytes(freed)} freed.")
+        left = remove_leftovers()
+        extra = f", and {_bytes(left)} left by killed conversions" if left else ""
+        _print(f"Removed {model}: {_bytes(freed)} freed{extra}.")
 
 
 @models_app.command("import")

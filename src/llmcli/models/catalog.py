@@ -15,6 +15,7 @@ from typing import Any
 
 from llmcli.config.paths import gguf_cache_dir
 from llmcli.errors import ModelNotFoundError
+from llmcli.models.gguf import folder_size
 from llmcli.models.memory import (
     context_length_of,
     estimate_weight_bytes,
@@ -67,10 +68,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _folder_size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
 def imported_models() -> list[tuple[str, Path]]:
     """(name, folder) of every converted GGUF file in llmcli's cache."""
     root = gguf_cache_dir()
@@ -107,7 +104,7 @@ def list_models() -> list[ModelEntry]:
                 revision="gguf",
                 source="gguf",
                 path=str(folder),
-                size_bytes=_folder_size(folder),
+                size_bytes=folder_size(folder),
                 **describe_folder(folder),
             )
         )
@@ -166,7 +163,7 @@ def remove_model(name: str) -> int:
     """Delete a model from the HF cache or llmcli's GGUF cache; the bytes freed."""
     folder = find_imported(name)
     if folder is not None:
-        size = _folder_size(folder)
+        size = folder_size(folder)
         shutil.rmtree(folder)
         return size
     repo_id = name.partition("@")[0]
@@ -195,7 +192,7 @@ def model_summary(folder: Path, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "path": str(folder),
-        "folder_bytes": _folder_size(folder),
+        "folder_bytes": folder_size(folder),
         **describe_folder(folder),
         "layers": text.get("num_hidden_layers"),
         "hidden_size": text.get("hidden_size"),

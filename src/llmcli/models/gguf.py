@@ -2,7 +2,16 @@
 
 transformers reads GGUF by dequantizing every tensor (15–20 s even for a 135M model), so the
 result is saved as safetensors and later loads take a fraction of a second. The cache key is a
-fingerprint of the file's content, so a moved or copied file still hits and a replaced one misses.
+hash of the file's whole content, so a moved or copied file still hits and a changed one misses,
+whatever part of it changed. Hashing costs one read of the file (sha256 runs at ~2 GB/s here), so
+the hash is remembered beside the cache under the file's identity and times (inode, size, mtime
+and ctime: no write to a file leaves its ctime as it was) and the file is read again only when
+one of them changes.
+
+A conversion builds its folder under a hidden staging name and renames it into place when done.
+One that was killed leaves the staging folder behind: the next conversion removes such leftovers
+(those whose converter no longer holds their lock), as does `llmcli models rm`, and
+`llmcli models list` shows the space they hold.
 Weights are stored in fp16: GGUF block scales are fp16, so dequantized values lose next to
 nothing there, at half the disk of fp32.
 """
@@ -18,13 +27,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from llmcli.atomic import write_text_atomically
 from llmcli.config.paths import gguf_cache_dir
 from llmcli.errors import ModelLoadError
 
-_FINGERPRINT_SPAN = 1 << 20
+_FINGERPRINTS = ".fingerprints"  # file identity and times → content hash, one small file each
 _DONE_MARKER = ".llmcli-converted"
 _NAME_FILE = ".llmcli-name"
 _KIND_FILE = ".llmcli-weights"  # how the file stored its layers' weights: int4, int8 or float
@@ -37,14 +46,56 @@ GGUF_INT4_GROUP = 32
 
 
 def fingerprint(gguf_file: Path) -> str:
-    """Size plus the first and last MiB: cheap for a 40 GB file, and the header names every tensor."""
-    size = gguf_file.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
+    """The file's content hash (16 hex digits), from memory when the file has not changed."""
+    gguf_file = gguf_file.resolve()
+    st = gguf_file.stat()
+    identity = f"{gguf_file}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    remembered = gguf_cache_dir() / _FINGERPRINTS / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        known = remembered.read_text().strip()
+        if len(known) == 16:
+            return known
     with gguf_file.open("rb") as handle:
-        digest.update(handle.read(_FINGERPRINT_SPAN))
-        handle.seek(max(0, size - _FINGERPRINT_SPAN))
-        digest.update(handle.read(_FINGERPRINT_SPAN))
-    return digest.hexdigest()[:16]
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()[:16]
+    with contextlib.suppress(OSError):  # a read-only cache: hash it again next time
+        remembered.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(remembered, digest + "\n")
+    return digest
+
+
+def leftovers() -> list[Path]:
+    """Staging folders of conversions that were killed: hidden folders in the GGUF cache whose
+    conversion's lock nobody holds (a running conversion holds its own)."""
+    root = gguf_cache_dir()
+    found = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if not folder.is_dir() or not folder.name.startswith(".") or folder.name == _FINGERPRINTS:
+            continue
+        target_name = folder.name[1:].rsplit("-", 1)[0]  # staging: ".{target}-{random}"
+        lock = FileLock(root / f".{target_name}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue  # its conversion is running
+        except OSError:
+            continue
+        lock.release()
+        found.append(folder)
+    return found
+
+
+def remove_leftovers(keep: Path | None = None) -> int:
+    """Delete what killed conversions left (but `keep`); the bytes freed."""
+    freed = 0
+    for folder in leftovers():
+        if folder != keep:
+            freed += folder_size(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+    return freed
+
+
+def folder_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def converted_folder(
@@ -98,6 +149,10 @@ def convert(gguf_file: Path, target: Path) -> None:
 
     quiet_libraries()
     target.parent.mkdir(parents=True, exist_ok=True)
+    own_leftovers = [f for f in target.parent.glob(f".{target.name}-*") if f.is_dir()]
+    for folder in own_leftovers:  # this conversion's lock is held here: these are a killed one's
+        shutil.rmtree(folder, ignore_errors=True)
+    remove_leftovers()
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         try:
