@@ -252,6 +252,25 @@ def test_concurrent_clients_each_get_their_own_reply(server: Server, in_process)
         (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(), 400),
         (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 99}).encode(), 400),
         (b'{"messages": [{"role": "user", "content": "' + b"a" * (9 << 20) + b'"}]}', 413),
+        (
+            json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": {"$ref": "#"}},
+                    },
+                }
+            ).encode(),
+            400,
+        ),  # a schema no finite value satisfies: the reply could never end
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "stop": '
+            + b"[" * 100_000
+            + b"]" * 100_000
+            + b"}",
+            400,
+        ),  # nested deeper than a JSON parser recurses
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(

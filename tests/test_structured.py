@@ -125,6 +125,10 @@ def test_format_json_parses_through_the_cli(tiny_llama: Path) -> None:
         ('{"allOf": [{"type": "string"}, {"type": "integer"}]}', "Unsatisfiable schema"),
         ('{"type": "object", ', "not valid JSON"),
         ("no-such-schema.json", "no such file"),
+        ('{"$ref": "#"}', "no finite JSON value satisfies it"),
+        ('{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}', "no finite JSON value"),
+        ('{"type": "array", "items": {"$ref": "#"}, "minItems": 1}', "no finite JSON value"),
+        ('{"type": "object", "properties": {"a": ' + "[" * 5000 + "]" * 5000 + "}}", "nested too deeply"),
     ],
 )
 def test_bad_schemas_are_refused_before_the_model_loads(schema: str, message: str) -> None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # Compact JSON: no free whitespace between tokens, so a model (a random one above all) cannot
 # spend its whole budget on spaces and newlines inside a value.
 COMPILE_OPTIONS = {"whitespace_flexible": False}
+ENDLESS = "no finite JSON value satisfies it (it nests in itself with no way out): a reply could not end"
 
 
 def _llguidance() -> Any:
@@ -56,10 +57,21 @@ def _compiled_lark(lark: str) -> tuple[str, str]:
 def check_format(output: OutputFormat) -> str:
     """The grammar for `output`; an invalid or unsatisfiable schema is one UsageError line."""
     grammar, error = _compiled_lark(output.lark) if output.lark else _compiled(output.schema_text)
+    if not error and not output.lark and not _finishes(output.schema_text):
+        error = ENDLESS
     if error:
         message = " ".join(error.split())
         raise UsageError(f"{output.label}: {_plain(message)}", "check the schema")
     return grammar
+
+
+@functools.lru_cache(maxsize=64)
+def _finishes(schema_text: str) -> bool:
+    import json
+
+    from llmcli.engine.structured.finite import can_finish
+
+    return can_finish(json.loads(schema_text))
 
 
 def _plain(message: str) -> str:
