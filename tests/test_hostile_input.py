@@ -374,3 +374,60 @@ def test_leftovers_of_a_killed_conversion_are_shown_and_removed(tmp_path: Path) 
         assert "1.0 MB freed" in removed.stdout.decode() and not killed.exists() and running.exists()
     finally:
         lock.release()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [b"generate", b"-n", b"1", b"\xff\xfe hi"],
+        [b"generate", b"-n", b"1", b"-s", b"\xff", b"hi"],
+        [b"generate", b"-n", b"1", b"--stop", b"a\xffb", b"hi"],
+    ],
+)
+def test_arguments_that_are_not_utf8_are_one_line(args: list[bytes]) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"llmcli", *args], capture_output=True, timeout=60)
+    assert "is not UTF-8 text (byte 0xff" in one_error_line(proc, 2)
+
+
+def test_a_tiny_temperature_or_penalty_is_its_limit_not_a_crash(tiny_llama: Path) -> None:
+    common = ["generate", "-m", str(tiny_llama), "--device", "cpu", "-n", "6", "--json", "Once upon a time"]
+    greedy = run_cli(*common, "-t", "0")
+    assert greedy.returncode == 0, greedy.stderr
+    tiny = run_cli(*common, "-t", "1e-45", "--seed", "1")
+    assert tiny.returncode == 0, tiny.stderr  # the limit of T → 0: the best token, as greedy
+    assert json.loads(tiny.stdout)["text"] == json.loads(greedy.stdout)["text"]
+    penalised = run_cli(*common, "-t", "0.5", "--repetition-penalty", "1e-45", "--seed", "1")
+    assert penalised.returncode == 0, penalised.stderr
+
+
+@pytest.mark.parametrize("length", [100, 3000, 5_000_000])
+def test_a_gguf_file_cut_short_is_named_in_one_line(tmp_path: Path, length: int) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(GGUF_FIXTURE.read_bytes()[:length])
+    proc = run_cli("generate", "-m", str(cut), "hi", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    line = one_error_line(proc, 1)
+    assert f"{cut} is not a readable GGUF file: cut short or damaged" in line
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "flag"),
+    [
+        ("config.toml", "a = " + "[" * 3000 + "]" * 3000 + "\n", None),
+        ("schema.json", "[" * 100_000 + "]" * 100_000, "--json-schema"),
+        ("tools.json", "[" * 100_000 + "]" * 100_000, "--tools"),
+    ],
+)
+def test_nesting_too_deep_for_the_parser_is_one_line_naming_the_file(
+    tmp_path: Path, name: str, text: str, flag: str | None
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    if flag is None:
+        proc = run_cli("generate", "hi", env={"LLMCLI_CONFIG": str(path)})
+    else:
+        proc = run_cli("generate", flag, str(path), "hi")
+    line = one_error_line(proc, 2)
+    assert str(path) in line and "nested too deeply" in line

@@ -45,6 +45,25 @@ def _stdout_is_devnull() -> bool:
     return (out.st_dev, out.st_ino) == (null.st_dev, null.st_ino)
 
 
+def _not_utf8(args: list[str]) -> str | None:
+    """What is wrong with an argument (or LLMCLI_ variable) that is not UTF-8 text, if one is.
+
+    Python hands such bytes over as lone surrogates, which no tokenizer takes. A file name may be
+    any bytes, so an argument naming a file that exists passes."""
+    named = [(f"argument {number}", arg) for number, arg in enumerate(args, start=1)]
+    named += [(name, value) for name, value in os.environ.items() if name.startswith("LLMCLI_")]
+    for where, text in named:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            value = text.partition("=")[2] if text.startswith("--") and "=" in text else text
+            if os.path.exists(value):
+                continue
+            byte = os.fsencode(text[error.start])[0]
+            return f"{where} is not UTF-8 text (byte 0x{byte:02x} at offset {error.start}): give it as UTF-8"
+    return None
+
+
 def run_command_line(args: list[str]) -> int:
     """The app, with click's usage errors (a bad value, an unknown option or command, a missing
     sub-command) as one `llmcli: error:` line and exit 2, like every other error, rather than
@@ -58,6 +77,10 @@ def run_command_line(args: list[str]) -> int:
     from llmcli.errors import EXIT_INTERRUPTED, EXIT_USAGE
     from llmcli.frontends import terminal
 
+    undecodable = _not_utf8(args)
+    if undecodable:
+        terminal.error(undecodable)
+        return EXIT_USAGE
     command = typer.main.get_command(app)
     quiet_before = _stdout_is_devnull()
     try:

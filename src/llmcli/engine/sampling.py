@@ -12,6 +12,8 @@ import torch
 from llmcli.config.settings import SamplingParams
 
 _REMOVED = -float("inf")
+# Below this, any gap between two logits of 1e-4 or more is a factor of e^-100 or less.
+TINY_TEMPERATURE = 1e-6
 # No tokens seen: what the repetition penalty gets when it is off.
 NOTHING_SEEN = torch.zeros(1, 0, dtype=torch.long)
 
@@ -22,7 +24,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
     if penalty == 1.0 or seen_ids.numel() == 0:
         return logits
     seen = torch.gather(logits, 1, seen_ids)
-    penalised = torch.where(seen < 0, seen * penalty, seen / penalty)
+    penalised = _capped(torch.where(seen < 0, seen * penalty, seen / penalty))
     return logits.scatter(1, seen_ids, penalised)
 
 
@@ -48,8 +50,21 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """p ∝ exp(logit / T): T < 1 sharpens the distribution, T > 1 flattens it."""
-    return logits if temperature == 1.0 else logits / temperature
+    """p ∝ exp(logit / T): T < 1 sharpens the distribution, T > 1 flattens it.
+
+    A T so small that exp((logit - best) / T) is 0 for every gap between logits is its limit:
+    the best tokens only (computing it would overflow to inf, and inf - inf is NaN)."""
+    if temperature == 1.0:
+        return logits
+    if temperature < TINY_TEMPERATURE:
+        return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True), _REMOVED)
+    return _capped(logits / temperature) if temperature < 1.0 else logits / temperature
+
+
+def _capped(logits: torch.Tensor) -> torch.Tensor:
+    """Logits that overflowed to +inf (a tiny penalty or temperature) held at the largest finite
+    value: softmax subtracts the max, and inf - inf would be NaN. Finite logits are untouched."""
+    return logits.clamp(max=torch.finfo(logits.dtype).max)
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

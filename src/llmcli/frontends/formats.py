@@ -76,10 +76,10 @@ def read_schema(value: str, where: str = "--json-schema") -> dict[str, Any]:
     """A schema given inline ('{"type": …}') or as a file path."""
     from llmcli.reading import SCHEMA_BYTES, parse_json, read_text
 
-    text = value
-    if not value.lstrip().startswith("{"):
-        text = read_text(value, SCHEMA_BYTES, f"{where} {value}")
-    return parse_schema(parse_json(text, f"{where} {_short(value)}"), where)
+    if value.lstrip().startswith("{"):
+        return parse_schema(parse_json(value, f"{where} {_short(value)}"), where)
+    text = read_text(value, SCHEMA_BYTES, f"{where} {value}")
+    return parse_schema(parse_json(text, f"{where} {value}"), where)
 
 
 def _short(value: str) -> str:

@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -122,9 +123,10 @@ def converted_folder(
     # conversion instead of each making (and replacing) their own under each other's feet.
     try:
         if not (target / _DONE_MARKER).is_file():
+            kind = stored_weight_kind(gguf_file)  # reads the whole header: a damaged file is named now
             if on_convert is not None:
                 on_convert(gguf_file)
-            convert(gguf_file, target)
+            convert(gguf_file, target, kind)
         elif not (target / BLOCKS_FILE).is_file():  # written even when no tensor is 4-bit
             # A conversion by an older llmcli: add the int4 codes it lacks (a second or two, once).
             with contextlib.suppress(OSError, ValueError, KeyError, ImportError):
@@ -136,12 +138,9 @@ def converted_folder(
     return target
 
 
-def convert(gguf_file: Path, target: Path) -> None:
+def convert(gguf_file: Path, target: Path, kind: str) -> None:
     """Dequantize through transformers and save as safetensors; atomic, so a crash leaves no half folder."""
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError(
-            "reading .gguf files needs the gguf package", "install it with `pip install 'llmcli[gguf]'`"
-        )
+    _require_gguf()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,7 +159,7 @@ def convert(gguf_file: Path, target: Path) -> None:
             model = AutoModelForCausalLM.from_pretrained(
                 gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float16
             )
-        except (ValueError, KeyError, OSError, RuntimeError) as error:
+        except (ValueError, KeyError, OSError, RuntimeError, EOFError, struct.error) as error:
             raise ModelLoadError(f"cannot read {gguf_file.name}: {error}") from error
         # The weights are plain tensors now; drop the GGUF quantizer that forbids saving them.
         model.hf_quantizer = None
@@ -168,7 +167,7 @@ def convert(gguf_file: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / _KIND_FILE).write_text(stored_weight_kind(gguf_file) + "\n")
+        (staging / _KIND_FILE).write_text(kind + "\n")
         save_int4_blocks(gguf_file, staging)
         (staging / _DONE_MARKER).write_text(f"{gguf_file}\n")
         if target.exists():  # a folder without the done marker: an older llmcli's half-written one
@@ -186,14 +185,29 @@ def save_int4_blocks(gguf_file: Path, folder: Path) -> None:
     write_blocks(gguf_file, folder)
 
 
+def _require_gguf() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(
+            "reading .gguf files needs the gguf package", "install it with `pip install 'llmcli[gguf]'`"
+        )
+
+
 def stored_weight_kind(gguf_file: Path) -> str:
     """int4, int8 or float: what most of the file's layer weights (blk.*, 2-D) are stored as."""
     from collections import Counter
 
+    _require_gguf()
     from gguf import GGUFReader
 
+    try:
+        tensors = GGUFReader(str(gguf_file)).tensors
+    except (ValueError, KeyError, OSError, EOFError, struct.error) as error:
+        raise ModelLoadError(
+            f"{gguf_file} is not a readable GGUF file: cut short or damaged ({error})",
+            "download it again, or check the file with llama.cpp's gguf-dump",
+        ) from None
     kinds: Counter[str] = Counter()
-    for tensor in GGUFReader(str(gguf_file)).tensors:
+    for tensor in tensors:
         if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
             name = tensor.tensor_type.name
             kind = "int4" if name in _INT4_TYPES else "int8" if name in _INT8_TYPES else "float"
@@ -213,7 +227,7 @@ def weight_kind(folder: Path) -> str | None:
         return None
     try:
         kind = stored_weight_kind(source)
-    except (OSError, ValueError, ImportError):
+    except (OSError, ValueError, ImportError, ModelLoadError):
         return None
     with contextlib.suppress(OSError):  # a read-only cache: work it out again next time
         write_text_atomically(remembered, kind + "\n")
