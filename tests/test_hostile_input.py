@@ -6,6 +6,7 @@ traceback, a forged turn, or a file read that should not be."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -431,3 +432,62 @@ def test_nesting_too_deep_for_the_parser_is_one_line_naming_the_file(
         proc = run_cli("generate", flag, str(path), "hi")
     line = one_error_line(proc, 2)
     assert str(path) in line and "nested too deeply" in line
+
+
+HUB_MODEL = re.compile(r"(?:-m|models (?:pull|show))\s+([A-Za-z0-9][\w.\-]*/[\w.\-]+)")
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def example_lines() -> list[tuple[str, str]]:
+    """(where, line) for each command line of the README's code blocks and of every --help."""
+    lines, in_block = [], False
+    for number, line in enumerate(README.read_text().splitlines(), start=1):
+        if line.startswith("```"):
+            in_block = not in_block
+        elif in_block and "llmcli " in line:
+            lines.append((f"README.md:{number}", line))
+    for command in ([], ["generate"], ["chat"], ["serve"], ["bench"], ["models"]):
+        shown = run_cli(*command, "--help", env={"COLUMNS": "250"}).stdout.decode()
+        lines += [
+            (f"llmcli {' '.join(command)} --help", line) for line in shown.splitlines() if "llmcli " in line
+        ]
+    return lines
+
+
+def test_every_example_that_needs_the_hub_says_so() -> None:
+    examples = example_lines()
+    assert len(examples) > 40
+    silent = [
+        f"{where}: {line.strip()}" for where, line in examples if HUB_MODEL.search(line) and "Hub" not in line
+    ]
+    assert not silent, "\n".join(silent)
+
+
+def test_a_hub_model_offline_points_at_the_copy_installed_here() -> None:
+    proc = run_cli("generate", "-m", "HuggingFaceTB/SmolLM2-135M-Instruct", "hi")
+    assert "-m smollm2 runs the copy of it installed here" in one_error_line(proc, 1)
+
+
+def test_config_sections_match_the_names_users_see_and_the_rest_are_said_once(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    env = {"LLMCLI_CONFIG": str(config), "XDG_STATE_HOME": str(tmp_path / "state")}
+
+    def shown(*args: str) -> tuple[dict, str]:
+        proc = run_cli("config", "show", "--json", *args, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout), proc.stderr.decode()
+
+    for section in ("smollm2", "SmolLM2", "SmolLM2-135M-Instruct.Q4_1", "tiny"):
+        config.write_text(f'[aliases]\ntiny = "smollm2"\n\n[models."{section}"]\ntemperature = 0.25\n')
+        for args in ((), ("-m", "smollm2"), ("-m", "tiny")):
+            settings, warned = shown(*args)
+            assert settings["temperature"]["value"] == 0.25, (section, args)
+            assert section in settings["temperature"]["source"] and "warning" not in warned
+    config.write_text('[models."Org/Typo-Model"]\ntemperature = 0.25\n[models.smollm2]\ntop_k = 3\n')
+    settings, warned = shown()
+    assert settings["top_k"]["value"] == 3 and settings["temperature"]["value"] != 0.25
+    assert warned.count("llmcli: warning:") == 1 and '[models."Org/Typo-Model"]' in warned
+    assert "warning" not in shown()[1]  # said once
+    config.write_text("[models.smollm2]\ntop_k = 3\n[models.SMOLLM2]\ntop_k = 4\n")
+    refused = run_cli("config", "show", env=env)
+    assert "name the same model" in one_error_line(refused, 2)

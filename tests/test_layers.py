@@ -10,9 +10,16 @@ from pathlib import Path
 
 import llmcli
 
-# Highest first. atomic.py is a helper as low as errors.py: anything may write a file atomically.
+# Highest first. atomic.py and reading.py are helpers as low as errors.py: anything may write a
+# file atomically, or read one within a bound.
 LAYERS = ("cli", "frontends", "server", "engine", "models", "config", "errors")
-MODULE_LAYER = {"errors": "errors", "atomic": "errors", "__init__": "cli", "__main__": "cli"}
+MODULE_LAYER = {
+    "errors": "errors",
+    "atomic": "errors",
+    "reading": "errors",
+    "__init__": "cli",
+    "__main__": "cli",
+}
 PACKAGE = Path(llmcli.__file__).parent
 
 

@@ -48,7 +48,8 @@ app = typer.Typer(
     epilog=(
         "[bold]Examples[/]\n\n"
         '  llmcli generate "Name the capital of France."\n\n'
-        '  git diff | llmcli generate -m Qwen/Qwen2.5-0.5B-Instruct "Write a commit message for:"\n\n'
+        '  git diff | llmcli generate -m Qwen/Qwen2.5-0.5B-Instruct "Write a commit message for:"'
+        "   [dim]# needs the Hub once[/]\n\n"
         "Run [bold]llmcli COMMAND --help[/] for a command's options."
     ),
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -218,13 +219,20 @@ def _effective(
 ) -> Effective:
     """Every layer of settings applied (flag > env > config > …); flag values are checked
     first, before any layer below is read."""
-    from llmcli.models.resolve import expand_default_alias
+    from llmcli.config.user_config import load_user_config
+    from llmcli.frontends.config_check import warn_about_unmatched_sections
+    from llmcli.models.resolve import expand_default_alias, names_of
 
     sampling.validate()
     framing.validate()
     load = load.validate()
     flags = flag_values(sampling, framing, load, speculative)
-    return effective_settings(model, flags, load=load, expand=expand_default_alias)
+    config = load_user_config()
+    effective = effective_settings(
+        model, flags, config, load=load, expand=expand_default_alias, names=names_of
+    )
+    warn_about_unmatched_sections(config)
+    return effective
 
 
 def _output_format(

@@ -7,7 +7,7 @@ GENERATE_EPILOG = """\
 
   cat notes.txt | llmcli generate "Summarize in three bullet points:"
 
-  llmcli generate -m Qwen/Qwen2.5-0.5B-Instruct -t 0 --json "2+2=" | jq .text
+  llmcli generate -m Qwen/Qwen2.5-0.5B-Instruct -t 0 --json "2+2=" | jq .text   [dim]# needs the Hub once[/]
 
   llmcli generate -m ./model.gguf --stop "\\n\\n" --max-new-tokens 64 "Once upon a time"
 
@@ -22,7 +22,7 @@ CHAT_EPILOG = """\
 
   llmcli chat
 
-  llmcli chat -m Qwen/Qwen2.5-0.5B-Instruct -s "Answer in one sentence." --markdown
+  llmcli chat -m Qwen/Qwen2.5-0.5B-Instruct -s "Answer in one sentence." --markdown   [dim]# needs the Hub once[/]
 
   printf 'Hi!\\nWhat did I just say?\\n' | llmcli chat --json -t 0
 
@@ -40,7 +40,7 @@ BENCH_EPILOG = """\
 
   llmcli bench --config configs/llama-3.1-8b.json --random-weights --device cuda --json
 
-  llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7
+  llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7   [dim]# needs the Hub once[/]
 
   llmcli bench --speculative lookup -n 200 --runs 3
 
@@ -59,9 +59,10 @@ SERVE_EPILOG = """\
 
   llmcli serve                       # the default model at http://127.0.0.1:8471/v1
 
-  llmcli serve -m Qwen/Qwen2.5-0.5B-Instruct --port 9000
+  llmcli serve -m Qwen/Qwen2.5-0.5B-Instruct --port 9000   [dim]# needs the Hub once[/]
 
-  curl -s localhost:8471/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+  curl -s localhost:8471/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 While it runs, [bold]llmcli generate[/] with the same model and settings uses it by itself (no load,
 no torch import); --no-server loads in-process instead. Any OpenAI client works against it.

@@ -267,9 +267,13 @@ def show_config(
     """The settings in effect, and where each came from."""
     with handled_errors():
         from llmcli.config.settings import effective_settings
-        from llmcli.models.resolve import expand_default_alias
+        from llmcli.config.user_config import load_user_config
+        from llmcli.frontends.config_check import warn_about_unmatched_sections
+        from llmcli.models.resolve import expand_default_alias, names_of
 
-        effective = effective_settings(model, {}, expand=expand_default_alias)
+        config = load_user_config()
+        effective = effective_settings(model, {}, config, expand=expand_default_alias, names=names_of)
+        warn_about_unmatched_sections(config)
         generation_config = _generation_config_of(effective.model)
         params, filled = effective.sampling.resolve_with_sources(generation_config or {})
         sources = {**filled, **effective.sources}

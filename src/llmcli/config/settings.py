@@ -503,10 +503,13 @@ def effective_settings(
     *,
     load: LoadSettings | None = None,
     expand: Callable[[str], str] | None = None,
+    names: Callable[[str | None], list[str]] | None = None,
 ) -> Effective:
     """flag > environment > the model's config section > config [defaults] (the model's
     generation_config.json and the built-ins come after, when the model is loaded). `expand`
-    turns a built-in alias into what it names (the model layer knows them, not this one)."""
+    turns a built-in alias into what it names, and `names` lists every name a model goes by
+    (None: the default model), which the model's section may use (the model layer knows them,
+    not this one)."""
     from llmcli.config.user_config import env_settings, load_user_config
 
     config = user_config or load_user_config()
@@ -517,11 +520,14 @@ def effective_settings(
         (config.model, f"config {config.path}"),
     ]
     model, model_source = next(((m, source) for m, source in candidates if m), (None, "built-in default"))
+    typed = model
     model = config.expand(model, expand)
+    known_as = names(model) if names else ([model] if model else [])
+    section = config.section_for([*known_as, *([typed] if typed else [])])
     layers = [
         ("flag", {k: v for k, v in flags.items() if v is not None and v != ()}),
         ("env", env_settings()),
-        (f'config [models."{model}"]', config.for_model(model) if model else {}),
+        (f'config [models."{section}"]', config.for_model(section) if section else {}),
         ("config [defaults]", config.defaults),
     ]
     values: dict[str, Any] = {}

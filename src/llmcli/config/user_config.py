@@ -1,16 +1,16 @@
 """The user's config file: default model, default settings, aliases, per-model overrides.
 
     # ~/.config/llmcli/config.toml  ($XDG_CONFIG_HOME/llmcli, or the file $LLMCLI_CONFIG names)
-    model = "smol"                       # the default model: an alias, Hub id, folder or .gguf
+    model = "smollm2"                    # the default model: an alias, Hub id, folder or .gguf
 
     [defaults]                           # for every model
     temperature = 0.7
     max_new_tokens = 256
 
     [aliases]
-    smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    qwen = "Qwen/Qwen2.5-0.5B-Instruct"  # (a Hub model: its first use downloads it)
 
-    [models."HuggingFaceTB/SmolLM2-135M-Instruct"]   # for one model (its name after aliases)
+    [models.smollm2]                     # for one model: any name -m or `models list` knows it by
     system = "You are terse."
     temperature = 0.2
     ctx = 2048
@@ -71,6 +71,20 @@ class UserConfig:
             return spec
         spec = self.aliases.get(spec, spec)
         return builtin(spec) if builtin else spec
+
+    def section_for(self, names: list[str]) -> str | None:
+        """The [models."…"] section for the model that goes by `names` (what -m, `models list`
+        and the aliases call it), compared without case; None when no section names it. Two
+        sections for one model are refused: which one would win is not for llmcli to guess."""
+        wanted = {name.lower() for name in names}
+        wanted |= {alias.lower() for alias, target in self.aliases.items() if target.lower() in wanted}
+        matches = [section for section in self.models if section.lower() in wanted]
+        if len(matches) > 1:
+            raise UsageError(
+                f"{self.path}: sections {', '.join(repr(m) for m in matches)} name the same model",
+                "keep one of them",
+            )
+        return matches[0] if matches else None
 
     def for_model(self, name: str) -> dict[str, Any]:
         return self.models.get(name, {})

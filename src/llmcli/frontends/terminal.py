@@ -75,6 +75,16 @@ class Thinking:
             self._open = False
 
 
+def warning(message: str) -> None:
+    """Something the user should know, that stops nothing: `llmcli: warning: …` on stderr."""
+    console = stderr_console()
+    if console.is_terminal and not os.environ.get("NO_COLOR"):
+        console.print(f"[bold yellow]llmcli: warning:[/] {escape(message)}", markup=True, highlight=False)
+    else:
+        sys.stderr.write(f"llmcli: warning: {message}\n")
+        sys.stderr.flush()
+
+
 def error(message: str) -> None:
     console = stderr_console()
     if console.is_terminal and not os.environ.get("NO_COLOR"):

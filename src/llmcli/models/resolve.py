@@ -82,6 +82,22 @@ def expand_default_alias(spec: str | None) -> str | None:
     return default_model_spec() if spec is not None and spec.lower() == DEFAULT_ALIAS else spec
 
 
+def names_of(spec: str | None) -> list[str]:
+    """Every name the model `spec` (None: the default) goes by: as given, what it expands to,
+    `smollm2` and the file's stem for the default, a .gguf file's stem, a Hub id without its
+    revision. A config section may name the model by any of them."""
+    expanded = expand_default_alias(spec) or default_model_spec()
+    names = [name for name in (spec, expanded) if name]
+    if expanded == default_model_spec():
+        names.append(DEFAULT_ALIAS)
+    if expanded.lower().endswith(".gguf"):
+        names.append(Path(expanded).stem)
+    repo, _, revision = expanded.partition("@")
+    if revision:
+        names.append(repo)
+    return list(dict.fromkeys(names))
+
+
 def closest_names(spec: str) -> list[str]:
     """Model names this machine knows that look like `spec`, closest first."""
     import difflib
@@ -187,7 +203,9 @@ def resolve_hub(repo_id: str, revision: str | None, *, allow_pickle: bool) -> Pa
     if constants.HF_HUB_OFFLINE:
         raise NetworkError(
             f"{spec} is not in the local Hugging Face cache ({hub_cache_dir()}) and HF_HUB_OFFLINE is set",
-            "unset HF_HUB_OFFLINE to download it, or pass a local folder or .gguf file with -m",
+            _offline_hint(
+                repo_id, "unset HF_HUB_OFFLINE to download it, or pass a local folder or .gguf file with -m"
+            ),
         )
     info = _hub_model_info(repo_id, revision, spec)
     files = [s.rfilename for s in (info.siblings or [])]
@@ -276,8 +294,18 @@ def _hub_model_info(repo_id: str, revision: str | None, spec: str) -> Any:
         )
     raise NetworkError(
         f"{tried} and {constants.ENDPOINT} could not be reached ({type(error).__name__})",
-        "check your network, or pass a local folder or .gguf file with -m",
+        _offline_hint(repo_id, "check your network, or pass a local folder or .gguf file with -m"),
     )
+
+
+def _offline_hint(repo_id: str, otherwise: str) -> str:
+    """What runs without the Hub instead: the bundled demo when it is the model asked for (in
+    Q4_1), else the models here with a similar name."""
+    name = repo_id.rpartition("/")[2].lower()
+    if demo_gguf_path() is not None and DEMO_GGUF_NAME.lower().startswith(name + "."):
+        return f"-m {DEFAULT_ALIAS} runs the copy of it installed here ({DEMO_GGUF_NAME}), offline"
+    close = closest_names(name)
+    return f"models here with a similar name: {', '.join(close)}; or {otherwise}" if close else otherwise
 
 
 def find_local(spec: str, on_convert: Callable[[Path], None] | None = None) -> tuple[Path, str, Path | None]:
