@@ -491,3 +491,40 @@ def test_config_sections_match_the_names_users_see_and_the_rest_are_said_once(tm
     config.write_text("[models.smollm2]\ntop_k = 3\n[models.SMOLLM2]\ntop_k = 4\n")
     refused = run_cli("config", "show", env=env)
     assert "name the same model" in one_error_line(refused, 2)
+
+
+@pytest.mark.demo
+def test_a_seeded_reply_does_not_depend_on_what_the_cache_holds() -> None:
+    """The demo's int4 kernels give logits that differ by tenths between a prompt run whole
+    and one run after a cached prefix: a seeded call prefills whole, so it cannot tell."""
+    import torch
+
+    from llmcli.config.settings import LoadSettings, SamplingParams
+    from llmcli.engine.loop import Engine
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import demo_gguf_path, resolve_model
+
+    if demo_gguf_path() is None:
+        pytest.skip("the demo model is not installed")
+    loaded = load_model(resolve_model("smollm2"), LoadSettings(device="cpu"))  # int4, as users run it
+    engine, tokenizer = Engine.for_loaded(loaded), loaded.tokenizer
+    prompt = prompt_ids(tokenizer, build_messages("Write a short poem about the sea, the wind and the rain."))
+    seeded = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=24, seed=7)
+
+    def reply() -> tuple[str, torch.Tensor]:
+        generation = engine.generate(prompt, seeded, tokenizer)
+        text = "".join(generation)
+        return text, generation.prefill_logits.clone()
+
+    first_text, first_logits = reply()
+    # Earlier requests left the cache holding part of this prompt, run in pieces of other sizes
+    # (a short prompt that begins like this one, a reply decoded a token at a time).
+    for cached in (prompt[:10], prompt[:5], prompt[:20]):
+        engine.complete(cached, SamplingParams(max_new_tokens=3), tokenizer)
+        text, logits = reply()
+        assert torch.equal(logits, first_logits) and text == first_text, len(cached)
+    greedy = SamplingParams(max_new_tokens=1)
+    engine.complete(prompt, greedy, tokenizer)
+    cached = engine.generate(prompt, greedy, tokenizer)
+    list(cached)
+    assert cached.stats.prefilled_tokens == 1  # unseeded calls still reuse the cache

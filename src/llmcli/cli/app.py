@@ -62,15 +62,18 @@ MODEL_HELP = (
 
 
 def complete_model(incomplete: str) -> list[str]:
-    """Shell completion for -m: aliases, then every model in the caches."""
+    """Shell completion for -m: the names `models list` shows (the default's `smollm2` too),
+    then the aliases, matched without case."""
     from llmcli.config.user_config import load_user_config
     from llmcli.models.catalog import model_names
+    from llmcli.models.resolve import DEFAULT_ALIAS
 
     try:
-        names = [*load_user_config().aliases, *model_names()]
+        aliases = list(load_user_config().aliases)
     except Exception:  # a broken config must not break the user's shell
-        names = model_names()
-    return [name for name in names if name.startswith(incomplete)]
+        aliases = []
+    names = dict.fromkeys([DEFAULT_ALIAS, *model_names(), *aliases])
+    return [name for name in names if name.lower().startswith(incomplete.lower())]
 
 
 ModelOption = Annotated[

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -64,6 +65,34 @@ def _not_utf8(args: list[str]) -> str | None:
     return None
 
 
+def _complete_models_without_case(command: Any) -> None:
+    """-m completes the names `models list` shows whatever the case typed (`SMO` → smollm2).
+    Typer keeps only the completions that start with the text exactly as typed, so each -m
+    option gets its completion function directly, as click calls it."""
+    from click.shell_completion import CompletionItem
+
+    from llmcli.cli.app import complete_model
+
+    def complete(context: Any, parameter: Any, incomplete: str) -> list[CompletionItem]:
+        return [CompletionItem(name) for name in complete_model(incomplete)]
+
+    for sub in [command, *getattr(command, "commands", {}).values()]:
+        for inner in [sub, *getattr(sub, "commands", {}).values()]:
+            for parameter in inner.params:
+                if "--model" in parameter.opts or parameter.name == "model":
+                    parameter._custom_shell_complete = complete
+
+
+def _did_you_mean(message: str, typed: str, names: list[str]) -> str:
+    """`message`, with the names that `typed` looks like: those it begins (--temp, gen), else
+    the closest few."""
+    import difflib
+
+    close = [name for name in names if name.startswith(typed) and len(typed) >= 2]
+    close = close or difflib.get_close_matches(typed, names, n=3, cutoff=0.6)
+    return f"{message}: did you mean {' or '.join(close[:3])}?" if close else message
+
+
 def run_command_line(args: list[str]) -> int:
     """The app, with click's usage errors (a bad value, an unknown option or command, a missing
     sub-command) as one `llmcli: error:` line and exit 2, like every other error, rather than
@@ -82,6 +111,7 @@ def run_command_line(args: list[str]) -> int:
         terminal.error(undecodable)
         return EXIT_USAGE
     command = typer.main.get_command(app)
+    _complete_models_without_case(command)
     quiet_before = _stdout_is_devnull()
     try:
         code = command.main(args=args, prog_name="llmcli", standalone_mode=False)
@@ -92,6 +122,13 @@ def run_command_line(args: list[str]) -> int:
         message = error.format_message().rstrip(".")
         if commands and message == "Missing command":
             message = f"{path} needs a command ({', '.join(commands)})"
+        elif isinstance(error, click.NoSuchOption) and context is not None:
+            offered = [
+                name for param in context.command.params for name in (*param.opts, *param.secondary_opts)
+            ]
+            message = _did_you_mean(f"no such option {error.option_name}", error.option_name, offered)
+        elif commands and (unknown := re.fullmatch(r"No such command '(.+?)'(\. Did you mean .*)?", message)):
+            message = _did_you_mean(f"no such command {unknown.group(1)!r}", unknown.group(1), list(commands))
         terminal.error(f"{message} — see `{path} --help`")
         return EXIT_USAGE
     except typer.Abort:  # Ctrl-C where click itself was waiting (a confirmation prompt)

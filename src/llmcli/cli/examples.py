@@ -22,7 +22,8 @@ CHAT_EPILOG = """\
 
   llmcli chat
 
-  llmcli chat -m Qwen/Qwen2.5-0.5B-Instruct -s "Answer in one sentence." --markdown   [dim]# needs the Hub once[/]
+  llmcli chat -m Qwen/Qwen2.5-0.5B-Instruct -s "Answer in one sentence." --markdown \
+  [dim]# needs the Hub once[/]
 
   printf 'Hi!\\nWhat did I just say?\\n' | llmcli chat --json -t 0
 
@@ -40,7 +41,8 @@ BENCH_EPILOG = """\
 
   llmcli bench --config configs/llama-3.1-8b.json --random-weights --device cuda --json
 
-  llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7   [dim]# needs the Hub once[/]
+  llmcli bench -m Qwen/Qwen2.5-0.5B-Instruct --prompt-lengths 128,1024 --new-tokens 256 --runs 7 \
+  [dim]# needs the Hub once[/]
 
   llmcli bench --speculative lookup -n 200 --runs 3
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, get_args, get_origin
 import typer
 
 from llmcli.cli.support import handled_errors
-from llmcli.config.declare import Declared, declarations, flag_of
+from llmcli.config.declare import Declared, completions_of, declarations, flag_of
 from llmcli.config.escapes import unescape
 from llmcli.errors import UsageError
 
@@ -96,12 +96,16 @@ def _option(parameter: str, name: str, declared: Declared, settings_class: type)
     flags = declared.flags or ("--" + name.replace("_", "-"),)
     if flags[0].startswith("--") and "/" not in flags[0] and kind is bool and default is True:
         flags = (f"{flags[0]}/--no-{flags[0][2:]}",)
+    values = completions_of(declared)
     option = typer.Option(
         *flags,
         help=declared.help,
         rich_help_panel=declared.panel,
         show_default=declared.show_default if default is not None else False,
         envvar=declared.envvar,
+        autocompletion=(lambda incomplete: [v for v in values if v.startswith(incomplete)])
+        if values
+        else None,
     )
     return inspect.Parameter(
         parameter, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option]

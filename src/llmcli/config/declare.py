@@ -81,6 +81,7 @@ class Declared:
     envvar: str | None = None  # read by the flag itself (LLMCLI_SERVER), not through the layers
     parse: Any = None  # text → the field's value (--max-memory 8GB → bytes); ValueError if it is not
     builtin: Any = None  # the value when no layer gives one (sampling: after the model's own)
+    suggest: tuple[str, ...] = ()  # what shell completion offers when `choices` is not the whole story
 
 
 def setting(default: Any = None, **declaration: Any) -> Any:
@@ -93,6 +94,11 @@ def declarations(settings_class: type) -> dict[str, Declared]:
     return {
         f.name: f.metadata["declared"] for f in dataclasses.fields(settings_class) if "declared" in f.metadata
     }
+
+
+def completions_of(declared: Declared) -> tuple[str, ...]:
+    """The values shell completion offers for a setting's flag."""
+    return declared.suggest or declared.choices
 
 
 def key_of(name: str, declared: Declared) -> str:

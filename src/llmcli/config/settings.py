@@ -203,7 +203,7 @@ def _sampling_from_generation_config(config: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class LoadSettings:
-    device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps.", panel=LOADING)
+    device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps.", panel=LOADING, suggest=DEVICES)
     dtype: str = setting(
         "auto", help="auto (bf16/fp16 on GPU, fp32 on CPU), bf16, fp16, fp32.", panel=LOADING, choices=DTYPES
     )
@@ -378,6 +378,7 @@ class OutputSettings:
 
     format: str | None = setting(
         flags=("--format",),
+        suggest=("json", "off"),
         help="json: the reply is a JSON object, guaranteed to parse (decoding allows only tokens that "
         "keep it valid, and ends when it is complete). off: plain text.",
         panel=STRUCTURED,

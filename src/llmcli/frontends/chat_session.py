@@ -407,9 +407,15 @@ class ChatSession:
             self.history.think_budget = None if value == "none" else _think_budget(value)
             self.view.info(f"think_budget = {shown(self.history.think_budget)}")
             return
-        if key not in SETTABLE or not value:
-            keys = ", ".join(SETTABLE)
-            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {keys}, speculative, think_budget")
+        keys = (*SETTABLE, "speculative", "think_budget")
+        if key and key not in keys:
+            import difflib
+
+            close = [k for k in keys if k.startswith(key)] or difflib.get_close_matches(key, keys, n=2)
+            hint = f" — did you mean {' or '.join(close)}?" if close else f" (one of {', '.join(keys)})"
+            raise UsageError(f"no setting {key!r} for /set{hint}")
+        if not value:
+            raise UsageError(f"usage: /set KEY VALUE, with KEY one of {', '.join(keys)}")
         self.sampling = apply_setting(self.sampling, key, value)
         self.view.info(f"{key} = {shown(getattr(self.sampling, key))}")
 
