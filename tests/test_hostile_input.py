@@ -528,3 +528,46 @@ def test_a_seeded_reply_does_not_depend_on_what_the_cache_holds() -> None:
     cached = engine.generate(prompt, greedy, tokenizer)
     list(cached)
     assert cached.stats.prefilled_tokens == 1  # unseeded calls still reuse the cache
+
+
+@pytest.mark.parametrize(
+    ("args", "suggestion"),
+    [
+        (["generate", "--temp", "0", "hi"], "did you mean --temperature?"),
+        (["gen", "hi"], "did you mean generate?"),
+        (["models", "lst"], "did you mean list?"),
+    ],
+)
+def test_a_mistyped_option_or_command_gets_a_suggestion(args: list[str], suggestion: str) -> None:
+    assert suggestion in one_error_line(run_cli(*args), 2)
+
+
+def test_a_mistyped_chat_setting_gets_a_suggestion() -> None:
+    proc = run_cli("chat", "-n", "1", stdin=b"/set temp 0.5\n/set top 1\n")
+    err = proc.stderr.decode()
+    assert "no setting 'temp' for /set — did you mean temperature?" in err
+    assert "did you mean top_k or top_p?" in err
+
+
+def completions(words: str) -> list[str]:
+    env = {
+        "_LLMCLI_COMPLETE": "complete_bash",
+        "COMP_WORDS": words,
+        "COMP_CWORD": str(len(words.split()) - 1),
+    }
+    if words.endswith(" "):
+        env["COMP_CWORD"] = str(len(words.split()))
+    proc = run_cli(env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.decode().split()
+
+
+def test_shell_completion_offers_model_names_without_case_and_every_fixed_value() -> None:
+    for typed in ("llmcli generate -m SMO", "llmcli chat --model smol", "llmcli models show S"):
+        assert {"smollm2", "SmolLM2-135M-Instruct.Q4_1"} <= set(completions(typed)), typed
+    assert completions("llmcli generate --quant i") == ["int8", "int4"]
+    assert completions("llmcli generate --engine ") == ["auto", "native", "transformers"]
+    assert completions("llmcli chat --device ") == ["auto", "cpu", "cuda", "mps"]
+    assert completions("llmcli generate --dtype ") == ["auto", "bf16", "fp16", "fp32"]
+    assert completions("llmcli generate --format ") == ["json", "off"]
+    assert completions("llmcli generate --think ") == ["show", "hide", "off"]
