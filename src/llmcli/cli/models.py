@@ -108,6 +108,7 @@ def show(
     """Config summary, chat template, generation defaults, sizes on disk and in memory."""
     with handled_errors():
         from llmcli.models.catalog import model_summary
+        from llmcli.models.gguf import gguf_type
         from llmcli.models.load import default_load
         from llmcli.models.resolve import default_model_spec, is_gguf_spec
 
@@ -119,18 +120,27 @@ def show(
         if gguf_file is not None:
             summary["on_disk_bytes"]["gguf_file"] = gguf_file.stat().st_size
         summary["in_memory"] = {"device": device, "dtype": dtype, "quant": quant, "weight_bytes": here}
+        fields = ("dtype", "quant", "weight_bytes")
+        summary["with_quant"] = {  # each --quant as it would load here, in the dtype it would use
+            kind: dict(zip(fields, default_load(folder, source, kind)[1:], strict=True))
+            for kind in ("none", "int8", "int4")
+        }
+        summary["gguf_type"] = gguf_type(folder) if source == "gguf" else None
         summary["is_gguf"] = is_gguf_spec(spec)
         if json_output:
             _print(json.dumps(summary, indent=2))
             return
-        memory = summary["memory_bytes"]
         template_text = summary["chat_template_text"] or ""
         shape = (
             f"{summary['architecture']} · {summary['layers']} layers · hidden {summary['hidden_size']} · "
             f"{summary['attention_heads']} heads ({summary['kv_heads']} KV) · vocab {summary['vocab_size']}"
         )
-        weights = " · ".join(f"{kind} {_bytes(memory[kind])}" for kind in ("bf16", "int8", "int4"))
-        kv = _bytes(summary["kv_bytes_per_token_bf16"])
+        weights = " · ".join(
+            f"{kind} {_bytes(plan['weight_bytes'])} ({plan['dtype']})"
+            for kind, plan in summary["with_quant"].items()
+        )
+        kv_dtype = summary["in_memory"]["dtype"]
+        kv = _bytes(summary["kv_bytes_per_token_bf16"] * (2 if kv_dtype == "fp32" else 1))
         defaults = _sampling_defaults(summary["generation_defaults"])
         disk = summary["on_disk_bytes"]
         where = "converted, in llmcli's cache" if gguf_file or source == "gguf" else "in its files"
@@ -148,19 +158,41 @@ def show(
             f"architecture   {shape}",
             f"parameters     {parameters}",
             f"context        {summary['context_length']} tokens",
-            f"checkpoint     {summary['quantization'] or 'not quantized'}"
-            f"{' (converted from a GGUF file)' if source == 'gguf' else ''}",
+            f"checkpoint     {_checkpoint(summary, source)}",
             f"on disk        {on_disk}",
             f"in memory      weights {_bytes(loaded['weight_bytes'])} as it loads here by default "
             f"({loaded['device']}, {loaded['dtype']}{quant_note})",
-            f"               with --quant, in bf16: none {weights.removeprefix('bf16 ')}",
-            f"               KV cache {kv}/token in bf16",
+            f"               with --quant: {weights}",
+            f"               KV cache {kv}/token in {kv_dtype}",
             f"sampling       {defaults}",
             f"chat template  {template_line}",
         ]
         if template and template_text:
             lines += ["", template_text]
         _print("\n".join(lines))
+
+
+def _is_the_defaults_conversion(model: str) -> bool:
+    """Whether removing `model` removes the default model's GGUF conversion too (an import of
+    the same file shares it)."""
+    from llmcli.models.catalog import find_imported
+    from llmcli.models.gguf import conversion_of
+    from llmcli.models.resolve import default_model_spec
+
+    folder = find_imported(model)
+    default = default_model_spec()
+    if folder is None or not default.endswith(".gguf") or not Path(default).is_file():
+        return False
+    return folder.resolve() == conversion_of(Path(default).resolve()).resolve()
+
+
+def _checkpoint(summary: dict[str, Any], source: str) -> str:
+    """How the weights are stored: a GGUF file's type, a checkpoint's quantization, or neither."""
+    if source == "gguf":
+        kind = summary.get("gguf_type")
+        stored = f"GGUF {kind}" if kind else "GGUF"
+        return f"{stored}, converted to fp16 safetensors (4-bit blocks kept as int4 codes)"
+    return summary["quantization"] or "not quantized"
 
 
 def _display_name(spec: str) -> str:
@@ -220,10 +252,18 @@ def remove(
             if not typer.confirm(f"Remove {model} ({_bytes(size)})?", default=False):
                 _print("Kept.")
                 return
+        from llmcli.models.resolve import DEFAULT_ALIAS
+
+        shared = _is_the_defaults_conversion(model)
         freed = remove_model(model)
         left = remove_leftovers()
         extra = f", and {_bytes(left)} left by killed conversions" if left else ""
         _print(f"Removed {model}: {_bytes(freed)} freed{extra}.")
+        if shared:
+            _print(
+                f"It was also the conversion of the default model ({DEFAULT_ALIAS}): "
+                "its next use converts the GGUF file again."
+            )
 
 
 @models_app.command("import")

@@ -60,6 +60,9 @@ class BenchReport:
     speedup_vs_compiled: float | None = None
     ceiling_tok_s: float | None = None  # the linear layers alone, one GEMV each, one graph
     ceiling_pct: float | None = None
+    # Each figure's lowest and highest run, beside its median: "ttft_s", "decode_tok_s",
+    # "generate_decode_tok_s", "prefill_tok_s@512", …
+    spread: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -80,17 +83,28 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(
+def interleaved_times(
     fns: dict[str, Callable[[], object]], runs: int, device: torch.device
-) -> dict[str, float]:
-    """Median wall time of each function over `runs`, the runs interleaved, after one warm-up."""
+) -> dict[str, list[float]]:
+    """Wall times of each function over `runs`, the runs interleaved, after one warm-up."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(runs):
         for name, fn in fns.items():
             times[name].append(timed(fn, device))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], runs: int, device: torch.device
+) -> dict[str, float]:
+    """Median wall time of each function over `runs`, the runs interleaved, after one warm-up."""
+    return {name: statistics.median(values) for name, values in interleaved_times(fns, runs, device).items()}
+
+
+def low_high(values: list[float]) -> tuple[float, float]:
+    return (min(values), max(values))
 
 
 def measure_bandwidth(device: torch.device, size_bytes: int | None = None, repeats: int = 5) -> float:
@@ -209,7 +223,7 @@ def run_bench(
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    report.prefill_tok_s = _prefill_rates(engine, lengths, vocab, runs, device)
+    report.prefill_tok_s = _prefill_rates(engine, lengths, vocab, runs, device, report.spread)
     prompt = prompt_of(lengths[0], vocab)
     compiled = with_compiled if with_compiled is not None else device.type == "cuda"
     contenders = _contenders(loaded, engine, prompt, new_tokens, with_generate, compiled)
@@ -217,13 +231,15 @@ def run_bench(
         filled = prompt_of(context_fill, vocab)
         contenders |= {"fill/1": ours(engine, filled, 1), "fill/n": ours(engine, filled, new_tokens)}
         report.context_fill = context_fill
-    medians = interleaved_medians(contenders, runs, device)
-    _fill_decode_figures(report, medians, [ours(engine, prompt, new_tokens)() for _ in range(runs)])
+    times = interleaved_times(contenders, runs, device)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    _fill_decode_figures(report, times, [ours(engine, prompt, new_tokens)() for _ in range(runs)])
     bytes_per_token = loaded.weight_bytes + loaded.kv_bytes_per_token * (lengths[0] + new_tokens / 2)
     report.achieved_gb_s = bytes_per_token * report.decode_tok_s / 1e9
     report.roofline_pct = 100 * report.achieved_gb_s / report.bandwidth_gb_s
     if with_generate:
         report.generate_ttft_s = medians["generate/1"]
+        report.spread["generate_ttft_s"] = low_high(times["generate/1"])
         report.generate_achieved_gb_s = bytes_per_token * report.generate_decode_tok_s / 1e9
         report.speedup_vs_generate = report.decode_tok_s / report.generate_decode_tok_s
     if report.compiled_decode_tok_s:
@@ -235,9 +251,14 @@ def run_bench(
 
 
 def _prefill_rates(
-    engine: Engine, lengths: list[int], vocab: int, runs: int, device: torch.device
+    engine: Engine,
+    lengths: list[int],
+    vocab: int,
+    runs: int,
+    device: torch.device,
+    spread: dict[str, tuple[float, float]],
 ) -> dict[int, float]:
-    """Prompt tokens per second at each length, from an empty cache."""
+    """Prompt tokens per second at each length, from an empty cache (and each one's spread)."""
     rates = {}
     for length in lengths:
         prompt = prompt_of(length, vocab)
@@ -246,7 +267,9 @@ def _prefill_rates(
             engine.reset()
             engine.prefill(prompt)
 
-        rates[length] = length / interleaved_medians({"prefill": prefill}, runs, device)["prefill"]
+        seconds = interleaved_times({"prefill": prefill}, runs, device)["prefill"]
+        rates[length] = length / statistics.median(seconds)
+        spread[f"prefill_tok_s@{length}"] = low_high([length / s for s in seconds])
     return rates
 
 
@@ -269,21 +292,29 @@ def _contenders(
     return contenders
 
 
-def _fill_decode_figures(report: BenchReport, medians: dict[str, float], results: list[Any]) -> None:
-    """Decode rates from the interleaved medians; TTFT and inter-token latency from `results`."""
+def _fill_decode_figures(report: BenchReport, times: dict[str, list[float]], results: list[Any]) -> None:
+    """Decode rates from the interleaved runs (the median's, and each run pair's for the
+    spread); TTFT and inter-token latency from `results`."""
     new_tokens = report.new_tokens
 
-    def decode_rate(name: str) -> float | None:
-        if f"{name}/n" not in medians:
+    def decode_rate(name: str, figure: str) -> float | None:
+        if f"{name}/n" not in times:
             return None
-        return (new_tokens - 1) / (medians[f"{name}/n"] - medians[f"{name}/1"])
+        longer, shorter = times[f"{name}/n"], times[f"{name}/1"]
+        pairs = [(new_tokens - 1) / (n - one) for n, one in zip(longer, shorter, strict=True) if n > one]
+        if pairs:  # a run pair the machine's load reversed says nothing of the rate
+            report.spread[figure] = low_high(pairs)
+        difference = statistics.median(longer) - statistics.median(shorter)
+        return (new_tokens - 1) / difference if difference > 0 else None  # load hid the decode
 
     gaps = sorted(gap for result in results for gap in result.stats.inter_token_s)
-    report.ttft_s = statistics.median(result.stats.ttft_s for result in results)
-    report.decode_tok_s = decode_rate("ours") or 0.0
-    report.decode_tok_s_at_fill = decode_rate("fill")
-    report.generate_decode_tok_s = decode_rate("generate")
-    report.compiled_decode_tok_s = decode_rate("compiled")
+    ttfts = [result.stats.ttft_s for result in results]
+    report.ttft_s = statistics.median(ttfts)
+    report.spread["ttft_s"] = low_high(ttfts)
+    report.decode_tok_s = decode_rate("ours", "decode_tok_s") or 0.0
+    report.decode_tok_s_at_fill = decode_rate("fill", "decode_tok_s_at_fill")
+    report.generate_decode_tok_s = decode_rate("generate", "generate_decode_tok_s")
+    report.compiled_decode_tok_s = decode_rate("compiled", "compiled_decode_tok_s")
     report.itl_p50_ms = 1000 * gaps[len(gaps) // 2] if gaps else 0.0
     report.itl_p99_ms = 1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] if gaps else 0.0
 

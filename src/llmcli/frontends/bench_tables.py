@@ -9,28 +9,51 @@ from llmcli.models.memory import format_bytes
 
 
 def render_table(report: BenchReport) -> str:
-    def ms(seconds: float | None) -> str:
-        return "—" if seconds is None else f"{seconds * 1000:.1f}"
+    """Each figure as its median with the lowest and highest run beside it; a contender that
+    did not run (transformers' compiled path off CUDA) has no column."""
 
-    def num(value: float | None, digits: int = 1) -> str:
-        return "—" if value is None else f"{value:.{digits}f}"
+    def ms(seconds: float | None, figure: str) -> str:
+        return _with_spread(seconds, report.spread.get(figure), 1000, 1)
+
+    def num(value: float | None, figure: str = "", digits: int = 1) -> str:
+        return _with_spread(value, report.spread.get(figure), 1, digits)
 
     def pct_of_bandwidth(achieved: float | None) -> str:
         return num(None if achieved is None else 100 * achieved / report.bandwidth_gb_s)
 
+    columns = ["llmcli"]
+    if report.generate_decode_tok_s is not None:
+        columns.append("model.generate")
+    if report.compiled_decode_tok_s is not None:
+        columns.append("compiled static")
     first_length = next(iter(report.prefill_tok_s))
-    rows = [(f"prefill tok/s @ {n}", num(rate), "", "") for n, rate in report.prefill_tok_s.items()]
+    rows: list[tuple[str, ...]] = [
+        (f"prefill tok/s @ {n}", num(rate, f"prefill_tok_s@{n}"), "", "")
+        for n, rate in report.prefill_tok_s.items()
+    ]
     rows += [
-        (f"TTFT ms @ {first_length}", ms(report.ttft_s), ms(report.generate_ttft_s), ""),
+        (
+            f"TTFT ms @ {first_length}",
+            ms(report.ttft_s, "ttft_s"),
+            ms(report.generate_ttft_s, "generate_ttft_s"),
+            "",
+        ),
         (
             f"decode tok/s @ {first_length}",
-            num(report.decode_tok_s),
-            num(report.generate_decode_tok_s),
-            num(report.compiled_decode_tok_s),
+            num(report.decode_tok_s, "decode_tok_s"),
+            num(report.generate_decode_tok_s, "generate_decode_tok_s"),
+            num(report.compiled_decode_tok_s, "compiled_decode_tok_s"),
         ),
     ]
     if report.context_fill is not None:
-        rows.append((f"decode tok/s @ {report.context_fill}", num(report.decode_tok_s_at_fill), "", ""))
+        rows.append(
+            (
+                f"decode tok/s @ {report.context_fill}",
+                num(report.decode_tok_s_at_fill, "decode_tok_s_at_fill"),
+                "",
+                "",
+            )
+        )
     rows += [
         ("inter-token ms p50 / p99", f"{report.itl_p50_ms:.2f} / {report.itl_p99_ms:.2f}", "", ""),
         ("achieved GB/s", num(report.achieved_gb_s), num(report.generate_achieved_gb_s), ""),
@@ -47,16 +70,28 @@ def render_table(report: BenchReport) -> str:
         f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
         f"weights {format_bytes(report.weight_bytes)} · "
         f"bandwidth {report.bandwidth_gb_s:.1f} GB/s (measured) · "
-        f"{report.new_tokens} new tokens · median of {report.runs} runs"
+        f"{report.new_tokens} new tokens · median (lowest–highest) of {report.runs} runs"
     )
+    cells = [(name, *values[: len(columns)]) for name, *values in rows]
+    widths = [max(len(row[i]) for row in [("", *columns), *cells]) for i in range(len(columns) + 1)]
     lines = [
         head,
         "",
-        f"| {'':26} | {'llmcli':>14} | {'model.generate':>14} | {'compiled static':>15} |",
-        f"|{'-' * 28}|{'-' * 16}|{'-' * 16}|{'-' * 17}|",
+        "| "
+        + " | ".join(
+            cell.rjust(w) if i else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(("", *columns), widths, strict=True))
+        )
+        + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
     ]
     lines += [
-        f"| {name:26} | {ours:>14} | {eager:>14} | {compiled:>15} |" for name, ours, eager, compiled in rows
+        "| "
+        + " | ".join(
+            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        + " |"
+        for row in cells
     ]
     lines.append("")
     if report.ceiling_tok_s is not None:
@@ -71,6 +106,16 @@ def render_table(report: BenchReport) -> str:
             f"llmcli decodes {report.speedup_vs_compiled:.2f}× as fast as transformers' compiled path"
         )
     return "\n".join(lines)
+
+
+def _with_spread(value: float | None, spread: tuple[float, float] | None, scale: float, digits: int) -> str:
+    if value is None:
+        return "—"
+    text = f"{value * scale:.{digits}f}"
+    if spread is not None:
+        low, high = spread
+        text += f" ({low * scale:.{digits}f}–{high * scale:.{digits}f})"
+    return text
 
 
 def render_speculative_table(report: SpeculativeBenchReport) -> str:

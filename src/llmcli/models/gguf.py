@@ -64,6 +64,11 @@ def fingerprint(gguf_file: Path) -> str:
     return digest
 
 
+def conversion_of(gguf_file: Path) -> Path:
+    """Where the conversion of `gguf_file` lives (whether it exists yet or not)."""
+    return gguf_cache_dir() / f"{gguf_file.stem}-{fingerprint(gguf_file)}"
+
+
 def leftovers() -> list[Path]:
     """Staging folders of conversions that were killed: hidden folders in the GGUF cache whose
     conversion's lock nobody holds (a running conversion holds its own)."""
@@ -107,7 +112,7 @@ def converted_folder(
     from llmcli.models.gguf_int4 import BLOCKS_FILE  # here: it imports numpy
 
     gguf_file = gguf_file.resolve()
-    target = gguf_cache_dir() / f"{gguf_file.stem}-{fingerprint(gguf_file)}"
+    target = conversion_of(gguf_file)
     if (target / _DONE_MARKER).is_file() and (target / BLOCKS_FILE).is_file() and not name:
         return target  # the common case: converted before, nothing to write
     try:
@@ -193,7 +198,8 @@ def _require_gguf() -> None:
 
 
 def stored_weight_kind(gguf_file: Path) -> str:
-    """int4, int8 or float: what most of the file's layer weights (blk.*, 2-D) are stored as."""
+    """int4, int8 or float: what most of the file's layer weights (blk.*, 2-D) are stored as,
+    then GGUF's name for their type ("int4 Q4_1")."""
     from collections import Counter
 
     _require_gguf()
@@ -207,31 +213,50 @@ def stored_weight_kind(gguf_file: Path) -> str:
             "download it again, or check the file with llama.cpp's gguf-dump",
         ) from None
     kinds: Counter[str] = Counter()
+    types: Counter[str] = Counter()
     for tensor in tensors:
         if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
             name = tensor.tensor_type.name
             kind = "int4" if name in _INT4_TYPES else "int8" if name in _INT8_TYPES else "float"
             kinds[kind] += int(tensor.n_elements)
-    return kinds.most_common(1)[0][0] if kinds else "float"
+            types[name] += int(tensor.n_elements)
+    if not kinds:
+        return "float"
+    return f"{kinds.most_common(1)[0][0]} {types.most_common(1)[0][0]}"
 
 
 def weight_kind(folder: Path) -> str | None:
     """What the GGUF file behind a converted folder stored (read once, then remembered beside the
     conversion); None when it cannot be known (the file is gone, or this is no conversion)."""
+    stored = _stored(folder)
+    return stored.split()[0] if stored else None
+
+
+def gguf_type(folder: Path) -> str | None:
+    """GGUF's name for the type most of a converted folder's layer weights had (Q4_1, Q8_0,
+    F16); None when it cannot be known."""
+    stored = (_stored(folder) or "").split()
+    return stored[1] if len(stored) > 1 else None
+
+
+def _stored(folder: Path) -> str | None:
+    """ "int4 Q4_1": read once from the GGUF file behind a conversion, then remembered beside it
+    (an older conversion remembered the kind alone)."""
     remembered = folder / _KIND_FILE
-    if remembered.is_file():
-        return remembered.read_text().strip()
+    text = remembered.read_text().strip() if remembered.is_file() else ""
+    if len(text.split()) > 1:
+        return text
     marker = folder / _DONE_MARKER
     source = Path(marker.read_text().strip()) if marker.is_file() else None
     if source is None or not source.is_file():
-        return None
+        return text or None
     try:
-        kind = stored_weight_kind(source)
+        stored = stored_weight_kind(source)
     except (OSError, ValueError, ImportError, ModelLoadError):
-        return None
+        return text or None
     with contextlib.suppress(OSError):  # a read-only cache: work it out again next time
-        write_text_atomically(remembered, kind + "\n")
-    return kind
+        write_text_atomically(remembered, stored + "\n")
+    return stored
 
 
 def is_conversion(folder: Path) -> bool:

@@ -204,20 +204,29 @@ def plan_quantization(
     return dataclasses.replace(settings, quant=requested), native, group
 
 
-def default_load(folder: Path, source: str) -> tuple[str, str, str, int]:
-    """How `-m` with no other flags would load this model here, without loading it: (device,
-    dtype, quant label, estimated weight bytes) — the figure `models show` gives for this machine."""
+def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, str, str, int]:
+    """How `-m` with `--quant quant` and no other flags would load this model here, without
+    loading it: (device, dtype, quant label, estimated weight bytes) — the figures `models show`
+    gives for this machine."""
     from llmcli.models.memory import estimate_weight_bytes, native_mode, safetensors_shapes
 
     config = read_config(folder)
     device = choose_device("auto")
-    _, native, group = plan_quantization(LoadSettings(), config, device, source, folder)
+    planned, native, group = plan_quantization(LoadSettings(quant=quant), config, device, source, folder)
     dtype = torch.bfloat16 if native else choose_dtype("auto", device)
     shapes = safetensors_shapes(folder)
     stored = (config.get("quantization_config") or {}).get("quant_method")
-    mode = native_mode(native, group, shapes) if native else ("stored" if stored else "none")
-    quant = mode.removeprefix("native-") if native else (stored or "none")
-    return device.type, DTYPE_NAMES[dtype], quant, estimate_weight_bytes(shapes, dtype.itemsize, mode)
+    if native:
+        mode = native_mode(native, group, shapes)
+    elif planned.quant in ("none", "auto"):
+        mode = "stored" if stored else "none"
+    else:  # bitsandbytes
+        mode = planned.quant
+    if native:
+        label = mode.removeprefix("native-")
+    else:
+        label = (stored or "none") if mode in ("none", "stored") else mode
+    return device.type, DTYPE_NAMES[dtype], label, estimate_weight_bytes(shapes, dtype.itemsize, mode)
 
 
 def prepare_device(settings: LoadSettings, device: torch.device, native_quant: bool = False) -> torch.dtype:
