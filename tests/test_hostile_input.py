@@ -571,3 +571,45 @@ def test_shell_completion_offers_model_names_without_case_and_every_fixed_value(
     assert completions("llmcli generate --dtype ") == ["auto", "bf16", "fp16", "fp32"]
     assert completions("llmcli generate --format ") == ["json", "off"]
     assert completions("llmcli generate --think ") == ["show", "hide", "off"]
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_models_show_gives_each_quant_as_it_loads_here(quant: str) -> None:
+    shown = json.loads(run_cli("models", "show", "--json").stdout)
+    loaded = json.loads(run_cli("generate", "--quant", quant, "-n", "1", "--json", "x").stdout)
+    planned = shown["with_quant"][quant]
+    assert planned["dtype"] == loaded["dtype"]  # --quant none on a CPU loads fp32, not bf16
+    assert abs(planned["weight_bytes"] - loaded["weight_bytes"]) <= 0.03 * loaded["weight_bytes"]
+    text = run_cli("models", "show").stdout.decode()
+    assert "checkpoint     GGUF Q4_1, converted" in text and "not quantized" not in text
+
+
+def test_removing_an_import_that_is_the_defaults_conversion_says_so(tmp_path: Path) -> None:
+    from llmcli.models.resolve import demo_gguf_path
+
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    imported = run_cli("models", "import", str(demo_gguf_path()), "--name", "mine", env=env, timeout=300)
+    assert imported.returncode == 0, imported.stderr
+    removed = run_cli("models", "rm", "mine", "--yes", env=env)
+    assert "It was also the conversion of the default model (smollm2)" in removed.stdout.decode()
+
+
+def test_the_json_record_has_the_same_fields_everywhere_and_the_readme_names_each() -> None:
+    record = json.loads(run_cli("generate", "--no-server", "-n", "1", "--json", "x").stdout)
+    assert record["server"] is None
+    table = README.read_text().split("| field | meaning |", 1)[1].split("**Exit codes.**", 1)[0]
+    documented = set(re.findall(r"`([a-z_]+)`", table))
+    assert set(record) <= documented, set(record) - documented
+    assert {"format", "value", "tool_calls"} <= documented  # the fields some flags add
+
+
+def test_the_serve_help_curl_example_sends_json_as_json() -> None:
+    shown = run_cli("serve", "--help", env={"COLUMNS": "250"}).stdout.decode()
+    assert "curl" in shown and "Content-Type: application/json" in shown
+
+
+def test_chat_says_when_a_reply_was_cut_and_names_formats_in_its_own_words() -> None:
+    proc = run_cli("chat", "-n", "3", stdin=b"/format json\n/format off\nTell me a long story\n")
+    err = proc.stderr.decode()
+    assert "format json" in err and "--format json" not in err
+    assert "cut by the token limit (/set max_new_tokens N" in err

@@ -62,8 +62,8 @@ MODEL_HELP = (
 
 
 def complete_model(incomplete: str) -> list[str]:
-    """Shell completion for -m: the names `models list` shows (the default's `smollm2` too),
-    then the aliases, matched without case."""
+    """Shell completion for -m: the aliases, then the names `models list` shows (the
+    default's `smollm2` too), matched without case."""
     from llmcli.config.user_config import load_user_config
     from llmcli.models.catalog import model_names
     from llmcli.models.resolve import DEFAULT_ALIAS
@@ -72,7 +72,7 @@ def complete_model(incomplete: str) -> list[str]:
         aliases = list(load_user_config().aliases)
     except Exception:  # a broken config must not break the user's shell
         aliases = []
-    names = dict.fromkeys([DEFAULT_ALIAS, *model_names(), *aliases])
+    names = dict.fromkeys([*aliases, DEFAULT_ALIAS, *model_names()])
     return [name for name in names if name.lower().startswith(incomplete.lower())]
 
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads i
     from llmcli.frontends.functions import Functions
     from llmcli.frontends.protocols import ChatHistory, Target
 
+LENGTH_CUT = "cut by the token limit (/set max_new_tokens N for longer replies)"
 CUT = ("interrupted", "error")  # replies kept as far as they came: Ctrl-C, a server that stopped
 MOST_TOOL_ROUNDS = 8  # replies that call tools, in one exchange, before one must answer
 # What /set may change: every sampling setting.
@@ -139,7 +140,11 @@ class TurnReport:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def line(self) -> str:
-        interrupted = {"interrupted": " · interrupted", "error": " · cut short"}.get(self.finish_reason, "")
+        interrupted = {
+            "interrupted": " · interrupted",
+            "error": " · cut short",
+            "length": f" · {LENGTH_CUT}",
+        }.get(self.finish_reason, "")
         return (
             f"TTFT {self.ttft_s:.2f} s · {self.decode_tok_s:.1f} tok/s · prefilled {self.prefilled_tokens} · "
             f"reused {self.cached_tokens} · context {self.context_used}/{self.context_length}"
@@ -433,7 +438,7 @@ class ChatSession:
                 "/format and --functions do not combine: a reply may call a tool or be JSON, not both"
             )
         self.output = output
-        self.view.info(f"format {self.output.label if self.output else 'off (text)'}")
+        self.view.info(f"format {_format_name(self.output) if self.output else 'off (text)'}")
 
     def _cmd_show(self, _: str) -> None:
         target = self.target
@@ -532,6 +537,11 @@ def apply_setting(sampling: SamplingSettings, key: str, value: Any) -> SamplingS
         ) from error
     SamplingSettings(**{key: typed}).validate()
     return replace(sampling, **{key: typed})
+
+
+def _format_name(output: OutputFormat) -> str:
+    """What /format says is in force, in its own words: "json", "schema FILE"."""
+    return output.label.removeprefix("--format ").replace("--json-schema", "schema", 1)
 
 
 def _failure(error: Exception) -> str:

@@ -12,7 +12,7 @@ from llmcli.frontends import terminal
 
 if TYPE_CHECKING:
     from llmcli.frontends.target import Outcome
-from llmcli.frontends.chat_session import TurnReport
+from llmcli.frontends.chat_session import LENGTH_CUT, TurnReport
 
 
 class TerminalView:
@@ -123,6 +123,8 @@ class PlainView:
         self._thinking.end()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if outcome.finish_reason == "length":  # said on stderr: stdout carries the replies only
+            terminal.note(f"(the reply above was {LENGTH_CUT})")
 
     def info(self, text: str) -> None:
         terminal.note(text)

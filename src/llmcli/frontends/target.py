@@ -100,7 +100,8 @@ def open_target(
 def json_record(
     target: Target, outcome: Outcome, num_beams: int, output: OutputFormat | None, tools: bool = False
 ) -> dict[str, Any]:
-    """`generate --json`: one record, in-process or through a server (which adds "server")."""
+    """`generate --json`: one record, the same fields in-process or through a server ("server"
+    is its URL, null in-process)."""
     record = {
         "text": outcome.text,
         "model": target.name,
@@ -110,6 +111,7 @@ def json_record(
         "ttft_s": _rounded(outcome.ttft_s, 6),
         "prefill_tok_s": _rounded(outcome.prefill_tok_s, 3),
         "decode_tok_s": _rounded(outcome.decode_tok_s, 3),
+        "server": None,
         **target.facts(),
         "num_beams": num_beams,
         "cached_tokens": outcome.cached_tokens,
