@@ -7,10 +7,14 @@ import subprocess
 import sys
 
 LLMCLI = [sys.executable, "-m", "llmcli"]
+# How long a test waits for something to happen before calling it a hang. Not a measure of
+# speed: at a load of 6 on two cores a chat that starts in 5 s idle may take a minute, and a
+# test waits for its condition, however long the machine takes, up to this.
+PATIENCE_S = 600
 
 
 def run_cli(
-    *args: str, stdin: bytes | None = b"", env: dict[str, str] | None = None, timeout: float = 120
+    *args: str, stdin: bytes | None = b"", env: dict[str, str] | None = None, timeout: float = PATIENCE_S
 ) -> subprocess.CompletedProcess[bytes]:
     """`stdin=None` leaves stdin closed-ish (/dev/null); bytes are piped in."""
     return subprocess.run(

@@ -13,7 +13,7 @@ import pytest
 
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 
-from cli_helpers import LLMCLI, run_cli
+from cli_helpers import LLMCLI, PATIENCE_S, run_cli
 from tiny_models import TINY_CONTEXT
 
 JSON_FIELDS = {
@@ -55,7 +55,7 @@ def heavy_modules_imported(stderr: bytes) -> set[str]:
 def test_help_and_usage_errors_import_no_heavy_modules(args: list[str]) -> None:
     started = time.perf_counter()
     proc = subprocess.run(
-        [*LLMCLI[:1], "-X", "importtime", *LLMCLI[1:], *args], capture_output=True, timeout=60
+        [*LLMCLI[:1], "-X", "importtime", *LLMCLI[1:], *args], capture_output=True, timeout=PATIENCE_S
     )
     elapsed = time.perf_counter() - started
     assert proc.returncode in (0, EXIT_USAGE)
@@ -172,7 +172,7 @@ def test_closed_pipe_ends_quietly(tiny_llama: Path) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     first = proc.stdout.read(1)  # like `| head -c 1`
     proc.stdout.close()
-    code = proc.wait(timeout=60)
+    code = proc.wait(timeout=PATIENCE_S)
     err = proc.stderr.read().decode()
     assert first
     assert code == 0
@@ -202,7 +202,7 @@ def test_ctrl_c_exits_130_without_traceback(tiny_llama: Path) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.read(1)  # generation has started
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == EXIT_INTERRUPTED
     assert b"Traceback" not in err
 
@@ -251,7 +251,7 @@ def test_loading_spinner_shows_only_on_a_terminal(tiny_llama: Path) -> None:
         LLMCLI[0],
         [*LLMCLI[1:], "generate", "-m", str(tiny_llama), "-t", "0", "-n", "5", "hi"],
         env={**os.environ, "TERM": "xterm-256color"},
-        timeout=60,
+        timeout=PATIENCE_S,
     )
     child.expect("Loading")  # rich's status line, on the terminal's stderr
     child.expect(pexpect.EOF)

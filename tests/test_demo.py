@@ -9,7 +9,7 @@ import pytest
 from llmcli.config.paths import gguf_cache_dir
 from llmcli.models.resolve import demo_gguf_path
 
-from cli_helpers import run_cli
+from cli_helpers import PATIENCE_S, run_cli
 
 pytestmark = [
     pytest.mark.demo,
@@ -29,7 +29,9 @@ def first_run():
     """The first use converts the GGUF file into the cache (unless another test already made the
     demo load); everything after reuses it. Returns the run and whether it had to convert."""
     must_convert = not converted_copies()
-    proc = run_cli("generate", "-t", "0", "--json", "--stats", "Name the capital of France.", timeout=300)
+    proc = run_cli(
+        "generate", "-t", "0", "--json", "--stats", "Name the capital of France.", timeout=PATIENCE_S
+    )
     return proc, must_convert
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from llmcli.models.resolve import demo_gguf_path
 
-from cli_helpers import LLMCLI, one_error_line, run_cli
+from cli_helpers import LLMCLI, PATIENCE_S, one_error_line, run_cli
 
 TIGHT = ["--device", "cpu", "-n", "4"]
 
@@ -103,12 +103,12 @@ def test_a_closed_or_full_stdout(tiny_llama: Path) -> None:
     import subprocess
 
     no_stdout = subprocess.run(
-        ["sh", "-c", '"$@" >&-', "sh", *command], stderr=subprocess.PIPE, timeout=120
+        ["sh", "-c", '"$@" >&-', "sh", *command], stderr=subprocess.PIPE, timeout=PATIENCE_S
     )  # started with stdout closed: nobody reads it, so it ends quietly
     assert no_stdout.returncode == 0 and no_stdout.stderr == b"", no_stdout.stderr.decode()
     if Path("/dev/full").exists():
         full = subprocess.run(
-            ["sh", "-c", '"$@" >/dev/full', "sh", *command], stderr=subprocess.PIPE, timeout=120
+            ["sh", "-c", '"$@" >/dev/full', "sh", *command], stderr=subprocess.PIPE, timeout=PATIENCE_S
         )
         line = one_error_line(full, 1)
         assert "cannot write the output" in line
@@ -120,7 +120,7 @@ def chat_with_state(model: Path, state_home: Path) -> pexpect.spawn:
     env["XDG_STATE_HOME"] = str(state_home)
     return pexpect.spawn(
         sys.executable, ["-m", "llmcli", "chat", "-m", str(model), *TIGHT], env=env,
-        timeout=60, encoding="utf-8", dimensions=(50, 200),
+        timeout=PATIENCE_S, encoding="utf-8", dimensions=(50, 200),
     )  # fmt: skip
 
 
@@ -184,7 +184,7 @@ def test_concurrent_first_runs_convert_once_and_all_succeed(tmp_path: Path) -> N
     ):
         runs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         time.sleep(0.25)
-    outcomes = [run.communicate(timeout=300) for run in runs]
+    outcomes = [run.communicate(timeout=PATIENCE_S) for run in runs]
     errors = [err.decode() for _, err in outcomes]
     assert [run.returncode for run in runs] == [0, 0, 0], errors
     assert sum("Converting" in err for err in errors) == 1, errors
@@ -272,7 +272,9 @@ def test_every_command_stops_quietly_when_its_reader_is_gone(args: list[str]) ->
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first write
     try:
-        result = subprocess.run([*LLMCLI, *args], stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+        result = subprocess.run(
+            [*LLMCLI, *args], stdout=write_end, stderr=subprocess.PIPE, timeout=PATIENCE_S
+        )
     finally:
         os.close(write_end)
     assert result.returncode == 0 and result.stderr == b"", result.stderr.decode()

@@ -16,7 +16,7 @@ from llmcli.engine.conversation import Conversation, build_messages, prompt_ids
 from llmcli.errors import LlmcliError
 from test_reasoning import THINKING_TEMPLATE
 
-from cli_helpers import one_error_line, run_cli
+from cli_helpers import PATIENCE_S, one_error_line, run_cli
 from tiny_models import CHATML_TEMPLATE, put_in_hf_cache, train_tokenizer
 from tool_templates import ADDED, HERMES_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, SPECIAL, TOOLS
 
@@ -234,7 +234,7 @@ def run_measured(*args: str, stdin_path: Path | str) -> tuple[object, int]:
         "sys.exit(proc.returncode)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(stdin_path), *args], capture_output=True, timeout=300
+        [sys.executable, "-c", script, str(stdin_path), *args], capture_output=True, timeout=PATIENCE_S
     )
     *lines, peak = proc.stderr.decode().splitlines()
     proc.stderr = ("\n".join(lines) + "\n").encode()
@@ -265,7 +265,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_llama: 
     ],
 )
 def test_files_that_are_not_files_are_refused_without_reading(flag: str, source: str, message: str) -> None:
-    proc = run_cli("generate", "-m", "smollm2", flag, source, "hi", timeout=60)
+    proc = run_cli("generate", "-m", "smollm2", flag, source, "hi", timeout=PATIENCE_S)
     line = one_error_line(proc, 2)
     assert message in line and source in line
 
@@ -274,7 +274,9 @@ def test_a_chat_line_over_the_limit_is_skipped_and_the_chat_goes_on(tiny_llama: 
     from llmcli.reading import PROMPT_BYTES
 
     script = b"x" * (PROMPT_BYTES + 10) + b"\nhello\n"
-    proc = run_cli("chat", "-m", str(tiny_llama), "--device", "cpu", "-n", "3", stdin=script, timeout=300)
+    proc = run_cli(
+        "chat", "-m", str(tiny_llama), "--device", "cpu", "-n", "3", stdin=script, timeout=PATIENCE_S
+    )
     assert proc.returncode == 1
     assert "line 1 of stdin is over the size limit" in proc.stderr.decode()
     assert proc.stdout.strip()  # line 2 was answered
@@ -366,7 +368,7 @@ def test_leftovers_of_a_killed_conversion_are_shown_and_removed(tmp_path: Path) 
         listed = run_cli("models", "list", env=env)
         assert listed.returncode == 0, listed.stderr
         assert "3.0 MB held by conversions that were killed" in listed.stdout.decode()
-        imported = run_cli("models", "import", str(GGUF_FIXTURE), env=env, timeout=300)
+        imported = run_cli("models", "import", str(GGUF_FIXTURE), env=env, timeout=PATIENCE_S)
         assert imported.returncode == 0, imported.stderr
         assert not killed.exists() and running.exists()  # the next conversion cleaned up
         killed.mkdir()
@@ -389,7 +391,9 @@ def test_arguments_that_are_not_utf8_are_one_line(args: list[bytes]) -> None:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable.encode(), b"-m", b"llmcli", *args], capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable.encode(), b"-m", b"llmcli", *args], capture_output=True, timeout=PATIENCE_S
+    )
     assert "is not UTF-8 text (byte 0xff" in one_error_line(proc, 2)
 
 
@@ -588,7 +592,9 @@ def test_removing_an_import_that_is_the_defaults_conversion_says_so(tmp_path: Pa
     from llmcli.models.resolve import demo_gguf_path
 
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    imported = run_cli("models", "import", str(demo_gguf_path()), "--name", "mine", env=env, timeout=300)
+    imported = run_cli(
+        "models", "import", str(demo_gguf_path()), "--name", "mine", env=env, timeout=PATIENCE_S
+    )
     assert imported.returncode == 0, imported.stderr
     removed = run_cli("models", "rm", "mine", "--yes", env=env)
     assert "It was also the conversion of the default model (smollm2)" in removed.stdout.decode()

@@ -16,7 +16,7 @@ import pytest
 
 from llmcli.models.resolve import demo_gguf_path
 
-from cli_helpers import run_cli
+from cli_helpers import PATIENCE_S, run_cli
 from tiny_models import put_in_hf_cache
 
 REPO = "tiny-org/tiny-llama"
@@ -103,7 +103,7 @@ def test_models_import_names_a_gguf_file(home: dict[str, str], tmp_path: Path) -
     gguf = tmp_path / demo_gguf_path().name
     # A copy: the same name and content, so the session's conversion is found (name + fingerprint).
     shutil.copy(demo_gguf_path(), gguf)
-    proc = run_cli("models", "import", str(gguf), "--name", "smol-demo", env=home, timeout=300)
+    proc = run_cli("models", "import", str(gguf), "--name", "smol-demo", env=home, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stderr.decode()
     assert "smol-demo" in run_cli("models", "list", env=home).stdout.decode()
     answer = run_cli(

@@ -23,7 +23,7 @@ from llmcli.models.memory import (
 )
 from llmcli.models.resolve import ResolvedModel, resolve_model
 
-from cli_helpers import run_cli
+from cli_helpers import PATIENCE_S, run_cli
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install 'llmcli[quant]'")
 
@@ -224,7 +224,7 @@ def test_quant_without_bitsandbytes_is_one_clear_line(tiny_llama: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", hide, "generate", "-m", str(tiny_llama), "--quant", "nf4", "hi"],
         capture_output=True,
-        timeout=120,
+        timeout=PATIENCE_S,
     )
     err = proc.stderr.decode()
     assert proc.returncode == 1 and err.count("\n") == 1

@@ -18,7 +18,7 @@ from llmcli.engine.reasoning import (
     thinking_of,
 )
 
-from cli_helpers import run_cli
+from cli_helpers import PATIENCE_S, run_cli
 
 THINK = THINK_FORMATS[0]
 # A DeepSeek-R1-distill-style template (the generation prompt opens the block) with Qwen3's
@@ -156,7 +156,7 @@ def test_the_server_gives_reasoning_content(thinking_model: Path, tmp_path: Path
             client.chat.completions.create(**asked, reasoning_effort="low")
     finally:
         server.process.send_signal(signal.SIGTERM)
-        server.process.wait(timeout=30)
+        server.process.wait(timeout=PATIENCE_S)
 
 
 def test_a_thinking_chat_keeps_its_cache_and_its_switch(thinking_model: Path) -> None:

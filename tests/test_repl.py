@@ -11,7 +11,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from cli_helpers import run_cli
+from cli_helpers import PATIENCE_S, run_cli
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STATS_LINE = r"TTFT [0-9.]+ s · [0-9.]+ tok/s · prefilled (\d+) · reused (\d+) · context (\d+)/(\d+)"
@@ -26,7 +26,7 @@ class Repl:
             sys.executable,
             ["-m", "llmcli", "chat", *args],
             env=env,
-            timeout=90,
+            timeout=PATIENCE_S,
             encoding="utf-8",
             dimensions=(50, 200),
         )
@@ -96,8 +96,10 @@ def test_repl_turns_and_commands(tiny_llama: Path, tmp_path: Path) -> None:
 def test_ctrl_c_mid_reply_then_another_turn(loaded_demo) -> None:
     repl = Repl("-t", "0", "-n", "400")
     repl.child.sendline("Write a long story about a dragon who learns to read.")
-    repl.child.expect("learns to read.", timeout=60)  # the input as typed…
-    repl.child.expect(r"\n[^\n>]{40}", timeout=60)  # …then 40 characters of the reply: it is streaming
+    repl.child.expect("learns to read.", timeout=PATIENCE_S)  # the input as typed…
+    repl.child.expect(
+        r"\n[^\n>]{40}", timeout=PATIENCE_S
+    )  # …then 40 characters of the reply: it is streaming
     repl.child.sendcontrol("c")
     repl.child.expect(r"· interrupted")
     repl.child.expect(">>>")
@@ -117,15 +119,15 @@ def test_type_ahead_and_ctrl_d_during_a_reply_reach_the_next_prompt(loaded_demo)
     child = pexpect.spawn(
         sys.executable, ["-m", "llmcli", "chat", "-t", "0", "-n", "120"],
         env=env | {"TERM": "xterm-256color"},
-        timeout=90, encoding="utf-8", dimensions=(50, 200),
+        timeout=PATIENCE_S, encoding="utf-8", dimensions=(50, 200),
     )  # fmt: skip
     child.expect(">>>")
     child.sendline("Write a short story about a lighthouse keeper.")
-    child.expect("lighthouse keeper.", timeout=60)
-    child.expect(r"\n[^\n>]{20}", timeout=60)  # the reply is streaming
+    child.expect("lighthouse keeper.", timeout=PATIENCE_S)
+    child.expect(r"\n[^\n>]{20}", timeout=PATIENCE_S)  # the reply is streaming
     child.send("/stats\n")
     child.sendcontrol("d")
-    child.expect(pexpect.EOF, timeout=90)
+    child.expect(pexpect.EOF, timeout=PATIENCE_S)
     child.close()
     output = ANSI.sub("", child.before)
     assert child.exitstatus == 0, output

@@ -23,7 +23,7 @@ from llmcli.engine.loop import Engine
 from llmcli.models.load import load_model
 from llmcli.models.resolve import ResolvedModel, demo_gguf_path
 
-from cli_helpers import LLMCLI, run_cli
+from cli_helpers import LLMCLI, PATIENCE_S, run_cli
 
 openai = pytest.importorskip("openai")
 
@@ -38,7 +38,7 @@ class Server:
         return openai.OpenAI(**(settings | options))
 
     def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-        connection = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
+        connection = http.client.HTTPConnection(self.host, int(self.port), timeout=PATIENCE_S)
         try:
             connection.request(
                 method, path, body=body, headers=headers or {"Content-Type": "application/json"}
@@ -81,7 +81,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     running = start_server(tiny_llama, tmp_path_factory.mktemp("runtime"))
     yield running
     running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=30) == 0
+    assert running.process.wait(timeout=PATIENCE_S) == 0
     assert_access_log_only(running.process.stderr.read())  # graceful: no traceback, no warning
     assert not list((running.runtime / "llmcli").glob("server-*.json"))  # its record is gone
 
@@ -235,7 +235,7 @@ def test_concurrent_clients_each_get_their_own_reply(server: Server, in_process)
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=PATIENCE_S)
     assert got == expected
 
 
@@ -289,7 +289,7 @@ def test_a_chunked_body_over_the_limit_is_a_413_and_an_unknown_route_a_404(serve
             yield b"a" * (1 << 20)
         yield b'"}]}'
 
-    connection = http.client.HTTPConnection(server.host, int(server.port), timeout=30)
+    connection = http.client.HTTPConnection(server.host, int(server.port), timeout=PATIENCE_S)
     connection.request(
         "POST", "/v1/chat/completions", body=pieces(), headers={"Content-Type": "application/json"},
         encode_chunked=True,
@@ -377,7 +377,7 @@ def test_a_warm_call_imports_neither_torch_nor_transformers(server: Server, tiny
     )
     env = {**os.environ, "XDG_RUNTIME_DIR": str(server.runtime)}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_llama)], capture_output=True, env=env, timeout=60
+        [sys.executable, "-c", code, str(tiny_llama)], capture_output=True, env=env, timeout=PATIENCE_S
     )
     assert proc.stderr.decode().strip() == "False False"
 
@@ -410,7 +410,7 @@ def test_an_api_key_is_required_when_set(tiny_llama: Path, tmp_path: Path) -> No
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr.decode()
     finally:
         keyed.process.terminate()
-        keyed.process.wait(timeout=30)
+        keyed.process.wait(timeout=PATIENCE_S)
 
 
 def test_a_non_loopback_host_without_a_key_is_refused(tiny_llama: Path) -> None:
@@ -467,7 +467,7 @@ def test_a_page_elsewhere_cannot_reach_the_server(server: Server) -> None:
 def test_cors_and_allowed_hosts_open_exactly_what_they_name(tiny_llama: Path, tmp_path: Path) -> None:
     running = start_server(tiny_llama, tmp_path, "--cors", "http://app.example", "--allowed-hosts", "box.lan")
     try:
-        connection = http.client.HTTPConnection(running.host, int(running.port), timeout=30)
+        connection = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
         connection.request(
             "OPTIONS",
             "/v1/chat/completions",
@@ -489,7 +489,7 @@ def test_cors_and_allowed_hosts_open_exactly_what_they_name(tiny_llama: Path, tm
         assert running.raw("POST", "/v1/chat/completions", body, other)[0] == 403
     finally:
         running.process.send_signal(signal.SIGTERM)
-        running.process.wait(timeout=30)
+        running.process.wait(timeout=PATIENCE_S)
 
 
 def read_until_text(stream: http.client.HTTPResponse) -> None:
@@ -503,7 +503,7 @@ def read_until_text(stream: http.client.HTTPResponse) -> None:
 
 
 def metric(server: Server, name: str) -> float:
-    connection = http.client.HTTPConnection(server.host, int(server.port), timeout=30)
+    connection = http.client.HTTPConnection(server.host, int(server.port), timeout=PATIENCE_S)
     connection.request("GET", "/metrics")
     text = connection.getresponse().read().decode()
     connection.close()
@@ -511,7 +511,7 @@ def metric(server: Server, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+def wait_for(condition, what: str, timeout_s: float = PATIENCE_S) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
@@ -545,17 +545,17 @@ def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Pa
         "logit_bias": banned,
     }
     try:
-        long = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        long = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
         long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
                      {"Content-Type": "application/json"})  # fmt: skip
         stream = long.getresponse()
         read_until_text(stream)  # the worker is generating it
-        waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
         waiting.request(
             "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
         wait_for(lambda: metric(running, "llmcli_queue_depth") == 1, "the second request to wait")
-        connection = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        connection = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
         connection.request(
             "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
@@ -574,7 +574,7 @@ def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Pa
         assert reply.choices[0].finish_reason == "length"
     finally:
         running.process.send_signal(signal.SIGTERM)
-        running.process.wait(timeout=30)
+        running.process.wait(timeout=PATIENCE_S)
 
 
 @pytest.mark.demo
@@ -591,11 +591,11 @@ def test_a_shutdown_cuts_streams_with_an_error_and_refuses_waiting_requests(tmp_
     }
     headers = {"Content-Type": "application/json"}
     try:
-        long = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        long = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
         long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), headers)
         stream = long.getresponse()
         read_until_text(stream)
-        waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=60)
+        waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
         waiting.request("POST", "/v1/chat/completions", json.dumps(body), headers)
         wait_for(lambda: metric(running, "llmcli_queue_depth") == 1, "the second request to wait")
         running.process.send_signal(signal.SIGTERM)
@@ -603,7 +603,7 @@ def test_a_shutdown_cuts_streams_with_an_error_and_refuses_waiting_requests(tmp_
         assert "shutting down" in events and "[DONE]" not in events  # cut, and the client can tell
         refused = waiting.getresponse()
         assert refused.status == 503 and "shutting down" in json.loads(refused.read())["error"]["message"]
-        assert running.process.wait(timeout=10) == 0
+        assert running.process.wait(timeout=PATIENCE_S) == 0
         assert_access_log_only(running.process.stderr.read())  # no traceback
     finally:
         if running.process.poll() is None:
@@ -746,4 +746,4 @@ def test_a_found_server_that_cannot_be_used_is_named_and_the_model_loads_here(
         assert "other settings: dtype fp32 (here bf16)" in other.stderr.decode()
     finally:
         running.process.send_signal(signal.SIGTERM)
-        running.process.wait(timeout=30)
+        running.process.wait(timeout=PATIENCE_S)

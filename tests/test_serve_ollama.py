@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import PATIENCE_S
 from test_serve import Server, assert_access_log_only, start_server
 
 ollama = pytest.importorskip("ollama")
@@ -22,7 +23,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     running = start_server(tiny_llama, tmp_path_factory.mktemp("runtime"))
     yield running
     running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=30) == 0
+    assert running.process.wait(timeout=PATIENCE_S) == 0
     assert_access_log_only(running.process.stderr.read())
 
 

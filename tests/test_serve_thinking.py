@@ -12,6 +12,7 @@ import pytest
 
 from test_reasoning import thinking_model  # noqa: F401 - the fixture
 
+from cli_helpers import PATIENCE_S
 from test_serve import Server, assert_access_log_only, start_server
 
 anthropic = pytest.importorskip("anthropic")
@@ -25,7 +26,7 @@ def server(thinking_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     running = start_server(thinking_model, tmp_path_factory.mktemp("runtime"))
     yield running
     running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=30) == 0
+    assert running.process.wait(timeout=PATIENCE_S) == 0
     assert_access_log_only(running.process.stderr.read())
 
 

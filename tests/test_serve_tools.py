@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import run_cli
+from cli_helpers import PATIENCE_S, run_cli
 from test_serve import Server, assert_access_log_only, start_server
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL, TOOLS, WEATHER
@@ -30,7 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running.model = folder
     yield running
     running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=30) == 0
+    assert running.process.wait(timeout=PATIENCE_S) == 0
     assert_access_log_only(running.process.stderr.read())
 
 

@@ -27,6 +27,7 @@ from llmcli.engine.speculative.drafters import LookupDrafter, ModelDrafter, chec
 from llmcli.engine.speculative.schedule import DraftLength
 from llmcli.errors import UsageError
 
+from cli_helpers import PATIENCE_S
 from tiny_models import build_tiny_model, train_tokenizer
 
 LLMCLI = [sys.executable, "-m", "llmcli"]
@@ -412,9 +413,12 @@ def test_cli_speculative_json_and_refusals(tiny_llama: Path, tmp_path: Path) -> 
         "-n",
         "24",
     ]
-    plain = subprocess.run([*base, "--json", PROMPT_TEXT], capture_output=True, text=True, timeout=120)
+    plain = subprocess.run([*base, "--json", PROMPT_TEXT], capture_output=True, text=True, timeout=PATIENCE_S)
     looked = subprocess.run(
-        [*base, "--json", "--speculative", "lookup", PROMPT_TEXT], capture_output=True, text=True, timeout=120
+        [*base, "--json", "--speculative", "lookup", PROMPT_TEXT],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE_S,
     )
     assert plain.returncode == looked.returncode == 0, looked.stderr
     plain_record, record = json.loads(plain.stdout), json.loads(looked.stdout)
@@ -423,13 +427,13 @@ def test_cli_speculative_json_and_refusals(tiny_llama: Path, tmp_path: Path) -> 
     assert record["speculative"]["method"] == "lookup"
     assert record["speculative"]["drafted"] >= record["speculative"]["accepted"] >= 0
     refused = subprocess.run(
-        [*base, "--draft-model", str(other), "x"], capture_output=True, text=True, timeout=120
+        [*base, "--draft-model", str(other), "x"], capture_output=True, text=True, timeout=PATIENCE_S
     )
     assert refused.returncode == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "numbers its tokens differently" in lines[0], refused.stderr
     missing = subprocess.run(
-        [*base, "--speculative", "draft", "x"], capture_output=True, text=True, timeout=60
+        [*base, "--speculative", "draft", "x"], capture_output=True, text=True, timeout=PATIENCE_S
     )
     assert missing.returncode == 2 and "needs a draft model" in missing.stderr
     assert "Traceback" not in refused.stderr + missing.stderr
