@@ -77,20 +77,20 @@ class Thinking:
 
 def warning(message: str) -> None:
     """Something the user should know, that stops nothing: `llmcli: warning: …` on stderr."""
-    console = stderr_console()
-    if console.is_terminal and not os.environ.get("NO_COLOR"):
-        console.print(f"[bold yellow]llmcli: warning:[/] {escape(message)}", markup=True, highlight=False)
-    else:
-        sys.stderr.write(f"llmcli: warning: {message}\n")
-        sys.stderr.flush()
+    _labelled("warning", "bold yellow", message)
 
 
 def error(message: str) -> None:
+    _labelled("error", "bold red", message)
+
+
+def _labelled(label: str, style: str, message: str) -> None:
+    """`llmcli: LABEL: message` on stderr, the label coloured on a terminal (unless NO_COLOR)."""
     console = stderr_console()
     if console.is_terminal and not os.environ.get("NO_COLOR"):
-        console.print(f"[bold red]llmcli: error:[/] {escape(message)}", markup=True, highlight=False)
+        console.print(f"[{style}]llmcli: {label}:[/] {escape(message)}", markup=True, highlight=False)
     else:
-        sys.stderr.write(f"llmcli: error: {message}\n")
+        sys.stderr.write(f"llmcli: {label}: {message}\n")
         sys.stderr.flush()
 
 
