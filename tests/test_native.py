@@ -38,6 +38,8 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+MOE = {"moe_intermediate_size": 48, "norm_topk_prob": True}
+TIED = {"tie_word_embeddings": True}
 CASES = {
     "llama-gqa2": ("llama", {}),
     "llama-mha-gqa1": ("llama", {"num_key_value_heads": 4}),
@@ -51,6 +53,19 @@ CASES = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-qk-norm": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
     "qwen3-untied-gqa4": ("qwen3", {"num_key_value_heads": 1, "tie_word_embeddings": False}),
+    "qwen3-moe-k2": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, **MOE}),
+    "qwen3-moe-k1-dense-layer-unnormalised": (
+        "qwen3_moe",
+        {"num_experts": 8, "num_experts_per_tok": 1, "norm_topk_prob": False, "mlp_only_layers": [0], **MOE},
+    ),
+    "qwen3-moe-k8-head-dim-24": (
+        "qwen3_moe",
+        {"num_experts": 8, "num_experts_per_tok": 8, "head_dim": 24, "num_key_value_heads": 1, **MOE},
+    ),
+    "mixtral-k2-tied": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None, **TIED},
+    ),
 }
 
 
@@ -134,7 +149,7 @@ def test_native_engine_shares_the_weights_transformers_loaded() -> None:
     [
         ("mistral", {"sliding_window": 128}, "sliding-window"),
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "RoPE"),
-        ("gpt2", {"n_embd": 64, "n_layer": 1, "n_head": 2, "vocab_size": VOCAB}, "not in the Llama family"),
+        ("gpt2", {"n_embd": 64, "n_layer": 1, "n_head": 2, "vocab_size": VOCAB}, "not in a family"),
     ],
 )
 def test_what_the_native_engine_does_not_claim_is_refused(arch: str, overrides: dict, reason: str) -> None:
@@ -222,3 +237,41 @@ def test_engine_setting_from_flag_env_and_config(tiny_llama, tmp_path, monkeypat
     assert bad.stderr.decode().strip().splitlines() == [
         "llmcli: error: --engine must be one of auto, native, transformers, got 'fast'"
     ]
+
+
+MOE_CASES = [name for name in CASES if "moe" in name or "mixtral" in name]
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+@torch.inference_mode()
+def test_a_mixture_of_experts_check_row_is_its_decode_step(case: str) -> None:
+    """Speculation's check pass (score) gives each row what the decode step gives (the experts
+    the same way; the dense products of 8 rows round as the Llama family's do, within 1e-5)."""
+    native = NativeBackend(build(*CASES[case]), CONTEXT)
+    ids = prompt(24, seed=2)
+    native.prefill(ids[:12])
+    rows = native.score(ids[12:20])
+    native.crop(12)
+    for i in range(12, 20):
+        torch.testing.assert_close(native.decode(torch.tensor([ids[i]]))[0], rows[i - 12], rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_mixture_of_experts_decode_reads_only_the_chosen_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every expert weight a decode step touches is gathered by the token's top-k indices."""
+    from llmcli.engine.native.families import moe
+
+    model = build(*CASES["qwen3-moe-k2"])
+    native = NativeBackend(model, CONTEXT)
+    native.prefill(prompt(8))
+    gathered: list[int] = []
+    original = torch.Tensor.index_select
+
+    def counting(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        gathered.append(index.numel())
+        return original(tensor, dim, index)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", counting)
+    native.decode(torch.tensor([3]))
+    sparse_layers = sum(isinstance(block.feed_forward, moe.SparseExperts) for block in native.net.blocks)
+    assert sparse_layers == 2 and gathered == [2] * (2 * sparse_layers)  # k = 2, gate_up and down

@@ -25,8 +25,13 @@ NATIVE_FAMILIES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "moe",
+    "MixtralForCausalLM": "moe",
 }
-SUPPORTED_ARCHITECTURES = frozenset(NATIVE_FAMILIES)
+# What llmcli's int8/int4 kernels quantize: every linear layer of these. (A mixture of experts
+# keeps its experts in stacked tensors, which no kernel here quantizes yet.)
+SUPPORTED_ARCHITECTURES = frozenset(arch for arch, family in NATIVE_FAMILIES.items() if family == "llama")
+EXPERTS_ARCHITECTURES = frozenset(arch for arch, family in NATIVE_FAMILIES.items() if family == "moe")
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 
 
@@ -93,6 +98,12 @@ def check_quant_request(
         )
     if native:
         return  # torch's own kernels: nothing more to check
+    if (config.get("architectures") or [None])[0] in EXPERTS_ARCHITECTURES:
+        raise UsageError(
+            f"--quant {quant}: this mixture of experts keeps its experts in stacked tensors, which neither "
+            "llmcli's kernels nor bitsandbytes quantize (the experts would stay unquantized)",
+            "drop --quant",
+        )
     try:
         import bitsandbytes  # noqa: F401  (a broken install fails here too, not halfway through loading)
     except ImportError:

@@ -13,12 +13,13 @@ tied embeddings, grouped-query attention, a head_dim that is not hidden/heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from llmcli.engine.native.attention import Attention
-from llmcli.engine.native.families.base import Block, NotSupported, Weights
+from llmcli.engine.native.families.base import Block, Layer, NotSupported, Weights
 from llmcli.engine.native.layers import FeedForward, RMSNorm, Shape, projection
 
 # RoPE whose frequencies do not depend on the sequence length: the table transformers built at
@@ -59,8 +60,9 @@ def _sliding_window(config: Any) -> int | None:
     return window
 
 
-def weights(model: Any) -> Weights:
-    """The model's tensors as the native forward reads them."""
+def weights(model: Any, feed_forward: Callable[[Any, int], Layer] | None = None) -> Weights:
+    """The model's tensors as the native forward reads them. `feed_forward(layer, index)` makes
+    a layer's feed-forward (another family's, a mixture of experts); the gated MLP by default."""
     config = model.config
     heads = config.num_attention_heads
     shape = Shape(
@@ -74,7 +76,7 @@ def weights(model: Any) -> Weights:
     return Weights(
         shape=shape,
         embedding=body.embed_tokens.weight,
-        blocks=[_block(layer, shape, i) for i, layer in enumerate(body.layers)],
+        blocks=[_block(layer, shape, i, feed_forward) for i, layer in enumerate(body.layers)],
         norm=RMSNorm(body.norm.weight, shape.eps),
         output=projection(model.lm_head),  # the embedding itself when tied
         # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
@@ -83,10 +85,10 @@ def weights(model: Any) -> Weights:
     )
 
 
-def _block(layer: Any, shape: Shape, index: int) -> Block:
+def _block(layer: Any, shape: Shape, index: int, feed_forward: Callable[[Any, int], Layer] | None) -> Block:
     return Block(
         attention_norm=RMSNorm(layer.input_layernorm.weight, shape.eps),
         attention=Attention(layer.self_attn, shape, index),
         ffn_norm=RMSNorm(layer.post_attention_layernorm.weight, shape.eps),
-        feed_forward=FeedForward(layer.mlp),
+        feed_forward=feed_forward(layer, index) if feed_forward else FeedForward(layer.mlp),
     )

@@ -1,0 +1,116 @@
+"""Sparse mixtures of experts: Qwen3-MoE and Mixtral.
+
+    embedding → N × (RMSNorm → attention → RMSNorm → router → the top-k experts' gated MLPs,
+    weighted) → norm → logits
+
+Attention, norms and RoPE are the Llama family's (Qwen3-MoE's q/k norms included), so the blocks
+come from there; what differs is the feed-forward of a sparse layer. transformers stores each
+layer's experts stacked: gate and up as one [experts, 2 × intermediate, hidden] tensor, down as
+[experts, hidden, intermediate]; the router is one [experts, hidden] matrix. The weights read are
+those tensors themselves.
+
+A token's step reads only its k experts: their slices are gathered by index on the device (no
+host sync, so a CUDA graph can replay it; k is fixed per model) and multiplied as one batch. A
+longer pass groups its tokens by expert and runs each expert once over its tokens, as transformers
+does. Up to CHECK_ROWS rows take the one-token path row by row, so the experts of a speculative
+check row are computed as the decode step it stands for computes them.
+
+Layers that stay dense (Qwen3-MoE's `mlp_only_layers`, a `decoder_sparse_step` above 1) keep the
+Llama family's gated MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmcli.engine.native.families import llama
+from llmcli.engine.native.families.base import Layer, NotSupported, Weights
+from llmcli.engine.native.layers import FeedForward
+
+# Passes of at most this many rows run each row as a decode step would (speculative checks,
+# short chat turns); longer ones group their tokens by expert.
+CHECK_ROWS = 16
+
+
+def check_supported(model: Any, context_length: int) -> None:
+    llama.check_supported(model, context_length)
+    config = model.config
+    for index, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):
+            continue
+        experts = mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            tensor = getattr(experts, name, None)
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+                raise NotSupported(f"layer {index}'s experts are not stacked tensors ({name})")
+        if getattr(mlp, "shared_expert", None) is not None:
+            raise NotSupported("a shared expert beside the routed ones")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotSupported(f"expert activation {config.hidden_act!r}")
+
+
+def weights(model: Any) -> Weights:
+    config = model.config
+    # Mixtral always renormalises the top-k weights; Qwen3-MoE says whether it does.
+    normalise = bool(getattr(config, "norm_topk_prob", True))
+
+    def feed_forward(layer: Any, index: int) -> Layer:
+        mlp = layer.mlp
+        return SparseExperts(mlp, normalise) if hasattr(mlp, "experts") else FeedForward(mlp)
+
+    return llama.weights(model, feed_forward)
+
+
+class SparseExperts:
+    """A router and stacked experts: each token through its top-k experts' gated MLPs, their
+    outputs weighted by the router's (renormalised) probabilities."""
+
+    def __init__(self, mlp: Any, normalise: bool) -> None:
+        self.router = mlp.gate.weight  # [experts, hidden]
+        self.gate_up = mlp.experts.gate_up_proj  # [experts, 2 × intermediate, hidden]
+        self.down = mlp.experts.down_proj  # [experts, hidden, intermediate]
+        self.top_k = mlp.gate.top_k
+        self.normalise = normalise
+        self.intermediate = self.down.shape[-1]
+        self.experts = self.router.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden]."""
+        probs = F.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        if x.shape[0] <= CHECK_ROWS:
+            return torch.cat([self._one(x[i], chosen[i], weights[i]) for i in range(x.shape[0])])
+        return self._grouped(x, chosen, weights)
+
+    def _one(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token [hidden] through its k experts: only their weights are read. [1, hidden]."""
+        gate, up = torch.matmul(self.gate_up.index_select(0, chosen), x).split(self.intermediate, dim=-1)
+        hidden = (F.silu(gate) * up).unsqueeze(-1)  # [k, intermediate, 1]
+        out = torch.matmul(self.down.index_select(0, chosen), hidden).squeeze(-1)  # [k, hidden]
+        return (out * weights[:, None]).sum(dim=0, keepdim=True)
+
+    def _grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Many tokens: each expert once, over the tokens that chose it."""
+        out = torch.zeros_like(x)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts).tolist()  # one sync per layer and pass
+        flat_weights = weights.reshape(-1)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            picks = order[start : start + count]
+            start += count
+            tokens = picks // self.top_k
+            gate, up = F.linear(x[tokens], self.gate_up[expert]).split(self.intermediate, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert]) * flat_weights[picks, None]
+            out.index_add_(0, tokens, y)
+        return out
