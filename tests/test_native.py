@@ -40,6 +40,7 @@ LLAMA3_ROPE = {
 }
 MOE = {"moe_intermediate_size": 48, "norm_topk_prob": True}
 TIED = {"tie_word_embeddings": True}
+PHI = {"eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True}
 CASES = {
     "llama-gqa2": ("llama", {}),
     "llama-mha-gqa1": ("llama", {"num_key_value_heads": 4}),
@@ -53,6 +54,11 @@ CASES = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-qk-norm": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
     "qwen3-untied-gqa4": ("qwen3", {"num_key_value_heads": 1, "tie_word_embeddings": False}),
+    "phi3-fused": ("phi3", {"eos_token_id": 1, "pad_token_id": 0}),
+    "phi4-mini-partial-rotary": (
+        "phi3",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}} | PHI,
+    ),
     "qwen3-moe-k2": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, **MOE}),
     "qwen3-moe-k1-dense-layer-unnormalised": (
         "qwen3_moe",
@@ -275,3 +281,35 @@ def test_a_mixture_of_experts_decode_reads_only_the_chosen_experts(monkeypatch: 
     native.decode(torch.tensor([3]))
     sparse_layers = sum(isinstance(block.feed_forward, moe.SparseExperts) for block in native.net.blocks)
     assert sparse_layers == 2 and gathered == [2] * (2 * sparse_layers)  # k = 2, gate_up and down
+
+
+def longrope_phi(original: int) -> torch.nn.Module:
+    """Phi-3.5-style longrope: short and long factors, one per rotated frequency pair."""
+    half = 16 * 3 // 4 // 2  # head_dim 16, partial rotary 0.75
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [2.0 + 0.5 * i for i in range(half)],
+        "original_max_position_embeddings": original,
+    }
+    return build("phi3", {"rope_parameters": rope, "original_max_position_embeddings": original, **PHI})
+
+
+@torch.inference_mode()
+def test_longrope_takes_the_factors_of_the_context_in_use() -> None:
+    """Past the original length transformers uses the long factors; so does a load whose
+    context is past it, from the first position. Within it, the short ones."""
+    model = longrope_phi(original=16)
+    ids = prompt(40, seed=3)
+    reference = model(torch.tensor([ids])).logits[0].float()  # 40 > 16: long factors throughout
+    long = NativeBackend(model, CONTEXT)
+    torch.testing.assert_close(long.prefill(ids[:33])[0], reference[32], rtol=0, atol=1e-4)
+    for i in range(33, 40):
+        torch.testing.assert_close(long.decode(torch.tensor([ids[i]]))[0], reference[i], rtol=0, atol=1e-4)
+    short_ids = ids[:12]
+    short_reference = model(torch.tensor([short_ids])).logits[0].float()  # 12 ≤ 16: short factors
+    short = NativeBackend(model, 16)
+    torch.testing.assert_close(short.prefill(short_ids)[0], short_reference[-1], rtol=0, atol=1e-4)
+    assert not torch.allclose(long.net.inv_freq, short.net.inv_freq)

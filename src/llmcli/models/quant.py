@@ -27,10 +27,11 @@ NATIVE_FAMILIES = {
     "Qwen3ForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "moe",
     "MixtralForCausalLM": "moe",
+    "Phi3ForCausalLM": "phi3",
 }
 # What llmcli's int8/int4 kernels quantize: every linear layer of these. (A mixture of experts
 # keeps its experts in stacked tensors, which no kernel here quantizes yet.)
-SUPPORTED_ARCHITECTURES = frozenset(arch for arch, family in NATIVE_FAMILIES.items() if family == "llama")
+SUPPORTED_ARCHITECTURES = frozenset(arch for arch, family in NATIVE_FAMILIES.items() if family != "moe")
 EXPERTS_ARCHITECTURES = frozenset(arch for arch, family in NATIVE_FAMILIES.items() if family == "moe")
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 

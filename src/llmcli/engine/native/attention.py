@@ -21,7 +21,11 @@ class Attention:
     def __init__(self, attn: Any, shape: Shape, layer: int) -> None:
         self.layer = layer
         self.shape = shape
-        self.qkv = projection(attn.q_proj, attn.k_proj, attn.v_proj)
+        # Phi-3 stores q, k and v fused in its checkpoint already.
+        fused = getattr(attn, "qkv_proj", None)
+        self.qkv = (
+            projection(fused) if fused is not None else projection(attn.q_proj, attn.k_proj, attn.v_proj)
+        )
         self.out = projection(attn.o_proj)
         self.sizes = [shape.heads * shape.head_dim, *[shape.kv_heads * shape.head_dim] * 2]
         # Qwen3 normalises each head of q and k before RoPE; the others do nothing there.

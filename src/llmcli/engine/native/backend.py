@@ -30,7 +30,7 @@ class NativeBackend:
     def __init__(
         self, model: Any, context_length: int, *, graphs: bool = False, static_shapes: bool = False
     ) -> None:
-        self.net = Transformer(model)
+        self.net = Transformer(model, context_length)
         self.device = self.net.device
         self.cache = self.net.new_cache(context_length)
         self.static_shapes = static_shapes or graphs

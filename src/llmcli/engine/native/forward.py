@@ -22,8 +22,8 @@ from llmcli.engine.native.plans import BucketStep, CausalChunk, ExactDecode, Per
 
 
 class Transformer:
-    def __init__(self, model: Any) -> None:
-        weights = family_of(model).weights(model)
+    def __init__(self, model: Any, context_length: int) -> None:
+        weights = family_of(model).weights(model, context_length)
         self.shape = weights.shape
         self.embedding = weights.embedding
         self.blocks = weights.blocks
@@ -36,7 +36,7 @@ class Transformer:
         # On a CPU the residual stream stays fp32 between layers (as llama.cpp keeps it): bf16
         # sums over 30 layers tipped the demo's near-tied first token, and it costs nothing there.
         self.residual_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        half = self.shape.head_dim // 2
+        half = self.inv_freq.shape[0]  # head_dim / 2, or less with a partial rotary factor
         self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
 
     def new_cache(self, context_length: int) -> KVCache:

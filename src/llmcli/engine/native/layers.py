@@ -46,9 +46,11 @@ class FeedForward:
     """SwiGLU: down(silu(gate(x)) · up(x)), with gate and up as one matrix."""
 
     def __init__(self, mlp: Any) -> None:
-        self.gate_up = projection(mlp.gate_proj, mlp.up_proj)
+        # Phi-3 stores gate and up fused in its checkpoint already.
+        fused = getattr(mlp, "gate_up_proj", None)
+        self.gate_up = projection(fused) if fused is not None else projection(mlp.gate_proj, mlp.up_proj)
         self.down = projection(mlp.down_proj)
-        self.intermediate = mlp.gate_proj.out_features
+        self.intermediate = mlp.down_proj.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
@@ -57,8 +59,13 @@ class FeedForward:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """RoPE as transformers applies it, x·cos + rotate_half(x)·sin, with rotate_half's minus
-    sign folded into `signed_sin` (−sin on the first half): three kernels, not five."""
-    half = x.shape[-1] // 2
+    sign folded into `signed_sin` (−sin on the first half): three kernels, not five. With a
+    partial rotary factor (Phi-4-mini) cos and sin are narrower than a head: the dimensions
+    past them pass unrotated."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((rotate(x[..., :width], cos, signed_sin), x[..., width:]), dim=-1)
+    half = width // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)
 

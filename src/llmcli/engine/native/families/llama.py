@@ -27,14 +27,15 @@ from llmcli.engine.native.layers import FeedForward, RMSNorm, Shape, projection
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
-def check_supported(model: Any, context_length: int) -> None:
-    """Raise NotSupported unless `model` reduces to the architecture this module implements."""
+def check_supported(model: Any, context_length: int, rope_types: frozenset[str] = STATIC_ROPE_TYPES) -> None:
+    """Raise NotSupported unless `model` reduces to the architecture this module implements
+    (`rope_types`: the RoPE types its family can settle once per load)."""
     config = model.config
     if getattr(config, "hidden_act", "silu") != "silu":
         raise NotSupported(f"activation {config.hidden_act!r}")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in STATIC_ROPE_TYPES:
+    if rope_type not in rope_types:
         raise NotSupported(f"RoPE type {rope_type!r}")
     window = _sliding_window(config)
     if window is not None and window < context_length:
@@ -60,9 +61,15 @@ def _sliding_window(config: Any) -> int | None:
     return window
 
 
-def weights(model: Any, feed_forward: Callable[[Any, int], Layer] | None = None) -> Weights:
+def weights(
+    model: Any,
+    context_length: int | None = None,
+    feed_forward: Callable[[Any, int], Layer] | None = None,
+    rope: tuple[torch.Tensor, float] | None = None,
+) -> Weights:
     """The model's tensors as the native forward reads them. `feed_forward(layer, index)` makes
-    a layer's feed-forward (another family's, a mixture of experts); the gated MLP by default."""
+    a layer's feed-forward (another family's, a mixture of experts); the gated MLP by default.
+    `rope`: the RoPE frequencies and scale, where transformers' table is not the whole story."""
     config = model.config
     heads = config.num_attention_heads
     shape = Shape(
@@ -80,8 +87,8 @@ def weights(model: Any, feed_forward: Callable[[Any, int], Layer] | None = None)
         norm=RMSNorm(body.norm.weight, shape.eps),
         output=projection(model.lm_head),  # the embedding itself when tied
         # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
-        inv_freq=body.rotary_emb.inv_freq.float(),
-        rope_scale=float(getattr(body.rotary_emb, "attention_scaling", 1.0)),
+        inv_freq=rope[0] if rope else body.rotary_emb.inv_freq.float(),
+        rope_scale=rope[1] if rope else float(getattr(body.rotary_emb, "attention_scaling", 1.0)),
     )
 
 

@@ -53,7 +53,7 @@ def check_supported(model: Any, context_length: int) -> None:
         raise NotSupported(f"expert activation {config.hidden_act!r}")
 
 
-def weights(model: Any) -> Weights:
+def weights(model: Any, context_length: int) -> Weights:
     config = model.config
     # Mixtral always renormalises the top-k weights; Qwen3-MoE says whether it does.
     normalise = bool(getattr(config, "norm_topk_prob", True))
@@ -62,7 +62,7 @@ def weights(model: Any) -> Weights:
         mlp = layer.mlp
         return SparseExperts(mlp, normalise) if hasattr(mlp, "experts") else FeedForward(mlp)
 
-    return llama.weights(model, feed_forward)
+    return llama.weights(model, context_length, feed_forward)
 
 
 class SparseExperts:
