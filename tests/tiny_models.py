@@ -92,10 +92,17 @@ def build_tiny_model(
     added: tuple[str, ...] = (),
     special: tuple[str, ...] = (),
 ) -> Path:
-    """Save a 2-layer `arch` ("llama" or "qwen2") model with random weights and a trained
-    tokenizer (with `chat_template` as its template when it is text)."""
+    """Save a 2-layer `arch` ("llama", "qwen2" or "qwen3_moe") model with random weights and a
+    trained tokenizer (with `chat_template` as its template when it is text)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     tokenizer = train_tokenizer(added=added, special=special)
     if not chat_template:
@@ -116,9 +123,12 @@ def build_tiny_model(
         "pad_token_id": pad,
         "bos_token_id": pad,
     }
+    if arch == "qwen3_moe":  # 4 experts of 48, 2 per token
+        shape |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16}
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.

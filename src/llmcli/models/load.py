@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -229,6 +230,51 @@ def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, s
     return device.type, DTYPE_NAMES[dtype], label, estimate_weight_bytes(shapes, dtype.itemsize, mode)
 
 
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
+
+
+def _check_every_expert_stored(folder: Path, config: dict[str, Any], names: set[str]) -> None:
+    """A mixture of experts stored one expert per tensor (`….experts.7.up_proj.weight`) has
+    every expert of every kind: transformers stacks them while loading and, one missing, fails
+    without naming it."""
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not isinstance(experts, int) or experts < 1:
+        return
+    groups: dict[tuple[str, str], set[int]] = {}
+    for name in names:
+        found = _EXPERT_TENSOR.match(name)
+        if found:
+            groups.setdefault((found.group(1), found.group(3)), set()).add(int(found.group(2)))
+    for (prefix, suffix), present in sorted(groups.items()):
+        absent = sorted(set(range(experts)) - present)
+        if absent:
+            tensor = f"{prefix}.{absent[0]}.{suffix}"
+            raise ModelLoadError(
+                f"{folder} lacks the tensor {tensor} (config.json names {experts} experts)",
+                "the checkpoint is incomplete or not for this config: download it again",
+            )
+
+
+def _check_every_tensor_loaded(resolved: ResolvedModel, info: dict[str, Any]) -> None:
+    """transformers fills a tensor the checkpoint lacks with random values and goes on (a
+    warning we keep quiet): a model missing an expert or a layer would answer garbage. One line
+    naming the tensor instead."""
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(info.get("mismatched_keys") or [], key=str)  # (name, stored shape, wanted shape)
+    if mismatched:
+        name, stored, wanted = [*mismatched[0], None, None][:3]
+        raise ModelLoadError(
+            f"{resolved.path}: tensor {name} has the shape {stored}, and the config asks for {wanted}",
+            "the checkpoint and its config.json do not match: download it again",
+        )
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(
+            f"{resolved.path} lacks the tensor {missing[0]}{more} that its config's architecture needs",
+            "the checkpoint is incomplete or not for this config: download it again",
+        )
+
+
 def prepare_device(settings: LoadSettings, device: torch.device, native_quant: bool = False) -> torch.dtype:
     """The dtype to load in, with libraries quieted and CPU threads chosen. Native int8/int4
     kernels are fast with bf16 activations only, so such a model computes in bf16."""
@@ -246,8 +292,10 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
 
     folder = resolved.path
     config = read_config(folder)
+    names: set[str] = set()
     for file in sorted(folder.glob("*.safetensors")):
-        read_safetensors_header(file)  # a damaged file is named now, not crashed on later
+        names |= set(read_safetensors_header(file))  # a damaged file is named now, not crashed on later
+    _check_every_expert_stored(folder, config, names)
     device = choose_device(settings.device)
     settings, native_quant, group = plan_quantization(settings, config, device, resolved.source, folder)
     dtype = prepare_device(settings, device, native_quant=native_quant is not None)
@@ -263,20 +311,25 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
             folder,
             dtype=dtype,
             use_safetensors=None if settings.allow_pickle else True,
+            ignore_mismatched_sizes=True,  # so the tensor is named (_check_every_tensor_loaded)
             **(quantization(settings, dtype) if native_quant is None else {}),
             **placement(device, settings),
             **common,
         )
         try:
-            model = from_pretrained(attn_implementation="sdpa")
+            model, info = from_pretrained(attn_implementation="sdpa", output_loading_info=True)
         except ValueError as error:
             if "sdpa" not in str(error).lower():
                 raise
-            model = from_pretrained()  # an architecture without SDPA support: its own attention
+            # An architecture without SDPA support: its own attention.
+            model, info = from_pretrained(output_loading_info=True)
     except (ValueError, OSError, KeyError, ImportError) as error:
         raise _load_error(resolved, error) from error
     except torch.OutOfMemoryError as error:
         raise out_of_memory_error(resolved, settings, config, device, dtype) from error
+    except RuntimeError as error:  # transformers' own checks of the tensors against the config
+        raise _load_error(resolved, error) from error
+    _check_every_tensor_loaded(resolved, info)
     model.eval()
     quant = quant_label(settings.quant, settings.quant_type, config)
     quant_backend = "bitsandbytes" if settings.quant != "none" else "none"

@@ -1,0 +1,74 @@
+"""Decode speed of each model family on the native engine against transformers' forward, on
+random weights from configs/ (shapes scaled so a CPU run takes seconds).
+
+Each family runs `llmcli bench --engine native` and `--engine transformers` in turn, the same
+config, prompt and token counts; every figure is the median of --runs runs with the lowest and
+highest beside it. The MoE also runs against a dense model of the same *active* size (its top-k
+experts' width as one MLP): the MoE's cost over it is the routing and the gather.
+
+    python scripts/bench_families.py [--runs 5] [--new-tokens 32] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+FAMILIES = {
+    "Qwen3-MoE (32 experts, top-4)": "qwen3-moe-cpu-bench.json",
+    "Mixtral (8 experts, top-2)": "mixtral-cpu-bench.json",
+    "Phi-4-mini shape (fused, partial RoPE)": "phi4-mini-cpu-bench.json",
+    "Qwen3 dense, the MoE's active size": "qwen3-dense-moe-active-cpu-bench.json",
+}
+
+
+def bench(config: Path, engine: str, args: argparse.Namespace) -> dict:
+    command = [
+        sys.executable, "-m", "llmcli", "bench", "--config", str(config), "--random-weights", "--json",
+        "--engine", engine, "--device", args.device, "--runs", str(args.runs), "-n", str(args.new_tokens),
+        "--prompt-lengths", str(args.prompt_length), "--no-generate",
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{config.name} ({engine}): {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
+
+
+def cell(report: dict) -> str:
+    low, high = report["spread"].get("decode_tok_s", (report["decode_tok_s"], report["decode_tok_s"]))
+    return f"{report['decode_tok_s']:.1f} ({low:.1f}–{high:.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-length", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    rows, native = [], {}
+    for family, name in FAMILIES.items():
+        ours = bench(CONFIGS / name, "native", args)
+        theirs = bench(CONFIGS / name, "transformers", args)
+        native[name] = ours
+        ratio = ours["decode_tok_s"] / theirs["decode_tok_s"]
+        rows.append((family, ours["engine"], cell(ours), cell(theirs), f"{ratio:.2f}×"))
+    print(f"decode tok/s, median (lowest–highest) of {args.runs} runs · {args.new_tokens} new tokens after "
+          f"{args.prompt_length} · {args.device} · random weights\n")  # fmt: skip
+    print("| family | engine picked | native | transformers | native / transformers |")
+    print("|---|---|---:|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    moe, dense = native["qwen3-moe-cpu-bench.json"], native["qwen3-dense-moe-active-cpu-bench.json"]
+    print(
+        f"\nQwen3-MoE against a dense model of its active size, both native: "
+        f"{moe['decode_tok_s'] / dense['decode_tok_s']:.2f}× its decode speed"
+    )
+
+
+if __name__ == "__main__":
+    main()

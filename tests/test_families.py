@@ -1,0 +1,80 @@
+"""The model families beyond Llama's as a user meets them: picked by --engine auto, the same
+greedy text as transformers' forward, and a checkpoint that does not match its config (a missing
+expert, a tensor of the wrong shape) refused in one line naming the tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import one_error_line, run_cli
+from tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-moe", "qwen3_moe")
+
+
+def generated(model: Path, *extra: str) -> dict:
+    proc = run_cli(
+        "generate", "-m", str(model), "--device", "cpu", "-t", "0", "-n", "24", "--json", *extra, "Hi"
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout)
+
+
+def test_a_mixture_of_experts_runs_native_and_says_what_transformers_says(tiny_moe: Path) -> None:
+    native, reference = generated(tiny_moe), generated(tiny_moe, "--engine", "transformers")
+    assert (native["engine"], reference["engine"]) == ("native", "transformers")
+    assert native["text"] == reference["text"] and native["completion_tokens"] == 24
+
+
+def test_quantizing_stacked_experts_is_refused_not_skipped(tiny_moe: Path) -> None:
+    proc = run_cli("generate", "-m", str(tiny_moe), "--device", "cpu", "--quant", "int4", "hi")
+    assert "keeps its experts in stacked tensors" in one_error_line(proc, 2)
+
+
+def without(source: Path, folder: Path, drop: str | None = None, reshape: str | None = None) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    tensors = load_file(folder / "model.safetensors")
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = torch.zeros(3, 3)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("drop", "reshape", "message"),
+    [
+        (
+            "model.layers.1.mlp.experts.2.up_proj.weight",
+            None,
+            "lacks the tensor model.layers.1.mlp.experts.2.up_proj",
+        ),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            None,
+            "lacks the tensor model.layers.0.self_attn.k_proj.weight",
+        ),
+        (
+            None,
+            "model.layers.1.self_attn.o_proj.weight",
+            "tensor model.layers.1.self_attn.o_proj.weight has the shape",
+        ),
+    ],
+)
+def test_a_checkpoint_that_does_not_match_its_config_is_named(
+    tiny_moe: Path, tmp_path: Path, drop: str | None, reshape: str | None, message: str
+) -> None:
+    broken = without(tiny_moe, tmp_path / "broken", drop, reshape)
+    proc = run_cli("generate", "-m", str(broken), "--device", "cpu", "-n", "2", "hi")
+    assert message in one_error_line(proc, 1)
