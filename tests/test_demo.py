@@ -69,7 +69,7 @@ def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
 
     record = json.loads(first_run[0].stdout)
     assert (record["quant"], record["quant_backend"], record["engine"]) == ("int4-g32", "native", "native")
-    assert stored_weight_kind(demo_gguf_path()) == "int4"
+    assert stored_weight_kind(demo_gguf_path()) == "int4 Q4_1"  # the kind, and GGUF's name for it
     folder = converted_copies()[0].parent
     assert weight_kind(folder) == "int4" and (folder / ".llmcli-weights").is_file()
     assert (folder / "int4" / "blocks.safetensors").is_file()  # the file's own codes, read by the load

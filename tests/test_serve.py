@@ -322,7 +322,7 @@ def test_generate_uses_the_running_server_and_no_server_bypasses_it(server: Serv
     assert via_server.returncode == 0 and via_server.stderr == b"", via_server.stderr.decode()
     remote = json.loads(via_server.stdout)
     local = json.loads(run_cli(*args, "--no-server", "Hello", env=env).stdout)
-    assert remote["server"] == server.url and "server" not in local
+    assert remote["server"] == server.url and local["server"] is None
     assert set(remote) == set(local) | {"server"}  # the same record, plus where it came from
     assert remote["text"] == local["text"] and remote["finish_reason"] == local["finish_reason"]
     assert {k: remote[k] for k in ("completion_tokens", "quant", "engine", "context_length")} == {
@@ -330,7 +330,7 @@ def test_generate_uses_the_running_server_and_no_server_bypasses_it(server: Serv
     }
     # Settings that change the numbers: another dtype is another model, loaded in-process.
     other = run_cli(*args[:-5], "--dtype", "bf16", "-t", "0", "-n", "8", "--json", "Hello", env=env)
-    assert "server" not in json.loads(other.stdout)
+    assert json.loads(other.stdout)["server"] is None
 
 
 def test_chat_through_the_server_equals_chat_in_process(server: Server, tiny_llama: Path) -> None:
@@ -396,7 +396,7 @@ def test_a_stale_record_is_ignored_quickly(tiny_llama: Path, tmp_path: Path) -> 
         "generate", "-m", str(tiny_llama), "-n", "4", "--json", "Hi", env={"XDG_RUNTIME_DIR": str(tmp_path)}
     )
     assert proc.returncode == 0, proc.stderr.decode()
-    assert "server" not in json.loads(proc.stdout)
+    assert json.loads(proc.stdout)["server"] is None
     assert not (records / f"server-{dead.pid}.json").exists()
 
 
@@ -735,14 +735,14 @@ def test_a_found_server_that_cannot_be_used_is_named_and_the_model_loads_here(
     try:
         here = run_cli(*args, env=env)
         notes = here.stderr.decode().splitlines()
-        assert here.returncode == 0 and "server" not in json.loads(here.stdout)
+        assert here.returncode == 0 and json.loads(here.stdout)["server"] is None
         assert len(notes) == 1 and "needs its key" in notes[0] and "LLMCLI_API_KEY" in notes[0]
         keyed = run_cli(*args, env={**env, "LLMCLI_API_KEY": "sekrit"})
         assert json.loads(keyed.stdout)["server"] == running.url and keyed.stderr == b""
         other = run_cli(
             *[a if a != "fp32" else "bf16" for a in args], env={**env, "LLMCLI_API_KEY": "sekrit"}
         )
-        assert "server" not in json.loads(other.stdout)
+        assert json.loads(other.stdout)["server"] is None
         assert "other settings: dtype fp32 (here bf16)" in other.stderr.decode()
     finally:
         running.process.send_signal(signal.SIGTERM)

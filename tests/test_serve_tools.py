@@ -157,12 +157,12 @@ def test_generate_tools_prints_each_call_as_a_json_line_in_process_and_through_t
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
-        (["--tools", "missing.json"], "cannot read it"),
+        (["--tools", "missing.json"], "no such file"),
         (["--tool-choice", "required"], "--tool-choice needs --tools"),
         (["--tools", "TOOLS", "--tool-choice", "nowhere"], "--tool-choice names 'nowhere'"),
         (["--tools", "TOOLS", "--format", "json"], "do not combine"),
         (["--tools", "TOOLS", "--raw"], "do not combine"),
-        (["--tools", "NOT_JSON"], "not JSON"),
+        (["--tools", "NOT_JSON"], "not valid JSON"),
     ],
 )
 def test_generate_tools_bad_input_is_one_line_before_loading(

@@ -31,10 +31,9 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from llmcli.atomic import write_text_atomically
-from llmcli.config.paths import gguf_cache_dir
+from llmcli.config.paths import cache_dir, gguf_cache_dir
 from llmcli.errors import ModelLoadError
 
-_FINGERPRINTS = ".fingerprints"  # file identity and times → content hash, one small file each
 _DONE_MARKER = ".llmcli-converted"
 _NAME_FILE = ".llmcli-name"
 _KIND_FILE = ".llmcli-weights"  # how the file stored its layers' weights: int4, int8 or float
@@ -51,7 +50,7 @@ def fingerprint(gguf_file: Path) -> str:
     gguf_file = gguf_file.resolve()
     st = gguf_file.stat()
     identity = f"{gguf_file}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-    remembered = gguf_cache_dir() / _FINGERPRINTS / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    remembered = fingerprints_dir() / hashlib.sha256(identity.encode()).hexdigest()[:32]
     with contextlib.suppress(OSError):
         known = remembered.read_text().strip()
         if len(known) == 16:
@@ -62,6 +61,12 @@ def fingerprint(gguf_file: Path) -> str:
         remembered.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(remembered, digest + "\n")
     return digest
+
+
+def fingerprints_dir() -> Path:
+    """File identity and times → content hash, one small file each (beside the conversions, so
+    nothing in their folder but conversions and their staging)."""
+    return cache_dir() / "gguf-fingerprints"
 
 
 def conversion_of(gguf_file: Path) -> Path:
@@ -75,7 +80,7 @@ def leftovers() -> list[Path]:
     root = gguf_cache_dir()
     found = []
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if not folder.is_dir() or not folder.name.startswith(".") or folder.name == _FINGERPRINTS:
+        if not folder.is_dir() or not folder.name.startswith("."):
             continue
         target_name = folder.name[1:].rsplit("-", 1)[0]  # staging: ".{target}-{random}"
         lock = FileLock(root / f".{target_name}.lock")
