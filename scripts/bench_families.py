@@ -22,6 +22,7 @@ FAMILIES = {
     "Qwen3-MoE (32 experts, top-4)": "qwen3-moe-cpu-bench.json",
     "Mixtral (8 experts, top-2)": "mixtral-cpu-bench.json",
     "Phi-4-mini shape (fused, partial RoPE)": "phi4-mini-cpu-bench.json",
+    "Gemma 3 shape (5 sliding layers of 512 per global)": "gemma3-cpu-bench.json",
     "Qwen3 dense, the MoE's active size": "qwen3-dense-moe-active-cpu-bench.json",
 }
 

@@ -233,7 +233,14 @@ def test_a_check_pass_equals_decode_steps_on_cuda(tiny_llama: Path, quant: str) 
 
 
 @pytest.mark.parametrize(
-    "case", ["qwen3-moe-k2", "qwen3-moe-k8-head-dim-24", "mixtral-k2-tied", "phi4-mini-partial-rotary"]
+    "case",
+    [
+        "qwen3-moe-k2",
+        "qwen3-moe-k8-head-dim-24",
+        "mixtral-k2-tied",
+        "phi4-mini-partial-rotary",
+        "gemma3-window-8-shorter-than-the-prompt",
+    ],
 )
 @torch.inference_mode()
 def test_each_family_replays_in_cuda_graphs_as_transformers_computes(case: str) -> None:

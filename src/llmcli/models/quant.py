@@ -28,6 +28,7 @@ NATIVE_FAMILIES = {
     "Qwen3MoeForCausalLM": "moe",
     "MixtralForCausalLM": "moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # What llmcli's int8/int4 kernels quantize: every linear layer of these. (A mixture of experts
 # keeps its experts in stacked tensors, which no kernel here quantizes yet.)

@@ -18,9 +18,23 @@ SPLIT_CHUNK = 256
 
 
 class Attention:
-    def __init__(self, attn: Any, shape: Shape, layer: int) -> None:
+    """`norm` makes q/k norms (Gemma's differ from Llama's); `scale` replaces 1/√head_dim;
+    `window`: a sliding-window layer's span, each query attending to that many positions up to
+    and including its own (None: all of them)."""
+
+    def __init__(
+        self,
+        attn: Any,
+        shape: Shape,
+        layer: int,
+        *,
+        norm: Any = RMSNorm,
+        scale: float | None = None,
+        window: int | None = None,
+    ) -> None:
         self.layer = layer
         self.shape = shape
+        self.window = window
         # Phi-3 stores q, k and v fused in its checkpoint already.
         fused = getattr(attn, "qkv_proj", None)
         self.qkv = (
@@ -30,9 +44,9 @@ class Attention:
         self.sizes = [shape.heads * shape.head_dim, *[shape.kv_heads * shape.head_dim] * 2]
         # Qwen3 normalises each head of q and k before RoPE; the others do nothing there.
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = RMSNorm(q_norm.weight, shape.eps) if q_norm is not None else identity
-        self.k_norm = RMSNorm(k_norm.weight, shape.eps) if k_norm is not None else identity
-        self.scale = shape.head_dim**-0.5
+        self.q_norm = norm(q_norm.weight, shape.eps) if q_norm is not None else identity
+        self.k_norm = norm(k_norm.weight, shape.eps) if k_norm is not None else identity
+        self.scale = scale if scale is not None else shape.head_dim**-0.5
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d], RoPE applied to q and k."""
@@ -58,6 +72,11 @@ class Attention:
         are laid out as G "query positions" of that head, so one SDPA call covers them all.
         """
         shape = self.shape
+        if mask is None and self.window is not None and keys.shape[1] > self.window:
+            # Over exactly the positions seen (the query is the last): its window is the last ones.
+            mask = (torch.arange(keys.shape[1], device=keys.device) >= keys.shape[1] - self.window).view(
+                1, 1, 1, -1
+            )
         q = q.reshape(1, shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim)
         if mask is not None and keys.shape[1] >= SPLIT_ATTENTION_FROM:
             out = _split_kv_attention(q[0] * self.scale, keys, values, mask)
@@ -93,14 +112,17 @@ class Attention:
         # A chunk after `start` cached tokens: row i sees positions ≤ start + i. From an empty
         # cache that is plain causal attention, which has the fastest kernels.
         mask = None
-        if start > 0 and q.shape[1] > 1:
+        windowed = self.window is not None and keys.shape[1] > self.window
+        if (start > 0 and q.shape[1] > 1) or windowed:
             mask = torch.ones(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device).tril(start)
+            if windowed:  # and positions > its own − window
+                mask &= ~torch.ones_like(mask).tril(start - self.window)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0),
             values.unsqueeze(0),
             attn_mask=mask,
-            is_causal=start == 0 and q.shape[1] > 1,
+            is_causal=mask is None and start == 0 and q.shape[1] > 1,
             scale=self.scale,
             enable_gqa=True,
         )

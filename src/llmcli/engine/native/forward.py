@@ -31,6 +31,13 @@ class Transformer:
         self.output = weights.output
         self.inv_freq = weights.inv_freq
         self.rope_scale = weights.rope_scale
+        self.local_rope = weights.local_rope
+        # In the embedding's dtype, as transformers scales it (Gemma).
+        self.embed_scale = (
+            torch.tensor(weights.embed_scale, dtype=weights.embedding.dtype, device=weights.embedding.device)
+            if weights.embed_scale is not None
+            else None
+        )
         self.device = self.embedding.device
         self.dtype = self.embedding.dtype
         # On a CPU the residual stream stays fp32 between layers (as llama.cpp keeps it): bf16
@@ -43,20 +50,29 @@ class Transformer:
         shape = self.shape
         return KVCache(shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, positions: torch.Tensor, table: tuple[torch.Tensor, float] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, head_dim] for these positions, computed as transformers computes
-        cos and sin (sin negated on its first half, for `rotate`)."""
-        freqs = positions.float()[:, None] * self.inv_freq
+        cos and sin (sin negated on its first half, for `rotate`); from `table` (frequencies and
+        scale) where given, else the model's own."""
+        inv_freq, scale = table if table is not None else (self.inv_freq, self.rope_scale)
+        freqs = positions.float()[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        cos = (angles.cos() * self.rope_scale).to(self.dtype)
-        return cos, (angles.sin() * self.rope_scale).to(self.dtype) * self.rope_sign
+        cos = (angles.cos() * scale).to(self.dtype)
+        return cos, (angles.sin() * scale).to(self.dtype) * self.rope_sign
 
     def forward(self, tokens: torch.Tensor, plan: Plan) -> torch.Tensor:
         """`tokens` [T] through every block; logits [1 or T, vocab] as the plan asks."""
-        cos, sin = self.rope(plan.positions)
-        h = F.embedding(tokens, self.embedding).to(self.residual_dtype)
+        ropes = {"global": self.rope(plan.positions)}
+        if self.local_rope is not None:
+            ropes["local"] = self.rope(plan.positions, self.local_rope)
+        h = F.embedding(tokens, self.embedding)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        h = h.to(self.residual_dtype)
         for block in self.blocks:
-            h = block(h, cos, sin, plan)
+            h = block(h, *ropes[block.rope], plan)
         plan.finish()
         return self.output(self.norm(h[-1:] if plan.last_only else h)).float()
 

@@ -43,9 +43,11 @@ class RMSNorm:
 
 
 class FeedForward:
-    """SwiGLU: down(silu(gate(x)) · up(x)), with gate and up as one matrix."""
+    """A gated MLP, down(act(gate(x)) · up(x)), with gate and up as one matrix: SwiGLU (silu),
+    or GeGLU (Gemma's tanh-approximated gelu)."""
 
-    def __init__(self, mlp: Any) -> None:
+    def __init__(self, mlp: Any, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
+        self.activation = activation
         # Phi-3 stores gate and up fused in its checkpoint already.
         fused = getattr(mlp, "gate_up_proj", None)
         self.gate_up = projection(fused) if fused is not None else projection(mlp.gate_proj, mlp.up_proj)
@@ -54,7 +56,7 @@ class FeedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,16 @@ class Plan(Protocol):
     def finish(self) -> None: ...
 
 
+def windowed(mask: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`mask` (slots along its last dimension, one row per position, or one row) also keeping
+    each position's slots within a sliding window: those past `position − window`."""
+    if window is None:
+        return mask
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    inside = slots[None, :] > positions.view(-1, 1) - window  # [rows, slots]
+    return mask & inside.view(*mask.shape[:-2], -1, mask.shape[-1]) if mask.dim() > 2 else mask & inside
+
+
 class CausalChunk:
     """A prefill chunk: T tokens after what is cached, each attending to everything before it.
     From an empty cache that is plain causal attention, which has the fastest kernels. Only the
@@ -81,7 +91,7 @@ class BucketStep:
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.bucket)
-        return attention.attend(q, keys, values, self.mask)
+        return attention.attend(q, keys, values, windowed(self.mask, self.positions, attention.window))
 
     def finish(self) -> None:
         pass
@@ -113,6 +123,7 @@ class PerRowCheck:
             if self.buckets:
                 span = cache.bucket_for(seen)
                 mask = (torch.arange(span, device=self.device) < seen).view(1, 1, 1, span)
+                mask = windowed(mask, self.positions[i : i + 1], attention.window)
             rows.append(attention.attend(q[:, i : i + 1], keys[:, :span], values[:, :span], mask))
         return torch.cat(rows)
 
@@ -135,7 +146,7 @@ class RowsInOneCall:
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.span)
-        return attention.attend_rows(q, keys, values, self.mask)
+        return attention.attend_rows(q, keys, values, windowed(self.mask, self.positions, attention.window))
 
     def finish(self) -> None:
         pass

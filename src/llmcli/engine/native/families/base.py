@@ -31,6 +31,7 @@ class Block:
     attention: Attention
     ffn_norm: Layer
     feed_forward: Layer
+    rope: str = "global"  # which of the model's RoPE tables (Weights.local_rope) its attention uses
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan) -> torch.Tensor:
         attention = self.attention
@@ -48,3 +49,6 @@ class Weights:
     output: Layer
     inv_freq: torch.Tensor  # RoPE frequencies, any scaling already in them
     rope_scale: float
+    # A second RoPE table, for the blocks whose `rope` is "local" (Gemma 3's sliding layers).
+    local_rope: tuple[torch.Tensor, float] | None = None
+    embed_scale: float | None = None  # the embedding is multiplied by this (Gemma: √hidden)
