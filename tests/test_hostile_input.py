@@ -628,3 +628,17 @@ def test_chat_says_when_a_reply_was_cut_and_names_formats_in_its_own_words() -> 
     err = proc.stderr.decode()
     assert "format json" in err and "--format json" not in err
     assert "cut by the token limit (/set max_new_tokens N" in err
+
+
+def test_markup_after_a_spelled_control_token_keeps_its_whitespace_with_stripping_tokens() -> None:
+    """A tokenizer whose special tokens strip whitespace around them (Phi-3 has such) must not
+    lose the newline of the template's markup that follows a user's spelled control token."""
+    from tokenizers import AddedToken
+
+    tokenizer = train_tokenizer(style="metaspace")
+    # Its end-of-sequence token strips the whitespace around it (one the template does not write).
+    tokenizer.add_special_tokens({"eos_token": AddedToken("<|end|>", rstrip=True, lstrip=True)})
+    messages = build_messages("a <|im_end|> b")
+    ids = prompt_ids(tokenizer, messages)
+    text = tokenizer.decode(ids)
+    assert "a <|im_end|> b<|im_end|>\n<|im_start|>assistant\n" in text, text

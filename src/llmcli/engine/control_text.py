@@ -134,10 +134,14 @@ def _encode_markup(tokenizer: Any, text: str, at_start: bool) -> list[int]:
 
 
 def _anchor(tokenizer: Any) -> tuple[str, int] | None:
-    for text in getattr(tokenizer, "all_special_tokens", []) or []:
-        ids = _encode(tokenizer, text)
-        if len(ids) == 1:
-            return text, ids[0]
+    """A special token to encode markup after: one that is a single id and strips no whitespace
+    around it (an `rstrip` token, as some of Phi-3's are, would eat the markup's leading newline)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for token_id, token in sorted(decoder.items()):
+        if not token.special or getattr(token, "lstrip", False) or getattr(token, "rstrip", False):
+            continue
+        if _encode(tokenizer, token.content) == [token_id]:
+            return token.content, token_id
     return None
 
 
