@@ -56,6 +56,7 @@ CASES = {
     "llama-head-dim-32": ("llama", {"head_dim": 32}),
     "llama-attention-and-mlp-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-window-16": ("mistral", {"sliding_window": 16}),  # every layer slides (v0.1)
     "qwen2-bias": ("qwen2", {"tie_word_embeddings": False}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-qk-norm": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
@@ -169,7 +170,6 @@ def test_native_engine_shares_the_weights_transformers_loaded() -> None:
 @pytest.mark.parametrize(
     ("arch", "overrides", "reason"),
     [
-        ("mistral", {"sliding_window": 128}, "sliding-window"),
         ("gemma3_text", {"attn_logit_softcapping": 50.0, **GEMMA}, "soft-capping"),
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "RoPE"),
         ("gpt2", {"n_embd": 64, "n_layer": 1, "n_head": 2, "vocab_size": VOCAB}, "not in a family"),
@@ -341,3 +341,80 @@ def test_longrope_takes_the_factors_of_the_context_in_use() -> None:
     short = NativeBackend(model, 16)
     torch.testing.assert_close(short.prefill(short_ids)[0], short_reference[-1], rtol=0, atol=1e-4)
     assert not torch.allclose(long.net.inv_freq, short.net.inv_freq)
+
+
+GEMMA_RING = CASES["gemma3-window-8-shorter-than-the-prompt"]  # window 8: a ring of 8 + 64 slots
+
+
+@pytest.mark.parametrize("static_shapes", [False, True], ids=["exact", "bucketed"])
+@pytest.mark.parametrize("case", ["gemma3-window-8-shorter-than-the-prompt", "mistral-window-16"])
+@torch.inference_mode()
+def test_sliding_layers_keep_a_ring_of_their_window_and_match_transformers_across_wraps(
+    monkeypatch: pytest.MonkeyPatch, case: str, static_shapes: bool
+) -> None:
+    """A 300-token prompt in chunks of 50 wraps each sliding layer's ring (window + 64 slots)
+    several times; the logits after it and at every decode step still equal transformers', as
+    do a check pass's rows (written into the wrapped ring) and a chunk after cropping back
+    within the slack."""
+    from llmcli.engine.native import backend
+    from llmcli.engine.native.kvcache import RING_SLACK
+
+    monkeypatch.setattr(backend, "PREFILL_CHUNK", 50)
+    model = build(*CASES[case])
+    ids = prompt(330, seed=4)
+    reference = model(torch.tensor([ids])).logits[0].float()
+    native = NativeBackend(model, CONTEXT, static_shapes=static_shapes)
+    torch.testing.assert_close(native.prefill(ids[:300])[0], reference[299], rtol=0, atol=1e-4)
+    for i in range(300, 310):
+        torch.testing.assert_close(native.decode(torch.tensor([ids[i]]))[0], reference[i], rtol=0, atol=1e-4)
+    rows = native.score(ids[310:327])  # speculation's longest check: 17 rows
+    for i in range(310, 327):
+        torch.testing.assert_close(rows[i - 310], reference[i], rtol=0, atol=1e-4)
+    native.crop(300)  # 27 back, within the slack: the ring still holds the window before 300
+    assert native.length == 300
+    torch.testing.assert_close(native.prefill(ids[300:330])[0], reference[329], rtol=0, atol=1e-4)
+    window = model.config.sliding_window
+    slots = [keys.shape[1] for keys in native.cache.keys]
+    if case.startswith("gemma3"):  # layers 0-2 slide; the global one holds all 330 (its bucket)
+        assert slots == [window + RING_SLACK] * 3 + [512]
+    else:
+        assert slots == [window + RING_SLACK] * 2
+
+
+@torch.inference_mode()
+def test_a_crop_past_the_rings_slack_is_prefilled_again_and_equals_a_fresh_prefill() -> None:
+    """Chat's /undo and /retry crop further back than a ring can restore: the cache is emptied,
+    the engine says so, and warming the conversation again runs it whole: the same logits as a
+    fresh engine's, and the same greedy reply."""
+    model = build(*GEMMA_RING)
+    ids = prompt(200, seed=5)
+    engine = Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT)
+    engine.prefill(ids)
+    engine.crop_to(190)  # within the slack
+    assert len(engine.cached_ids) == 190
+    engine.crop_to(100)  # 100 back: positions 100-7 … 99 are overwritten in the rings
+    assert engine.cached_ids == [] and engine.backend.length == 0
+    assert engine.warm(ids[:150]) == 150  # run whole, not the 50 past the asked-for crop
+    fresh = Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT)
+    fresh.warm(ids[:150])
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    reply = engine.generate(ids[:160], params, None)
+    list(reply)
+    expected = fresh.generate(ids[:160], params, None)
+    list(expected)
+    assert reply.result.token_ids == expected.result.token_ids
+    assert len(set(expected.result.token_ids)) > 3
+
+
+@torch.inference_mode()
+def test_gemma_kv_memory_stays_flat_past_the_window() -> None:
+    """The KV cache of a sliding model grows only in its global layers: at 400 positions the 3
+    sliding layers of 4 hold 72 slots each, where a dense-attention cache holds a 512 bucket."""
+    model = build(*GEMMA_RING)
+    native = NativeBackend(model, CONTEXT)
+    native.prefill(prompt(400, seed=6))
+    per_slot = 2 * 2 * 24 * 4  # keys and values, 2 KV heads × head_dim 24, fp32
+    assert native.cache.nbytes() == per_slot * (512 + 3 * 72)
+    dense = NativeBackend(build("gemma3_text", {**GEMMA_RING[1], "sliding_window": 4096}), CONTEXT)
+    dense.prefill(prompt(400, seed=6))
+    assert dense.cache.nbytes() == per_slot * 4 * 512

@@ -87,9 +87,10 @@ class Engine:
         return seconds
 
     def crop_to(self, keep: int) -> None:
-        """Forget cached tokens past the first `keep`."""
-        del self.cached_ids[keep:]
+        """Forget cached tokens past the first `keep` (or more: a sliding window's ring cropped
+        further back than it can restore keeps nothing, and what was cropped is run again)."""
         self.backend.crop(keep)
+        del self.cached_ids[min(keep, self.backend.length) :]
 
     def restore_consistency(self) -> None:
         """After an interrupted call: make the cache (and a draft model's) hold exactly what it says."""
@@ -110,9 +111,8 @@ class Engine:
         return self._keep_common_prefix(ids, at_most=len(ids) - 1)
 
     def _keep_common_prefix(self, ids: list[int], at_most: int) -> int:
-        keep = min(common_prefix_length(self.cached_ids, ids), at_most)
-        self.crop_to(keep)
-        return keep
+        self.crop_to(min(common_prefix_length(self.cached_ids, ids), at_most))
+        return len(self.cached_ids)
 
     def warm(self, ids: list[int]) -> int:
         """Bring the cache to hold `ids` (a loaded chat), prefilling only what is not cached yet.

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from llmcli.engine.native.layers import RMSNorm, Shape, identity, projection, rotate
 
 # Masked decode attention over a bucket at least this long is split along the keys (buckets
-# are powers of two ≥ 256, so they divide into chunks evenly).
+# are powers of two ≥ 256 and rings multiples of 256 above it, so they divide into chunks evenly).
 SPLIT_ATTENTION_FROM = 2048
 SPLIT_CHUNK = 256
 
@@ -78,7 +78,7 @@ class Attention:
                 1, 1, 1, -1
             )
         q = q.reshape(1, shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim)
-        if mask is not None and keys.shape[1] >= SPLIT_ATTENTION_FROM:
+        if mask is not None and _splits(keys.shape[1]):
             out = _split_kv_attention(q[0] * self.scale, keys, values, mask)
         else:
             out = F.scaled_dot_product_attention(
@@ -96,7 +96,7 @@ class Attention:
         groups, rows = shape.heads // shape.kv_heads, q.shape[1]
         q = q.reshape(shape.kv_heads, groups * rows, shape.head_dim)
         mask = mask.repeat(groups, 1)  # query position g·R + r is row r
-        if keys.shape[1] >= SPLIT_ATTENTION_FROM:
+        if _splits(keys.shape[1]):
             out = _split_kv_attention(q * self.scale, keys, values, mask[None])
         else:
             out = F.scaled_dot_product_attention(
@@ -127,6 +127,12 @@ class Attention:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def _splits(slots: int) -> bool:
+    """Whether attention over `slots` keys is split along them: long, and in whole chunks (an
+    exact span on a CPU is any length)."""
+    return slots >= SPLIT_ATTENTION_FROM and slots % SPLIT_CHUNK == 0
 
 
 def _split_kv_attention(

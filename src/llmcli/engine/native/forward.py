@@ -48,7 +48,10 @@ class Transformer:
 
     def new_cache(self, context_length: int) -> KVCache:
         shape = self.shape
-        return KVCache(shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device)
+        windows = [block.attention.window for block in self.blocks]
+        return KVCache(
+            shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device, windows
+        )
 
     def rope(
         self, positions: torch.Tensor, table: tuple[torch.Tensor, float] | None = None

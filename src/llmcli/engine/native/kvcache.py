@@ -8,6 +8,13 @@ a 128k-context model does not reserve its whole cache before the first message. 
 powers of two (at least MIN_BUCKET), so a decode step attends over the bucket its length falls
 in, not over the whole context, and each bucket's step has fixed shapes for a CUDA graph.
 Growing moves the tensors, which `storage_version` tells the graphs (they must be captured again).
+
+A sliding-window layer (Gemma 3's local layers) keeps only a ring of its last `window + slack`
+positions, position p in slot p mod ring: its memory stays flat however long the text grows.
+The slack lets a speculative check write its rows before they are cropped back, and a chat
+template rewrite the end of a turn, without losing a position the window still needs. A crop
+further back than the rings can restore empties the cache (`length` says what was kept): the
+positions it would need are overwritten, and the caller prefills again.
 """
 
 from __future__ import annotations
@@ -15,6 +22,19 @@ from __future__ import annotations
 import torch
 
 MIN_BUCKET = 256
+# Positions a ring keeps beyond its window: more than a speculative check writes (17 rows).
+RING_SLACK = 64
+
+
+def ring_size(window: int | None, context_length: int) -> int | None:
+    """Slots of a sliding layer's ring, or None where a ring would save nothing. Above a bucket a
+    multiple of one, so split attention (attention.py) divides it evenly."""
+    if window is None:
+        return None
+    size = window + RING_SLACK
+    if size > MIN_BUCKET:
+        size = -(-size // MIN_BUCKET) * MIN_BUCKET
+    return size if size < context_length else None
 
 
 class KVCache:
@@ -26,8 +46,14 @@ class KVCache:
         context_length: int,
         dtype: torch.dtype,
         device: torch.device,
+        windows: list[int | None] | None = None,
     ) -> None:
         self.shape = (kv_heads, head_dim)
+        self.windows = windows or [None] * layers
+        self.rings = [ring_size(window, context_length) for window in self.windows]
+        # Every position below `written` − ring may be overwritten in a ring: the furthest any
+        # pass reached (a crop does not lower it), so what a crop can keep is known.
+        self.written = 0
         self.context_length = context_length
         self.dtype = dtype
         self.device = device
@@ -42,7 +68,9 @@ class KVCache:
         return min(self.context_length, max(MIN_BUCKET, 1 << (positions - 1).bit_length()))
 
     def ensure(self, positions: int) -> None:
-        """Make room for `positions` tokens, keeping the first `length`."""
+        """Make room for `positions` tokens, keeping the first `length`. Every pass asks for
+        room up to the last position it writes."""
+        self.written = max(self.written, positions)
         if positions <= self.capacity:
             return
         if positions > self.context_length:
@@ -53,6 +81,10 @@ class KVCache:
         self.storage_version += 1
         for store in (self.keys, self.values):
             for layer, old in enumerate(store):
+                ring = self.rings[layer]
+                if ring is not None:  # made once, at its full size, and never moved
+                    store[layer] = old if old.shape[1] else self._empty(ring)
+                    continue
                 new = self._empty(capacity)
                 new[:, : self.length] = old[:, : self.length]
                 store[layer] = new  # one layer at a time: the old tensor goes before the next is made
@@ -77,8 +109,56 @@ class KVCache:
         values.index_copy_(1, position, v)
         return keys[:, :attend], values[:, :attend]
 
+    def write_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store k, v [kv_heads, T, d] of `positions` [T] in a ring layer (only the last ring's
+        worth when T is longer: the earlier ones would be overwritten by the later)."""
+        ring = self.rings[layer]
+        assert ring is not None
+        slots = torch.remainder(positions[-ring:], ring)
+        self.keys[layer].index_copy_(1, slots, k[:, -ring:])
+        self.values[layer].index_copy_(1, slots, v[:, -ring:])
+
+    def recent(self, layer: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of a ring layer's keys and values of the `count` positions before `start`
+        (fewer at the beginning), oldest first: what a chunk starting there attends to."""
+        ring = self.rings[layer]
+        assert ring is not None
+        positions = torch.arange(max(0, start - count), start, device=self.device)
+        slots = torch.remainder(positions, ring)
+        return self.keys[layer].index_select(1, slots), self.values[layer].index_select(1, slots)
+
+    def ring_mask(
+        self, layer: int, positions: torch.Tensor, newest: torch.Tensor, slots: int
+    ) -> torch.Tensor:
+        """Which of a ring layer's first `slots` slots each row at `positions` [R] attends to,
+        [R, slots], once every position up to `newest` (a [1] tensor) is written: a slot holds
+        the latest position of its residue, which must lie in the row's window."""
+        ring, window = self.rings[layer], self.windows[layer]
+        assert ring is not None and window is not None
+        index = torch.arange(slots, device=positions.device)
+        held = newest - torch.remainder(newest - index, ring)
+        rows = positions.view(-1, 1)
+        return (held >= 0) & (held <= rows) & (held > rows - window)
+
     def crop(self, length: int) -> None:
-        self.length = min(length, self.length)
+        length = min(length, self.length)
+        if not self._rings_hold_window_before(length):
+            length = 0
+        if length == 0:
+            self.written = 0
+        self.length = length
+
+    def _rings_hold_window_before(self, length: int) -> bool:
+        """Whether every ring still holds the positions a token at `length` attends to: none
+        overwritten unless by positions at least a ring later, all of them past `length` − window."""
+        return all(
+            ring is None or self.written <= ring or self.written - ring <= length - window + 1
+            for ring, window in zip(self.rings, self.windows, strict=True)
+        )
+
+    def nbytes(self) -> int:
+        """Bytes the keys and values take now (the figure the benchmarks report)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def _empty(self, capacity: int) -> torch.Tensor:
         return torch.zeros(self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)

@@ -6,6 +6,10 @@ and each exists for an exactness or a speed rule, said in its docstring.
 A plan gives the pass's `positions` (RoPE), `attend` (per layer: q, k, v → attention output,
 before the output projection), `finish` (the cache's new length, where the plan owns it) and
 `last_only` (the logits of the last row only).
+
+A sliding layer whose cache is a ring (kvcache.py) is written and read through the ring in every
+plan: a chunk attends to copies of the window before it and then stores its own last positions;
+a step writes its slot and attends over the ring with a mask of the positions the slots hold.
 """
 
 from __future__ import annotations
@@ -39,6 +43,23 @@ def windowed(mask: torch.Tensor, positions: torch.Tensor, window: int | None) ->
     return mask & inside.view(*mask.shape[:-2], -1, mask.shape[-1]) if mask.dim() > 2 else mask & inside
 
 
+def ring_step(
+    cache: KVCache,
+    attention: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position: torch.Tensor,
+    span: int,
+) -> torch.Tensor:
+    """One token at `position` (a [1] tensor) in a ring layer: stored, then attending over the
+    first `span` slots (the whole ring, or fewer while the positions have not reached it)."""
+    layer = attention.layer
+    cache.write_ring(layer, k, v, position)
+    mask = cache.ring_mask(layer, position, position, span).view(1, 1, 1, span)
+    return attention.attend(q, cache.keys[layer][:, :span], cache.values[layer][:, :span], mask)
+
+
 class CausalChunk:
     """A prefill chunk: T tokens after what is cached, each attending to everything before it.
     From an empty cache that is plain causal attention, which has the fastest kernels. Only the
@@ -52,8 +73,15 @@ class CausalChunk:
         self.positions = torch.arange(self.start, self.start + count, device=device)
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self.cache.write(attention.layer, k, v)  # up to and including these tokens
-        return attention.attend_causal(q, keys, values)
+        cache, layer = self.cache, attention.layer
+        if cache.rings[layer] is None:
+            keys, values = cache.write(layer, k, v)  # up to and including these tokens
+            return attention.attend_causal(q, keys, values)
+        # Read before writing: a chunk longer than the slack overwrites the window before it.
+        assert attention.window is not None
+        before_k, before_v = cache.recent(layer, self.start, attention.window - 1)
+        cache.write_ring(layer, k, v, self.positions)
+        return attention.attend_causal(q, torch.cat((before_k, k), dim=1), torch.cat((before_v, v), dim=1))
 
     def finish(self) -> None:
         self.cache.length = self.start + self.positions.shape[0]
@@ -70,6 +98,9 @@ class ExactDecode:
         self.positions = torch.tensor([position], device=device)
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ring = self.cache.rings[attention.layer]
+        if ring is not None:
+            return ring_step(self.cache, attention, q, k, v, self.positions, min(self.span, ring))
         keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.span)
         return attention.attend(q, keys, values, None)
 
@@ -90,6 +121,9 @@ class BucketStep:
         self.mask = (torch.arange(bucket, device=position.device) <= position).view(1, 1, 1, bucket)
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ring = self.cache.rings[attention.layer]
+        if ring is not None:  # the whole ring: one span for every position, as a graph needs
+            return ring_step(self.cache, attention, q, k, v, self.positions, ring)
         keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.bucket)
         return attention.attend(q, keys, values, windowed(self.mask, self.positions, attention.window))
 
@@ -114,6 +148,15 @@ class PerRowCheck:
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, layer = self.cache, attention.layer
+        ring = cache.rings[layer]
+        if ring is not None:  # each row written just before it attends, as its decode step would be
+            return torch.cat([
+                ring_step(
+                    cache, attention, q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1],
+                    self.positions[i : i + 1], ring if self.buckets else min(self.start + i + 1, ring),
+                )
+                for i in range(self.positions.shape[0])
+            ])  # fmt: skip
         cache.write(layer, k, v)
         keys, values = cache.keys[layer], cache.values[layer]
         rows = []
@@ -145,7 +188,13 @@ class RowsInOneCall:
         self.mask = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self.cache.write_at(attention.layer, k, v, self.positions, self.span)
+        cache, layer = self.cache, attention.layer
+        ring = cache.rings[layer]
+        if ring is not None:  # every row written first (the slack keeps the first row's window)
+            cache.write_ring(layer, k, v, self.positions)
+            mask = cache.ring_mask(layer, self.positions, self.positions[-1:], ring)
+            return attention.attend_rows(q, cache.keys[layer], cache.values[layer], mask)
+        keys, values = cache.write_at(layer, k, v, self.positions, self.span)
         return attention.attend_rows(q, keys, values, windowed(self.mask, self.positions, attention.window))
 
     def finish(self) -> None:

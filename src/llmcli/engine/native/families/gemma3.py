@@ -11,9 +11,9 @@ What differs from the Llama family, settled here when the model is built:
   global ones, and a RoPE table for each kind (a local base, and the global one with its scaling);
 - the MLP's gate through tanh-approximated gelu.
 
-The sliding layers keep a whole KV cache here, as the global ones do: the window bounds what they
-attend to, not yet what they store (a ring buffer of the window is the next step). Gemma 2's
-soft-capping of attention scores and logits is not implemented: such a config is refused.
+The sliding layers' KV cache is a ring of their window (kvcache.py): their memory stays flat
+however long the text grows. Gemma 2's soft-capping of attention scores and logits is not
+implemented: such a config is refused.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ It reads the very tensors transformers loaded. The weights used together are sto
 the fused matrices, so the model is still whole for transformers and no weight is held twice.
 What differs between the members is settled once, here, when the model is built: QKV bias
 (Qwen2), q/k RMSNorm (Qwen3), RoPE scaling (`llama3`, read from transformers' own inv_freq),
-tied embeddings, grouped-query attention, a head_dim that is not hidden/heads.
+tied embeddings, grouped-query attention, a head_dim that is not hidden/heads, a sliding window
+(Mistral v0.1, Qwen2's lower layers where enabled), its layers' KV cache a ring of the window.
 """
 
 from __future__ import annotations
@@ -37,16 +38,22 @@ def check_supported(model: Any, context_length: int, rope_types: frozenset[str] 
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type not in rope_types:
         raise NotSupported(f"RoPE type {rope_type!r}")
-    window = _sliding_window(config)
-    if window is not None and window < context_length:
-        raise NotSupported(
-            f"sliding-window attention ({window} tokens) with a {context_length}-token context"
-        )
     linears = [m for m in model.modules() if type(m).__name__.startswith("Linear")]
     if any(type(m) is not torch.nn.Linear for m in linears):
         raise NotSupported("quantized linear layers (bitsandbytes)")
     if len({p.device for p in model.parameters()}) > 1 or model.device.type == "meta":
         raise NotSupported("weights spread over several devices (--offload)")
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (Mistral v0.1's every layer, Qwen2's where its layer types
+    say), or None: it attends to every position."""
+    window = _sliding_window(config)
+    kinds = getattr(config, "layer_types", None)
+    return [
+        window if kinds is None or kinds[i] == "sliding_attention" else None
+        for i in range(config.num_hidden_layers)
+    ]
 
 
 def _sliding_window(config: Any) -> int | None:
@@ -80,10 +87,11 @@ def weights(
         eps=config.rms_norm_eps,
     )
     body = model.model
+    windows = layer_windows(config)
     return Weights(
         shape=shape,
         embedding=body.embed_tokens.weight,
-        blocks=[_block(layer, shape, i, feed_forward) for i, layer in enumerate(body.layers)],
+        blocks=[_block(layer, shape, i, feed_forward, windows[i]) for i, layer in enumerate(body.layers)],
         norm=RMSNorm(body.norm.weight, shape.eps),
         output=projection(model.lm_head),  # the embedding itself when tied
         # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
@@ -92,10 +100,16 @@ def weights(
     )
 
 
-def _block(layer: Any, shape: Shape, index: int, feed_forward: Callable[[Any, int], Layer] | None) -> Block:
+def _block(
+    layer: Any,
+    shape: Shape,
+    index: int,
+    feed_forward: Callable[[Any, int], Layer] | None,
+    window: int | None,
+) -> Block:
     return Block(
         attention_norm=RMSNorm(layer.input_layernorm.weight, shape.eps),
-        attention=Attention(layer.self_attn, shape, index),
+        attention=Attention(layer.self_attn, shape, index, window=window),
         ffn_norm=RMSNorm(layer.post_attention_layernorm.weight, shape.eps),
         feed_forward=feed_forward(layer, index) if feed_forward else FeedForward(layer.mlp),
     )
