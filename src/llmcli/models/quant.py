@@ -29,11 +29,15 @@ NATIVE_FAMILIES = {
     "MixtralForCausalLM": "moe",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # What llmcli's int8/int4 kernels quantize: every linear layer of these. (A mixture of experts
 # keeps its experts in stacked tensors, which no kernel here quantizes yet.)
-SUPPORTED_ARCHITECTURES = frozenset(arch for arch, family in NATIVE_FAMILIES.items() if family != "moe")
-EXPERTS_ARCHITECTURES = frozenset(arch for arch, family in NATIVE_FAMILIES.items() if family == "moe")
+EXPERT_FAMILIES = frozenset({"moe", "gpt_oss"})
+SUPPORTED_ARCHITECTURES = frozenset(
+    a for a, family in NATIVE_FAMILIES.items() if family not in EXPERT_FAMILIES
+)
+EXPERTS_ARCHITECTURES = frozenset(a for a, family in NATIVE_FAMILIES.items() if family in EXPERT_FAMILIES)
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 
 

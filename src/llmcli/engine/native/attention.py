@@ -1,6 +1,10 @@
 """Attention for the native forward: q/k/v projected (RoPE, optional q/k norms), then one of
 the ways of attending that the plans (plans.py) choose between: over a chunk with the causal
-rule, for one query over a span with an optional mask, or for several rows in one call."""
+rule, for one query over a span with an optional mask, or for several rows in one call.
+
+Attention sinks (gpt-oss): each head has a learned logit that joins the softmax's denominator
+and takes no value. SDPA has no such term, so a sink is one more key, of zeros (its value adds
+nothing), whose score the additive mask sets to the head's sink logit."""
 
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from llmcli.engine.native.layers import RMSNorm, Shape, identity, projection, ro
 # are powers of two ≥ 256 and rings multiples of 256 above it, so they divide into chunks evenly).
 SPLIT_ATTENTION_FROM = 2048
 SPLIT_CHUNK = 256
+# With sinks, a prefill chunk's additive mask is heads × rows × keys: its rows are taken in slices
+# of at most this many mask elements (the mask is made per slice).
+SINK_MASK_ELEMENTS = 1 << 25
 
 
 class Attention:
@@ -47,6 +54,8 @@ class Attention:
         self.q_norm = norm(q_norm.weight, shape.eps) if q_norm is not None else identity
         self.k_norm = norm(k_norm.weight, shape.eps) if k_norm is not None else identity
         self.scale = scale if scale is not None else shape.head_dim**-0.5
+        sinks = getattr(attn, "sinks", None)  # gpt-oss: one logit per head
+        self.sinks = sinks.detach() if sinks is not None else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d], RoPE applied to q and k."""
@@ -77,9 +86,13 @@ class Attention:
             mask = (torch.arange(keys.shape[1], device=keys.device) >= keys.shape[1] - self.window).view(
                 1, 1, 1, -1
             )
-        q = q.reshape(1, shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim)
+        groups = shape.heads // shape.kv_heads
+        q = q.reshape(1, shape.kv_heads, groups, shape.head_dim)
+        sinks = self.sinks.view(shape.kv_heads, groups) if self.sinks is not None else None
         if mask is not None and _splits(keys.shape[1]):
-            out = _split_kv_attention(q[0] * self.scale, keys, values, mask)
+            out = _split_kv_attention(q[0] * self.scale, keys, values, mask, sinks)
+        elif sinks is not None:
+            out = _attention_with_sinks(q, keys[None], values[None], mask, sinks[None], self.scale)
         else:
             out = F.scaled_dot_product_attention(
                 q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=self.scale
@@ -96,8 +109,17 @@ class Attention:
         groups, rows = shape.heads // shape.kv_heads, q.shape[1]
         q = q.reshape(shape.kv_heads, groups * rows, shape.head_dim)
         mask = mask.repeat(groups, 1)  # query position g·R + r is row r
+        sinks = None
+        if self.sinks is not None:  # query position g·R + r is head kv·G + g
+            sinks = (
+                self.sinks.view(shape.kv_heads, groups, 1).expand(-1, -1, rows).reshape(shape.kv_heads, -1)
+            )
         if _splits(keys.shape[1]):
-            out = _split_kv_attention(q * self.scale, keys, values, mask[None])
+            out = _split_kv_attention(q * self.scale, keys, values, mask[None], sinks)
+        elif sinks is not None:
+            out = _attention_with_sinks(
+                q[None], keys[None], values[None], mask[None, None], sinks[None], self.scale
+            )[0]
         else:
             out = F.scaled_dot_product_attention(
                 q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale
@@ -117,6 +139,8 @@ class Attention:
             mask = torch.ones(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device).tril(start)
             if windowed:  # and positions > its own − window
                 mask &= ~torch.ones_like(mask).tril(start - self.window)
+        if self.sinks is not None:
+            return self._causal_with_sinks(q, keys, values, mask, start)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0),
@@ -128,6 +152,48 @@ class Attention:
         )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
+    def _causal_with_sinks(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, start: int
+    ) -> torch.Tensor:
+        """`attend_causal` with sinks: the additive mask is per head, so rows go in slices."""
+        assert self.sinks is not None
+        rows, slots = q.shape[1], keys.shape[1]
+        if mask is None:
+            mask = torch.ones(rows, slots, dtype=torch.bool, device=q.device).tril(start)
+        groups = self.shape.heads // self.shape.kv_heads
+        # Keys repeated per query head: the mask, one per head, is as large anyway.
+        keys = keys.repeat_interleave(groups, dim=0)[None]
+        values = values.repeat_interleave(groups, dim=0)[None]
+        step = max(1, SINK_MASK_ELEMENTS // (self.shape.heads * (slots + 1)))
+        sinks, scale = self.sinks.view(1, -1, 1), self.scale
+        out = torch.cat([
+            _attention_with_sinks(q[None, :, i : i + step], keys, values, mask[i : i + step], sinks, scale)
+            for i in range(0, rows, step)
+        ], dim=2)  # fmt: skip
+        return out[0].transpose(0, 1).reshape(rows, -1)
+
+
+def _attention_with_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA with one sink logit per query head: q [1, H, Q, d], keys and values [1, H, S, d],
+    `mask` (bool, broadcastable to [1, H, Q, S]) or None, `sinks` broadcastable to [1, H, Q] →
+    [1, H, Q, d]. The sink is a zero key whose score the additive mask sets to its logit."""
+    heads, rows, slots = q.shape[1], q.shape[2], keys.shape[2]
+    zero = keys.new_zeros(1, keys.shape[1], 1, keys.shape[3])
+    bias = torch.zeros(1, heads, rows, slots + 1, dtype=q.dtype, device=q.device)
+    if mask is not None:
+        bias[..., :slots].masked_fill_(~mask, float("-inf"))
+    bias[..., slots] = sinks.to(q.dtype)
+    return F.scaled_dot_product_attention(
+        q, torch.cat((keys, zero), dim=2), torch.cat((values, zero), dim=2), attn_mask=bias, scale=scale
+    )
+
 
 def _splits(slots: int) -> bool:
     """Whether attention over `slots` keys is split along them: long, and in whole chunks (an
@@ -136,7 +202,7 @@ def _splits(slots: int) -> bool:
 
 
 def _split_kv_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """Decode attention over a long bucket, spread over the whole GPU.
 
@@ -146,12 +212,15 @@ def _split_kv_attention(
     softmax one fp32 pass, and probs × values is computed per chunk of keys and summed, each
     step parallel over the key length. q [kv_heads, G, d] (already scaled), keys and values
     [kv_heads, S, d] with S a multiple of SPLIT_CHUNK, mask [1, 1, 1, S] (or one row per query
-    position, [1, G, S]) → [kv_heads, G, d].
+    position, [1, G, S]) → [kv_heads, G, d]. `sinks` [kv_heads, G]: each query position's sink
+    logit, which joins the softmax and is dropped after it.
     """
     kv_heads, slots, d = keys.shape
     scores = torch.matmul(q, keys.transpose(1, 2)).float()
     scores = scores.masked_fill(~mask.view(1, -1, slots), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().unsqueeze(-1)), dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :slots].to(values.dtype)
     chunks = slots // SPLIT_CHUNK
     probs = probs.view(kv_heads, -1, chunks, SPLIT_CHUNK).transpose(1, 2)
     partial = torch.matmul(probs, values.view(kv_heads, chunks, SPLIT_CHUNK, d))

@@ -28,17 +28,23 @@ class RMSNorm:
     On CUDA it is torch's one fused kernel (fp32 inside, the weight applied before the one
     rounding to bf16): four kernels fewer, and at batch 1 a decode step's time outside the
     matrix products is mostly kernel count. On a CPU the steps are transformers' own.
+
+    A weight kept in fp32 beside a bf16 model (gpt-oss keeps its norms so) scales in fp32, and
+    the result is rounded to `dtype`, what the next matrix product takes.
     """
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> None:
         self.weight = weight
         self.eps = eps
-        self.fused = weight.device.type == "cuda"
+        self.dtype = dtype or weight.dtype
+        self.fused = weight.device.type == "cuda" and self.dtype == weight.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.dtype != self.weight.dtype:
+            return (self.weight.float() * normed).to(self.dtype)
         return self.weight * normed.to(self.weight.dtype)
 
 

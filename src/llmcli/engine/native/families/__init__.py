@@ -11,18 +11,24 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from llmcli.engine.native.families import gemma3, llama, moe, phi3
+from llmcli.engine.native.families import gemma3, gpt_oss, llama, moe, phi3
 from llmcli.engine.native.families.base import NotSupported
 from llmcli.models.quant import NATIVE_FAMILIES
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "moe": moe, "phi3": phi3, "gemma3": gemma3}
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+    "moe": moe,
+    "phi3": phi3,
+    "gemma3": gemma3,
+    "gpt_oss": gpt_oss,
+}
 
 
 def family_of(model: Any) -> ModuleType:
     name = type(model).__name__
     family = NATIVE_FAMILIES.get(name)
     if family is None:
-        families = "Llama, Phi-3, Gemma 3, a sparse MoE"
+        families = "Llama, Phi-3, Gemma 3, gpt-oss, a sparse MoE"
         raise NotSupported(f"{name} is not in a family the native engine runs ({families})")
     return FAMILIES[family]
 

@@ -88,11 +88,14 @@ def weights(
     )
     body = model.model
     windows = layer_windows(config)
+    dtype = body.embed_tokens.weight.dtype  # what the norms' outputs go into
     return Weights(
         shape=shape,
         embedding=body.embed_tokens.weight,
-        blocks=[_block(layer, shape, i, feed_forward, windows[i]) for i, layer in enumerate(body.layers)],
-        norm=RMSNorm(body.norm.weight, shape.eps),
+        blocks=[
+            _block(layer, shape, i, feed_forward, windows[i], dtype) for i, layer in enumerate(body.layers)
+        ],
+        norm=RMSNorm(body.norm.weight, shape.eps, dtype),
         output=projection(model.lm_head),  # the embedding itself when tied
         # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
         inv_freq=rope[0] if rope else body.rotary_emb.inv_freq.float(),
@@ -106,10 +109,11 @@ def _block(
     index: int,
     feed_forward: Callable[[Any, int], Layer] | None,
     window: int | None,
+    dtype: torch.dtype,
 ) -> Block:
     return Block(
-        attention_norm=RMSNorm(layer.input_layernorm.weight, shape.eps),
+        attention_norm=RMSNorm(layer.input_layernorm.weight, shape.eps, dtype),
         attention=Attention(layer.self_attn, shape, index, window=window),
-        ffn_norm=RMSNorm(layer.post_attention_layernorm.weight, shape.eps),
+        ffn_norm=RMSNorm(layer.post_attention_layernorm.weight, shape.eps, dtype),
         feed_forward=feed_forward(layer, index) if feed_forward else FeedForward(layer.mlp),
     )

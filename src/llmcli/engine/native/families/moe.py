@@ -69,7 +69,8 @@ def weights(model: Any, context_length: int) -> Weights:
 
 class SparseExperts:
     """A router and stacked experts: each token through its top-k experts' gated MLPs, their
-    outputs weighted by the router's (renormalised) probabilities."""
+    outputs weighted by the router's (renormalised) probabilities. Another family's experts
+    (gpt-oss) change `route`, `expert` and `gathered`; how tokens reach them stays."""
 
     def __init__(self, mlp: Any, normalise: bool) -> None:
         self.router = mlp.gate.weight  # [experts, hidden]
@@ -81,13 +82,28 @@ class SparseExperts:
         self.experts = self.router.shape[0]
         self.on_host = self.gate_up.device.type == "cpu"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → each token's expert weights [T, k] (in x's dtype) and experts [T, k]."""
         probs = F.softmax(F.linear(x, self.router).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights.to(x.dtype), chosen
+
+    def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Tokens x [n, hidden] (or one, [hidden]) through one expert, used where it lies."""
+        gate, up = F.linear(x, self.gate_up[expert]).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[expert])
+
+    def gathered(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """One token [hidden] through its k experts gathered by index on the device: [k, hidden]."""
+        gate, up = torch.matmul(self.gate_up.index_select(0, chosen), x).split(self.intermediate, dim=-1)
+        hidden = (F.silu(gate) * up).unsqueeze(-1)  # [k, intermediate, 1]
+        return torch.matmul(self.down.index_select(0, chosen), hidden).squeeze(-1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden]."""
+        weights, chosen = self.route(x)
         if x.shape[0] <= CHECK_ROWS:
             return torch.cat([self._one(x[i], chosen[i], weights[i]) for i in range(x.shape[0])])
         return self._grouped(x, chosen, weights)
@@ -97,14 +113,10 @@ class SparseExperts:
         if self.on_host:
             out = None
             for slot, expert in enumerate(chosen.tolist()):
-                gate, up = F.linear(x, self.gate_up[expert]).split(self.intermediate, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.down[expert]) * weights[slot]
+                y = self.expert(x, expert) * weights[slot]
                 out = y if out is None else out + y
             return out[None]
-        gate, up = torch.matmul(self.gate_up.index_select(0, chosen), x).split(self.intermediate, dim=-1)
-        hidden = (F.silu(gate) * up).unsqueeze(-1)  # [k, intermediate, 1]
-        out = torch.matmul(self.down.index_select(0, chosen), hidden).squeeze(-1)  # [k, hidden]
-        return (out * weights[:, None]).sum(dim=0, keepdim=True)
+        return (self.gathered(x, chosen) * weights[:, None]).sum(dim=0, keepdim=True)
 
     def _grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Many tokens: each expert once, over the tokens that chose it."""
@@ -120,7 +132,5 @@ class SparseExperts:
             picks = order[start : start + count]
             start += count
             tokens = picks // self.top_k
-            gate, up = F.linear(x[tokens], self.gate_up[expert]).split(self.intermediate, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert]) * flat_weights[picks, None]
-            out.index_add_(0, tokens, y)
+            out.index_add_(0, tokens, self.expert(x[tokens], expert) * flat_weights[picks, None])
         return out
