@@ -11,6 +11,7 @@ import pytest
 
 from llmcli.engine.reasoning import (
     CONTENT,
+    HARMONY,
     REASONING,
     THINK_FORMATS,
     ThinkSplitter,
@@ -33,8 +34,8 @@ THINKING_TEMPLATE = (
 )
 
 
-def split(text: str, inside: bool, cuts: list[int]) -> dict[str, str]:
-    splitter = ThinkSplitter(THINK, inside)
+def split(text: str, inside: bool, cuts: list[int], think=THINK) -> dict[str, str]:
+    splitter = ThinkSplitter(think, inside)
     pieces, start = [], 0
     for cut in [*cuts, len(text)]:
         pieces += splitter.feed(text[start:cut])
@@ -200,3 +201,82 @@ def test_thinking_options_a_model_cannot_honour_are_refused(tiny_llama: Path, th
     assert budget.returncode == 2 and b"needs a model that thinks" in budget.stderr
     raw = generate(thinking_model, "--raw", "--think", "off", "Hello")
     assert raw.returncode == 2 and b"--think off asks the chat template" in raw.stderr
+
+
+HARMONY_TEXTS = [
+    (
+        "<|channel|>analysis<|message|>User wants 2+2.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>It is 4.",
+        False,
+        "User wants 2+2.",
+        "It is 4.",
+    ),
+    ("<|channel|>final<|message|>Paris.", False, "", "Paris."),
+    ("Plain answer, no channel.", False, "", "Plain answer, no channel."),
+    ("cut short in the analysis", True, "cut short in the analysis", ""),
+    (
+        "a <|end of nothing|> here<|end|><|start|>assistant<|channel|>final<|message|>\n\nok",
+        True,
+        "a <|end of nothing|> here",
+        "ok",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "inside", "reasoning", "answer"), HARMONY_TEXTS)
+def test_harmony_channels_split_into_thinking_and_answer_wherever_the_pieces_break(
+    text, inside, reasoning, answer
+) -> None:
+    """gpt-oss: the analysis channel is thinking, the final channel's header is framing."""
+    for cuts in ([], *[[i] for i in range(1, len(text))]):
+        assert split(text, inside, cuts, HARMONY) == {REASONING: reasoning, CONTENT: answer}, cuts
+
+
+# gpt-oss's harmony layout, cut down: earlier answers in the final channel, and a generation
+# prompt that opens the analysis channel (so that a random model is thinking from its first token).
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|start|>assistant<|channel|>final<|message|>' }}"
+    "{% else %}{{ '<|start|>' + message['role'] + '<|message|>' }}{% endif %}"
+    "{{ message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant<|channel|>analysis<|message|>' }}{% endif %}"
+)
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-gpt-oss"
+    return build_tiny_model(folder, "gpt_oss", chat_template=HARMONY_TEMPLATE, special=HARMONY_TOKENS)
+
+
+def test_a_gpt_oss_model_runs_natively_and_its_analysis_channel_is_reasoning(harmony_model: Path) -> None:
+    """The markers are special tokens: kept in the reply's text for the split, never shown. A
+    budget writes `<|end|>` (one token) and the answer follows; a chat keeps the answers alone,
+    and its cache up to where the template rewrites the last reply."""
+    record = json.loads(generate(harmony_model, "--json", "Hello").stdout)
+    assert record["engine"] == "native"
+    assert record["reasoning"] and record["reasoning_tokens"] == record["completion_tokens"] == 12
+    budget = generate(harmony_model, "--json", "--think-budget", "4", "-n", "16", "Hello")
+    assert budget.returncode == 0, budget.stderr.decode()
+    bounded = json.loads(budget.stdout)
+    assert bounded["reasoning_tokens"] == 5 and bounded["text"]
+    assert "<|end|>" not in bounded["reasoning"] + bounded["text"]
+    off = json.loads(generate(harmony_model, "--json", "--think", "off", "Hello").stdout)
+    assert off["reasoning"] is None and off["text"]  # an empty analysis, then the final channel
+    script = b"Hello\nAnd again\n"
+    chat = run_cli(
+        "chat", "-m", str(harmony_model), "--device", "cpu", "-t", "0", "-n", "6", "--think-budget", "2",
+        "--json", stdin=script,
+    )  # fmt: skip
+    assert chat.returncode == 0, chat.stderr.decode()
+    turns = [json.loads(line) for line in chat.stdout.splitlines()]
+    assert len(turns) == 2 and all(turn["reasoning"] for turn in turns)
+    # The first turn reused up to its answer's channel: the template writes earlier answers in
+    # the final channel, without their analysis (as gpt-oss's own does).
+    from transformers import AutoTokenizer
+
+    channel = AutoTokenizer.from_pretrained(harmony_model)("analysis<|message|>", add_special_tokens=False)
+    assert turns[1]["cached_tokens"] == turns[0]["prompt_tokens"] - len(channel["input_ids"])

@@ -92,10 +92,12 @@ def build_tiny_model(
     added: tuple[str, ...] = (),
     special: tuple[str, ...] = (),
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2" or "qwen3_moe") model with random weights and a
+    """Save a 2-layer `arch` ("llama", "qwen2", "qwen3_moe" or "gpt_oss") model with random weights and a
     trained tokenizer (with `chat_template` as its template when it is text)."""
     import torch
     from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         Qwen2Config,
@@ -125,10 +127,16 @@ def build_tiny_model(
     }
     if arch == "qwen3_moe":  # 4 experts of 48, 2 per token
         shape |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16}
+    if arch == "gpt_oss":  # a sliding layer (window 8) and a full one, 4 experts of 48, 2 per token
+        shape |= {
+            "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "head_dim": 16,
+            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        }  # fmt: skip
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.

@@ -23,7 +23,7 @@ from llmcli.config.settings import SamplingParams
 from llmcli.engine import producers
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
 from llmcli.engine.producers import Chooser, TokenLogprob
-from llmcli.engine.reasoning import think_tracker
+from llmcli.engine.reasoning import keeps_special_tokens, think_tracker
 from llmcli.engine.sampling import make_generator
 from llmcli.engine.speculative import Speculation, SpeculativeStats
 from llmcli.engine.stats import GenerationStats
@@ -202,6 +202,8 @@ class Generation:
         self._prompt_ids = list(prompt_ids)
         self._params = params
         # No tokenizer (a benchmark on random weights): tokens only, no text.
+        # A thinking format of special tokens (harmony) is split from the text: keep them there.
+        keep_special = keep_special or keeps_special_tokens(tokenizer)
         self._detok = IncrementalDetokenizer(tokenizer, not keep_special) if tokenizer is not None else None
         self._stop = StopMatcher(params.stop)
         # A reasoning model's thinking, followed only where it matters: a budget, or a constraint

@@ -4,6 +4,10 @@
 A format is a small data entry. Qwen3, the DeepSeek-R1 distills, SmolLM3 and Phi-4-reasoning all
 write `<think>…</think>`; some templates open the block in the generation prompt (the model starts
 inside it), some let the model open it, and some read `enable_thinking` to switch it off.
+gpt-oss writes OpenAI's harmony channels: `<|channel|>analysis<|message|>…<|end|>` is its
+thinking, and `<|start|>assistant<|channel|>final<|message|>` opens the answer. Those markers are
+special tokens, which a reply's text would drop: for such a format the text keeps them, and the
+split takes them out.
 """
 
 from __future__ import annotations
@@ -22,10 +26,29 @@ class ThinkFormat:
     name: str
     start: str
     end: str
+    detect: str  # in a chat template: the model writes this format
+    close_open: str  # appended to a prompt that opened a block, to answer without thinking
+    empty: str  # appended to a prompt, an empty block: the model answers without thinking
+    answer_openers: tuple[str, ...] = ()  # framing that may open the answer, never shown
+    special: bool = False  # its markers are special tokens: the reply's text must keep them
 
 
+THINK_TAGS = ThinkFormat(
+    "think tags", "<think>", "</think>", "</think>", "\n</think>\n\n", "<think>\n\n</think>\n\n"
+)
+HARMONY_FINAL = "<|start|>assistant<|channel|>final<|message|>"
+HARMONY = ThinkFormat(
+    "harmony channels",
+    "<|channel|>analysis<|message|>",
+    "<|end|>",
+    "<|channel|>analysis",
+    "<|end|>" + HARMONY_FINAL,
+    "<|channel|>analysis<|message|><|end|>" + HARMONY_FINAL,
+    answer_openers=(HARMONY_FINAL, "<|channel|>final<|message|>"),
+    special=True,
+)
 # One entry per way of marking thinking; each is tested in tests/test_reasoning.py.
-THINK_FORMATS = (ThinkFormat("think tags", "<think>", "</think>"),)
+THINK_FORMATS = (THINK_TAGS, HARMONY)
 
 
 @dataclass(frozen=True)
@@ -47,9 +70,15 @@ def thinking_of(tokenizer: Any) -> Thinking | None:
     except (AttributeError, TypeError):
         added = set()
     for think in THINK_FORMATS:
-        if think.end in template or {think.start, think.end} <= added:
+        if think.detect in template or {think.start, think.end} <= added:
             return Thinking(think, "enable_thinking" in template)
     return None
+
+
+def keeps_special_tokens(tokenizer: Any) -> bool:
+    """Whether a reply's text must keep special tokens for its thinking to be split out."""
+    thinking = thinking_of(tokenizer) if tokenizer is not None else None
+    return thinking is not None and thinking.format.special
 
 
 @dataclass(frozen=True)
@@ -85,9 +114,7 @@ def opens_thinking(prompt_text: str, think: ThinkFormat) -> bool:
 def closing_text(prompt_text: str, think: ThinkFormat) -> str:
     """What to append to a prompt so that the model answers without thinking, for a template
     that has no switch: the open block closed, or an empty block."""
-    if opens_thinking(prompt_text, think):
-        return f"\n{think.end}\n\n"
-    return f"{think.start}\n\n{think.end}\n\n"
+    return think.close_open if opens_thinking(prompt_text, think) else think.empty
 
 
 class ThinkSplitter:
@@ -146,7 +173,7 @@ class ThinkSplitter:
         return False
 
     def _content(self, out: list[tuple[str, str]]) -> bool:
-        start = self.think.start
+        start, openers = self.think.start, self.think.answer_openers
         if self._at_start or self._after_end:
             stripped = self._held.lstrip()
             if not stripped:
@@ -157,6 +184,12 @@ class ThinkSplitter:
                 return True
             if self._at_start and start.startswith(stripped):
                 return False  # could still become the start marker
+            opener = next((o for o in openers if stripped.startswith(o)), None)
+            if opener is not None:  # the answer's framing: the answer starts after it
+                self._held, self._at_start, self._after_end = stripped[len(opener) :], False, True
+                return True
+            if any(o.startswith(stripped) for o in openers):
+                return False  # could still become an opener
             if self._after_end:
                 self._held = stripped
             self._at_start = self._after_end = False
@@ -250,7 +283,12 @@ class ThinkingStream:
 
     def said(self, text: str) -> str:
         """The reply as the assistant's message of a chat: the block the generation prompt
-        opened, then what the model wrote (the template decides what it keeps of it)."""
+        opened, then what the model wrote (the template decides what it keeps of it). A format
+        of special tokens keeps the answer alone: as message text its markers would be escaped,
+        and harmony templates drop earlier turns' thinking anyway."""
+        if self.splitter is not None and self.splitter.think.special:
+            self.splitter.flush()
+            return self.splitter.text(CONTENT)
         return self.opener + text
 
     def summary(self, text: str, token_ids: list[int]) -> tuple[str, str | None, int | None]:

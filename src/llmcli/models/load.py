@@ -319,7 +319,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         try:
             model, info = from_pretrained(attn_implementation="sdpa", output_loading_info=True)
         except ValueError as error:
-            if "sdpa" not in str(error).lower():
+            if not _lacks_sdpa(error):
                 raise
             # An architecture without SDPA support: its own attention.
             model, info = from_pretrained(output_loading_info=True)
@@ -370,6 +370,11 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     )
 
 
+def _lacks_sdpa(error: ValueError) -> bool:
+    """transformers' refusal of SDPA for an architecture that has none (gpt-oss, for its sinks)."""
+    return any(word in str(error).lower() for word in ("sdpa", "scaled_dot_product_attention"))
+
+
 def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     """A model built from a config alone, with random weights: for benchmarks, where speed does
     not depend on weight values, and no weights need downloading. `config_spec` is a config.json,
@@ -389,11 +394,15 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(
         config_file.parent if config_file.name == "config.json" else config_file
     )
-    hf_config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            try:
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+            except ValueError as error:
+                if not _lacks_sdpa(error):
+                    raise
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     except torch.OutOfMemoryError as error:
         raise LlmcliError(
             f"out of memory building {config_spec} on {device} in {DTYPE_NAMES.get(dtype)}"
