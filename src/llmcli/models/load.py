@@ -402,7 +402,7 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
             except ValueError as error:
                 if not _lacks_sdpa(error):
                     raise
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="eager")
     except torch.OutOfMemoryError as error:
         raise LlmcliError(
             f"out of memory building {config_spec} on {device} in {DTYPE_NAMES.get(dtype)}"
