@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import one_error_line, run_cli
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, mxfp4_experts
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,45 @@ def test_a_mixture_of_experts_runs_native_and_says_what_transformers_says(tiny_m
     native, reference = generated(tiny_moe), generated(tiny_moe, "--engine", "transformers")
     assert (native["engine"], reference["engine"]) == ("native", "transformers")
     assert native["text"] == reference["text"] and native["completion_tokens"] == 24
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized_with_a_note_and_run_native(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The released gpt-oss checkpoints store experts in MXFP4. Without a kernel (a CPU here)
+    transformers dequantizes them while loading; llmcli says so in one line of its own (their
+    memory grows 4-8x), reports the weights as unquantized, and runs them on its own forward:
+    the same greedy text as transformers'."""
+    folder = mxfp4_experts(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mxfp4", "gpt_oss"))
+    proc = run_cli("generate", "-m", str(folder), "--device", "cpu", "-t", "0", "-n", "24", "--json", "Hi")
+    assert proc.returncode == 0, proc.stderr.decode()
+    native = json.loads(proc.stdout)
+    assert proc.stderr.decode().strip().splitlines() == [
+        "MXFP4 experts dequantized to fp32: transformers has no MXFP4 kernel on cpu here, "
+        "so they take 4-8x their size on disk in memory"
+    ]
+    reference = generated(folder, "--engine", "transformers")
+    assert (native["engine"], native["quant"]) == ("native", "none")
+    assert native["text"] == reference["text"] and len(set(native["text"])) > 5
+
+
+def test_experts_left_in_mxfp4_blocks_are_refused_by_the_native_engine() -> None:
+    """Where transformers keeps them packed (a GPU with its kernel), the native engine does not
+    read them: --engine auto falls back, and native says why."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmcli.engine.native.families import NotSupported, check_supported
+
+    config = AutoConfig.for_model(
+        "gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, vocab_size=128,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    experts = model.model.layers[1].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 128, 32, dtype=torch.uint8), requires_grad=False)
+    with pytest.raises(NotSupported, match="layer 1's experts are not dequantized tensors"):
+        check_supported(model, 64)
 
 
 def test_quantizing_stacked_experts_is_refused_not_skipped(tiny_moe: Path) -> None:

@@ -127,10 +127,14 @@ def build_tiny_model(
     }
     if arch == "qwen3_moe":  # 4 experts of 48, 2 per token
         shape |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16}
-    if arch == "gpt_oss":  # a sliding layer (window 8) and a full one, 4 experts of 48, 2 per token
+    if arch == "gpt_oss":  # a sliding layer (window 8) and a full one, 4 experts of 64, 2 per token
         shape |= {
-            "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "head_dim": 16,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, "head_dim": 16,
             "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {  # YaRN from 128 to the context (gpt-oss: 4096 to 131072)
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": TINY_CONTEXT / 128, "truncate": False,
+                "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+            },
         }  # fmt: skip
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
@@ -165,3 +169,36 @@ def put_in_hf_cache(model_folder: Path, hf_home: Path, repo_id: str) -> Path:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     return snapshot
+
+
+def mxfp4_experts(folder: Path, seed: int = 0) -> Path:
+    """A saved gpt-oss model's stacked experts replaced by random MXFP4 blocks and scales, as the
+    released checkpoints store them: 32 values of 4 bits per block, one power-of-two scale each."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensor
+            continue
+        experts, inputs, outputs = tensor.shape  # held [E, in, out]; stored [E, out, in / 32, …]
+        tensors[f"{name}_blocks"] = torch.randint(
+            0, 256, (experts, outputs, inputs // 32, 16), generator=generator, dtype=torch.uint8
+        )
+        tensors[f"{name}_scales"] = torch.randint(
+            122, 128, (experts, outputs, inputs // 32), generator=generator, dtype=torch.uint8
+        )  # scales of 2^-5 … 2^0
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head",
+        ],
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -344,6 +344,13 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         quant, quant_backend = quantize_model(model, native_quant, group, exact), "native"
     elif config.get("quantization_config"):
         quant_backend = quant
+    notes = [context_note] if context_note else []
+    if _dequantized_mxfp4(model, config):
+        notes.append(
+            f"MXFP4 experts dequantized to {DTYPE_NAMES.get(dtype, dtype)}: transformers has no MXFP4 kernel "
+            f"on {device.type} here, so they take 4-8x their size on disk in memory"
+        )
+        quant, quant_backend = "none", "none"
     generation_config = read_generation_config(folder)
     dtype_bytes = dtype.itemsize
     return LoadedModel(
@@ -364,10 +371,17 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         quant=quant,
         quant_backend=quant_backend,
         kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
-        notes=(context_note,) if context_note else (),
+        notes=tuple(notes),
         fast=settings.fast,
         engine=settings.engine,
     )
+
+
+def _dequantized_mxfp4(model: Any, config: dict[str, Any]) -> bool:
+    """Whether a checkpoint of MXFP4 experts (gpt-oss) was dequantized while loading: transformers
+    does so, with a warning of its own, where it has no kernel for them."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    return method == "mxfp4" and not any(type(m).__name__.startswith("Mxfp4") for m in model.modules())
 
 
 def _lacks_sdpa(error: ValueError) -> bool:
