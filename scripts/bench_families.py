@@ -26,13 +26,19 @@ FAMILIES = {
     "gpt-oss shape (sinks, 32 experts, top-4, window 128)": "gpt-oss-cpu-bench.json",
     "Qwen3 dense, the MoE's active size": "qwen3-dense-moe-active-cpu-bench.json",
 }
+# llmcli's own int8/int4 on the MoE (experts quantized one by one, bf16 activations), against
+# transformers' unquantized forward of the same config: what a CPU user of an MoE gets.
+QUANTIZED = {
+    "Qwen3-MoE, --quant int8": ("qwen3-moe-cpu-bench.json", "int8"),
+    "Qwen3-MoE, --quant int4": ("qwen3-moe-cpu-bench.json", "int4"),
+}
 
 
-def bench(config: Path, engine: str, args: argparse.Namespace) -> dict:
+def bench(config: Path, engine: str, args: argparse.Namespace, quant: str = "none") -> dict:
     command = [
         sys.executable, "-m", "llmcli", "bench", "--config", str(config), "--random-weights", "--json",
         "--engine", engine, "--device", args.device, "--runs", str(args.runs), "-n", str(args.new_tokens),
-        "--prompt-lengths", str(args.prompt_length), "--no-generate",
+        "--prompt-lengths", str(args.prompt_length), "--no-generate", "--quant", quant,
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -52,13 +58,18 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    rows, native = [], {}
+    rows, native, baseline = [], {}, {}
     for family, name in FAMILIES.items():
         ours = bench(CONFIGS / name, "native", args)
-        theirs = bench(CONFIGS / name, "transformers", args)
+        theirs = baseline[name] = bench(CONFIGS / name, "transformers", args)
         native[name] = ours
         ratio = ours["decode_tok_s"] / theirs["decode_tok_s"]
         rows.append((family, ours["engine"], cell(ours), cell(theirs), f"{ratio:.2f}×"))
+    if args.device == "cpu":  # quantized experts run on a CPU only so far
+        for label, (name, quant) in QUANTIZED.items():
+            ours, theirs = bench(CONFIGS / name, "native", args, quant), baseline[name]
+            ratio = ours["decode_tok_s"] / theirs["decode_tok_s"]
+            rows.append((label, ours["engine"], cell(ours), cell(theirs) + " (unquantized)", f"{ratio:.2f}×"))
     print(f"decode tok/s, median (lowest–highest) of {args.runs} runs · {args.new_tokens} new tokens after "
           f"{args.prompt_length} · {args.device} · random weights\n")  # fmt: skip
     print("| family | engine picked | native | transformers | native / transformers |")

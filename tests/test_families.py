@@ -5,6 +5,7 @@ expert, a tensor of the wrong shape) refused in one line naming the tensor."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -72,9 +73,48 @@ def test_experts_left_in_mxfp4_blocks_are_refused_by_the_native_engine() -> None
         check_supported(model, 64)
 
 
-def test_quantizing_stacked_experts_is_refused_not_skipped(tiny_moe: Path) -> None:
-    proc = run_cli("generate", "-m", str(tiny_moe), "--device", "cpu", "--quant", "int4", "hi")
-    assert "keeps its experts in stacked tensors" in one_error_line(proc, 2)
+def test_stacked_experts_are_quantized_on_a_cpu_and_refused_where_they_would_be_skipped(
+    tiny_moe: Path,
+) -> None:
+    """llmcli's int8/int4 quantize each expert (the bulk of an MoE's weights) on a CPU, as
+    `models show` estimated; bitsandbytes (--engine transformers) would leave them unquantized,
+    and a GPU has no gathered kernel for them yet: both refused in one line, never skipped."""
+    full = generated(tiny_moe)
+    int8, int4 = generated(tiny_moe, "--quant", "int8"), generated(tiny_moe, "--quant", "int4")
+    assert (int8["engine"], int8["quant"], int4["engine"], int4["quant"]) == (
+        "native",
+        "int8",
+        "native",
+        "int4-g64",
+    )
+    assert int8["weight_bytes"] < full["weight_bytes"] / 3 and int4["weight_bytes"] < int8["weight_bytes"]
+    shown = re.search(r"int8 ([0-9.]+) kB", run_cli("models", "show", str(tiny_moe)).stdout.decode())
+    assert shown and abs(float(shown.group(1)) * 1000 - int8["weight_bytes"]) < 0.01 * int8["weight_bytes"]
+    proc = run_cli(
+        "generate",
+        "-m",
+        str(tiny_moe),
+        "--device",
+        "cpu",
+        "--quant",
+        "int4",
+        "--engine",
+        "transformers",
+        "hi",
+    )
+    assert "keeps its experts in stacked tensors, which bitsandbytes does not quantize" in one_error_line(
+        proc, 2
+    )
+
+
+def test_quantized_experts_on_a_gpu_are_refused_before_loading() -> None:
+    from llmcli.errors import UsageError
+    from llmcli.models.quant import native_quant_kind
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"]}
+    assert native_quant_kind("int4", "auto", False, "cpu", config) == "int4"
+    with pytest.raises(UsageError, match="quantized for a CPU only so far"):
+        native_quant_kind("int4", "auto", False, "cuda", config)
 
 
 def without(source: Path, folder: Path, drop: str | None = None, reshape: str | None = None) -> Path:

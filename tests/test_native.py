@@ -448,3 +448,34 @@ def test_gemma_kv_memory_stays_flat_past_the_window() -> None:
     dense = NativeBackend(build("gemma3_text", {**GEMMA_RING[1], "sliding_window": 4096}), CONTEXT)
     dense.prefill(prompt(400, seed=6))
     assert dense.cache.nbytes() == per_slot * 4 * 512
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("case", ["qwen3-moe-k2", "gpt-oss-k2-window-8"])
+@torch.inference_mode()
+def test_quantized_experts_compute_what_their_dequantized_weights_do(case: str, kind: str) -> None:
+    """`--quant` on a CPU quantizes each expert on its own (int4 where its group divides the
+    width, else int8; biases kept). The native engine's prefill and decode with them equal the
+    same model whose stacked experts hold the dequantized weights: the layout (gpt-oss's
+    transposed, interleaved gate/up), the biases and the per-expert kernels read as intended."""
+    import copy
+
+    from llmcli.models.quantized import quantize_experts, stacked_experts
+
+    quantized = build(*CASES[case])
+    reference = copy.deepcopy(quantized)
+    for experts, twin in zip(stacked_experts(quantized), stacked_experts(reference), strict=True):
+        # int4 with groups of 32: gate/up (64 wide) takes it, down (48 wide) goes to int8.
+        assert quantize_experts(experts, kind, 32) == ({"int8"} if kind == "int8" else {"int4", "int8"})
+        transposed = bool(getattr(experts, "is_transposed", False))
+        for name in ("gate_up", "down"):
+            weights = [layer.dequantized() for layer in getattr(experts, f"_llmcli_{name}")]
+            stacked = torch.stack([w.T if transposed else w for w in weights])
+            getattr(twin, f"{name}_proj").copy_(stacked)
+        assert experts.gate_up_proj.numel() == 0  # the stacked tensor is gone, its memory with it
+    ids = prompt(30, seed=7)
+    ours, theirs = NativeBackend(quantized, CONTEXT), NativeBackend(reference, CONTEXT)
+    torch.testing.assert_close(ours.prefill(ids[:20]), theirs.prefill(ids[:20]), rtol=0, atol=1e-4)
+    for token in ids[20:]:
+        step = torch.tensor([token])
+        torch.testing.assert_close(ours.decode(step), theirs.decode(step), rtol=0, atol=1e-4)

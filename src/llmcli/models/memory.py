@@ -182,7 +182,12 @@ def native_mode(kind: str, group: int | None, tensors: dict[str, TensorHeader]) 
         return "native-int8"
     from llmcli.models.quant import pick_int4_group
 
-    widths = {t.shape[1] for name, t in tensors.items() if _is_native_linear(name, t.shape)}
+    # The group is the linear layers'; an expert whose width it does not divide goes to int8.
+    widths = {
+        t.shape[1]
+        for name, t in tensors.items()
+        if _is_native_linear(name, t.shape) and ".experts." not in name
+    }
     return f"native-int4-g{group or pick_int4_group(widths)}"
 
 
@@ -200,7 +205,7 @@ def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str)
         rows = tensor.shape[0] if tensor.shape else 0
         if not _is_native_linear(name, tensor.shape):
             total += tensor.count * dtype_bytes
-        elif group and not name.endswith("lm_head.weight"):
+        elif group and not name.endswith("lm_head.weight") and tensor.shape[1] % group == 0:
             total += tensor.count / 2 + tensor.count / group * 2 * dtype_bytes
         else:
             total += tensor.count + rows * dtype_bytes

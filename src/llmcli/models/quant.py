@@ -31,12 +31,11 @@ NATIVE_FAMILIES = {
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
 }
-# What llmcli's int8/int4 kernels quantize: every linear layer of these. (A mixture of experts
-# keeps its experts in stacked tensors, which no kernel here quantizes yet.)
+# What llmcli's int8/int4 kernels quantize: every linear layer of these, and a mixture's stacked
+# experts one by one — on a CPU only (a GPU decode step gathers its experts by index on the
+# device, which needs a gathered int8/int4 kernel not written yet).
 EXPERT_FAMILIES = frozenset({"moe", "gpt_oss"})
-SUPPORTED_ARCHITECTURES = frozenset(
-    a for a, family in NATIVE_FAMILIES.items() if family not in EXPERT_FAMILIES
-)
+SUPPORTED_ARCHITECTURES = frozenset(NATIVE_FAMILIES)
 EXPERTS_ARCHITECTURES = frozenset(a for a, family in NATIVE_FAMILIES.items() if family in EXPERT_FAMILIES)
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 
@@ -79,7 +78,15 @@ def native_quant_kind(
     if device_type not in ("cpu", "cuda"):
         return None
     architectures = config.get("architectures") or []
-    return quant if architectures and architectures[0] in SUPPORTED_ARCHITECTURES else None
+    if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        return None
+    if architectures[0] in EXPERTS_ARCHITECTURES and device_type != "cpu":
+        raise UsageError(
+            f"--quant {quant}: a mixture of experts' experts are quantized for a CPU only so far (on a "
+            "GPU they are gathered by index, which needs an int8/int4 kernel not written yet)",
+            "drop --quant, or add --device cpu",
+        )
+    return quant
 
 
 def bitsandbytes_request(quant: str, quant_type: str) -> tuple[str, str]:
@@ -106,9 +113,9 @@ def check_quant_request(
         return  # torch's own kernels: nothing more to check
     if (config.get("architectures") or [None])[0] in EXPERTS_ARCHITECTURES:
         raise UsageError(
-            f"--quant {quant}: this mixture of experts keeps its experts in stacked tensors, which neither "
-            "llmcli's kernels nor bitsandbytes quantize (the experts would stay unquantized)",
-            "drop --quant",
+            f"--quant {quant}: this mixture of experts keeps its experts in stacked tensors, which "
+            "bitsandbytes does not quantize (the experts would stay unquantized)",
+            "llmcli's own int8/int4 do, on a CPU with the native engine; else drop --quant",
         )
     try:
         import bitsandbytes  # noqa: F401  (a broken install fails here too, not halfway through loading)

@@ -248,10 +248,47 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, quantized([name], linear.weight, linear.bias, is_head=linear is head))
+    for experts in stacked_experts(model):
+        kinds |= quantize_experts(experts, kind, group)
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own (int8) matrix now
     # What the layers became: on CUDA, widths the int4 kernel cannot tile stay int8.
     return f"int4-g{group}" if "int4" in kinds else "int8"
+
+
+def stacked_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that hold a mixture's experts as stacked [experts, …] tensors."""
+    return [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
+        and module.gate_up_proj.dim() == 3
+    ]
+
+
+def quantize_experts(experts: torch.nn.Module, kind: str, group: int) -> set[str]:
+    """Each expert's gate/up and down matrices quantized on their own, as `_llmcli_gate_up` and
+    `_llmcli_down` (one QuantizedLinear per expert, biases included: gpt-oss), one expert at a
+    time; the stacked tensors are emptied. transformers' expert code can no longer run them:
+    only the native engine, which reads these, runs a model quantized so (models/quant.py).
+    Returns the kinds used: int4 where its group divides the input width, else int8."""
+    kinds: set[str] = set()
+    transposed = bool(getattr(experts, "is_transposed", False))  # gpt-oss stores [E, in, out]
+    for name in ("gate_up_proj", "down_proj"):
+        stacked = getattr(experts, name)
+        biases = getattr(experts, f"{name}_bias", None)
+        layers = torch.nn.ModuleList()
+        for index in range(stacked.shape[0]):
+            weight = stacked[index].T if transposed else stacked[index]
+            bias = biases[index] if biases is not None else None
+            fits = kind == "int4" and weight.shape[1] % group == 0 and _tinygemm_fits(weight)
+            layer = QuantizedLinear.int4(weight, bias, group) if fits else QuantizedLinear.int8(weight, bias)
+            kinds.add(layer.kind)
+            layers.append(layer)
+        setattr(experts, f"_llmcli_{name.removesuffix('_proj')}", layers)
+        # Emptied, not deleted: the module keeps its attributes, and the memory goes back.
+        setattr(experts, name, torch.nn.Parameter(stacked.new_empty(0), requires_grad=False))
+    return kinds
 
 
 class ExactCodes(Protocol):

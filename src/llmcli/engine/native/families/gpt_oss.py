@@ -37,6 +37,10 @@ def check_supported(model: Any, context_length: int) -> None:
     llama.check_supported(model, context_length)
     for index, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
+        if hasattr(experts, "_llmcli_gate_up"):  # quantized per expert: on a CPU only
+            if experts._llmcli_gate_up[0].packed.device.type != "cpu":
+                raise NotSupported("int8/int4 experts off a CPU (a GPU needs a gathered kernel for them)")
+            continue
         for name in STACKED:
             tensor = getattr(experts, name, None)
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
@@ -64,11 +68,12 @@ class ClampedSwigluExperts(moe.SparseExperts):
         self.down = experts.down_proj  # [experts, intermediate, hidden]
         self.down_bias = experts.down_proj_bias  # [experts, hidden]
         self.top_k = mlp.router.top_k
-        self.intermediate = self.down.shape[1]
         self.experts = self.router.shape[0]
+        self.quantized = moe._quantized(experts)
+        self.intermediate = self.quantized[1][0].in_features if self.quantized else self.down.shape[1]
         self.alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
-        self.on_host = self.gate_up.device.type == "cpu"
+        self.on_host = self.router.device.type == "cpu"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.router, self.router_bias)
@@ -81,7 +86,16 @@ class ClampedSwigluExperts(moe.SparseExperts):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        hidden = self._activate(torch.matmul(x, self.gate_up[expert]) + self.gate_up_bias[expert])
+        return self.down_of(self._activate(self.gate_up_of(x, expert)), expert)
+
+    def gate_up_of(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        if self.quantized:
+            return self.quantized[0][expert](x)
+        return torch.matmul(x, self.gate_up[expert]) + self.gate_up_bias[expert]
+
+    def down_of(self, hidden: torch.Tensor, expert: int) -> torch.Tensor:
+        if self.quantized:
+            return self.quantized[1][expert](hidden)
         return torch.matmul(hidden, self.down[expert]) + self.down_bias[expert]
 
     def gathered(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

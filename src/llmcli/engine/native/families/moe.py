@@ -45,6 +45,10 @@ def check_supported(model: Any, context_length: int) -> None:
         if not hasattr(mlp, "experts"):
             continue
         experts = mlp.experts
+        if hasattr(experts, "_llmcli_gate_up"):  # quantized per expert (models/quantized.py)
+            if experts._llmcli_gate_up[0].packed.device.type != "cpu":
+                raise NotSupported("int8/int4 experts off a CPU (a GPU needs a gathered kernel for them)")
+            continue
         for name in ("gate_up_proj", "down_proj"):
             tensor = getattr(experts, name, None)
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
@@ -67,20 +71,30 @@ def weights(model: Any, context_length: int) -> Weights:
     return llama.weights(model, context_length, feed_forward)
 
 
+def _quantized(experts: Any) -> tuple[Any, Any] | None:
+    """Each expert's quantized gate/up and down layers, where `--quant` made them."""
+    gate_up = getattr(experts, "_llmcli_gate_up", None)
+    return (gate_up, experts._llmcli_down) if gate_up is not None else None
+
+
 class SparseExperts:
     """A router and stacked experts: each token through its top-k experts' gated MLPs, their
     outputs weighted by the router's (renormalised) probabilities. Another family's experts
-    (gpt-oss) change `route`, `expert` and `gathered`; how tokens reach them stays."""
+    (gpt-oss) change `route`, `gate_up`, `down_of` and `gathered`; how tokens reach them stays.
+    Experts quantized one by one (`--quant` on a CPU: models/quantized.py) run through their
+    own int8/int4 layers, biases included."""
 
     def __init__(self, mlp: Any, normalise: bool) -> None:
+        experts = mlp.experts
         self.router = mlp.gate.weight  # [experts, hidden]
-        self.gate_up = mlp.experts.gate_up_proj  # [experts, 2 × intermediate, hidden]
-        self.down = mlp.experts.down_proj  # [experts, hidden, intermediate]
+        self.gate_up = experts.gate_up_proj  # [experts, 2 × intermediate, hidden]
+        self.down = experts.down_proj  # [experts, hidden, intermediate]
         self.top_k = mlp.gate.top_k
         self.normalise = normalise
-        self.intermediate = self.down.shape[-1]
         self.experts = self.router.shape[0]
-        self.on_host = self.gate_up.device.type == "cpu"
+        self.quantized = _quantized(experts)
+        self.intermediate = self.quantized[1][0].in_features if self.quantized else self.down.shape[-1]
+        self.on_host = self.router.device.type == "cpu"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → each token's expert weights [T, k] (in x's dtype) and experts [T, k]."""
@@ -92,8 +106,18 @@ class SparseExperts:
 
     def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Tokens x [n, hidden] (or one, [hidden]) through one expert, used where it lies."""
-        gate, up = F.linear(x, self.gate_up[expert]).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down[expert])
+        gate, up = self.gate_up_of(x, expert).split(self.intermediate, dim=-1)
+        return self.down_of(F.silu(gate) * up, expert)
+
+    def gate_up_of(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        if self.quantized:
+            return self.quantized[0][expert](x)
+        return F.linear(x, self.gate_up[expert])
+
+    def down_of(self, hidden: torch.Tensor, expert: int) -> torch.Tensor:
+        if self.quantized:
+            return self.quantized[1][expert](hidden)
+        return F.linear(hidden, self.down[expert])
 
     def gathered(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """One token [hidden] through its k experts gathered by index on the device: [k, hidden]."""
