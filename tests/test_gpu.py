@@ -240,21 +240,25 @@ def test_a_check_pass_equals_decode_steps_on_cuda(tiny_llama: Path, quant: str) 
         "mixtral-k2-tied",
         "phi4-mini-partial-rotary",
         "gemma3-window-8-shorter-than-the-prompt",
+        "mistral-window-16",
+        "gpt-oss-k2-window-8",
+        "gemma2-window-8-softcapped",
     ],
 )
 @torch.inference_mode()
 def test_each_family_replays_in_cuda_graphs_as_transformers_computes(case: str) -> None:
     """The families beyond Llama's in fp32 on CUDA: the graphed decode (the MoE's experts
-    gathered by a device-side index) within 1e-4 of transformers' own forward."""
+    gathered by a device-side index, a sliding layer's ring slot and mask from the device-side
+    position, gpt-oss's sinks) within 1e-4 of transformers' own forward, past the rings' wrap."""
     from llmcli.engine.native.backend import NativeBackend
     from test_native import CASES, CONTEXT, build, prompt
 
     model = build(*CASES[case]).to("cuda")
     graphed = NativeBackend(model, CONTEXT, graphs=True)
-    ids = prompt(40)
+    ids = prompt(120)  # rings of 72 and 80 slots wrap before the decode steps
     reference = model(torch.tensor([ids], device="cuda")).logits[0].float()
-    torch.testing.assert_close(graphed.prefill(ids[:30])[0], reference[29], rtol=0, atol=1e-4)
-    for i in range(30, 40):
+    torch.testing.assert_close(graphed.prefill(ids[:100])[0], reference[99], rtol=0, atol=1e-4)
+    for i in range(100, 120):
         step = graphed.decode(torch.tensor([ids[i]], device="cuda"))
         torch.testing.assert_close(step[0], reference[i], rtol=0, atol=1e-4)
     assert graphed.graphs.captures >= 1

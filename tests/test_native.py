@@ -81,6 +81,12 @@ CASES = {
         "gemma3_text",
         {"sliding_window": 256, "num_key_value_heads": 4, "sliding_window_pattern": 2, **GEMMA},
     ),
+    # Gemma 2: sliding and global layers alternating, scores and logits soft-capped; caps low
+    # enough that the random logits (~±8) and scores reach into tanh's curve.
+    "gemma2-window-8-softcapped": (
+        "gemma2",
+        {"sliding_window": 8, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0, **GEMMA},
+    ),
     "qwen3-moe-k2": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, **MOE}),
     "qwen3-moe-k1-dense-layer-unnormalised": (
         "qwen3_moe",
@@ -107,7 +113,8 @@ def build(arch: str, overrides: dict) -> torch.nn.Module:
 
     config = AutoConfig.for_model(arch, **{**BASE, **overrides})
     torch.manual_seed(0)
-    attention = "eager" if arch == "gpt_oss" else "sdpa"  # transformers has no SDPA path with sinks
+    # transformers has no SDPA path with sinks (gpt-oss) or soft-capping (Gemma 2)
+    attention = "eager" if arch in ("gpt_oss", "gemma2") else "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
     if arch == "qwen2":  # transformers initialises biases to zero: make them count
         with torch.no_grad():
@@ -119,7 +126,7 @@ def build(arch: str, overrides: dict) -> torch.nn.Module:
             for name, parameter in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     parameter.normal_(0, 0.5)
-    if arch == "gemma3_text":  # Gemma's norms start at zero (a scale of 1 + 0): make them count
+    if arch in ("gemma3_text", "gemma2"):  # Gemma's norms start at zero (a scale of 1 + 0): make them count
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if "norm" in name:
@@ -191,7 +198,7 @@ def test_native_engine_shares_the_weights_transformers_loaded() -> None:
 @pytest.mark.parametrize(
     ("arch", "overrides", "reason"),
     [
-        ("gemma3_text", {"attn_logit_softcapping": 50.0, **GEMMA}, "soft-capping"),
+        ("gemma3_text", {"hidden_activation": "gelu", **GEMMA}, "activation 'gelu'"),
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "RoPE"),
         ("gpt2", {"n_embd": 64, "n_layer": 1, "n_head": 2, "vocab_size": VOCAB}, "not in a family"),
     ],
@@ -233,14 +240,14 @@ def test_a_prompt_longer_than_a_prefill_chunk_equals_one_pass(monkeypatch: pytes
     assert chunked.length == 150
 
 
-@pytest.mark.parametrize("case", ["llama-gqa2", "gpt-oss-k2-window-8"])
+@pytest.mark.parametrize("case", ["llama-gqa2", "gpt-oss-k2-window-8", "gemma2-window-8-softcapped"])
 @torch.inference_mode()
 def test_decode_attention_split_along_the_keys_matches_transformers(
     monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """Long buckets (≥ 2048 slots on a GPU) split attention along the keys; lowered thresholds
     run that path here over 512 slots in chunks of 64, every later slot masked (gpt-oss: its
-    full layers' sinks join that softmax)."""
+    full layers' sinks join that softmax; Gemma 2: its scores capped before it)."""
     from llmcli.engine.native import attention
 
     monkeypatch.setattr(attention, "SPLIT_ATTENTION_FROM", 256)
@@ -288,7 +295,7 @@ def test_engine_setting_from_flag_env_and_config(tiny_llama, tmp_path, monkeypat
 
 
 FAMILY_CASES = [
-    name for name in CASES if name.startswith(("qwen3-moe", "mixtral", "gemma3", "phi", "gpt-oss"))
+    name for name in CASES if name.startswith(("qwen3-moe", "mixtral", "gemma", "phi", "gpt-oss"))
 ]
 
 
@@ -376,7 +383,13 @@ GEMMA_RING = CASES["gemma3-window-8-shorter-than-the-prompt"]  # window 8: a rin
 
 @pytest.mark.parametrize("static_shapes", [False, True], ids=["exact", "bucketed"])
 @pytest.mark.parametrize(
-    "case", ["gemma3-window-8-shorter-than-the-prompt", "mistral-window-16", "gpt-oss-k2-window-8"]
+    "case",
+    [
+        "gemma3-window-8-shorter-than-the-prompt",
+        "mistral-window-16",
+        "gpt-oss-k2-window-8",
+        "gemma2-window-8-softcapped",
+    ],
 )
 @torch.inference_mode()
 def test_sliding_layers_keep_a_ring_of_their_window_and_match_transformers_across_wraps(
@@ -390,7 +403,7 @@ def test_sliding_layers_keep_a_ring_of_their_window_and_match_transformers_acros
     from llmcli.engine.native.kvcache import RING_SLACK
 
     monkeypatch.setattr(backend, "PREFILL_CHUNK", 50)
-    monkeypatch.setattr(attention, "SINK_MASK_ELEMENTS", 4 * 7 * 51)
+    monkeypatch.setattr(attention, "SCORED_ELEMENTS", 4 * 7 * 51)
     model = build(*CASES[case])
     ids = prompt(330, seed=4)
     reference = model(torch.tensor([ids])).logits[0].float()

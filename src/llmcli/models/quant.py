@@ -29,6 +29,7 @@ NATIVE_FAMILIES = {
     "MixtralForCausalLM": "moe",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
 }
 # What llmcli's int8/int4 kernels quantize: every linear layer of these, and a mixture's stacked

@@ -2,9 +2,10 @@
 the ways of attending that the plans (plans.py) choose between: over a chunk with the causal
 rule, for one query over a span with an optional mask, or for several rows in one call.
 
-Attention sinks (gpt-oss): each head has a learned logit that joins the softmax's denominator
-and takes no value. SDPA has no such term, so a sink is one more key, of zeros (its value adds
-nothing), whose score the additive mask sets to the head's sink logit."""
+Two variants SDPA cannot express are scored by hand (`_scored_attention`), as transformers' eager
+code scores them: attention sinks (gpt-oss), a learned logit per head that joins the softmax's
+denominator and takes no value; and soft-capping (Gemma 2), every score passed through
+cap · tanh(score / cap) before the mask."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from llmcli.engine.native.layers import RMSNorm, Shape, identity, projection, ro
 # are powers of two ≥ 256 and rings multiples of 256 above it, so they divide into chunks evenly).
 SPLIT_ATTENTION_FROM = 2048
 SPLIT_CHUNK = 256
-# With sinks, a prefill chunk's additive mask is heads × rows × keys: its rows are taken in slices
-# of at most this many mask elements (the mask is made per slice).
-SINK_MASK_ELEMENTS = 1 << 25
+# Scored by hand, a prefill chunk's scores are heads × rows × keys: its rows are taken in slices
+# of at most this many scores.
+SCORED_ELEMENTS = 1 << 25
 
 
 class Attention:
@@ -38,6 +39,7 @@ class Attention:
         norm: Any = RMSNorm,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         self.layer = layer
         self.shape = shape
@@ -56,6 +58,8 @@ class Attention:
         self.scale = scale if scale is not None else shape.head_dim**-0.5
         sinks = getattr(attn, "sinks", None)  # gpt-oss: one logit per head
         self.sinks = sinks.detach() if sinks is not None else None
+        self.softcap = softcap
+        self.scored = self.sinks is not None or softcap is not None  # by hand, not by SDPA
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d], RoPE applied to q and k."""
@@ -90,9 +94,10 @@ class Attention:
         q = q.reshape(1, shape.kv_heads, groups, shape.head_dim)
         sinks = self.sinks.view(shape.kv_heads, groups) if self.sinks is not None else None
         if mask is not None and _splits(keys.shape[1]):
-            out = _split_kv_attention(q[0] * self.scale, keys, values, mask, sinks)
-        elif sinks is not None:
-            out = _attention_with_sinks(q, keys[None], values[None], mask, sinks[None], self.scale)
+            out = _split_kv_attention(q[0] * self.scale, keys, values, mask, sinks, self.softcap)
+        elif self.scored:
+            sinks = sinks[None] if sinks is not None else None
+            out = _scored_attention(q, keys[None], values[None], mask, self.scale, sinks, self.softcap)
         else:
             out = F.scaled_dot_product_attention(
                 q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=self.scale
@@ -115,10 +120,11 @@ class Attention:
                 self.sinks.view(shape.kv_heads, groups, 1).expand(-1, -1, rows).reshape(shape.kv_heads, -1)
             )
         if _splits(keys.shape[1]):
-            out = _split_kv_attention(q * self.scale, keys, values, mask[None], sinks)
-        elif sinks is not None:
-            out = _attention_with_sinks(
-                q[None], keys[None], values[None], mask[None, None], sinks[None], self.scale
+            out = _split_kv_attention(q * self.scale, keys, values, mask[None], sinks, self.softcap)
+        elif self.scored:
+            sinks = sinks[None] if sinks is not None else None
+            out = _scored_attention(
+                q[None], keys[None], values[None], mask[None, None], self.scale, sinks, self.softcap
             )[0]
         else:
             out = F.scaled_dot_product_attention(
@@ -139,8 +145,8 @@ class Attention:
             mask = torch.ones(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device).tril(start)
             if windowed:  # and positions > its own − window
                 mask &= ~torch.ones_like(mask).tril(start - self.window)
-        if self.sinks is not None:
-            return self._causal_with_sinks(q, keys, values, mask, start)
+        if self.scored:
+            return self._causal_scored(q, keys, values, mask, start)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             keys.unsqueeze(0),
@@ -152,47 +158,52 @@ class Attention:
         )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
-    def _causal_with_sinks(
+    def _causal_scored(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, start: int
     ) -> torch.Tensor:
-        """`attend_causal` with sinks: the additive mask is per head, so rows go in slices."""
-        assert self.sinks is not None
+        """`attend_causal` scored by hand, its rows in slices (the scores are made whole)."""
         rows, slots = q.shape[1], keys.shape[1]
         if mask is None:
             mask = torch.ones(rows, slots, dtype=torch.bool, device=q.device).tril(start)
         groups = self.shape.heads // self.shape.kv_heads
-        # Keys repeated per query head: the mask, one per head, is as large anyway.
-        keys = keys.repeat_interleave(groups, dim=0)[None]
+        keys = keys.repeat_interleave(groups, dim=0)[None]  # one per query head, as the scores are
         values = values.repeat_interleave(groups, dim=0)[None]
-        step = max(1, SINK_MASK_ELEMENTS // (self.shape.heads * (slots + 1)))
-        sinks, scale = self.sinks.view(1, -1, 1), self.scale
+        step = max(1, SCORED_ELEMENTS // (self.shape.heads * (slots + 1)))
+        sinks = self.sinks.view(1, -1, 1) if self.sinks is not None else None
         out = torch.cat([
-            _attention_with_sinks(q[None, :, i : i + step], keys, values, mask[i : i + step], sinks, scale)
+            _scored_attention(
+                q[None, :, i : i + step], keys, values, mask[i : i + step], self.scale, sinks, self.softcap
+            )
             for i in range(0, rows, step)
         ], dim=2)  # fmt: skip
         return out[0].transpose(0, 1).reshape(rows, -1)
 
 
-def _attention_with_sinks(
+def _scored_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
-    sinks: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """SDPA with one sink logit per query head: q [1, H, Q, d], keys and values [1, H, S, d],
-    `mask` (bool, broadcastable to [1, H, Q, S]) or None, `sinks` broadcastable to [1, H, Q] →
-    [1, H, Q, d]. The sink is a zero key whose score the additive mask sets to its logit."""
-    heads, rows, slots = q.shape[1], q.shape[2], keys.shape[2]
-    zero = keys.new_zeros(1, keys.shape[1], 1, keys.shape[3])
-    bias = torch.zeros(1, heads, rows, slots + 1, dtype=q.dtype, device=q.device)
+    """Attention scored by hand, in fp32: q [1, H, Q, d], keys and values [1, H, S, d], `mask`
+    (bool, broadcastable to [1, H, Q, S]) or None, `sinks` (broadcastable to [1, H, Q]) or None
+    → [1, H, Q, d]."""
+    slots = keys.shape[2]
+    scores = _capped(torch.matmul(q, keys.transpose(-1, -2)).float() * scale, softcap)
     if mask is not None:
-        bias[..., :slots].masked_fill_(~mask, float("-inf"))
-    bias[..., slots] = sinks.to(q.dtype)
-    return F.scaled_dot_product_attention(
-        q, torch.cat((keys, zero), dim=2), torch.cat((values, zero), dim=2), attn_mask=bias, scale=scale
-    )
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().unsqueeze(-1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :slots].to(values.dtype)
+    return torch.matmul(probs, values)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def _splits(slots: int) -> bool:
@@ -202,7 +213,12 @@ def _splits(slots: int) -> bool:
 
 
 def _split_kv_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Decode attention over a long bucket, spread over the whole GPU.
 
@@ -213,10 +229,10 @@ def _split_kv_attention(
     step parallel over the key length. q [kv_heads, G, d] (already scaled), keys and values
     [kv_heads, S, d] with S a multiple of SPLIT_CHUNK, mask [1, 1, 1, S] (or one row per query
     position, [1, G, S]) → [kv_heads, G, d]. `sinks` [kv_heads, G]: each query position's sink
-    logit, which joins the softmax and is dropped after it.
+    logit, which joins the softmax and is dropped after it; `softcap`: Gemma 2's cap on scores.
     """
     kv_heads, slots, d = keys.shape
-    scores = torch.matmul(q, keys.transpose(1, 2)).float()
+    scores = _capped(torch.matmul(q, keys.transpose(1, 2)).float(), softcap)
     scores = scores.masked_fill(~mask.view(1, -1, slots), float("-inf"))
     if sinks is not None:
         scores = torch.cat((scores, sinks.float().unsqueeze(-1)), dim=-1)

@@ -32,6 +32,7 @@ class Transformer:
         self.inv_freq = weights.inv_freq
         self.rope_scale = weights.rope_scale
         self.local_rope = weights.local_rope
+        self.logit_softcap = weights.logit_softcap
         # In the embedding's dtype, as transformers scales it (Gemma).
         self.embed_scale = (
             torch.tensor(weights.embed_scale, dtype=weights.embedding.dtype, device=weights.embedding.device)
@@ -77,7 +78,10 @@ class Transformer:
         for block in self.blocks:
             h = block(h, *ropes[block.rope], plan)
         plan.finish()
-        return self.output(self.norm(h[-1:] if plan.last_only else h)).float()
+        logits = self.output(self.norm(h[-1:] if plan.last_only else h))
+        if self.logit_softcap is not None:  # in the model's dtype, as transformers caps them
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits.float()
 
     # The passes the backend runs, by name --------------------------------------------------
 

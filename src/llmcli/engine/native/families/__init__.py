@@ -28,7 +28,7 @@ def family_of(model: Any) -> ModuleType:
     name = type(model).__name__
     family = NATIVE_FAMILIES.get(name)
     if family is None:
-        families = "Llama, Phi-3, Gemma 3, gpt-oss, a sparse MoE"
+        families = "Llama, Phi-3, Gemma 2 and 3, gpt-oss, a sparse MoE"
         raise NotSupported(f"{name} is not in a family the native engine runs ({families})")
     return FAMILIES[family]
 

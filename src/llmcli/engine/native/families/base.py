@@ -52,3 +52,4 @@ class Weights:
     # A second RoPE table, for the blocks whose `rope` is "local" (Gemma 3's sliding layers).
     local_rope: tuple[torch.Tensor, float] | None = None
     embed_scale: float | None = None  # the embedding is multiplied by this (Gemma: √hidden)
+    logit_softcap: float | None = None  # logits through cap · tanh(logit / cap) (Gemma 2)

@@ -1,4 +1,4 @@
-"""Gemma 3 (`Gemma3ForCausalLM`, the text models).
+"""Gemma 3 (`Gemma3ForCausalLM`, the text models) and Gemma 2 (`Gemma2ForCausalLM`).
 
     embedding × √hidden → N × (norm → attention → norm, added; norm → GeGLU → norm, added)
     → norm → logits
@@ -12,8 +12,9 @@ What differs from the Llama family, settled here when the model is built:
 - the MLP's gate through tanh-approximated gelu.
 
 The sliding layers' KV cache is a ring of their window (kvcache.py): their memory stays flat
-however long the text grows. Gemma 2's soft-capping of attention scores and logits is not
-implemented: such a config is refused.
+however long the text grows. Gemma 2 is the same model without q/k norms, with one RoPE table for
+both kinds of layer, and with soft-capping: attention scores through cap · tanh(score / cap)
+(scored by hand, attention.py) and the logits likewise.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ SLIDING = "sliding_attention"
 
 def check_supported(model: Any, context_length: int) -> None:
     config = model.config
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        raise NotSupported("soft-capping of attention scores or logits (Gemma 2)")
     if getattr(config, "use_bidirectional_attention", False):
         raise NotSupported("bidirectional attention (an embedding model)")
     if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
         raise NotSupported(f"activation {getattr(config, 'hidden_activation', None)!r}")
-    for kind, rope in (getattr(config, "rope_parameters", None) or {}).items():
-        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    ropes = getattr(config, "rope_parameters", None) or {}
+    per_kind = ropes if all(isinstance(rope, dict) for rope in ropes.values()) else {"every": ropes}
+    for kind, rope in per_kind.items():
+        rope_type = rope.get("rope_type", "default")
         if rope_type not in llama.STATIC_ROPE_TYPES:
             raise NotSupported(f"RoPE type {rope_type!r} for {kind} layers")
     linears = [m for m in model.modules() if type(m).__name__.startswith("Linear")]
@@ -85,6 +86,9 @@ class GemmaBlock(Block):
 
 
 def _rope_table(rotary: Any, kind: str) -> tuple[torch.Tensor, float]:
+    """Gemma 3's table for a kind of layer; Gemma 2 has one for both."""
+    if not hasattr(rotary, f"{kind}_inv_freq"):
+        return rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
     return getattr(rotary, f"{kind}_inv_freq").float(), float(getattr(rotary, f"{kind}_attention_scaling"))
 
 
@@ -111,6 +115,7 @@ def weights(model: Any, context_length: int) -> Weights:
             norm=GemmaRMSNorm,
             scale=config.query_pre_attn_scalar**-0.5,
             window=config.sliding_window if sliding else None,
+            softcap=getattr(config, "attn_logit_softcapping", None),
         )
         blocks.append(GemmaBlock(layer, attention, shape.eps, "local" if sliding else "global"))
     table = {kind: _rope_table(rotary, kind) for kind in set(kinds)}  # transformers' own, per kind
@@ -125,4 +130,5 @@ def weights(model: Any, context_length: int) -> Weights:
         rope_scale=full[1],
         local_rope=table.get(SLIDING),
         embed_scale=float(body.embed_tokens.scalar_embed_scale),
+        logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
