@@ -73,6 +73,26 @@ def test_static_shapes_chat_with_undo_and_retry_equals_the_dynamic_path(loaded_t
     assert chat_with_crops(loaded_tiny, static) == chat_with_crops(loaded_tiny, dynamic)
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_a_chat_over_sliding_rings_equals_fresh_prefills_through_undo_and_retry(
+    arch: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Sliding layers of window 8 keep rings of 72 slots: the chat's turns wrap them, /undo and
+    /retry crop past their slack (the engine runs the conversation again) or within it; every
+    turn's first logits equal a fresh prefill's, exact and bucketed alike."""
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    from tiny_models import build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch)
+    loaded = load_model(resolve_model(str(folder)), LoadSettings(device="cpu", threads=1))
+    dynamic, static = engines(loaded, "native")
+    assert dynamic.backend.cache.rings[0] == 8 + 64  # layer 0 slides
+    assert chat_with_crops(loaded, static) == chat_with_crops(loaded, dynamic)
+
+
 def test_static_cache_write_position_is_restored_after_an_interrupt(loaded_tiny) -> None:
     dynamic, static = engines(loaded_tiny, "transformers")
     ids = prompt_ids(loaded_tiny.tokenizer, build_messages("Hello"))

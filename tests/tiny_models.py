@@ -92,10 +92,12 @@ def build_tiny_model(
     added: tuple[str, ...] = (),
     special: tuple[str, ...] = (),
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2", "qwen3_moe" or "gpt_oss") model with random weights and a
-    trained tokenizer (with `chat_template` as its template when it is text)."""
+    """Save a 2-layer `arch` ("llama", "qwen2", "qwen3_moe", "gpt_oss", "gemma3_text") model with
+    random weights and a trained tokenizer (with `chat_template` as its template when it is text)."""
     import torch
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         GptOssConfig,
         GptOssForCausalLM,
         LlamaConfig,
@@ -136,11 +138,19 @@ def build_tiny_model(
                 "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
             },
         }  # fmt: skip
+    if arch == "gemma3_text":  # a sliding layer (window 8) and a global one
+        shape |= {
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+        }
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+        "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.
