@@ -23,6 +23,7 @@ FAMILIES = {
     "Mixtral (8 experts, top-2)": "mixtral-cpu-bench.json",
     "Phi-4-mini shape (fused, partial RoPE)": "phi4-mini-cpu-bench.json",
     "Gemma 3 shape (5 sliding layers of 512 per global)": "gemma3-cpu-bench.json",
+    "Gemma 2 shape (soft-capped, sliding layers of 512 alternating)": "gemma2-cpu-bench.json",
     "gpt-oss shape (sinks, 32 experts, top-4, window 128)": "gpt-oss-cpu-bench.json",
     "Qwen3 dense, the MoE's active size": "qwen3-dense-moe-active-cpu-bench.json",
 }

@@ -71,9 +71,33 @@ MISTRAL_TEMPLATE = (
     "{% endfor %}"
 )
 
-# The tokens each family's tokenizer adds: Qwen's tags are text, Mistral's [TOOL_CALLS] is special.
+# gpt-oss's harmony, cut down: the tools in a developer message; each call a commentary-channel
+# message naming its tool in the header, ended by <|call|>; a result a message from the tool;
+# answers in the final channel, after their thinking in the analysis channel. The generation
+# prompt opens an assistant message: the model picks the channel (analysis, final, commentary).
+HARMONY_TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|># Tools\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}{% for call in message.tool_calls %}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ call.function.name }} <|constrain|>json"
+    "<|message|>{{ call.function.arguments | tojson }}<|call|>{% endfor %}"
+    "{% elif message.role == 'tool' %}"
+    "<|start|>functions.{{ message.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ message.content }}<|end|>"
+    "{% elif message.role == 'assistant' %}"
+    "{% if message.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{% endif %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{% else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+# The tokens each family's tokenizer adds: Qwen's tags are text, Mistral's [TOOL_CALLS] and
+# harmony's markers are special.
 ADDED = ("<tool_call>", "</tool_call>")
-SPECIAL = ("[TOOL_CALLS]",)
+HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>")
+SPECIAL = ("[TOOL_CALLS]", *HARMONY_SPECIAL)
 
 WEATHER = {
     "type": "function",

@@ -44,7 +44,8 @@ HARMONY = ThinkFormat(
     "<|channel|>analysis",
     "<|end|>" + HARMONY_FINAL,
     "<|channel|>analysis<|message|><|end|>" + HARMONY_FINAL,
-    answer_openers=(HARMONY_FINAL, "<|channel|>final<|message|>"),
+    # The final channel's header; or the message header alone, before a call's channel.
+    answer_openers=(HARMONY_FINAL, "<|channel|>final<|message|>", "<|start|>assistant"),
     special=True,
 )
 # One entry per way of marking thinking; each is tested in tests/test_reasoning.py.

@@ -9,8 +9,9 @@ powers of two (at least MIN_BUCKET), so a decode step attends over the bucket it
 in, not over the whole context, and each bucket's step has fixed shapes for a CUDA graph.
 Growing moves the tensors, which `storage_version` tells the graphs (they must be captured again).
 
-A sliding-window layer (Gemma 3's local layers) keeps only a ring of its last `window + slack`
-positions, position p in slot p mod ring: its memory stays flat however long the text grows.
+A sliding-window layer (Gemma 2 and 3's local layers, gpt-oss's, Mistral v0.1's) keeps a ring of
+its last `window + slack` positions, position p in slot p mod ring: its memory stays flat however
+long the text grows.
 The slack lets a speculative check write its rows before they are cropped back, and a chat
 template rewrite the end of a turn, without losing a position the window still needs. A crop
 further back than the rings can restore empties the cache (`length` says what was kept): the

@@ -2,9 +2,10 @@
 
 One small data entry per family: the text that opens the calls, what goes between two calls,
 what closes them, the key the arguments go under, and the marker in a chat template that says
-the family's. Templates that know no tools get the generic format: the tools described in a
-system message, a call written between <tool_call> tags as Hermes writes it, so every model can
-call tools.
+the family's. gpt-oss's harmony names the tool in the call's header instead
+(`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}`), its arguments bare.
+Templates that know no tools get the generic format: the tools described in a system message, a
+call written between <tool_call> tags as Hermes writes it, so every model can call tools.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ToolFormat:
     arguments_key: str = "arguments"
     trigger: str = ""  # the start of `opener` that, in free text, begins a call
     in_template: bool = True  # the template renders the tools and the calls itself
+    header_end: str = ""  # the tool is named in the header, between `opener` and this (harmony)
 
     @property
     def at_reply_start(self) -> bool:
@@ -37,6 +39,10 @@ class ToolFormat:
 
     def write(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         """Calls as the model writes them (how the generic format shows earlier calls)."""
+        if self.header_end:  # one call per message, its arguments bare
+            (name, arguments), *_ = calls
+            body = json.dumps(arguments, ensure_ascii=False)
+            return f"{self.opener}{name}{self.header_end}{body}{self.closer}"
         bodies = [
             json.dumps({"name": name, self.arguments_key: arguments}, ensure_ascii=False)
             for name, arguments in calls
@@ -55,6 +61,17 @@ HERMES = ToolFormat(
 MISTRAL = ToolFormat("mistral", ("[TOOL_CALLS]",), "[TOOL_CALLS] [", ", ", "]", trigger="[TOOL_CALLS]")
 # Llama 3.1–3.3: a custom tool's call is the whole reply, {"name": …, "parameters": …}.
 LLAMA3 = ToolFormat("llama3", ("<|python_tag|>", '"parameters": '), "", None, "", arguments_key="parameters")
+# gpt-oss: a call is a message of its own in the commentary channel, ended by <|call|> (an end of
+# sequence); the final channel is the answer (reasoning.py strips its header).
+HARMONY_TOOLS = ToolFormat(
+    "harmony",
+    ("to=functions.",),
+    "<|channel|>commentary to=functions.",
+    None,
+    "",
+    trigger="<|channel|>commentary",
+    header_end=" <|constrain|>json<|message|>",
+)
 # The layout most open models were tuned on (Hermes, Qwen): the best guess for a template that
 # knows no tools.
 GENERIC = ToolFormat(
@@ -66,7 +83,7 @@ GENERIC = ToolFormat(
     trigger=HERMES.trigger,
     in_template=False,
 )
-TOOL_FORMATS = (HERMES, MISTRAL, LLAMA3)  # the order they are tried in
+TOOL_FORMATS = (HARMONY_TOOLS, HERMES, MISTRAL, LLAMA3)  # the order they are tried in
 
 
 def tool_format_of(tokenizer: Any) -> ToolFormat:

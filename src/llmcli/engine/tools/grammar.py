@@ -6,6 +6,9 @@ calls the model saw in training. With `required` or a named tool the reply is ca
 first token; with `auto` it is free text until the family's opener (a lazy trigger: the
 shortest text that ends with it), then a call held to the grammar to its end, then only the
 end of the reply. A special token in an opener is named by its id, as the tokenizer has it.
+
+gpt-oss's harmony (`header_end`): after any analysis, either the final channel's free text, or
+one call in the commentary channel, its tool named in the header and its arguments bare.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance
     if not tools:
         return None
     specials = _special_tokens(tokenizer, guidance)
+    if fmt.header_end:
+        return _harmony_grammar(request, fmt, specials)
     body = "%json " + json.dumps(call_schema(tools, fmt.arguments_key))
     between = fmt.between if request.parallel and request.choice in ("auto", "required") else None
     repeat = f" ({_literal(between, specials)} call)*" if between is not None else ""
@@ -62,6 +67,33 @@ def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance
             rules.append(f"text_then_trigger[lazy]: TEXT {json.dumps(trigger)}")
         rules.append(r"TEXT: /(.|\n)*/")
     lark = "\n".join(["%llguidance {}", start, *rules, ""])
+    names = ", ".join(tool.name for tool in tools)
+    return OutputFormat({}, f"tool calls ({names})", lark=lark)
+
+
+def _harmony_grammar(request: ToolRequest, fmt: ToolFormat, specials: dict[str, int]) -> OutputFormat:
+    """What may follow the analysis channel (the grammar waits while the model thinks: the
+    thinking tracker stops advancing it after `<|message|>` and starts again after `<|end|>`)."""
+    tools = request.callable
+    rules = []
+    for index, tool in enumerate(tools):
+        header = _literal(fmt.opener + tool.name + fmt.header_end, specials)
+        rules.append(
+            f"call_{index}: {header} %json " + json.dumps({"x-guidance": SEPARATORS, **tool.parameters})
+        )
+    calls = " | ".join(f"call_{index}" for index in range(len(tools)))
+    final = _literal("<|channel|>final<|message|>", specials)
+    answer = calls if request.must_call else f"{final} TEXT | {calls}"
+    lark = "\n".join([
+        "%llguidance {}",
+        "start: analysis? opening? answer",
+        f"analysis: {_literal('<|channel|>analysis<|message|>', specials)}",
+        f"opening: {_literal('<|start|>assistant', specials)}",
+        f"answer: {answer}",
+        *rules,
+        r"TEXT: /(.|\n)*/",
+        "",
+    ])  # fmt: skip
     names = ", ".join(tool.name for tool in tools)
     return OutputFormat({}, f"tool calls ({names})", lark=lark)
 

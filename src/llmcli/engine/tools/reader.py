@@ -92,6 +92,8 @@ class ToolCallReader:
         if state == "text":
             return self._text(events)
         if state == "head":
+            if self.fmt.header_end:
+                return self._header(events)
             match = self._head.match(self._held)
             if match is None:
                 return False
@@ -140,6 +142,18 @@ class ToolCallReader:
             self._held = held[len(out) :]
         return False
 
+    def _header(self, events: list[Event]) -> bool:
+        """harmony: the tool's name up to the header's end, then its arguments bare."""
+        end = self._held.find(self.fmt.header_end)
+        if end < 0:
+            return False
+        call = _Call(new_call_id(), self._held[:end])
+        self.calls.append(call)
+        events.append(CallStart(len(self.calls) - 1, call.id, call.name))
+        self._held = self._held[end + len(self.fmt.header_end) :]
+        self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
+        return True
+
     def _arguments(self, events: list[Event]) -> bool:
         if not self.calls[-1].arguments:  # the object starts at its "{": blanks before it wait
             self._held = self._held.lstrip()
@@ -177,6 +191,10 @@ class ToolCallReader:
     def _after(self, ended: bool = False) -> bool:
         """After the arguments: the call object's "}", then the next call or the closer (the
         closer may begin the text between calls: known when more comes, or at the end)."""
+        if self.fmt.header_end:  # harmony: the bare arguments were the call; <|call|> ends the reply
+            self.calls[-1].done = True
+            self._state, self._held = "done", ""
+            return False
         held = self._held.lstrip(" ")
         if not held.startswith("}"):
             return False
