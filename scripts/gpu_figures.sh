@@ -2,8 +2,10 @@
 # The GPU figures docs/benchmarks.md owes, in one go: the GPU tests, then `llmcli bench` on
 # random-weight Llama-3.2-1B and Llama-3.1-8B shapes (bf16, int8, int4). Each step has its own
 # time limit and its own log, so one failure does not cost the rest.
-#   scripts/gpu_figures.sh OUTDIR [tests|1b|8b|spec-1b|spec-8b|all]
-#   (tests: the GPU tests and scripts/bench_kernels.py; spec-*: `llmcli bench --speculative`)
+#   scripts/gpu_figures.sh OUTDIR [tests|1b|8b|spec-1b|spec-8b|families|all]
+#   (tests: the GPU tests and scripts/bench_kernels.py; spec-*: `llmcli bench --speculative`;
+#   families: Gemma-3-4B, Phi-4-mini, gpt-oss-20b and Qwen3-30B-A3B shapes, bf16 — an MoE's
+#   int8/int4 experts are refused on a GPU until a gathered kernel exists)
 set -u
 out=${1:-gpu-figures}
 what=${2:-all}
@@ -53,6 +55,13 @@ if [ "$what" = 8b ] || [ "$what" = all ]; then
     bench 8b-bf16 300 llama-3.1-8b --context-fill 8192
     bench 8b-int4 150 llama-3.1-8b --quant int4 --no-generate --no-compiled
     bench 8b-int8 150 llama-3.1-8b --quant int8 --no-generate --no-compiled
+fi
+if [ "$what" = families ] || [ "$what" = all ]; then
+    bench gemma-3-4b 300 gemma-3-4b --context-fill 8192
+    bench phi-4-mini 300 phi-4-mini
+    bench gpt-oss-20b 420 gpt-oss-20b --no-compiled
+    bench qwen3-30b-a3b 540 qwen3-30b-a3b --no-compiled --no-generate
+    step families-cuda 300 python3 scripts/bench_families.py --device cuda --runs 3
 fi
 if [ "$what" = spec-1b ] || [ "$what" = all ]; then
     speculative spec-1b-bf16-lookup 150 llama-3.2-1b --speculative lookup
