@@ -162,6 +162,32 @@ def test_piped_output_is_plain_text_and_matches_json(tiny_llama: Path) -> None:
     assert len(stats_lines) == 1 and "decode" in stats_lines[0] and "tok/s" in stats_lines[0]
 
 
+@pytest.mark.parametrize(("args", "code"), [(["--version"], 0), (["generate", "--nope", "hi"], EXIT_USAGE)])
+def test_the_quick_exit_keeps_the_exit_code_the_output_and_the_atexit_handlers(
+    args: list[str], code: int
+) -> None:
+    """llmcli leaves without the interpreter's teardown (~1 s after a one-shot's last token):
+    the exit code, everything written to stdout and stderr, and the atexit handlers (locks,
+    temporary folders, logs) are kept; the buffered write is flushed, not lost."""
+    import sys
+
+    script = (
+        "import atexit, sys; from llmcli.cli import main; "
+        "atexit.register(lambda: print('handler ran', file=sys.stderr)); "
+        "print('buffered', end=''); sys.argv[1:] = sys.argv[2:]; main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "--", *args], capture_output=True, timeout=PATIENCE_S, check=False
+    )
+    assert proc.returncode == code, proc.stderr.decode()
+    assert proc.stdout.decode().startswith("buffered")
+    assert proc.stderr.decode().strip().splitlines()[-1] == "handler ran"
+    if code == 0:
+        assert "llmcli " in proc.stdout.decode()
+    else:
+        assert "no such option --nope" in proc.stderr.decode()
+
+
 def test_closed_pipe_ends_quietly(tiny_llama: Path) -> None:
     proc = subprocess.Popen(
         [*LLMCLI, "generate", "-m", str(tiny_llama), "--raw", "-t", "1", "--seed", "1", "-n", "250", "x"],
