@@ -370,10 +370,12 @@ def test_chat_stats_through_the_server_total_the_drafts(server: Server, tiny_lla
 
 
 def test_a_warm_call_imports_neither_torch_nor_transformers(server: Server, tiny_llama: Path) -> None:
-    code = (
-        "import sys; from llmcli.cli import main; sys.argv[1:] = ['generate', '-m', sys.argv[1], '--device', "
-        "'cpu', '--dtype', 'fp32', '-n', '4', 'Hi']\ntry:\n main()\nexcept SystemExit:\n pass\n"
-        "print('torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)"
+    code = (  # read at exit: llmcli leaves through os._exit, after the atexit handlers
+        "import atexit, sys; from llmcli.cli import main; sys.argv[1:] = ['generate', '-m', sys.argv[1], "
+        "'--device', 'cpu', '--dtype', 'fp32', '-n', '4', 'Hi']\n"
+        "atexit.register(lambda: print('torch' in sys.modules, 'transformers' in sys.modules, "
+        "file=sys.stderr))\n"
+        "main()"
     )
     env = {**os.environ, "XDG_RUNTIME_DIR": str(server.runtime)}
     proc = subprocess.run(
