@@ -49,8 +49,10 @@ def heavy_modules_imported(stderr: bytes) -> set[str]:
         ["chat", "--help"],
         ["models", "list", "--help"],
         ["generate", "--temperature", "-1", "hi"],
+        ["ps"],
+        ["stop"],
     ],
-    ids=["help", "generate-help", "chat-help", "models-help", "usage-error"],
+    ids=["help", "generate-help", "chat-help", "models-help", "usage-error", "ps", "stop"],
 )
 def test_help_and_usage_errors_import_no_heavy_modules(args: list[str]) -> None:
     started = time.perf_counter()

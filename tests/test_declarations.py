@@ -88,12 +88,13 @@ def test_a_new_field_is_a_new_flag_with_its_bounds() -> None:
 def test_the_environment_and_the_config_file_take_the_layered_settings() -> None:
     layered = {
         declared.key or name
-        for group in (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings)
+        for group in (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings, RemoteSettings)
         for name, declared in declarations(group).items()
         if declared.layered
     }
     assert set(setting_types()) == layered
-    assert {"temperature", "stop", "system", "ctx", "engine", "speculative", "draft_tokens"} <= layered
+    wanted = {"temperature", "stop", "system", "ctx", "engine", "speculative", "draft_tokens", "keep_alive"}
+    assert wanted <= layered
     assert "device" not in layered  # flags only: a config file does not move a model to a GPU
 
 

@@ -131,7 +131,7 @@ def generate(
         raise UsageError("--system needs the chat template, and --raw turns it off: use one of them")
     if raw and framing.think == "off":
         raise UsageError("--think off asks the chat template, and --raw turns it off: use one of them")
-    effective = _effective(model, sampling, framing, load, speculative)
+    effective = _effective(model, sampling, framing, load, speculative, remote)
     system = None if raw else effective.system
     _check_beams(num_beams, effective.speculative, remote)
     _check_think_budget(effective, num_beams)
@@ -160,7 +160,7 @@ def generate(
             num_beams=num_beams,
             output=constrained,
         )
-        raise typer.Exit(run(request))
+        raise typer.Exit(_kept_alive(run(request), effective, remote))
     from llmcli.frontends.generate import GenerateRequest, run
 
     code = run(
@@ -183,7 +183,16 @@ def generate(
             tools_from_stdin=tool_settings.tools == "-",
         )
     )
-    raise typer.Exit(code)
+    raise typer.Exit(_kept_alive(code, effective, remote))
+
+
+def _kept_alive(code: int, effective: Effective, remote: RemoteSettings) -> int:
+    """After a call that succeeded: --keep-alive's background server, where it asks for one."""
+    if code == 0 and effective.keep_alive_s is not None:
+        from llmcli.frontends.keep_alive import keep_alive_after
+
+        keep_alive_after(effective.model, effective.load, effective.keep_alive_s, remote)
+    return code
 
 
 def _tools(
@@ -219,6 +228,7 @@ def _effective(
     framing: PromptSettings,
     load: LoadSettings,
     speculative: SpeculativeSettings,
+    remote: RemoteSettings | None = None,
 ) -> Effective:
     """Every layer of settings applied (flag > env > config > …); flag values are checked
     first, before any layer below is read."""
@@ -229,7 +239,7 @@ def _effective(
     sampling.validate()
     framing.validate()
     load = load.validate()
-    flags = flag_values(sampling, framing, load, speculative)
+    flags = flag_values(sampling, framing, load, speculative, *([remote] if remote else []))
     config = load_user_config()
     effective = effective_settings(
         model, flags, config, load=load, expand=expand_default_alias, names=names_of
@@ -296,7 +306,7 @@ def chat(
     tool_settings: Annotated[ToolSettings, CHAT_TOOLS],
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
-    effective = _effective(model, sampling, framing, load, speculative)
+    effective = _effective(model, sampling, framing, load, speculative, remote)
     _check_think_budget(effective, 1)
     constrained = _output_format(output, SpeculativeSettings(), 1)
     functions = _functions(tool_settings, constrained)
@@ -318,7 +328,7 @@ def chat(
             functions=functions,
         )
     )
-    raise typer.Exit(code)
+    raise typer.Exit(_kept_alive(code, effective, remote))
 
 
 def _functions(settings: ToolSettings, constrained: OutputFormat | None) -> Functions | None:
@@ -469,10 +479,19 @@ def serve(
     quiet: Annotated[
         bool, typer.Option("--quiet", help="No access log (one line per request on stderr).")
     ] = False,
+    idle_exit: Annotated[
+        str | None,
+        typer.Option(
+            "--idle-exit",
+            help="Stop after this long without a request (90s, 5m, 1h). Default: run until stopped.",
+            show_default=False,
+        ),
+    ] = None,
     load: LoadSettings,
     speculative: SpeculativeSettings,
 ) -> None:
     """Keep a model loaded behind an OpenAI-compatible API (chat and text completions, streaming)."""
+    idle_exit_s = _duration(idle_exit, "--idle-exit")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0…65535, got {port}")
     if max_queue < 1:
@@ -492,9 +511,47 @@ def serve(
             cors=tuple(cors or ()),
             max_queue=max_queue,
             quiet=quiet,
+            idle_exit_s=idle_exit_s,
         )
     )
     raise typer.Exit(code)
+
+
+def _duration(text: str | None, flag: str) -> float | None:
+    from llmcli.config.units import parse_duration
+
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise UsageError(f"{flag}: {error}") from None
+
+
+@app.command()
+def ps(json_output: Annotated[bool, typer.Option("--json", help="Print a JSON array.")] = False) -> None:
+    """List the llmcli servers running here: model, settings, memory and idle time."""
+    from llmcli.cli.support import handled_errors
+
+    with handled_errors():
+        from llmcli.frontends.keep_alive import list_servers
+
+        list_servers(json_output)
+
+
+@app.command()
+def stop(
+    model: Annotated[
+        str | None, typer.Argument(help="Stop the servers of this model only (default: every one).")
+    ] = None,
+) -> None:
+    """Stop llmcli servers running here (a graceful stop: replies in flight end first)."""
+    from llmcli.cli.support import handled_errors
+
+    with handled_errors():
+        from llmcli.frontends.keep_alive import stop_command
+
+        stop_command(model)
 
 
 def _version_callback(value: bool) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from llmcli.config.declare import Bounds, check_bounds, declarations, key_of, setting, setting_name
-from llmcli.config.units import parse_size
+from llmcli.config.units import parse_duration, parse_size
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -459,6 +459,16 @@ class RemoteSettings:
         envvar="LLMCLI_API_KEY",
         show_default=False,
     )
+    keep_alive: str | None = setting(
+        flags=("--keep-alive",),
+        help="After a call that loaded the model here, keep it loaded: a `llmcli serve` of this model "
+        "and these settings stays in the background (loopback only) until DURATION (90s, 5m, 1h) "
+        "passes without a request; later calls find it. `llmcli ps` lists such servers, `llmcli "
+        "stop` stops them. Default: off.",
+        panel=SERVER,
+        layered=True,
+        show_default=False,
+    )
 
     @property
     def url(self) -> str | None:
@@ -481,9 +491,20 @@ class Effective:
     load: LoadSettings = field(default_factory=LoadSettings)
     think: str | None = None  # show, hide, off; None: the front end's choice (terminal or pipe)
     think_budget: int | None = None
+    keep_alive_s: float | None = None  # a server of this model stays this long after an in-process call
 
 
-LAYERED_GROUPS = (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings)
+LAYERED_GROUPS = (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings, RemoteSettings)
+
+
+def keep_alive_seconds(text: str | None, where: str = "flag") -> float | None:
+    """--keep-alive (or LLMCLI_KEEP_ALIVE, keep_alive in the config file) as seconds."""
+    if text is None:
+        return None
+    try:
+        return parse_duration(str(text))
+    except ValueError as error:
+        raise UsageError(f"{setting_name('keep_alive', where, '--keep-alive')}: {error}") from None
 
 
 def flag_values(*groups: Any) -> dict[str, Any]:
@@ -538,6 +559,7 @@ def effective_settings(
         where = name if name in ("flag", "env") else f"{name} of {config.path}"
         SamplingSettings(**given, stop=tuple(layer.get("stop") or ())).validate(where)
         PromptSettings(think=layer.get("think"), think_budget=layer.get("think_budget")).validate(where)
+        keep_alive_seconds(layer.get("keep_alive"), where)
     for name, layer in layers:
         for key, value in layer.items():
             if key not in values:
@@ -561,4 +583,5 @@ def effective_settings(
         load=load.validate(),
         think=values.get("think"),
         think_budget=values.get("think_budget"),
+        keep_alive_s=keep_alive_seconds(values.get("keep_alive"), sources.get("keep_alive", "flag")),
     )

@@ -27,3 +27,20 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"a size must be positive, got {text!r}")
     return int(value)
+
+
+DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '5m', '1.5h', '30' (seconds) → seconds."""
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("smh")
+    unit = cleaned[len(number) :]
+    try:
+        value = float(number) * DURATION_UNITS[unit]
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"not a duration: {text!r} (examples: 90s, 5m, 1h)") from error
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"a duration must be positive, got {text!r}")
+    return value

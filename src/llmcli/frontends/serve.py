@@ -11,10 +11,13 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 
@@ -38,6 +41,7 @@ class ServeRequest:
     cors: tuple[str, ...] = ()  # web origins allowed to call it
     max_queue: int = 16  # generations waiting for the worker, at most
     quiet: bool = False  # no access log
+    idle_exit_s: float | None = None  # stop after this long without a request (keep-alive servers)
 
 
 def is_loopback(host: str) -> bool:
@@ -105,19 +109,25 @@ def run(request: ServeRequest) -> int:
     port = sock.getsockname()[1]
     shown_host = f"[{request.host}]" if ":" in request.host else request.host
     url = f"http://{shown_host}:{port}"
+    clock = ActivityClock(create_app(served))
     config = uvicorn.Config(
-        create_app(served), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        clock, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
     )
     server = StoppingServer(config, served.stopping)
     # asyncio's "socket.send() raised exception." when a client left mid-stream is not ours to
     # print: the generation stops at its next token, and the access log says how it ended.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     draft_model = speculative.draft_model if speculative.method == "draft" else None
-    write_record(
+    clock.record = write_record(
         url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load, draft_model,
-        needs_key=bool(request.api_key),
+        needs_key=bool(request.api_key), idle_exit_s=request.idle_exit_s,
     )  # fmt: skip
-    terminal.note(f"Serving {loaded.name} at {url}/v1 (Ctrl-C stops).")
+    idle_exit = request.idle_exit_s
+    stops = "Ctrl-C stops"
+    if idle_exit is not None:
+        threading.Thread(target=_stop_when_idle, args=(server, clock, idle_exit), daemon=True).start()
+        stops = f"stops after {idle_exit:g} s without a request"
+    terminal.note(f"Serving {loaded.name} at {url}/v1 ({stops}).")
     # uvicorn shuts down gracefully, then re-raises the signal it caught: with this handler a
     # SIGTERM ends in SystemExit, so the `finally` below still removes the record.
     signal.signal(signal.SIGTERM, _exit_quietly)
@@ -145,6 +155,49 @@ class StoppingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: object) -> None:
         self.stopping.set()
         super().handle_exit(sig, frame)
+
+
+class ActivityClock:
+    """The app, counting requests in flight and when the last one ended. Each ending touches the
+    server's record, whose time `llmcli ps` reads as the server's idle time."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.in_flight = 0
+        self.last = time.monotonic()
+        self.record: Any = None
+        self._lock = threading.Lock()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with self._lock:
+            self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.last = time.monotonic()
+            if self.record is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(self.record)
+
+    def idle_for(self) -> float:
+        """Seconds since the last request ended; 0 while one is in flight."""
+        with self._lock:
+            return 0.0 if self.in_flight else time.monotonic() - self.last
+
+
+def _stop_when_idle(server: uvicorn.Server, clock: ActivityClock, idle_exit_s: float) -> None:
+    """A keep-alive server's end: after `idle_exit_s` without a request, a graceful stop."""
+    while not server.should_exit:
+        idle = clock.idle_for()
+        if idle >= idle_exit_s:
+            server.should_exit = True
+            return
+        time.sleep(min(1.0, idle_exit_s - idle))
 
 
 def _exit_quietly(signum: int, frame: object) -> None:

@@ -39,6 +39,7 @@ def write_record(
     load: LoadSettings,
     draft_model: str | None = None,
     needs_key: bool = False,
+    idle_exit_s: float | None = None,
 ) -> Path:
     """Announce this process's server; atomic, so a reader sees all of it or nothing."""
     path = record_path()
@@ -52,6 +53,7 @@ def write_record(
         "load": {name: asdict(load)[name] for name in _MATCHING_SETTINGS},
         "draft_model": draft_model,  # what `--speculative draft` through this server drafts with
         "needs_key": needs_key,  # started with --api-key: a client without one is refused
+        "idle_exit_s": idle_exit_s,  # a keep-alive server stops after this long without a request
     }
     staging = path.with_suffix(".tmp")
     staging.write_text(json.dumps(record))
@@ -71,7 +73,7 @@ def running_servers() -> list[dict[str, Any]]:
     for path in sorted(folder.glob("server-*.json"), key=_mtime, reverse=True) if folder.is_dir() else []:
         try:
             record = json.loads(path.read_text())
-            alive = _alive(int(record["pid"]))
+            alive = is_alive(int(record["pid"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if alive:
@@ -109,6 +111,11 @@ def near_miss(model_spec: str, load: LoadSettings) -> tuple[dict[str, Any], str]
     return None
 
 
+def serves_model(record: dict[str, Any], spec: str) -> bool:
+    """Whether a running server's record is of the model `spec` names."""
+    return _same_model(spec, {record.get("model_spec"), record.get("model"), record.get("model_path")})
+
+
 def _same_model(spec: str, names: set[Any]) -> bool:
     if spec in names:
         return True
@@ -119,7 +126,7 @@ def _same_model(spec: str, names: set[Any]) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,0 +1,120 @@
+"""--keep-alive: a call that loaded its model leaves a `llmcli serve` of it in the background, the
+next call finds it, `llmcli ps` lists it, `llmcli stop` stops it, and left alone it stops by itself
+once idle. Real processes, each test in its own runtime and state folders."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import LLMCLI, PATIENCE_S, one_error_line, run_cli
+
+
+@pytest.fixture
+def places(tmp_path: Path):
+    """XDG folders of this test's own, and every server started in them killed at the end."""
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    (tmp_path / "run").mkdir()
+    yield env
+    for record in (tmp_path / "run" / "llmcli").glob("server-*.json"):
+        with contextlib.suppress(OSError, ValueError, ProcessLookupError):
+            os.kill(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
+
+
+def records(env: dict[str, str]) -> list[dict]:
+    folder = Path(env["XDG_RUNTIME_DIR"]) / "llmcli"
+    found = []
+    for path in folder.glob("server-*.json") if folder.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            found.append(json.loads(path.read_text()))
+    return found
+
+
+def wait_for(condition, what: str, timeout: float = PATIENCE_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def generate(model: Path, env: dict[str, str], *extra: str) -> dict:
+    proc = run_cli(
+        "generate", "-m", str(model), "--device", "cpu", "-t", "0", "-n", "6", "--json", *extra, "Hi", env=env
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout)
+
+
+def test_a_kept_alive_model_serves_the_next_call_until_stopped(tiny_llama: Path, places: dict) -> None:
+    first = generate(tiny_llama, places, "--keep-alive", "5m")
+    assert first["server"] is None  # this call loaded the model itself
+    (record,) = wait_for(lambda: records(places), "the background server's record")
+    second = generate(tiny_llama, places)
+    assert second["server"] == record["url"] and second["text"] == first["text"]
+    listed = json.loads(run_cli("ps", "--json", env=places).stdout)
+    assert [(row["pid"], row["model_spec"], row["idle_exit_s"]) for row in listed] == [
+        (record["pid"], str(tiny_llama), 300.0)
+    ]
+    assert listed[0]["settings"] == {"device": "cpu"} and listed[0]["rss_bytes"] > 0
+    assert listed[0]["idle_s"] < 60  # the second call's request touched it
+    third = generate(tiny_llama, places, "--keep-alive", "5m")  # a server runs: none more
+    assert third["server"] == record["url"] and len(records(places)) == 1
+    stopped = run_cli("stop", str(tiny_llama), env=places)
+    assert stopped.returncode == 0, stopped.stderr.decode()
+    assert stopped.stdout.decode().startswith(f"stopped {record['model']} (pid {record['pid']}")
+    assert records(places) == []
+    log = next((Path(places["XDG_STATE_HOME"]) / "llmcli" / "logs").glob("serve-*.log")).read_text()
+    assert "stops after 300 s without a request" in log
+
+
+def test_a_kept_alive_server_stops_by_itself_once_idle(tiny_llama: Path, places: dict) -> None:
+    server = subprocess.Popen(
+        [
+            *LLMCLI,
+            "serve",
+            "-m",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--idle-exit",
+            "1s",
+            "--quiet",
+        ],
+        env={**os.environ, **places},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for(lambda: records(places), "the server's record")
+        assert server.wait(timeout=PATIENCE_S) == 0  # nobody asked it anything for a second
+        assert records(places) == []
+        assert b"stops after 1 s without a request" in server.stderr.read()
+    finally:
+        server.kill()
+
+
+def test_keep_alive_values_and_the_commands_around_it_are_checked(tiny_llama: Path, places: dict) -> None:
+    bad = run_cli("generate", "-m", str(tiny_llama), "--keep-alive", "soon", "Hi", env=places)
+    assert "--keep-alive: not a duration: 'soon' (examples: 90s, 5m, 1h)" in one_error_line(bad, 2)
+    from_env = run_cli("generate", "-m", str(tiny_llama), "Hi", env={**places, "LLMCLI_KEEP_ALIVE": "-5m"})
+    assert "LLMCLI_KEEP_ALIVE: a duration must be positive" in one_error_line(from_env, 2)
+    idle = run_cli("serve", "-m", str(tiny_llama), "--idle-exit", "0s", env=places)
+    assert "--idle-exit: a duration must be positive" in one_error_line(idle, 2)
+    nothing = run_cli("ps", env=places)
+    assert nothing.returncode == 0 and nothing.stdout == b""
+    assert nothing.stderr.decode().strip() == "No llmcli server is running."
+    assert json.loads(run_cli("ps", "--json", env=places).stdout) == []
+    missing = run_cli("stop", "no-such-model", env=places)
+    assert "no llmcli server runs no-such-model" in one_error_line(missing, 1)
