@@ -118,3 +118,22 @@ def test_keep_alive_values_and_the_commands_around_it_are_checked(tiny_llama: Pa
     assert json.loads(run_cli("ps", "--json", env=places).stdout) == []
     missing = run_cli("stop", "no-such-model", env=places)
     assert "no llmcli server runs no-such-model" in one_error_line(missing, 1)
+
+
+def test_the_background_server_gets_the_load_settings_as_flags() -> None:
+    """What differs from a plain load becomes serve's flags, switches spelled both ways."""
+    from llmcli.config.settings import LoadSettings
+    from llmcli.frontends.keep_alive import load_flags
+
+    assert load_flags(LoadSettings()) == []
+    load = LoadSettings(device="cpu", quant="int4", double_quant=False, context_length=512, fast=False)
+    assert load_flags(load) == [
+        "--device",
+        "cpu",
+        "--quant",
+        "int4",
+        "--no-double-quant",
+        "--ctx",
+        "512",
+        "--no-fast",
+    ]

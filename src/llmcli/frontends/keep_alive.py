@@ -70,10 +70,9 @@ def load_flags(load: LoadSettings) -> list[str]:
         if value == getattr(defaults, name) or value is None:
             continue
         spellings = [flag for flag in declared.flags if flag.startswith("--")]
-        if isinstance(value, bool):
+        if isinstance(value, bool):  # typer spells an off switch --no-…, unless declared otherwise
             on, _, off = (spellings[0] if spellings else flag_of(name, declared)).partition("/")
-            if value or off:
-                flags.append(on if value else off)
+            flags.append(on if value else off or "--no-" + on.removeprefix("--"))
             continue
         flags += [flag_of(name, declared), str(value)]
     return flags
