@@ -82,7 +82,8 @@ def test_auto_never_returns_a_malformed_call(server: Server) -> None:
         )
         message = reply.choices[0].message
         assert all(valid(call) for call in message.tool_calls or [])
-        assert "<tool_call>" not in (message.content or "")
+        if reply.choices[0].finish_reason != "length":  # a call the limit cut is given back as text
+            assert "<tool_call>" not in (message.content or "")
 
 
 def test_a_tool_result_turn_is_answered(server: Server) -> None:
