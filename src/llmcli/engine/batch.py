@@ -16,6 +16,7 @@ import torch
 
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
+from llmcli.engine.hf import with_cache
 from llmcli.engine.loop import GenerationResult
 from llmcli.engine.sampling import make_generator, pick_token, process_logits
 from llmcli.engine.stats import GenerationStats
@@ -151,7 +152,7 @@ class _Batch:
             input_ids=self.input_ids,
             attention_mask=self.mask,
             position_ids=(self.mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             cache_position=torch.arange(self.width, device=self.device),
             use_cache=True,
             logits_to_keep=1,
@@ -182,7 +183,7 @@ class _Batch:
             input_ids=feed,
             attention_mask=self.mask,
             position_ids=self.next_position,
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             cache_position=torch.tensor([self.width + step], device=self.device),
             use_cache=True,
         )

@@ -10,12 +10,25 @@ attended to (the causal mask stops at the current position) and is overwritten.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def with_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The KV cache as the model's forward takes it: `cache` from transformers 5.24 on (which
+    warns, on stderr, about the old name), `past_key_values` before."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class TransformersBackend:
@@ -58,7 +71,7 @@ class TransformersBackend:
         start = self._length
         out = self.model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             cache_position=torch.arange(start, start + len(ids), device=self.device),
             use_cache=True,
             logits_to_keep=logits_to_keep,
@@ -75,7 +88,7 @@ class TransformersBackend:
 
     def _decode_eager(self, input_ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         out = self.model(
-            input_ids=input_ids, past_key_values=self.cache, cache_position=position, use_cache=True
+            input_ids=input_ids, **with_cache(self.model, self.cache), cache_position=position, use_cache=True
         )
         return out.logits[:, -1, :]
 
