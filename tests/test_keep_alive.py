@@ -137,3 +137,29 @@ def test_the_background_server_gets_the_load_settings_as_flags() -> None:
         "512",
         "--no-fast",
     ]
+
+
+def test_a_background_server_that_cannot_start_is_said_once_and_the_call_goes_on(
+    tiny_llama: Path, places: dict
+) -> None:
+    """A keep-alive server whose load fails leaves its reason; the next call of that model says
+    it once and loads in-process, as it would have without keep-alive."""
+    import torch
+
+    if torch.backends.mps.is_available():
+        pytest.skip("needs a machine where --device mps fails")
+    failed = run_cli(
+        "serve", "-m", str(tiny_llama), "--device", "mps", "--port", "0", "--idle-exit", "5s", env=places
+    )
+    assert "MPS is not available" in one_error_line(failed, 1)
+    said = run_cli("generate", "-m", str(tiny_llama), "--device", "cpu", "-t", "0", "-n", "4", "--json",
+                   "--keep-alive", "2s", "Hi", env=places)  # fmt: skip
+    assert said.returncode == 0 and json.loads(said.stdout)["server"] is None
+    notes = [line for line in said.stderr.decode().splitlines() if "did not start" in line]
+    assert notes == [
+        f"The background server of {tiny_llama} (--keep-alive) did not start: --device mps was asked for, "
+        "but MPS is not available — use --device cpu"
+    ]
+    again = run_cli("generate", "-m", str(tiny_llama), "--device", "cpu", "-t", "0", "-n", "4",
+                    "--keep-alive", "2s", "Hi", env=places)  # fmt: skip
+    assert again.returncode == 0 and b"did not start" not in again.stderr  # said once

@@ -55,6 +55,17 @@ def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remo
     )
 
 
+def report_failures(model: str | None) -> None:
+    """Before a call: a background server of this model that could not start, said once; the
+    call itself goes on in-process."""
+    from llmcli.models.resolve import default_model_spec
+    from llmcli.server.runtime import take_failures
+
+    spec = model or default_model_spec()
+    for reason in take_failures(spec):
+        terminal.note(f"The background server of {spec} (--keep-alive) did not start: {reason}")
+
+
 def log_path() -> Path:
     folder = state_dir() / "logs"
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)

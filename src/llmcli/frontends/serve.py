@@ -85,8 +85,15 @@ def run(request: ServeRequest) -> int:
     from llmcli.server.runtime import remove_record, write_record
 
     model_spec = request.model or default_model_spec()
-    loaded = load_with_feedback(model_spec, request.load)
-    engine = engine_with_feedback(loaded)
+    try:
+        loaded = load_with_feedback(model_spec, request.load)
+        engine = engine_with_feedback(loaded)
+    except Exception as error:
+        if request.idle_exit_s is not None:  # a keep-alive server: the next call says why, once
+            from llmcli.server.runtime import write_failure
+
+            write_failure(model_spec, error)
+        raise
     served = Served(
         loaded=loaded,
         engine=engine,

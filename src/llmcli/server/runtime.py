@@ -61,6 +61,33 @@ def write_record(
     return path
 
 
+def write_failure(model_spec: str, error: BaseException) -> Path:
+    """A keep-alive server that could not start leaves why, for the next call to say once."""
+    from llmcli.errors import LlmcliError
+
+    reason = error.one_line() if isinstance(error, LlmcliError) else f"{type(error).__name__}: {error}"
+    path = runtime_dir() / f"failed-{os.getpid()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_text(json.dumps({"model_spec": model_spec, "error": reason.splitlines()[0] if reason else ""}))
+    return path
+
+
+def take_failures(model_spec: str) -> list[str]:
+    """The reasons keep-alive servers of `model_spec` could not start, each given out once."""
+    folder = runtime_dir()
+    reasons = []
+    for path in sorted(folder.glob("failed-*.json")) if folder.is_dir() else []:
+        try:
+            failure = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _same_model(model_spec, {failure.get("model_spec")}):
+            reasons.append(str(failure.get("error") or "unknown"))
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return reasons
+
+
 def remove_record() -> None:
     with contextlib.suppress(OSError):
         record_path().unlink()
