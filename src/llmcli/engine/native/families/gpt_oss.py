@@ -37,9 +37,7 @@ def check_supported(model: Any, context_length: int) -> None:
     llama.check_supported(model, context_length)
     for index, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
-        if hasattr(experts, "_llmcli_gate_up"):  # quantized per expert: on a CPU only
-            if experts._llmcli_gate_up[0].packed.device.type != "cpu":
-                raise NotSupported("int8/int4 experts off a CPU (a GPU needs a gathered kernel for them)")
+        if moe.quantized_layers(experts, check=True):
             continue
         for name in STACKED:
             tensor = getattr(experts, name, None)
@@ -69,7 +67,7 @@ class ClampedSwigluExperts(moe.SparseExperts):
         self.down_bias = experts.down_proj_bias  # [experts, hidden]
         self.top_k = mlp.router.top_k
         self.experts = self.router.shape[0]
-        self.quantized = moe._quantized(experts)
+        self.quantized = moe.quantized_layers(experts)
         self.intermediate = self.quantized[1][0].in_features if self.quantized else self.down.shape[1]
         self.alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
@@ -80,26 +78,19 @@ class ClampedSwigluExperts(moe.SparseExperts):
         top, chosen = torch.topk(logits, self.top_k, dim=-1)
         return F.softmax(top, dim=-1), chosen
 
-    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return self.down_of(self._activate(self.gate_up_of(x, expert)), expert)
-
-    def gate_up_of(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        if self.quantized:
-            return self.quantized[0][expert](x)
+    def dense_gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         return torch.matmul(x, self.gate_up[expert]) + self.gate_up_bias[expert]
 
-    def down_of(self, hidden: torch.Tensor, expert: int) -> torch.Tensor:
-        if self.quantized:
-            return self.quantized[1][expert](hidden)
+    def dense_down(self, hidden: torch.Tensor, expert: int) -> torch.Tensor:
         return torch.matmul(hidden, self.down[expert]) + self.down_bias[expert]
 
     def gathered(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         gate_up = torch.matmul(x, self.gate_up.index_select(0, chosen))  # [k, 2 × intermediate]
-        hidden = self._activate(gate_up + self.gate_up_bias.index_select(0, chosen))
+        hidden = self.activate(gate_up + self.gate_up_bias.index_select(0, chosen))
         out = torch.matmul(hidden.unsqueeze(1), self.down.index_select(0, chosen)).squeeze(1)
         return out + self.down_bias.index_select(0, chosen)

@@ -45,9 +45,7 @@ def check_supported(model: Any, context_length: int) -> None:
         if not hasattr(mlp, "experts"):
             continue
         experts = mlp.experts
-        if hasattr(experts, "_llmcli_gate_up"):  # quantized per expert (models/quantized.py)
-            if experts._llmcli_gate_up[0].packed.device.type != "cpu":
-                raise NotSupported("int8/int4 experts off a CPU (a GPU needs a gathered kernel for them)")
+        if quantized_layers(experts, check=True):
             continue
         for name in ("gate_up_proj", "down_proj"):
             tensor = getattr(experts, name, None)
@@ -71,16 +69,23 @@ def weights(model: Any, context_length: int) -> Weights:
     return llama.weights(model, context_length, feed_forward)
 
 
-def _quantized(experts: Any) -> tuple[Any, Any] | None:
-    """Each expert's quantized gate/up and down layers, where `--quant` made them."""
+def quantized_layers(experts: Any, check: bool = False) -> tuple[Any, Any] | None:
+    """Each expert's quantized gate/up and down layers, where `--quant` made them (models/
+    quantized.py). `check`: raise NotSupported for such layers off a CPU, since a GPU's decode
+    step gathers its experts by index, which needs a gathered int8/int4 kernel."""
     gate_up = getattr(experts, "_llmcli_gate_up", None)
-    return (gate_up, experts._llmcli_down) if gate_up is not None else None
+    if gate_up is None:
+        return None
+    if check and gate_up[0].packed.device.type != "cpu":
+        raise NotSupported("int8/int4 experts off a CPU (a GPU needs a gathered kernel for them)")
+    return gate_up, experts._llmcli_down
 
 
 class SparseExperts:
     """A router and stacked experts: each token through its top-k experts' gated MLPs, their
     outputs weighted by the router's (renormalised) probabilities. Another family's experts
-    (gpt-oss) change `route`, `gate_up`, `down_of` and `gathered`; how tokens reach them stays.
+    (gpt-oss) change `route`, `dense_gate_up`, `dense_down`, `activate` and `gathered`; how
+    tokens reach them stays.
     Experts quantized one by one (`--quant` on a CPU: models/quantized.py) run through their
     own int8/int4 layers, biases included."""
 
@@ -92,7 +97,7 @@ class SparseExperts:
         self.top_k = mlp.gate.top_k
         self.normalise = normalise
         self.experts = self.router.shape[0]
-        self.quantized = _quantized(experts)
+        self.quantized = quantized_layers(experts)
         self.intermediate = self.quantized[1][0].in_features if self.quantized else self.down.shape[-1]
         self.on_host = self.router.device.type == "cpu"
 
@@ -105,24 +110,26 @@ class SparseExperts:
         return weights.to(x.dtype), chosen
 
     def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Tokens x [n, hidden] (or one, [hidden]) through one expert, used where it lies."""
-        gate, up = self.gate_up_of(x, expert).split(self.intermediate, dim=-1)
-        return self.down_of(F.silu(gate) * up, expert)
-
-    def gate_up_of(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Tokens x [n, hidden] (or one, [hidden]) through one expert, used where it lies: its
+        quantized layers where --quant made them, else its slices of the stacked tensors."""
         if self.quantized:
-            return self.quantized[0][expert](x)
+            gate_up, down = self.quantized
+            return down[expert](self.activate(gate_up[expert](x)))
+        return self.dense_down(self.activate(self.dense_gate_up(x, expert)), expert)
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
+
+    def dense_gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         return F.linear(x, self.gate_up[expert])
 
-    def down_of(self, hidden: torch.Tensor, expert: int) -> torch.Tensor:
-        if self.quantized:
-            return self.quantized[1][expert](hidden)
+    def dense_down(self, hidden: torch.Tensor, expert: int) -> torch.Tensor:
         return F.linear(hidden, self.down[expert])
 
     def gathered(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """One token [hidden] through its k experts gathered by index on the device: [k, hidden]."""
-        gate, up = torch.matmul(self.gate_up.index_select(0, chosen), x).split(self.intermediate, dim=-1)
-        hidden = (F.silu(gate) * up).unsqueeze(-1)  # [k, intermediate, 1]
+        hidden = self.activate(torch.matmul(self.gate_up.index_select(0, chosen), x)).unsqueeze(-1)
         return torch.matmul(self.down.index_select(0, chosen), hidden).squeeze(-1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
