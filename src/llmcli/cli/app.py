@@ -30,6 +30,7 @@ from llmcli.config.settings import (
     ToolSettings,
     effective_settings,
     flag_values,
+    seconds_of,
 )
 from llmcli.errors import UsageError
 
@@ -500,7 +501,7 @@ def serve(
     speculative: SpeculativeSettings,
 ) -> None:
     """Keep a model loaded behind an OpenAI-compatible API (chat and text completions, streaming)."""
-    idle_exit_s = _duration(idle_exit, "--idle-exit")
+    idle_exit_s = seconds_of(idle_exit, "--idle-exit")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0…65535, got {port}")
     if max_queue < 1:
@@ -524,17 +525,6 @@ def serve(
         )
     )
     raise typer.Exit(code)
-
-
-def _duration(text: str | None, flag: str) -> float | None:
-    from llmcli.config.units import parse_duration
-
-    if text is None:
-        return None
-    try:
-        return parse_duration(text)
-    except ValueError as error:
-        raise UsageError(f"{flag}: {error}") from None
 
 
 @app.command()

@@ -497,14 +497,19 @@ class Effective:
 LAYERED_GROUPS = (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings, RemoteSettings)
 
 
-def keep_alive_seconds(text: str | None, where: str = "flag") -> float | None:
-    """--keep-alive (or LLMCLI_KEEP_ALIVE, keep_alive in the config file) as seconds."""
+def seconds_of(text: str | None, name: str) -> float | None:
+    """A duration setting as written (90s, 5m, 1h) in seconds; `name` says where it was given."""
     if text is None:
         return None
     try:
         return parse_duration(str(text))
     except ValueError as error:
-        raise UsageError(f"{setting_name('keep_alive', where, '--keep-alive')}: {error}") from None
+        raise UsageError(f"{name}: {error}") from None
+
+
+def keep_alive_seconds(text: str | None, where: str = "flag") -> float | None:
+    """--keep-alive (or LLMCLI_KEEP_ALIVE, keep_alive in the config file) as seconds."""
+    return seconds_of(text, setting_name("keep_alive", where, "--keep-alive"))
 
 
 def flag_values(*groups: Any) -> dict[str, Any]:

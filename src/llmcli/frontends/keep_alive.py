@@ -27,7 +27,7 @@ from llmcli.frontends import terminal
 def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remote: RemoteSettings) -> None:
     """Start the background server, unless the call went to a server (named, or one running with
     this model and these settings, which the call itself kept busy)."""
-    if remote.server and not remote.no_server:
+    if remote.url:
         return  # a server named: nothing was loaded here
     from llmcli.models.resolve import default_model_spec
     from llmcli.server.runtime import matching_server
