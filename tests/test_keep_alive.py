@@ -116,6 +116,10 @@ def test_keep_alive_values_and_the_commands_around_it_are_checked(tiny_llama: Pa
     assert nothing.returncode == 0 and nothing.stdout == b""
     assert nothing.stderr.decode().strip() == "No llmcli server is running."
     assert json.loads(run_cli("ps", "--json", env=places).stdout) == []
+    elsewhere = run_cli("generate", "--server", "http://127.0.0.1:9", "--keep-alive", "5m", "Hi", env=places)
+    assert "--keep-alive keeps the model loaded here, and --server runs it there" in one_error_line(
+        elsewhere, 2
+    )
     missing = run_cli("stop", "no-such-model", env=places)
     assert "no llmcli server runs no-such-model" in one_error_line(missing, 1)
 

@@ -133,7 +133,7 @@ def generate(
     if raw and framing.think == "off":
         raise UsageError("--think off asks the chat template, and --raw turns it off: use one of them")
     effective = _effective(model, sampling, framing, load, speculative, remote)
-    _report_keep_alive_failures(effective)
+    _check_keep_alive(effective, remote)
     system = None if raw else effective.system
     _check_beams(num_beams, effective.speculative, remote)
     _check_think_budget(effective, num_beams)
@@ -188,11 +188,20 @@ def generate(
     raise typer.Exit(_kept_alive(code, effective, remote))
 
 
-def _report_keep_alive_failures(effective: Effective) -> None:
-    if effective.keep_alive_s is not None:
-        from llmcli.frontends.keep_alive import report_failures
+def _check_keep_alive(effective: Effective, remote: RemoteSettings) -> None:
+    """--keep-alive keeps a model loaded here: with --server the model runs there, and the flag
+    would do nothing (from the environment or the config file it simply does not apply)."""
+    if effective.keep_alive_s is None:
+        return
+    if remote.url:
+        if effective.sources.get("keep_alive") == "flag":
+            raise UsageError(
+                "--keep-alive keeps the model loaded here, and --server runs it there: use one of them"
+            )
+        return
+    from llmcli.frontends.keep_alive import report_failures
 
-        report_failures(effective.model)
+    report_failures(effective.model)
 
 
 def _kept_alive(code: int, effective: Effective, remote: RemoteSettings) -> int:
@@ -316,7 +325,7 @@ def chat(
 ) -> None:
     """Chat with a model. Each turn prefills only its new tokens: the KV cache persists across turns."""
     effective = _effective(model, sampling, framing, load, speculative, remote)
-    _report_keep_alive_failures(effective)
+    _check_keep_alive(effective, remote)
     _check_think_budget(effective, 1)
     constrained = _output_format(output, SpeculativeSettings(), 1)
     functions = _functions(tool_settings, constrained)
