@@ -15,7 +15,9 @@ def _flags_without_a_type() -> None:
     <bool>`), which reads as if the flag took a value: flags show none."""
     from typer.core import TyperOption
 
-    typed = TyperOption.display_type_rich
+    typed = getattr(TyperOption, "display_type_rich", None)
+    if typed is None:  # a typer from before that hook (its help is plain there)
+        return
 
     def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
         return None if self.is_flag else typed(self, ctx)

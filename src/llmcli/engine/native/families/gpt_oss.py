@@ -69,8 +69,9 @@ class ClampedSwigluExperts(moe.SparseExperts):
         self.experts = self.router.shape[0]
         self.quantized = moe.quantized_layers(experts)
         self.intermediate = self.quantized[1][0].in_features if self.quantized else self.down.shape[1]
-        self.alpha = float(config.swiglu_alpha)
-        self.limit = float(config.swiglu_limit)
+        # transformers before 5.2x has neither field and computes with the released 1.702 and 7.
+        self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
+        self.limit = float(getattr(config, "swiglu_limit", 7.0))
         self.on_host = self.router.device.type == "cpu"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +91,8 @@ class ClampedSwigluExperts(moe.SparseExperts):
         return torch.matmul(hidden, self.down[expert]) + self.down_bias[expert]
 
     def gathered(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.matmul(x, self.gate_up.index_select(0, chosen))  # [k, 2 × intermediate]
+        # Stored [experts, in, out]: the products take them as [experts, out, in] views.
+        gate_up = moe.expert_products(self.gate_up.transpose(1, 2), chosen, x)  # [k, 2 × intermediate]
         hidden = self.activate(gate_up + self.gate_up_bias.index_select(0, chosen))
-        out = torch.matmul(hidden.unsqueeze(1), self.down.index_select(0, chosen)).squeeze(1)
+        out = moe.expert_products(self.down.transpose(1, 2), chosen, hidden)
         return out + self.down_bias.index_select(0, chosen)
