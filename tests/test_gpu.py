@@ -172,6 +172,37 @@ def test_quantized_kernels_on_cuda_match_their_weights_and_replay_in_a_graph(kin
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["experts-out-in", "experts-in-out"])  # Qwen3-MoE, gpt-oss
+@pytest.mark.parametrize("shared_input", [True, False])  # gate/up: one token; down: one per expert
+def test_gathered_expert_products_read_the_chosen_experts_and_replay_in_a_graph(
+    dtype: torch.dtype, layout: str, shared_input: bool
+) -> None:
+    from llmcli.engine.native.gathered_cuda import gathered_matvec
+
+    torch.manual_seed(0)
+    experts, n, k, slots = 16, 300, 520, 4  # ragged against the kernel's blocks on both sides
+    stored = torch.randn(experts, n, k, device="cuda", dtype=dtype)
+    stacked = stored if layout == "experts-out-in" else stored.transpose(1, 2).contiguous().transpose(1, 2)
+    x = torch.randn(k if shared_input else (slots, k), device="cuda", dtype=dtype)
+    chosen = torch.tensor([3, 15, 0, 7], device="cuda")
+
+    def reference() -> torch.Tensor:
+        inputs = x.float().expand(slots, -1).unsqueeze(-1)
+        return torch.matmul(stacked.float().index_select(0, chosen), inputs).squeeze(-1)
+
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    eager = gathered_matvec(stacked, chosen, x)
+    assert eager.shape == (slots, n) and eager.dtype == dtype
+    torch.testing.assert_close(eager.float(), reference(), rtol=tolerance, atol=tolerance)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gathered_matvec(stacked, chosen, x)
+    chosen.copy_(torch.tensor([9, 9, 1, 14]))  # other experts, read by the same replay
+    graph.replay()
+    torch.testing.assert_close(out.float(), reference(), rtol=tolerance, atol=tolerance)
+
+
 REPEATING = "the cat sat on the mat, and the dog sat on the log; "
 
 

@@ -11,9 +11,10 @@ those tensors themselves.
 
 A token's step reads only its k experts. On a CPU each is used where it lies, by its index read
 on the host (free there): gathering them first would copy k experts' weights every step, which
-measured slower than transformers' own loop. On a GPU their slices are gathered by index on the
-device (no host sync, so a CUDA graph can replay it; k is fixed per model) and multiplied as one
-batch. A longer pass groups its tokens by expert and runs each expert once over its tokens, as transformers
+measured slower than transformers' own loop. On a GPU the experts are chosen on the device (no
+host sync, so a CUDA graph can replay it; k is fixed per model) and a kernel of llmcli's own reads
+each chosen expert where it lies (gathered_cuda.py); another accelerator copies their slices
+first. A longer pass groups its tokens by expert and runs each expert once over its tokens, as transformers
 does. Up to CHECK_ROWS rows take the one-token path row by row, so the experts of a speculative
 check row are computed as the decode step it stands for computes them.
 
@@ -67,6 +68,18 @@ def weights(model: Any, context_length: int) -> Weights:
         return SparseExperts(mlp, normalise) if hasattr(mlp, "experts") else FeedForward(mlp)
 
     return llama.weights(model, context_length, feed_forward)
+
+
+def expert_products(stacked: torch.Tensor, chosen: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """stacked [experts, N, K] (a transposed view too), chosen [k] on the device, x [K] (the same
+    input for each) or [k, K] → [k, N], row s being stacked[chosen[s]] @ x[s]. On CUDA the experts
+    are read where they lie (gathered_cuda.py); elsewhere their slices are copied first."""
+    if stacked.is_cuda:
+        from llmcli.engine.native.gathered_cuda import gathered_matvec
+
+        return gathered_matvec(stacked, chosen, x)
+    inputs = x.expand(chosen.shape[0], -1).unsqueeze(-1)
+    return torch.matmul(stacked.index_select(0, chosen), inputs).squeeze(-1)
 
 
 def quantized_layers(experts: Any, check: bool = False) -> tuple[Any, Any] | None:
@@ -128,9 +141,9 @@ class SparseExperts:
         return F.linear(hidden, self.down[expert])
 
     def gathered(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """One token [hidden] through its k experts gathered by index on the device: [k, hidden]."""
-        hidden = self.activate(torch.matmul(self.gate_up.index_select(0, chosen), x)).unsqueeze(-1)
-        return torch.matmul(self.down.index_select(0, chosen), hidden).squeeze(-1)
+        """One token [hidden] through its k experts chosen on the device: [k, hidden]."""
+        hidden = self.activate(expert_products(self.gate_up, chosen, x))
+        return expert_products(self.down, chosen, hidden)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]."""
