@@ -165,3 +165,21 @@ def test_bench_speculative_self_draft_on_random_weights(tiny_llama: Path) -> Non
     other = run_cli("bench", *random, "--draft-model", config, *SPECULATIVE_QUICK)
     assert other.returncode == 2
     assert "with --random-weights the draft model can only be self" in other.stderr.decode()
+
+
+def test_bandwidth_counts_the_bytes_a_decode_step_reads() -> None:
+    """A decode step reads one row of an untied input embedding and k experts of each sparse
+    layer: gpt-oss-20b reads 3.6B parameters a token (its model card's active count), Llama-3.1-8B
+    all but its 128256 × 4096 input table, Llama-3.2-1B (tied head) all of them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmcli.engine.bench import weight_bytes_read
+
+    root = Path(__file__).parent.parent / "configs"
+    for name, billions in (("gpt-oss-20b", 3.61), ("llama-3.1-8b", 8.030 - 0.525), ("llama-3.2-1b", 1.236)):
+        with torch.device("meta"):
+            config = AutoConfig.from_pretrained(root / f"{name}.json")
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        stored = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert weight_bytes_read(model, stored) / 2e9 == pytest.approx(billions, abs=0.01), name

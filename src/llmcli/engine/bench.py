@@ -1,9 +1,10 @@
 """`llmcli bench`: prefill, TTFT, decode and memory, against transformers in the same run.
 
-Decode at batch 1 reads every weight once per token, so its floor is weight bytes ÷ memory
+Decode at batch 1 reads every weight once per token (but one row of the input embedding, and
+of a sparse MoE only the experts it is routed to), so its floor is those bytes ÷ memory
 bandwidth. We measure that bandwidth on the spot (a large device-to-device copy) and report how
-close decoding comes to it: achieved GB/s = (weight bytes + KV bytes read) × tokens/s. Beside it,
-the practical ceiling of these very weights on this device: every linear layer of the model as
+close decoding comes to it: achieved GB/s = (those weight bytes + KV bytes read) × tokens/s.
+Beside it, the practical ceiling of these very weights on this device: every linear layer of the model as
 one matrix-vector product, the whole set in one CUDA graph (eager on a CPU) — no batch-1 decode
 of these weights can beat it. The baselines: eager `model.generate`, and on CUDA transformers'
 own compiled path (`generate(cache_implementation="static")`, which compiles itself).
@@ -150,17 +151,70 @@ def baseline(model: Any, prompt: list[int], new_tokens: int, **options: Any) -> 
     return run
 
 
+def expert_modules(model: Any) -> list[torch.nn.Module]:
+    """A sparse MoE's stacked-expert modules (transformers' `…Experts`), each of whose experts a
+    decode step reads only when the router chooses it."""
+    return [module for module in model.modules() if type(module).__name__.endswith("Experts")]
+
+
+def experts_read_per_token(model: Any) -> tuple[int, int] | None:
+    """(k, experts): how many of a sparse layer's experts one token reads, or None (dense)."""
+    config = model.config.get_text_config()
+    chosen = getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    return (chosen, experts) if chosen and experts and expert_modules(model) else None
+
+
+def weight_bytes_read(model: Any, weight_bytes: int) -> float:
+    """Weight bytes a batch-1 decode step reads: all of them but the input embedding's other rows
+    (one row is looked up, unless the output head shares the table and reads it whole), and of a
+    sparse MoE's experts the k a token is routed to (counting every expert made its achieved
+    bandwidth exceed the device's)."""
+    read = float(weight_bytes)
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if getattr(head, "weight", None) is not embedding:  # an int8 head has codes, not a weight
+        read -= embedding.numel() * embedding.element_size() * (1 - 1 / embedding.shape[0])
+    sparse = experts_read_per_token(model)
+    if sparse is None:
+        return read
+    chosen, experts = sparse
+    stored = sum(
+        tensor.numel() * tensor.element_size()
+        for module in expert_modules(model)
+        for tensor in (*module.parameters(), *module.buffers())
+    )
+    return read - stored * (1 - chosen / experts)
+
+
 def linear_ceiling(model: Any, runs: int) -> float:
     """Seconds for one pass over every linear layer's weights as matrix-vector products: what
     a batch-1 decode step of these weights costs when nothing else runs. One CUDA graph on CUDA
-    (no launch gaps), plain calls elsewhere."""
+    (no launch gaps), plain calls elsewhere. A sparse MoE's layers count k experts each, the
+    first k (a token reads k, whichever they are)."""
     from llmcli.models.quantized import QuantizedLinear
 
     device, dtype = model.device, model.dtype
     # Dense layers as bare matrix products; llmcli's quantized ones through their own kernels.
     layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
     widths: list[int] = []
+    sparse = experts_read_per_token(model)
+    inside_experts: set[int] = set()
+    chosen = sparse[0] if sparse else 0
+    for module in expert_modules(model) if sparse else ():
+        inside_experts |= {id(inner) for inner in module.modules()}
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.numel()]
+        for weight in stacked:  # [experts, a, b] in either layout: a GEMV reads all of a slice
+            for expert in range(chosen):
+                layers.append(functools.partial(torch.nn.functional.linear, weight=weight[expert]))
+                widths.append(weight.shape[-1])
+        for group in (m for m in module.children() if isinstance(m, torch.nn.ModuleList)):
+            for layer in list(group)[:chosen]:  # --quant's experts: one layer each
+                layers.append(layer.forward)
+                widths.append(layer.in_features)
     for module in model.modules():
+        if id(module) in inside_experts:
+            continue
         if isinstance(module, torch.nn.Linear):
             layers.append(functools.partial(torch.nn.functional.linear, weight=module.weight))
             widths.append(module.in_features)
@@ -234,7 +288,8 @@ def run_bench(
     times = interleaved_times(contenders, runs, device)
     medians = {name: statistics.median(values) for name, values in times.items()}
     _fill_decode_figures(report, times, [ours(engine, prompt, new_tokens)() for _ in range(runs)])
-    bytes_per_token = loaded.weight_bytes + loaded.kv_bytes_per_token * (lengths[0] + new_tokens / 2)
+    kv_read = loaded.kv_bytes_per_token * (lengths[0] + new_tokens / 2)
+    bytes_per_token = weight_bytes_read(loaded.model, loaded.weight_bytes) + kv_read
     report.achieved_gb_s = bytes_per_token * report.decode_tok_s / 1e9
     report.roofline_pct = 100 * report.achieved_gb_s / report.bandwidth_gb_s
     if with_generate:
