@@ -73,7 +73,14 @@ def run(request: GenerateRequest) -> int:
     prompt = assemble_prompt(request.prompt_words, "" if request.tools_from_stdin else read_stdin(stdin))
     # Beam search and a thinking budget run on the loaded model itself.
     in_process = request.num_beams > 1 or request.think_budget is not None
-    target = open_target(request.model, request.load, request.remote, request.speculative, in_process)
+    target = open_target(
+        request.model,
+        request.load,
+        request.remote,
+        request.speculative,
+        in_process,
+        lean=request.num_beams == 1,  # beam search runs on a transformers model
+    )
     messages = [{"role": "user", "content": prompt}]
     if request.system:
         messages.insert(0, {"role": "system", "content": request.system})

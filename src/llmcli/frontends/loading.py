@@ -20,7 +20,9 @@ def announce_conversion(path: Path) -> None:
     terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
 
 
-def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> LoadedModel:
+def load_with_feedback(model_spec: str | None, settings: LoadSettings, lean: bool = False) -> LoadedModel:
+    """`lean`: the caller needs only what the native engine runs (no transformers model: no
+    beam search, no batches), so a Llama-family folder may load without transformers."""
     from llmcli.models.quant import bitsandbytes_only, gguf_refusal
     from llmcli.models.resolve import default_model_spec, expand_default_alias, is_gguf_spec, resolve_model
 
@@ -33,7 +35,7 @@ def load_with_feedback(model_spec: str | None, settings: LoadSettings) -> Loaded
     with terminal.status(f"Loading {resolved.name}…"):
         from llmcli.models.load import load_model
 
-        loaded = load_model(resolved, settings)
+        loaded = load_model(resolved, settings, lean=lean)
     for note in loaded.notes:
         terminal.note(note)
     return loaded

@@ -84,8 +84,10 @@ def open_target(
     remote: RemoteSettings,
     speculative: SpeculativeSettings,
     in_process: bool = False,
+    lean: bool = True,
 ) -> Target:
-    """A running server that fits (or the one named), else the model loaded here."""
+    """A running server that fits (or the one named), else the model loaded here (`lean`: it
+    will run on the native engine only, so it may load without transformers)."""
     from llmcli.frontends.remote import find_server
 
     found = find_server(model, load, remote, in_process, speculative)
@@ -94,7 +96,7 @@ def open_target(
     from llmcli.frontends.loading import load_with_feedback
     from llmcli.frontends.local import InProcessTarget
 
-    return InProcessTarget(load_with_feedback(model, load), model, load, speculative)
+    return InProcessTarget(load_with_feedback(model, load, lean=lean), model, load, speculative)
 
 
 def json_record(

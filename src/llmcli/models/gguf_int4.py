@@ -159,6 +159,10 @@ class Int4Blocks:
     def __len__(self) -> int:
         return len(self._names)
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._names)
+
     def get(self, name: str) -> tuple[Any, Any, Any]:
         """(codes int32 [N, K] in 0…15, scale fp32 [N, K/32], zero fp32 [N, K/32])."""
         import torch

@@ -275,10 +275,14 @@ def _check_every_tensor_loaded(resolved: ResolvedModel, info: dict[str, Any]) ->
         )
 
 
-def prepare_device(settings: LoadSettings, device: torch.device, native_quant: bool = False) -> torch.dtype:
-    """The dtype to load in, with libraries quieted and CPU threads chosen. Native int8/int4
-    kernels are fast with bf16 activations only, so such a model computes in bf16."""
-    quiet_libraries()
+def prepare_device(
+    settings: LoadSettings, device: torch.device, native_quant: bool = False, quiet: bool = True
+) -> torch.dtype:
+    """The dtype to load in, with libraries quieted (`quiet`: transformers is about to load) and
+    CPU threads chosen. Native int8/int4 kernels are fast with bf16 activations only, so such a
+    model computes in bf16."""
+    if quiet:
+        quiet_libraries()
     dtype = choose_dtype(settings.dtype, device)
     if native_quant and settings.dtype == "auto":
         dtype = torch.bfloat16
@@ -287,9 +291,22 @@ def prepare_device(settings: LoadSettings, device: torch.device, native_quant: b
     return dtype
 
 
-def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class LoadPlan:
+    """What a load settles before any weight is read: shared by transformers' path and the lean
+    one (lean_load.py)."""
 
+    config: dict[str, Any]
+    settings: LoadSettings  # --quant made concrete
+    device: torch.device
+    dtype: torch.dtype
+    native_quant: str | None  # int8 or int4 when llmcli's own kernels quantize
+    group: int | None  # int4's group size
+    context: int
+    context_note: str | None
+
+
+def plan_load(resolved: ResolvedModel, settings: LoadSettings, quiet: bool = True) -> LoadPlan:
     folder = resolved.path
     config = read_config(folder)
     names: set[str] = set()
@@ -298,11 +315,31 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     _check_every_expert_stored(folder, config, names)
     device = choose_device(settings.device)
     settings, native_quant, group = plan_quantization(settings, config, device, resolved.source, folder)
-    dtype = prepare_device(settings, device, native_quant=native_quant is not None)
+    dtype = prepare_device(settings, device, native_quant=native_quant is not None, quiet=quiet)
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(
         resolved, settings, config, device, dtype, (native_quant, group) if native_quant else None
     )
+    return LoadPlan(config, settings, device, dtype, native_quant, group, context, context_note)
+
+
+def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = False) -> LoadedModel:
+    """`lean`: read a Llama-family folder straight into the native engine's layout, without
+    transformers (lean_load.py), where it can; its reason where it cannot is a note, and the
+    load goes on through transformers."""
+    lean_note = None
+    if lean:
+        from llmcli.models.lean_load import lean_load
+
+        loaded, lean_note = lean_load(resolved, settings)
+        if loaded is not None:
+            return loaded
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plan = plan_load(resolved, settings)
+    folder, config, device, dtype = resolved.path, plan.config, plan.device, plan.dtype
+    settings, native_quant, group = plan.settings, plan.native_quant, plan.group
+    context, context_note = plan.context, plan.context_note
     common = {"trust_remote_code": settings.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)
@@ -334,17 +371,10 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     quant = quant_label(settings.quant, settings.quant_type, config)
     quant_backend = "bitsandbytes" if settings.quant != "none" else "none"
     if native_quant is not None:
-        from llmcli.models.quantized import quantize_model
-
-        exact = None
-        if resolved.source == "gguf" and native_quant == "int4":
-            from llmcli.models.gguf_int4 import blocks_of
-
-            exact = blocks_of(folder)  # the file's own 4-bit blocks, not a requantized fp16 copy
-        quant, quant_backend = quantize_model(model, native_quant, group, exact), "native"
+        quant, quant_backend = quantize_natively(model, resolved, native_quant, group), "native"
     elif config.get("quantization_config"):
         quant_backend = quant
-    notes = [context_note] if context_note else []
+    notes = [note for note in (lean_note, context_note) if note]
     if _dequantized_mxfp4(model, config):
         notes.append(
             f"MXFP4 experts dequantized to {DTYPE_NAMES.get(dtype, dtype)}: transformers has no MXFP4 kernel "
@@ -375,6 +405,19 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         fast=settings.fast,
         engine=settings.engine,
     )
+
+
+def quantize_natively(model: Any, resolved: ResolvedModel, kind: str, group: int | None) -> str:
+    """`model` quantized in place by llmcli's own int8/int4; the label. A GGUF conversion's int4
+    layers take the file's own 4-bit blocks, not a requantized fp16 copy."""
+    from llmcli.models.quantized import quantize_model
+
+    exact = None
+    if resolved.source == "gguf" and kind == "int4":
+        from llmcli.models.gguf_int4 import blocks_of
+
+        exact = blocks_of(resolved.path)
+    return quantize_model(model, kind, group, exact)
 
 
 def _dequantized_mxfp4(model: Any, config: dict[str, Any]) -> bool:

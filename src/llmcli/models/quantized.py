@@ -205,6 +205,7 @@ def quantize_model(
         group = int4_group(model)
     group = group or 0
     head = model.get_output_embeddings()
+    device = model.get_input_embeddings().weight.device  # where the exact codes go
     kinds = set()
 
     def quantized(
@@ -214,7 +215,7 @@ def quantize_model(
             layer = QuantizedLinear.int8(weight, bias)
         elif exact is not None and group == exact.group and all(name in exact for name in names):
             parts = [exact.get(name) for name in names]
-            codes, scales, zeros = (torch.cat(part).to(weight.device) for part in zip(*parts, strict=True))
+            codes, scales, zeros = (torch.cat(part).to(device) for part in zip(*parts, strict=True))
             layer = QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype)
         else:
             layer = QuantizedLinear.int4(weight, bias, group)

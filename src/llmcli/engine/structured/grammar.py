@@ -7,6 +7,7 @@ llguidance's view of a tokenizer costs about 0.6 s to build for a 49k vocabulary
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -83,18 +84,25 @@ _tokenizers: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDic
 
 
 def guidance_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:
-    """llguidance's view of a Hugging Face fast tokenizer, sized to the model's logits."""
+    """llguidance's view of a fast tokenizer (transformers' or llmcli's lean one: both hold the
+    `tokenizers` object), sized to the model's logits. Built from that object's JSON as
+    `llguidance.hf.from_tokenizer` builds it, without the transformers import that module makes."""
     from llguidance import LLTokenizer
-    from llguidance.hf import from_tokenizer
 
     key = (vocab_size, tuple(sorted(eos_token_ids)))
     per_tokenizer = _tokenizers.setdefault(tokenizer, {})
     if key not in per_tokenizer:
-        eos = list(key[1]) or None
+        eos = list(key[1]) or tokenizer.eos_token_id
+        backend = getattr(tokenizer, "backend_tokenizer", None)
         try:
+            if backend is None:
+                raise ValueError("it is not a fast tokenizer")
+            backend = copy.copy(backend)
+            backend.no_padding()
+            backend.no_truncation()
             # JSON's slices of the vocabulary: the worst step's mask 0.26 ms instead of 4 ms (demo).
-            per_tokenizer[key] = from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=eos, slices=LLTokenizer.json_slices()
+            per_tokenizer[key] = LLTokenizer(
+                backend.to_str(), n_vocab=vocab_size, eos_token=eos, slices=LLTokenizer.json_slices()
             )
         except (AssertionError, ValueError, TypeError) as error:
             raise LlmcliError(

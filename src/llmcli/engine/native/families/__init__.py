@@ -25,7 +25,8 @@ FAMILIES: dict[str, ModuleType] = {
 
 
 def family_of(model: Any) -> ModuleType:
-    name = type(model).__name__
+    # A lean-loaded model (models/lean_model.py) names the architecture its tensors are of.
+    name = getattr(model, "architecture", None) or type(model).__name__
     family = NATIVE_FAMILIES.get(name)
     if family is None:
         families = "Llama, Phi-3, Gemma 2 and 3, gpt-oss, a sparse MoE"

@@ -1,0 +1,114 @@
+"""config.json as the native engine reads it, without transformers' configuration classes: the
+values it names, and transformers' defaults for the Llama-family fields it leaves out.
+
+Also the RoPE frequencies, computed as transformers computes them for the RoPE types the lean
+path takes (default, linear, llama3); others are refused (`LeanUnsupported`) and the loader
+takes transformers' path, which settles them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from llmcli.errors import LlmcliError
+
+# What transformers' Llama, Mistral and Qwen2/3 configurations fill in where config.json is silent.
+DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "head_dim": None,
+    "num_key_value_heads": None,
+    "sliding_window": None,
+    "layer_types": None,
+    "rope_scaling": None,
+    "rope_parameters": None,
+    "partial_rotary_factor": 1.0,
+    "max_position_embeddings": 2048,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
+LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+
+class LeanUnsupported(LlmcliError):
+    """What the lean load path cannot read (the message names it); transformers' path can."""
+
+
+class LeanConfig:
+    """config.json's values as attributes (`getattr(config, name, default)` works as on
+    transformers' configs), with the family defaults above."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = {**DEFAULTS, **values}
+        if self._values.get("num_key_value_heads") is None:
+            self._values["num_key_value_heads"] = self._values.get("num_attention_heads")
+        # Qwen2/3 configs carry a sliding window they do not use unless use_sliding_window says so.
+        if self._values.get("use_sliding_window") is False:
+            self._values["sliding_window"] = None
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_values":
+            object.__setattr__(self, name, value)
+        else:
+            self._values[name] = value
+
+    def get_text_config(self) -> LeanConfig:
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """The RoPE parameters wherever this config writes them (transformers 5's
+        `rope_parameters`, older `rope_scaling` plus `rope_theta`)."""
+        found = self._values.get("rope_parameters") or self._values.get("rope_scaling") or {}
+        rope = dict(found) if isinstance(found, dict) else {}
+        rope.setdefault("rope_theta", self._values.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        return rope
+
+
+def rope_frequencies(config: LeanConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention scaling) as transformers' rotary embedding holds them."""
+    rope = config.rope
+    kind = rope["rope_type"]
+    if kind not in LEAN_ROPE_TYPES:
+        raise LeanUnsupported(f"its RoPE type {kind!r}")
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * config.partial_rotary_factor)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (float(rope["rope_theta"]) ** exponents)
+    if kind == "linear":
+        inv_freq = inv_freq / float(rope["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3(inv_freq, rope)
+    return inv_freq, 1.0
+
+
+def _llama3(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths divided by the factor, short ones kept, those
+    between blended smoothly."""
+    factor = float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    original = float(rope["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

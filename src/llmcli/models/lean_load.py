@@ -1,0 +1,132 @@
+"""The lean load path: a Llama-family folder read straight into the native engine's layout, its
+tokenizer through `tokenizers`, without importing transformers (about two seconds of a one-shot
+call's start on a CPU; docs/benchmarks.md).
+
+It takes what it can read exactly as transformers' path would and nothing else: the
+architectures lean_model.py builds, safetensors, the plain fast tokenizers lean_tokenizer.py
+reads, llmcli's own int8/int4 or no quantization, one device, and an engine that may be the
+native one. Anything else is a reason (`LeanUnsupported`): for an architecture the native
+engine runs, the caller says it in one note and loads through transformers; for others
+transformers' path is the only one, and nothing needs saying.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from llmcli.errors import LlmcliError
+from llmcli.models.lean_config import LeanConfig, LeanUnsupported
+from llmcli.models.lean_model import LEAN_ARCHITECTURES
+
+if TYPE_CHECKING:
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import LoadedModel, LoadPlan
+    from llmcli.models.resolve import ResolvedModel
+
+
+def lean_load(resolved: ResolvedModel, settings: LoadSettings) -> tuple[LoadedModel | None, str | None]:
+    """(the model loaded the lean way, None), or (None, a note saying why not, or None when
+    there is nothing to say: an architecture only transformers runs)."""
+    try:
+        architecture = _architecture(resolved)
+    except LeanUnsupported:
+        return None, None
+    if architecture not in LEAN_ARCHITECTURES or _asked_for_transformers(settings):
+        return None, None
+    try:
+        return _load(resolved, settings), None
+    except LeanUnsupported as why:
+        return None, f"loading through transformers (a slower start): the lean loader does not read {why}"
+
+
+def _asked_for_transformers(settings: LoadSettings) -> bool:
+    """Settings only transformers' path serves, chosen by the user: nothing to note."""
+    from llmcli.models.quant import bitsandbytes_only
+
+    engine = settings.engine
+    return engine == "transformers" or settings.offload or bitsandbytes_only(settings.quant, engine)
+
+
+def _exactly_coded(resolved: ResolvedModel, plan: LoadPlan) -> frozenset[str]:
+    """The linear layers a GGUF conversion's own 4-bit blocks will replace as they are (int4 on
+    the blocks' group, on a CPU, where every width takes int4): their bf16 copies are never read."""
+    from llmcli.models.gguf_int4 import blocks_of
+
+    if resolved.source != "gguf" or plan.native_quant != "int4" or plan.device.type != "cpu":
+        return frozenset()
+    blocks = blocks_of(resolved.path)
+    if blocks is None or blocks.group != plan.group:
+        return frozenset()
+    return frozenset(blocks.names)
+
+
+def _architecture(resolved: ResolvedModel) -> str:
+    try:
+        config = json.loads((resolved.path / "config.json").read_text())
+    except (OSError, ValueError):
+        raise LeanUnsupported("its config.json") from None
+    architectures = config.get("architectures") or [""]
+    return str(architectures[0])
+
+
+def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
+    import torch
+
+    from llmcli.models.lean_model import build, is_stand_in
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+    from llmcli.models.load import (
+        LoadedModel,
+        eos_ids,
+        plan_load,
+        quantize_natively,
+        read_generation_config,
+    )
+    from llmcli.models.memory import kv_bytes_per_token, measured_weight_bytes
+
+    folder = resolved.path
+    if not any(folder.glob("*.safetensors")) or not (folder / "tokenizer.json").is_file():
+        raise LeanUnsupported("a folder without safetensors weights and a tokenizer.json")
+    tokenizer = LeanTokenizer(folder)  # before the weights: a refusal here costs nothing
+    plan = plan_load(resolved, settings, quiet=False)
+    if plan.config.get("quantization_config"):
+        raise LeanUnsupported("a checkpoint that comes quantized")
+    if plan.settings.quant != "none" and plan.native_quant is None:
+        raise LeanUnsupported(f"--quant {plan.settings.quant} (bitsandbytes)")
+    device = plan.device
+    if device.type == "cuda" and device.index is None and torch.cuda.device_count() > 1:
+        raise LeanUnsupported("a model for several GPUs")
+    config = LeanConfig(plan.config)
+    try:
+        model = build(folder, config, plan.dtype, device, _exactly_coded(resolved, plan))
+    except torch.OutOfMemoryError as error:
+        from llmcli.models.load import out_of_memory_error
+
+        raise out_of_memory_error(resolved, plan.settings, plan.config, device, plan.dtype) from error
+    quant, quant_backend = "none", "none"
+    if plan.native_quant is not None:
+        quant = quantize_natively(model, resolved, plan.native_quant, plan.group)
+        quant_backend = "native"
+    unread = next((name for name, p in model.named_parameters() if is_stand_in(p)), None)
+    if unread is not None:  # a stand-in the quantizer did not replace: never run on it
+        raise LlmcliError(f"{resolved.name}: {unread} was not loaded (a bug in llmcli's lean loader)")
+    generation_config = read_generation_config(folder)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=resolved.name,
+        device=device,
+        dtype=plan.dtype,
+        generation_config=generation_config,
+        eos_token_ids=eos_ids(
+            generation_config.get("eos_token_id"), config.eos_token_id, tokenizer.eos_token_id
+        ),
+        context_length=plan.context,
+        weight_bytes=measured_weight_bytes(model),
+        quant=quant,
+        quant_backend=quant_backend,
+        kv_bytes_per_token=kv_bytes_per_token(plan.config, plan.dtype.itemsize),
+        notes=(plan.context_note,) if plan.context_note else (),
+        fast=plan.settings.fast,
+        engine=plan.settings.engine,
+    )

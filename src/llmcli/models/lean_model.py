@@ -1,0 +1,179 @@
+"""A Llama-family checkpoint's tensors in the module layout the native engine reads, built from
+the safetensors files alone: no transformers model, no modeling code imported.
+
+The modules are plain torch ones under transformers' attribute names (`model.layers[i].self_attn
+.q_proj`, `mlp.gate_proj`, `lm_head`, …), so the native family code (engine/native/families/
+llama.py) and llmcli's quantizer (models/quantized.py) take this model as they take
+transformers' — one engine and one quantizer, whichever loader ran. It has no forward of its
+own: only the native engine runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from llmcli.models.lean_config import LeanConfig, LeanUnsupported, rope_frequencies
+
+# The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
+# q/k/v biases and Qwen3's q/k norms where the checkpoint has them.
+LEAN_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+
+# Bytes a tensor's start is aligned to, as torch's allocator aligns it.
+ALIGNMENT = 64
+
+
+class Norm(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear around these tensors. Its constructor is skipped: it would initialise random
+    weights first, and on the meta device that imports torch's compiler (1.2 s, measured)."""
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.out_features, layer.in_features = weight.shape
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+    return layer
+
+
+class Rotary:
+    """What the family code reads of transformers' rotary embedding."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+        self.inv_freq = inv_freq
+        self.attention_scaling = attention_scaling
+
+
+class LeanCausalLM(nn.Module):
+    def __init__(self, config: LeanConfig, body: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.config = config
+        self.architecture = config.architectures[0]
+        self.model = body
+        self.lm_head = lm_head
+        self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+
+class Tensors:
+    """The checkpoint's tensors by name, across its shards, each read once when asked for
+    (safetensors maps the files; nothing is read before it is needed)."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+        from safetensors import safe_open
+
+        self.dtype, self.device = dtype, device
+        self._files = [safe_open(str(path), framework="pt") for path in sorted(folder.glob("*.safetensors"))]
+        self._where = {name: handle for handle in self._files for name in handle.keys()}  # noqa: SIM118 (a handle, not a dict)
+        self.folder = folder
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        handle = self._where.get(name)
+        if handle is None:
+            raise LeanUnsupported(f"a checkpoint without the tensor {name}")
+        tensor = handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
+        if tensor.data_ptr() % ALIGNMENT:
+            # Read in place from the file, a tensor sits where the file put it; the CPU's matrix
+            # kernels round differently on unaligned rows (1e-7 in fp32, measured), and
+            # transformers' path computes on aligned copies.
+            tensor = tensor.clone()
+        return tensor
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self else None
+
+    def stand_in(self, name: str) -> torch.Tensor:
+        """The tensor's shape and dtype and no values: one zero seen at every position (not a
+        meta tensor, whose operations would import torch's compiler: 1.2 s)."""
+        handle = self._where.get(name)
+        if handle is None:
+            raise LeanUnsupported(f"a checkpoint without the tensor {name}")
+        shape = handle.get_slice(name).get_shape()
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+
+
+def is_stand_in(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 1 and not any(tensor.stride())
+
+
+def build(
+    folder: Path,
+    config: LeanConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    stand_ins: frozenset[str] = frozenset(),
+) -> LeanCausalLM:
+    """The model from `folder`'s safetensors, in `dtype` on `device`. `stand_ins`: linear layers
+    (by module name) whose weights are never read, because exact codes will replace them (a GGUF
+    file's 4-bit blocks): they get stand-ins of their shape (`is_stand_in`), which the quantizer
+    replaces."""
+    if config.architectures[0] not in LEAN_ARCHITECTURES:
+        raise LeanUnsupported(f"its architecture {config.architectures[0]}")
+    if config.hidden_act != "silu":
+        raise LeanUnsupported(f"its activation {config.hidden_act!r}")
+    inv_freq, scaling = rope_frequencies(config)
+    tensors = Tensors(folder, dtype, device)
+    embed = tensors.get("model.embed_tokens.weight")
+    body = nn.Module()
+    body.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)  # no random init first
+    body.layers = nn.ModuleList(
+        _layer(tensors, f"model.layers.{i}", stand_ins) for i in range(config.num_hidden_layers)
+    )
+    body.norm = Norm(tensors.get("model.norm.weight"))
+    body.rotary_emb = Rotary(inv_freq.to(device), scaling)
+    tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
+    lm_head = _linear(tensors.get("lm_head.weight"), None) if not tied else _linear(embed, None)
+    if tied:
+        lm_head.weight = body.embed_tokens.weight  # one tensor, as transformers ties them
+        config.tie_word_embeddings = True
+    return LeanCausalLM(config, body, lm_head)
+
+
+def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str]) -> nn.Module:
+    def linear(name: str) -> nn.Linear:
+        module = f"{prefix}.{name}"
+        read = tensors.stand_in if module in stand_ins else tensors.get
+        return _linear(read(f"{module}.weight"), tensors.optional(f"{module}.bias"))
+
+    layer = nn.Module()
+    layer.input_layernorm = Norm(tensors.get(f"{prefix}.input_layernorm.weight"))
+    layer.post_attention_layernorm = Norm(tensors.get(f"{prefix}.post_attention_layernorm.weight"))
+    attention = nn.Module()
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        setattr(attention, name, linear(f"self_attn.{name}"))
+    for name in ("q_norm", "k_norm"):  # Qwen3
+        weight = tensors.optional(f"{prefix}.self_attn.{name}.weight")
+        if weight is not None:
+            setattr(attention, name, Norm(weight))
+    layer.self_attn = attention
+    mlp = nn.Module()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(mlp, name, linear(f"mlp.{name}"))
+    layer.mlp = mlp
+    return layer

@@ -1,0 +1,204 @@
+"""The lean load path (models/lean_*.py): a Llama-family folder read without transformers must
+give what transformers' path gives — the same tokenizer answers, the same rendered templates,
+the same RoPE table and the same logits — and a one-shot call on it must not import transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_chat_cache import THINK_DROPPING_TEMPLATE
+from test_native import BASE, CASES, build
+from test_reasoning import HARMONY_TEMPLATE, THINKING_TEMPLATE
+
+from cli_helpers import PATIENCE_S, run_cli
+from tiny_models import CHATML_TEMPLATE, build_tiny_model, train_tokenizer
+from tool_templates import HERMES_TEMPLATE, MISTRAL_TEMPLATE, TOOLS
+
+TEMPLATES = {
+    "chatml": CHATML_TEMPLATE,
+    "think-dropping": THINK_DROPPING_TEMPLATE,
+    "thinking": THINKING_TEMPLATE,
+    "hermes-tools": HERMES_TEMPLATE,
+    "mistral-tools": MISTRAL_TEMPLATE,
+    "harmony": HARMONY_TEMPLATE,
+}
+CONVERSATIONS = {
+    "system-less": [{"role": "user", "content": "Hi there, 你好 😀"}],
+    "with-system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+    "multi-turn": [
+        {"role": "user", "content": "One"},
+        {"role": "assistant", "content": "<think>\nhm\n</think>\n\nTwo"},
+        {"role": "user", "content": "Three <|im_end|> four"},
+    ],
+}
+TEXTS = ["Hello world", " leading space", "<|im_start|>user\nhi<|im_end|>", "emoji 👍🏽 and 日本語", ""]
+
+
+@pytest.fixture(scope="module", params=["bytelevel", "metaspace"])
+def tokenizer_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = train_tokenizer(style=request.param, added=("<tool_call>",), special=("<think>", "</think>"))
+    folder = tmp_path_factory.mktemp(f"tokenizer-{request.param}")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_lean_tokenizer_answers_as_transformers_does(tokenizer_folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+
+    ours, theirs = LeanTokenizer(tokenizer_folder), AutoTokenizer.from_pretrained(tokenizer_folder)
+    for text in TEXTS:
+        for special in (True, False):
+            assert ours(text, add_special_tokens=special)["input_ids"] == list(
+                theirs(text, add_special_tokens=special)["input_ids"]
+            ), text
+    ids = theirs("<|im_start|>assistant\n<think>hm</think> 👍🏽 done<|im_end|>")["input_ids"]
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ids[:5]) == theirs.decode(ids[:5])
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours.get_added_vocab() == theirs.get_added_vocab()
+    assert {i: (t.content, t.special) for i, t in ours.added_tokens_decoder.items()} == {
+        i: (t.content, t.special) for i, t in theirs.added_tokens_decoder.items()
+    }
+    named = {key: value for key, value in theirs.special_tokens_map.items() if isinstance(value, str)}
+    assert ours.special_tokens_map == named
+    assert sorted(ours.all_special_tokens) == sorted(theirs.all_special_tokens)
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+        assert getattr(ours, f"{name}_id") == getattr(theirs, f"{name}_id"), name
+    assert ours.convert_tokens_to_ids(["<think>", "<tool_call>"]) == theirs.convert_tokens_to_ids(
+        ["<think>", "<tool_call>"]
+    )
+    assert len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+@pytest.mark.parametrize("conversation", list(CONVERSATIONS))
+def test_templates_render_as_transformers_apply_chat_template(
+    tokenizer_folder: Path, template: str, conversation: str
+) -> None:
+    """llmcli's sandboxed renderer over the lean tokenizer, byte for byte against transformers'
+    apply_chat_template: with and without tools, thinking switched off and not, prompts open
+    and closed."""
+    from jinja2.exceptions import TemplateError
+    from transformers import AutoTokenizer
+
+    from llmcli.engine.conversation import render_chat
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+
+    (tokenizer_folder / "chat_template.jinja").write_text(TEMPLATES[template])
+    ours, theirs = LeanTokenizer(tokenizer_folder), AutoTokenizer.from_pretrained(tokenizer_folder)
+    messages = CONVERSATIONS[conversation]
+    for options in ({}, {"tools": TOOLS}, {"enable_thinking": False}):
+        for generation_prompt in (True, False):
+            try:
+                expected = theirs.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=generation_prompt, **options
+                )
+            except TemplateError:
+                continue  # a template that refuses these messages: llmcli's own fallback differs
+            got = render_chat(ours, messages, generation_prompt, **options)
+            assert got == expected, (options, generation_prompt)
+
+
+def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
+    tokenizer_folder: Path, tmp_path: Path
+) -> None:
+    from llmcli.models.lean_config import LeanUnsupported
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+
+    config = json.loads((tokenizer_folder / "tokenizer_config.json").read_text())
+    for change, reason in (
+        ({"tokenizer_class": "LlamaTokenizer"}, "tokenizer class LlamaTokenizer"),
+        ({"add_bos_token": True}, "add_bos_token"),
+        ({"bos_token": "<|not-in-the-vocabulary|>"}, "'<|not-in-the-vocabulary|>'"),
+    ):
+        folder = tmp_path / reason.replace(" ", "-").replace("'", "").replace("|", "")
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text((tokenizer_folder / "tokenizer.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | change))
+        with pytest.raises(LeanUnsupported, match=reason.replace("|", r"\|")):
+            LeanTokenizer(folder)
+
+
+LEAN_CASES = [name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-"))]
+LEAN_CASES = [name for name in LEAN_CASES if not name.startswith("qwen3-moe")]
+LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
+
+
+@pytest.mark.parametrize("case", [*LEAN_CASES, "llama-linear-rope"])
+def test_a_lean_model_computes_what_transformers_loaded_one_does(case: str, tmp_path: Path) -> None:
+    """Built from the saved safetensors without transformers: the same RoPE table and, through
+    the native engine, the same fp32 logits after a prefill and at each decode step."""
+    from llmcli.engine.native.backend import NativeBackend
+    from llmcli.models.lean_config import LeanConfig
+    from llmcli.models.lean_model import build as build_lean
+
+    arch, overrides = ("llama", LINEAR_ROPE) if case == "llama-linear-rope" else CASES[case]
+    reference = build(arch, overrides)
+    reference.save_pretrained(tmp_path)
+    config = LeanConfig(json.loads((tmp_path / "config.json").read_text()))
+    lean = build_lean(tmp_path, config, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(
+        lean.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq.float(), rtol=0, atol=0
+    )
+    prompt = torch.randint(0, BASE["vocab_size"], (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    engines = [NativeBackend(model, 64) for model in (reference, lean)]
+    logits = [engine.prefill(prompt) for engine in engines]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+    token = torch.tensor([int(logits[0].argmax())])
+    for _ in range(4):
+        steps = [engine.decode(token) for engine in engines]
+        torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=0)
+        token = torch.tensor([int(steps[0].argmax())])
+
+
+@pytest.fixture(scope="module")
+def lean_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "lean-llama", "llama")
+
+
+IMPORTED = (
+    "import sys\n"
+    "from llmcli.cli.entry import run_command_line\n"
+    "code = run_command_line(sys.argv[1:])\n"
+    "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate'))\n"
+    "print('\\nexit', code, 'imported', ','.join(loaded) or '-', file=sys.stderr)\n"
+)
+
+
+def test_a_one_shot_call_on_the_native_path_imports_neither_transformers_nor_accelerate(
+    lean_llama: Path,
+) -> None:
+    args = ["generate", "-m", str(lean_llama), "-t", "0", "-n", "8", "The capital of France"]
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
+    )
+    assert "exit 0 imported -" in result.stderr, result.stderr
+    assert result.stdout.strip()
+    # Beam search needs transformers' model: that call loads through transformers, no note said.
+    beams = run_cli(*args, "--num-beams", "2")
+    assert beams.returncode == 0 and b"lean loader" not in beams.stderr, beams.stderr
+
+
+def test_a_native_family_the_lean_path_cannot_read_loads_through_transformers_with_a_note(
+    lean_llama: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "llama-tokenizer-class"
+    folder.mkdir()
+    for file in lean_llama.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": False}))
+    result = run_cli("generate", "-m", str(folder), "-t", "0", "-n", "4", "Hello")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.decode().splitlines() if "lean loader" in line]
+    assert len(notes) == 1 and "add_bos_token" in notes[0], result.stderr
