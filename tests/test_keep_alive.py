@@ -167,3 +167,22 @@ def test_a_background_server_that_cannot_start_is_said_once_and_the_call_goes_on
     again = run_cli("generate", "-m", str(tiny_llama), "--device", "cpu", "-t", "0", "-n", "4",
                     "--keep-alive", "2s", "Hi", env=places)  # fmt: skip
     assert again.returncode == 0 and b"did not start" not in again.stderr  # said once
+
+
+def test_calls_made_while_a_background_server_loads_start_no_second_one(
+    tiny_llama: Path, places: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Its record is written once it has loaded: a call in the meantime finds it starting."""
+    from llmcli.config.settings import LoadSettings, RemoteSettings
+    from llmcli.frontends.keep_alive import keep_alive_after
+
+    for name, value in places.items():
+        monkeypatch.setenv(name, value)
+    load = LoadSettings(device="cpu")
+    keep_alive_after(str(tiny_llama), load, 300, RemoteSettings())
+    keep_alive_after(str(tiny_llama), load, 300, RemoteSettings())  # well before the first has loaded
+    notes = capsys.readouterr().err
+    assert notes.count("Keeping ") == 1 and "is still loading (pid " in notes, notes
+    wait_for(lambda: records(places), "the background server's record")
+    keep_alive_after(str(tiny_llama), load, 300, RemoteSettings())  # loaded: found, nothing said
+    assert capsys.readouterr().err == "" and len(records(places)) == 1

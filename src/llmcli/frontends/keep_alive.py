@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
@@ -29,19 +30,37 @@ def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remo
     this model and these settings, which the call itself kept busy)."""
     if remote.url:
         return  # a server named: nothing was loaded here
+    from filelock import FileLock
+
     from llmcli.models.resolve import default_model_spec
     from llmcli.server.runtime import matching_server
 
     spec = model or default_model_spec()
-    if matching_server(spec, load) is not None:
-        return
-    log = log_path()
+    flags = load_flags(load)
+    starting = _starting_marker(spec, flags)
+    # A server writes its record only once loaded: until then the marker says one is on its way,
+    # so that calls made meanwhile do not start one each. The lock makes check-and-start one step.
+    with FileLock(f"{starting}.lock"):
+        if matching_server(spec, load) is not None:
+            return
+        pid = _pid_in(starting)
+        if pid is not None:
+            terminal.note(f"A background server of {spec} is still loading (pid {pid}).")
+            return
+        _start(spec, flags, seconds, starting)
+    terminal.note(
+        f"Keeping {spec} loaded in the background until {seconds:g} s pass without a request "
+        f"(`llmcli ps` lists it, `llmcli stop` stops it; its log: {log_path()})."
+    )
+
+
+def _start(spec: str, flags: list[str], seconds: float, starting: Path) -> None:
     command = [
         sys.executable, "-m", "llmcli", "serve", "-m", spec, "--host", "127.0.0.1", "--port", "0",
-        "--idle-exit", f"{seconds:g}s", "--quiet", *load_flags(load),
+        "--idle-exit", f"{seconds:g}s", "--quiet", *flags,
     ]  # fmt: skip
-    with open(log, "ab") as out:
-        subprocess.Popen(
+    with open(log_path(), "ab") as out:
+        server = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -49,10 +68,27 @@ def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remo
             start_new_session=True,  # not ended by the terminal's Ctrl-C or hang-up
             close_fds=True,
         )
-    terminal.note(
-        f"Keeping {spec} loaded in the background until {seconds:g} s pass without a request "
-        f"(`llmcli ps` lists it, `llmcli stop` stops it; its log: {log})."
-    )
+    starting.write_text(str(server.pid))
+
+
+def _starting_marker(spec: str, flags: list[str]) -> Path:
+    """Where a background server of this model and these settings notes its pid as it starts."""
+    folder = state_dir() / "keep-alive"
+    folder.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256("\0".join([spec, *flags]).encode()).hexdigest()[:16]
+    return folder / f"starting-{key}.pid"
+
+
+def _pid_in(marker: Path) -> int | None:
+    """The pid a marker names, while that process lives (a server that loaded, or gave up, and
+    exited leaves a stale marker: ignored)."""
+    from llmcli.server.runtime import is_alive
+
+    try:
+        pid = int(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if is_alive(pid) else None
 
 
 def report_failures(model: str | None) -> None:
