@@ -202,3 +202,30 @@ def test_a_native_family_the_lean_path_cannot_read_loads_through_transformers_wi
     assert result.returncode == 0, result.stderr
     notes = [line for line in result.stderr.decode().splitlines() if "lean loader" in line]
     assert len(notes) == 1 and "add_bos_token" in notes[0], result.stderr
+
+
+def test_tensor_file_reads_each_tensor_as_safetensors_does(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from llmcli.errors import ModelLoadError
+    from llmcli.models.tensor_file import TensorFile
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=generator),
+        "bf16": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, 2, generator=generator).to(torch.float16),
+        "u8": torch.randint(0, 255, (9,), generator=generator, dtype=torch.uint8),
+        "i32": torch.randint(-5, 5, (4, 1), generator=generator, dtype=torch.int32),
+    }
+    path = tmp_path / "tensors.safetensors"
+    save_file(tensors, str(path))
+    file, expected = TensorFile(path), load_file(str(path))
+    assert sorted(file.keys()) == sorted(expected)
+    for name, tensor in expected.items():
+        got = file.get(name)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+        assert got.data_ptr() % 64 == 0  # aligned as torch aligns its own tensors
+    path.write_bytes(path.read_bytes()[:-8])  # cut short: named, not crashed on
+    with pytest.raises(ModelLoadError, match="damaged"):
+        TensorFile(path)

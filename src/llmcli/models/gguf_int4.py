@@ -147,11 +147,10 @@ class Int4Blocks:
     group = GROUP
 
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
+        from llmcli.models.tensor_file import TensorFile
 
-        self._file = safe_open(str(path), framework="pt")
-        keys = self._file.keys()  # a safetensors handle is not iterable itself
-        self._names = {key.rsplit(".", 1)[0] for key in keys}
+        self._file = TensorFile(path)  # read layer by layer: a mapping would keep all of it resident
+        self._names = {key.rsplit(".", 1)[0] for key in self._file.keys()}  # noqa: SIM118
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
@@ -167,9 +166,9 @@ class Int4Blocks:
         """(codes int32 [N, K] in 0…15, scale fp32 [N, K/32], zero fp32 [N, K/32])."""
         import torch
 
-        packed = self._file.get_tensor(f"{name}.codes")
+        packed = self._file.get(f"{name}.codes")
         codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1).to(torch.int32)
-        return codes, self._file.get_tensor(f"{name}.scale"), self._file.get_tensor(f"{name}.zero")
+        return codes, self._file.get(f"{name}.scale"), self._file.get(f"{name}.zero")
 
 
 def blocks_of(folder: Path) -> Int4Blocks | None:

@@ -25,10 +25,6 @@ LEAN_ARCHITECTURES = frozenset(
 )
 
 
-# Bytes a tensor's start is aligned to, as torch's allocator aligns it.
-ALIGNMENT = 64
-
-
 class Norm(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -79,31 +75,28 @@ class LeanCausalLM(nn.Module):
 
 
 class Tensors:
-    """The checkpoint's tensors by name, across its shards, each read once when asked for
-    (safetensors maps the files; nothing is read before it is needed)."""
+    """The checkpoint's tensors by name, across its shards, each read when asked for (nothing
+    before; tensor_file.py says why not through a mapping of the files)."""
 
     def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
-        from safetensors import safe_open
+        from llmcli.models.tensor_file import TensorFile
 
         self.dtype, self.device = dtype, device
-        self._files = [safe_open(str(path), framework="pt") for path in sorted(folder.glob("*.safetensors"))]
-        self._where = {name: handle for handle in self._files for name in handle.keys()}  # noqa: SIM118 (a handle, not a dict)
-        self.folder = folder
+        files = [TensorFile(path) for path in sorted(folder.glob("*.safetensors"))]
+        self._where = {name: file for file in files for name in file.keys()}  # noqa: SIM118
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
-        handle = self._where.get(name)
-        if handle is None:
+        file = self._where.get(name)
+        if file is None:
             raise LeanUnsupported(f"a checkpoint without the tensor {name}")
-        tensor = handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
-        if tensor.data_ptr() % ALIGNMENT:
-            # Read in place from the file, a tensor sits where the file put it; the CPU's matrix
-            # kernels round differently on unaligned rows (1e-7 in fp32, measured), and
-            # transformers' path computes on aligned copies.
-            tensor = tensor.clone()
-        return tensor
+        try:
+            tensor = file.get(name)
+        except ValueError as error:
+            raise LeanUnsupported(f"its tensor {name} ({error})") from None
+        return tensor.to(device=self.device, dtype=self.dtype)
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self else None
@@ -111,11 +104,10 @@ class Tensors:
     def stand_in(self, name: str) -> torch.Tensor:
         """The tensor's shape and dtype and no values: one zero seen at every position (not a
         meta tensor, whose operations would import torch's compiler: 1.2 s)."""
-        handle = self._where.get(name)
-        if handle is None:
+        file = self._where.get(name)
+        if file is None:
             raise LeanUnsupported(f"a checkpoint without the tensor {name}")
-        shape = handle.get_slice(name).get_shape()
-        return torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(file.shape(name))
 
 
 def is_stand_in(tensor: torch.Tensor) -> bool:
