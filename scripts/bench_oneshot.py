@@ -7,11 +7,17 @@ each figure is the median of --runs with the lowest and highest beside it. The m
 unless -m names another; the page cache is warm after the first run of each.
 
     python scripts/bench_oneshot.py [--runs 5] [--baseline REV] [-m MODEL] [-n 32]
+    python scripts/bench_oneshot.py --keep-alive 5m [--runs 5]
+
+--keep-alive: the calls after one that left a background server of the model (`generate
+--keep-alive`), in runtime and state folders of the benchmark's own; the server is stopped at
+the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -23,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_run(source: Path, args: argparse.Namespace) -> dict[str, float]:
-    command = [sys.executable, "-m", "llmcli", "generate", "-t", "0", "-n", str(args.new_tokens)]
+def one_run(source: Path, args: argparse.Namespace, *extra: str) -> dict[str, float]:
+    command = [sys.executable, "-m", "llmcli", "generate", "-t", "0", "-n", str(args.new_tokens), *extra]
     command += ["-m", args.model] if args.model else []
     env = {**os.environ, "PYTHONPATH": str(source / "src")}
     start = time.perf_counter()
@@ -63,7 +69,13 @@ def main() -> None:
     parser.add_argument("-m", "--model", help="the model (default: the demo)")
     parser.add_argument("-n", "--new-tokens", type=int, default=32)
     parser.add_argument("--prompt", default="Write one sentence about the sea.")
+    parser.add_argument("--keep-alive", help="time the calls after one that kept the model loaded")
     args = parser.parse_args()
+    if args.keep_alive:
+        if args.baseline:
+            raise SystemExit("--keep-alive measures this checkout only")
+        kept_alive(args)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         sources = {"this checkout": ROOT}
         if args.baseline:
@@ -85,6 +97,39 @@ def main() -> None:
                 subprocess.run(
                     ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False
                 )
+    report(args, results)
+
+
+def kept_alive(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        places = {"XDG_RUNTIME_DIR": f"{scratch}/run", "XDG_STATE_HOME": f"{scratch}/state"}
+        os.makedirs(places["XDG_RUNTIME_DIR"])
+        os.environ.update(places)
+        llmcli = [sys.executable, "-m", "llmcli"]
+        try:
+            one_run(ROOT, args, "--keep-alive", args.keep_alive)
+            deadline = time.monotonic() + 600
+            while not json.loads(
+                subprocess.run([*llmcli, "ps", "--json"], capture_output=True).stdout or "[]"
+            ):
+                if time.monotonic() > deadline:
+                    raise SystemExit("the background server did not come up in 10 minutes")
+                time.sleep(0.2)
+            one_run(ROOT, args)  # the server's first request
+            results = {
+                f"after --keep-alive {args.keep_alive}": [one_run(ROOT, args) for _ in range(args.runs)]
+            }
+        finally:
+            subprocess.run([*llmcli, "stop"], capture_output=True, check=False)
+    report(args, results)
+
+
+def listed(llmcli: list[str]) -> bool:
+    """Whether `llmcli ps` lists a server (the background one has loaded)."""
+    return bool(json.loads(subprocess.run([*llmcli, "ps", "--json"], capture_output=True).stdout or "[]"))
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> None:
     print(
         f"`llmcli generate -t 0 -n {args.new_tokens}` on {args.model or 'the demo'}: "
         f"median (lowest–highest) of {args.runs} runs\n"
