@@ -16,7 +16,7 @@ from test_chat_cache import THINK_DROPPING_TEMPLATE
 from test_native import BASE, CASES, build
 from test_reasoning import HARMONY_TEMPLATE, THINKING_TEMPLATE
 
-from cli_helpers import PATIENCE_S, run_cli
+from cli_helpers import PATIENCE_S, one_error_line, run_cli
 from tiny_models import CHATML_TEMPLATE, build_tiny_model, train_tokenizer
 from tool_templates import HERMES_TEMPLATE, MISTRAL_TEMPLATE, TOOLS
 
@@ -229,3 +229,19 @@ def test_tensor_file_reads_each_tensor_as_safetensors_does(tmp_path: Path) -> No
     path.write_bytes(path.read_bytes()[:-8])  # cut short: named, not crashed on
     with pytest.raises(ModelLoadError, match="damaged"):
         TensorFile(path)
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line_naming_it(
+    lean_llama: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "no-head"
+    folder.mkdir()
+    for file in lean_llama.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    line = one_error_line(run_cli("generate", "-m", str(folder), "-n", "2", "Hello"), 1)
+    assert "model.layers.1.mlp.down_proj.weight" in line

@@ -41,6 +41,11 @@ class LeanUnsupported(LlmcliError):
     """What the lean load path cannot read (the message names it); transformers' path can."""
 
 
+class DamagedCheckpoint(LeanUnsupported):
+    """A checkpoint that does not match its config (a tensor missing): transformers' path refuses
+    it in one line naming the tensor, so the lean path leaves it to that refusal, without a note."""
+
+
 class LeanConfig:
     """config.json's values as attributes (`getattr(config, name, default)` works as on
     transformers' configs), with the family defaults above."""

@@ -16,7 +16,7 @@ import json
 from typing import TYPE_CHECKING
 
 from llmcli.errors import LlmcliError
-from llmcli.models.lean_config import LeanConfig, LeanUnsupported
+from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported
 from llmcli.models.lean_model import LEAN_ARCHITECTURES
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ def lean_load(resolved: ResolvedModel, settings: LoadSettings) -> tuple[LoadedMo
         return None, None
     try:
         return _load(resolved, settings), None
+    except DamagedCheckpoint:
+        return None, None
     except LeanUnsupported as why:
         return None, f"loading through transformers (a slower start): the lean loader does not read {why}"
 
@@ -103,6 +105,12 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         from llmcli.models.load import out_of_memory_error
 
         raise out_of_memory_error(resolved, plan.settings, plan.config, device, plan.dtype) from error
+    from llmcli.engine.native.families import NotSupported, check_supported
+
+    try:  # what only transformers' engine would run must come with transformers' model
+        check_supported(model, plan.context)
+    except NotSupported as why:
+        raise LeanUnsupported(f"a model the native engine does not run ({why})") from None
     quant, quant_backend = "none", "none"
     if plan.native_quant is not None:
         quant = quantize_natively(model, resolved, plan.native_quant, plan.group)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from llmcli.models.lean_config import LeanConfig, LeanUnsupported, rope_frequencies
+from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, rope_frequencies
 
 # The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
 # q/k/v biases and Qwen3's q/k norms where the checkpoint has them.
@@ -91,7 +91,7 @@ class Tensors:
     def get(self, name: str) -> torch.Tensor:
         file = self._where.get(name)
         if file is None:
-            raise LeanUnsupported(f"a checkpoint without the tensor {name}")
+            raise DamagedCheckpoint(f"a checkpoint without the tensor {name}")
         try:
             tensor = file.get(name)
         except ValueError as error:
@@ -106,7 +106,7 @@ class Tensors:
         meta tensor, whose operations would import torch's compiler: 1.2 s)."""
         file = self._where.get(name)
         if file is None:
-            raise LeanUnsupported(f"a checkpoint without the tensor {name}")
+            raise DamagedCheckpoint(f"a checkpoint without the tensor {name}")
         return torch.zeros((), dtype=self.dtype, device=self.device).expand(file.shape(name))
 
 
@@ -139,11 +139,11 @@ def build(
     )
     body.norm = Norm(tensors.get("model.norm.weight"))
     body.rotary_emb = Rotary(inv_freq.to(device), scaling)
-    tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
-    lm_head = _linear(tensors.get("lm_head.weight"), None) if not tied else _linear(embed, None)
-    if tied:
+    if config.tie_word_embeddings:
+        lm_head = _linear(embed, None)
         lm_head.weight = body.embed_tokens.weight  # one tensor, as transformers ties them
-        config.tie_word_embeddings = True
+    else:  # absent, it is refused: transformers' path names the missing tensor
+        lm_head = _linear(tensors.get("lm_head.weight"), None)
     return LeanCausalLM(config, body, lm_head)
 
 
