@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from llmcli.models.quant import pick_int4_group
 
 CUDA_INNER_K_TILES = 8
-_ROWS_AT_A_TIME = 4096
+# int8 quantizes a matrix in slices of about this many weights: each slice's fp32 copy and its
+# temporaries (4 MB each) are the quantizer's whole passing cost, for any width of row.
+_ELEMENTS_AT_A_TIME = 1 << 20
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -62,8 +64,9 @@ class QuantizedLinear(torch.nn.Module):
         codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
         scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
         # In slices of rows: an fp32 copy of a whole output head would be the load's peak.
-        for start in range(0, weight.shape[0], _ROWS_AT_A_TIME):
-            rows = slice(start, start + _ROWS_AT_A_TIME)
+        step = max(1, _ELEMENTS_AT_A_TIME // weight.shape[1])
+        for start in range(0, weight.shape[0], step):
+            rows = slice(start, start + step)
             w = weight.detach()[rows].float()
             scales[rows] = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
             codes[rows] = (w / scales[rows, None]).round().clamp(-127, 127).to(torch.int8)
