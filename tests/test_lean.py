@@ -37,14 +37,33 @@ CONVERSATIONS = {
         {"role": "user", "content": "Three <|im_end|> four"},
     ],
 }
-TEXTS = ["Hello world", " leading space", "<|im_start|>user\nhi<|im_end|>", "emoji 👍🏽 and 日本語", ""]
+TEXTS = [
+    "Hello world",
+    " leading  space\n\n\tx",
+    "<|im_start|>user\nhi<|im_end|>",
+    "emoji 👍🏽 and 日本語 123456, it's DON'T",
+    "",
+]
 
 
-@pytest.fixture(scope="module", params=["bytelevel", "metaspace"])
+@pytest.fixture(
+    scope="module",
+    params=[("bytelevel", None), ("metaspace", None), ("bytelevel", "Qwen2Tokenizer")],
+    ids=["bytelevel", "metaspace", "qwen2-class"],
+)
 def tokenizer_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = train_tokenizer(style=request.param, added=("<tool_call>",), special=("<think>", "</think>"))
-    folder = tmp_path_factory.mktemp(f"tokenizer-{request.param}")
+    """A trained tokenizer saved as transformers saves it; with a class named, under that class,
+    which transformers then rebuilds its own way (Qwen2Tokenizer: its own pre-tokenizer)."""
+    style, tokenizer_class = request.param
+    tokenizer = train_tokenizer(style=style, added=("<tool_call>",), special=("<think>", "</think>"))
+    folder = tmp_path_factory.mktemp(f"tokenizer-{style}")
     tokenizer.save_pretrained(folder)
+    if tokenizer_class:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        del config["unk_token"]  # the class's default stands in
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps(config | {"tokenizer_class": tokenizer_class})
+        )
     return folder
 
 
@@ -54,6 +73,9 @@ def test_the_lean_tokenizer_answers_as_transformers_does(tokenizer_folder: Path)
     from llmcli.models.lean_tokenizer import LeanTokenizer
 
     ours, theirs = LeanTokenizer(tokenizer_folder), AutoTokenizer.from_pretrained(tokenizer_folder)
+    assert type(theirs).__name__ == json.loads((tokenizer_folder / "tokenizer_config.json").read_text()).get(
+        "tokenizer_class", type(theirs).__name__
+    )
     for text in TEXTS:
         for special in (True, False):
             assert ours(text, add_special_tokens=special)["input_ids"] == list(

@@ -6,12 +6,13 @@ template's source) is all in `tokenizer.json` and `tokenizer_config.json`. This 
 those same calls, named as transformers names them, so the rest of llmcli takes either.
 
 It reads a folder as transformers' generic fast tokenizer (`TokenizersBackend`,
-`PreTrainedTokenizerFast`) reads it. Classes with their own construction (Llama's and Qwen2's
-rebuild the backend from the vocabulary), `add_bos_token`/`add_eos_token` switches (which
-rewrite the post-processor), special tokens the backend lacks (which transformers adds) and
-space clean-up on a non-BPE model are refused with the reason (`LeanUnsupported`), and the
-loader takes transformers' path: the tests hold this class equal to transformers' on every
-tokenizer they build.
+`PreTrainedTokenizerFast`) reads it, and Qwen2's class as that class rebuilds it (its own
+normaliser, pre-tokenizer and decoder over the file's vocabulary). Other classes with their own
+construction (Llama's, GPT-2's), `add_bos_token`/`add_eos_token` switches (which rewrite the
+post-processor), special tokens the backend lacks (which transformers adds) and space clean-up on
+a non-BPE model are refused with the reason (`LeanUnsupported`), and the loader takes
+transformers' path: the tests hold this class equal to transformers' on every tokenizer they
+build.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class LeanTokenizer:
 
         config = _read_json(folder / "tokenizer_config.json")
         tokenizer_class = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
-        if tokenizer_class not in PLAIN_CLASSES:
+        construct = CONSTRUCTED.get(tokenizer_class)
+        if tokenizer_class not in PLAIN_CLASSES and construct is None:
             raise LeanUnsupported(f"its tokenizer class {tokenizer_class}")
         if "add_bos_token" in config or "add_eos_token" in config:
             raise LeanUnsupported("its tokenizer's add_bos_token/add_eos_token switches")
@@ -51,7 +53,10 @@ class LeanTokenizer:
         self.backend_tokenizer.no_truncation()
         self.backend_tokenizer.no_padding()
         self.name_or_path = str(folder)
-        self._named = {name: _content(config.get(name)) for name in NAMED_SPECIALS}
+        defaults = construct(self.backend_tokenizer, config) if construct else {}
+        self._named = {
+            name: _content(config[name]) if name in config else defaults.get(name) for name in NAMED_SPECIALS
+        }
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         self._extra = [token for token in map(_content, extra if isinstance(extra, list) else []) if token]
         vocab = self.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -147,6 +152,38 @@ class LeanTokenizer:
         if templates is None:
             raise ValueError("the tokenizer has no chat template")
         return templates
+
+
+def _qwen2(backend: Any, config: dict[str, Any]) -> dict[str, str]:
+    """Qwen2Tokenizer as transformers 5 builds it: the file's vocabulary and merges under its own
+    NFC normaliser, pre-tokenizer (Qwen's split, then bytes) and byte decoder; "<|endoftext|>"
+    for the special tokens its config does not name. A BPE model with options the class would
+    drop (byte fallback, an unknown token, dropout) is refused."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    model = backend.model
+    if type(model).__name__ != "BPE" or model.byte_fallback or model.unk_token or model.dropout:
+        raise LeanUnsupported("a Qwen2Tokenizer whose tokenizer.json the class would rebuild otherwise")
+    if model.fuse_unk or model.continuing_subword_prefix or model.end_of_word_suffix:
+        raise LeanUnsupported("a Qwen2Tokenizer whose tokenizer.json the class would rebuild otherwise")
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")), use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+
+
+# transformers' Qwen2 pre-tokenizer pattern (tokenization_qwen2.py), as Qwen's own files write it.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Tokenizer classes whose construction rebuilds the backend: how, with their default specials.
+CONSTRUCTED = {"Qwen2Tokenizer": _qwen2, "Qwen2TokenizerFast": _qwen2}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
