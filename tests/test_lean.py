@@ -138,8 +138,13 @@ def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
     from llmcli.models.lean_tokenizer import LeanTokenizer
 
     config = json.loads((tokenizer_folder / "tokenizer_config.json").read_text())
+    ordinary = next(iter(json.loads((tokenizer_folder / "tokenizer.json").read_text())["model"]["vocab"]))
+    if ordinary.startswith("<"):  # the byte tokens of a Llama-style vocabulary come first
+        ordinary = "the"
     for change, reason in (
         ({"tokenizer_class": "LlamaTokenizer"}, "tokenizer class LlamaTokenizer"),
+        # in the vocabulary but not an added token: transformers would add it, and split around it
+        ({"bos_token": ordinary}, f"'{ordinary}', which tokenizer.json does not add"),
         ({"add_bos_token": True}, "add_bos_token"),
         ({"bos_token": "<|not-in-the-vocabulary|>"}, "'<|not-in-the-vocabulary|>'"),
     ):

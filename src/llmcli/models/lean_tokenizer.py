@@ -59,12 +59,14 @@ class LeanTokenizer:
         }
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         self._extra = [token for token in map(_content, extra if isinstance(extra, list) else []) if token]
-        vocab = self.backend_tokenizer.get_vocab(with_added_tokens=True)
-        absent = [t for t in (*self._named.values(), *self._extra) if t is not None and t not in vocab]
+        # transformers makes every special token an added one (matched whole, before the text is
+        # split): one that tokenizer.json does not list as added would encode otherwise here.
+        added = {token.content for token in self.backend_tokenizer.get_added_tokens_decoder().values()}
+        absent = [t for t in (*self._named.values(), *self._extra) if t is not None and t not in added]
         if absent:
-            raise LeanUnsupported(f"its special token {absent[0]!r}, which tokenizer.json lacks")
+            raise LeanUnsupported(f"its special token {absent[0]!r}, which tokenizer.json does not add")
         declared = config.get("added_tokens_decoder") or {}
-        missing = [_content(token) for token in declared.values() if _content(token) not in vocab]
+        missing = [_content(token) for token in declared.values() if _content(token) not in added]
         if missing:
             raise LeanUnsupported(f"its added token {missing[0]!r}, which tokenizer.json lacks")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
