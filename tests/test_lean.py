@@ -272,3 +272,28 @@ def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line_naming_it(
     save_file(tensors, str(folder / "model.safetensors"))
     line = one_error_line(run_cli("generate", "-m", str(folder), "-n", "2", "Hello"), 1)
     assert "model.layers.1.mlp.down_proj.weight" in line
+
+
+def test_a_config_the_lean_path_cannot_read_loads_through_transformers_with_a_note(
+    lean_llama: Path, tmp_path: Path
+) -> None:
+    """A RoPE type the lean path does not compute loads through transformers, said once; one
+    neither path can read (a llama3 RoPE missing parameters) is one error line, no note."""
+
+    def with_rope(name: str, rope: dict) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in lean_llama.iterdir():
+            (folder / file.name).write_bytes(file.read_bytes())
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"rope_parameters": rope}))
+        return folder
+
+    dynamic = with_rope("dynamic", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    result = run_cli("generate", "-m", str(dynamic), "-t", "0", "-n", "4", "Hello")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.decode().splitlines() if "lean loader" in line]
+    assert len(notes) == 1 and "RoPE type 'dynamic'" in notes[0], result.stderr
+    broken = with_rope("llama3-incomplete", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0})
+    line = one_error_line(run_cli("generate", "-m", str(broken), "-n", "2", "Hello"), 1)
+    assert "low_freq_factor" in line or "high_freq_factor" in line

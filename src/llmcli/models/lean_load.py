@@ -101,6 +101,9 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     config = LeanConfig(plan.config)
     try:
         model = build(folder, config, plan.dtype, device, _exactly_coded(resolved, plan))
+    except (KeyError, AttributeError, TypeError, ValueError) as error:
+        # A config field missing or of another shape: transformers' path reads it, or says why.
+        raise LeanUnsupported(f"its config.json as written ({type(error).__name__}: {error})") from None
     except torch.OutOfMemoryError as error:
         from llmcli.models.load import out_of_memory_error
 
