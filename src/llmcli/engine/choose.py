@@ -25,6 +25,13 @@ def backend_for(loaded: LoadedModel) -> Backend:
         try:
             check_supported(loaded.model, loaded.context_length)
         except NotSupported as why:
+            if hasattr(loaded.model, "architecture"):
+                # Lean-loaded (models/lean_model.py): no transformers code to fall back on. The
+                # lean loader takes only what the native engine runs, so this is not reached.
+                raise LlmcliError(
+                    f"the native engine cannot run {loaded.name}: {why}",
+                    "load it with --engine transformers",
+                ) from None
             if loaded.engine == "native":
                 raise LlmcliError(
                     f"--engine native cannot run {loaded.name}: {why}",

@@ -108,12 +108,6 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         from llmcli.models.load import out_of_memory_error
 
         raise out_of_memory_error(resolved, plan.settings, plan.config, device, plan.dtype) from error
-    from llmcli.engine.native.families import NotSupported, check_supported
-
-    try:  # what only transformers' engine would run must come with transformers' model
-        check_supported(model, plan.context)
-    except NotSupported as why:
-        raise LeanUnsupported(f"a model the native engine does not run ({why})") from None
     quant, quant_backend = "none", "none"
     if plan.native_quant is not None:
         quant = quantize_natively(model, resolved, plan.native_quant, plan.group)
