@@ -5,6 +5,7 @@ the same RoPE table and the same logits — and a one-shot call on it must not i
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,12 @@ def lean_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "lean-llama", "llama")
 
 
+def copy_of(model: Path, folder: Path) -> Path:
+    """A copy of a model folder, to change a file of."""
+    shutil.copytree(model, folder)
+    return folder
+
+
 IMPORTED = (
     "import sys\n"
     "from llmcli.cli.entry import run_command_line\n"
@@ -219,10 +226,7 @@ def test_a_one_shot_call_on_the_native_path_imports_neither_transformers_nor_acc
 def test_a_native_family_the_lean_path_cannot_read_loads_through_transformers_with_a_note(
     lean_llama: Path, tmp_path: Path
 ) -> None:
-    folder = tmp_path / "llama-tokenizer-class"
-    folder.mkdir()
-    for file in lean_llama.iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
+    folder = copy_of(lean_llama, tmp_path / "llama-tokenizer-class")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": False}))
     result = run_cli("generate", "-m", str(folder), "-t", "0", "-n", "4", "Hello")
@@ -263,10 +267,7 @@ def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line_naming_it(
 ) -> None:
     from safetensors.torch import load_file, save_file
 
-    folder = tmp_path / "no-head"
-    folder.mkdir()
-    for file in lean_llama.iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
+    folder = copy_of(lean_llama, tmp_path / "no-head")
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, str(folder / "model.safetensors"))
@@ -281,10 +282,7 @@ def test_a_config_the_lean_path_cannot_read_loads_through_transformers_with_a_no
     neither path can read (a llama3 RoPE missing parameters) is one error line, no note."""
 
     def with_rope(name: str, rope: dict) -> Path:
-        folder = tmp_path / name
-        folder.mkdir()
-        for file in lean_llama.iterdir():
-            (folder / file.name).write_bytes(file.read_bytes())
+        folder = copy_of(lean_llama, tmp_path / name)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(config | {"rope_parameters": rope}))
         return folder
