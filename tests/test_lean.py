@@ -49,13 +49,19 @@ TEXTS = [
 
 @pytest.fixture(
     scope="module",
-    params=[("bytelevel", None), ("metaspace", None), ("bytelevel", "Qwen2Tokenizer")],
-    ids=["bytelevel", "metaspace", "qwen2-class"],
+    params=[
+        ("bytelevel", None, {}),
+        ("metaspace", None, {}),
+        ("bytelevel", "Qwen2Tokenizer", {}),
+        # the class takes the config's add_prefix_space over the file's pre-tokenizer
+        ("bytelevel", "GPT2Tokenizer", {"add_prefix_space": True}),
+    ],
+    ids=["bytelevel", "metaspace", "qwen2-class", "gpt2-class-prefix-space"],
 )
 def tokenizer_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A trained tokenizer saved as transformers saves it; with a class named, under that class,
-    which transformers then rebuilds its own way (Qwen2Tokenizer: its own pre-tokenizer)."""
-    style, tokenizer_class = request.param
+    which transformers then rebuilds its own way (its own pre-tokenizer, say)."""
+    style, tokenizer_class, settings = request.param
     tokenizer = train_tokenizer(style=style, added=("<tool_call>",), special=("<think>", "</think>"))
     folder = tmp_path_factory.mktemp(f"tokenizer-{style}")
     tokenizer.save_pretrained(folder)
@@ -63,7 +69,7 @@ def tokenizer_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
         config = json.loads((folder / "tokenizer_config.json").read_text())
         del config["unk_token"]  # the class's default stands in
         (folder / "tokenizer_config.json").write_text(
-            json.dumps(config | {"tokenizer_class": tokenizer_class})
+            json.dumps(config | {"tokenizer_class": tokenizer_class, **settings})
         )
     return folder
 

@@ -6,9 +6,9 @@ template's source) is all in `tokenizer.json` and `tokenizer_config.json`. This 
 those same calls, named as transformers names them, so the rest of llmcli takes either.
 
 It reads a folder as transformers' generic fast tokenizer (`TokenizersBackend`,
-`PreTrainedTokenizerFast`) reads it, and Qwen2's class as that class rebuilds it (its own
-normaliser, pre-tokenizer and decoder over the file's vocabulary). Other classes with their own
-construction (Llama's, GPT-2's), `add_bos_token`/`add_eos_token` switches (which rewrite the
+`PreTrainedTokenizerFast`) reads it, and Qwen2's and GPT-2's classes as those classes rebuild it
+(their own normaliser, pre-tokenizer and decoder over the file's vocabulary). Other classes with
+their own construction (Llama's), `add_bos_token`/`add_eos_token` switches (which rewrite the
 post-processor), special tokens the backend lacks (which transformers adds) and space clean-up on
 a non-BPE model are refused with the reason (`LeanUnsupported`), and the loader takes
 transformers' path: the tests hold this class equal to transformers' on every tokenizer they
@@ -156,18 +156,23 @@ class LeanTokenizer:
         return templates
 
 
+def _plain_bpe(backend: Any, name: str) -> None:
+    """Refuse a BPE model with options a class that rebuilds it from its vocabulary would drop
+    (byte fallback, an unknown token, dropout, word affixes)."""
+    model = backend.model
+    if type(model).__name__ != "BPE" or model.byte_fallback or model.unk_token or model.dropout:
+        raise LeanUnsupported(f"a {name} whose tokenizer.json the class would rebuild otherwise")
+    if model.fuse_unk or model.continuing_subword_prefix or model.end_of_word_suffix:
+        raise LeanUnsupported(f"a {name} whose tokenizer.json the class would rebuild otherwise")
+
+
 def _qwen2(backend: Any, config: dict[str, Any]) -> dict[str, str]:
     """Qwen2Tokenizer as transformers 5 builds it: the file's vocabulary and merges under its own
     NFC normaliser, pre-tokenizer (Qwen's split, then bytes) and byte decoder; "<|endoftext|>"
-    for the special tokens its config does not name. A BPE model with options the class would
-    drop (byte fallback, an unknown token, dropout) is refused."""
+    for the special tokens its config does not name."""
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
-    model = backend.model
-    if type(model).__name__ != "BPE" or model.byte_fallback or model.unk_token or model.dropout:
-        raise LeanUnsupported("a Qwen2Tokenizer whose tokenizer.json the class would rebuild otherwise")
-    if model.fuse_unk or model.continuing_subword_prefix or model.end_of_word_suffix:
-        raise LeanUnsupported("a Qwen2Tokenizer whose tokenizer.json the class would rebuild otherwise")
+    _plain_bpe(backend, "Qwen2Tokenizer")
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -179,13 +184,31 @@ def _qwen2(backend: Any, config: dict[str, Any]) -> dict[str, str]:
     return {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
 
 
+def _gpt2(backend: Any, config: dict[str, Any]) -> dict[str, str]:
+    """GPT2Tokenizer as transformers 5 builds it (SmolLM2's folders name it): the file's
+    vocabulary and merges with no normaliser, GPT-2's byte-level pre-tokenizer and decoder;
+    "<|endoftext|>" for the unknown, BOS and EOS tokens its config does not name."""
+    from tokenizers import decoders, pre_tokenizers
+
+    _plain_bpe(backend, "GPT2Tokenizer")
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")))
+    backend.decoder = decoders.ByteLevel()
+    return {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+
+
 # transformers' Qwen2 pre-tokenizer pattern (tokenization_qwen2.py), as Qwen's own files write it.
 QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
     r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 # Tokenizer classes whose construction rebuilds the backend: how, with their default specials.
-CONSTRUCTED = {"Qwen2Tokenizer": _qwen2, "Qwen2TokenizerFast": _qwen2}
+CONSTRUCTED = {
+    "Qwen2Tokenizer": _qwen2,
+    "Qwen2TokenizerFast": _qwen2,
+    "GPT2Tokenizer": _gpt2,
+    "GPT2TokenizerFast": _gpt2,
+}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
