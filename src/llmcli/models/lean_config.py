@@ -54,9 +54,6 @@ class LeanConfig:
         self._values = {**DEFAULTS, **values}
         if self._values.get("num_key_value_heads") is None:
             self._values["num_key_value_heads"] = self._values.get("num_attention_heads")
-        # Qwen2/3 configs carry a sliding window they do not use unless use_sliding_window says so.
-        if self._values.get("use_sliding_window") is False:
-            self._values["sliding_window"] = None
 
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("_values", {})

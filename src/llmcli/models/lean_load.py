@@ -12,7 +12,6 @@ transformers' path is the only one, and nothing needs saying.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from llmcli.errors import LlmcliError
@@ -64,9 +63,12 @@ def _exactly_coded(resolved: ResolvedModel, plan: LoadPlan) -> frozenset[str]:
 
 
 def _architecture(resolved: ResolvedModel) -> str:
+    from llmcli.errors import ModelLoadError
+    from llmcli.models.load import read_config
+
     try:
-        config = json.loads((resolved.path / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_config(resolved.path)
+    except ModelLoadError:  # transformers' path says it, in its own words
         raise LeanUnsupported("its config.json") from None
     architectures = config.get("architectures") or [""]
     return str(architectures[0])

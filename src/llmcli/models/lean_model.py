@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, rope_frequencies
+from llmcli.models.tensor_file import TensorFile
 
 # The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
 # q/k/v biases and Qwen3's q/k norms where the checkpoint has them.
@@ -79,8 +80,6 @@ class Tensors:
     before; tensor_file.py says why not through a mapping of the files)."""
 
     def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
-        from llmcli.models.tensor_file import TensorFile
-
         self.dtype, self.device = dtype, device
         files = [TensorFile(path) for path in sorted(folder.glob("*.safetensors"))]
         self._where = {name: file for file in files for name in file.keys()}  # noqa: SIM118
@@ -88,10 +87,14 @@ class Tensors:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file_of(self, name: str) -> TensorFile:
         file = self._where.get(name)
         if file is None:
             raise DamagedCheckpoint(f"a checkpoint without the tensor {name}")
+        return file
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self._file_of(name)
         try:
             tensor = file.get(name)
         except ValueError as error:
@@ -104,10 +107,8 @@ class Tensors:
     def stand_in(self, name: str) -> torch.Tensor:
         """The tensor's shape and dtype and no values: one zero seen at every position (not a
         meta tensor, whose operations would import torch's compiler: 1.2 s)."""
-        file = self._where.get(name)
-        if file is None:
-            raise DamagedCheckpoint(f"a checkpoint without the tensor {name}")
-        return torch.zeros((), dtype=self.dtype, device=self.device).expand(file.shape(name))
+        shape = self._file_of(name).shape(name)
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
 
 
 def is_stand_in(tensor: torch.Tensor) -> bool:
