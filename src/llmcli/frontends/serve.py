@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,9 +86,14 @@ def run(request: ServeRequest) -> int:
     from llmcli.server.runtime import remove_record, write_record
 
     model_spec = request.model or default_model_spec()
+    # Every torch call runs on the thread that answers requests, the load included. A second
+    # thread running torch's parallel ops starts a second OpenMP team; with more workers than
+    # cores, libgomp's workers sleep between parallel regions instead of spinning, and a decode
+    # step is hundreds of small regions: the demo decoded at 72 tok/s on the 2 cores here
+    # against 141 in the thread that loaded it.
+    worker = ThreadPoolExecutor(1, "llmcli-generate")
     try:
-        loaded = load_with_feedback(model_spec, request.load)
-        engine = engine_with_feedback(loaded)
+        loaded, engine = worker.submit(_load, model_spec, request.load).result()
     except Exception as error:
         if request.idle_exit_s is not None:  # a keep-alive server: the next call says why, once
             from llmcli.server.runtime import write_failure
@@ -98,6 +104,7 @@ def run(request: ServeRequest) -> int:
         loaded=loaded,
         engine=engine,
         model_id=loaded.name,
+        worker=worker,
         api_key=request.api_key,
         host=request.host,
         allowed_hosts=request.allowed_hosts,
@@ -109,9 +116,13 @@ def run(request: ServeRequest) -> int:
     # Lookup costs nothing to offer, so any request may ask for it; drafting needs the model loaded.
     lookup = dataclasses.replace(speculative, method="lookup")
     speculations = served.speculations
-    speculations["lookup"] = speculation_with_feedback(loaded, model_spec, lookup, request.load)
+    speculations["lookup"] = worker.submit(
+        speculation_with_feedback, loaded, model_spec, lookup, request.load
+    ).result()
     if speculative.method == "draft":
-        speculations["draft"] = speculation_with_feedback(loaded, model_spec, speculative, request.load)
+        speculations["draft"] = worker.submit(
+            speculation_with_feedback, loaded, model_spec, speculative, request.load
+        ).result()
     served.speculative = speculative.method
     port = sock.getsockname()[1]
     shown_host = f"[{request.host}]" if ":" in request.host else request.host
@@ -148,6 +159,11 @@ def run(request: ServeRequest) -> int:
         with contextlib.suppress(OSError):
             sock.close()
     return EXIT_OK
+
+
+def _load(model_spec: str, settings: LoadSettings) -> tuple[Any, Any]:
+    loaded = load_with_feedback(model_spec, settings)
+    return loaded, engine_with_feedback(loaded)
 
 
 class StoppingServer(uvicorn.Server):
