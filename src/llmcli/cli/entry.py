@@ -26,6 +26,9 @@ def _flags_without_a_type() -> None:
 
 
 def main() -> None:
+    from llmcli.models.busy_cores import open_window
+
+    open_window()  # a load's count of busy cores measures over the imports instead of a sleep
     _flags_without_a_type()
     if not (sys.stderr and sys.stderr.isatty()):
         # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.

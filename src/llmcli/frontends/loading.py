@@ -23,6 +23,9 @@ def announce_conversion(path: Path) -> None:
 def load_with_feedback(model_spec: str | None, settings: LoadSettings, lean: bool = False) -> LoadedModel:
     """`lean`: the caller needs only what the native engine runs (no transformers model: no
     beam search, no batches), so a Llama-family folder may load without transformers."""
+    from llmcli.models.busy_cores import open_window
+
+    open_window()  # how busy the machine is, measured over the load rather than slept through
     from llmcli.models.quant import bitsandbytes_only, gguf_refusal
     from llmcli.models.resolve import default_model_spec, expand_default_alias, is_gguf_spec, resolve_model
 

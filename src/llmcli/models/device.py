@@ -7,11 +7,11 @@ else fp16 on GPUs, fp32 on CPU (CPU half-precision matmuls are slow or missing o
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
 from llmcli.errors import LlmcliError
+from llmcli.models.busy_cores import busy_cores_elsewhere
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {value: key for key, value in _DTYPES.items()}
@@ -65,39 +65,3 @@ def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def busy_cores_elsewhere(window_s: float = 0.1) -> int:
-    """Cores kept busy by other processes over a short window, from /proc/stat (0 where unreadable).
-
-    We sleep through the window, so what it counts is someone else's work.
-    """
-    try:
-        before = _cpu_busy_and_total()
-        time.sleep(window_s)
-        after = _cpu_busy_and_total()
-    except (OSError, ValueError, IndexError):
-        return 0
-    ours = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(before)
-    busy = 0.0
-    for cpu in ours & set(before) & set(after):
-        busy_delta = after[cpu][0] - before[cpu][0]
-        total_delta = after[cpu][1] - before[cpu][1]
-        if total_delta > 0:
-            busy += busy_delta / total_delta
-    # A core counts as taken when someone uses most of it; light background noise does not.
-    return int(busy + 0.3)
-
-
-def _cpu_busy_and_total() -> dict[int, tuple[int, int]]:
-    """Per CPU: (busy jiffies, total jiffies) since boot."""
-    counts: dict[int, tuple[int, int]] = {}
-    with open("/proc/stat") as stat:
-        for line in stat:
-            name, *fields = line.split()
-            if not name.startswith("cpu") or name == "cpu":
-                continue
-            values = [int(v) for v in fields[:8]]
-            idle = values[3] + values[4]  # idle + iowait
-            counts[int(name[3:])] = (sum(values) - idle, sum(values))
-    return counts
