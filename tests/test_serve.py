@@ -749,3 +749,32 @@ def test_a_found_server_that_cannot_be_used_is_named_and_the_model_loads_here(
     finally:
         running.process.send_signal(signal.SIGTERM)
         running.process.wait(timeout=PATIENCE_S)
+
+
+def test_chats_whose_turns_interleave_each_find_their_conversation_cached(server: Server) -> None:
+    """Three chats on one server, their turns in turn: each turn after the first finds at least
+    90 % of its conversation so far cached (the others' requests no longer evict it)."""
+    client = server.client()
+    system = {"role": "system", "content": "You answer in a few words about the weather and the sea."}
+    topics = ["boats and harbours", "mountains and snow", "gardens and rain"]
+    chats = [
+        [
+            system,
+            {"role": "user", "content": " ".join(f"Tell me about {topic}, part {i}." for i in range(12))},
+        ]
+        for topic in topics
+    ]
+    so_far = [0, 0, 0]
+    for round_number in range(3):
+        for n, messages in enumerate(chats):
+            reply = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=8, temperature=0
+            )
+            usage = reply.usage
+            if round_number:
+                assert usage.prompt_tokens_details.cached_tokens >= 0.9 * so_far[n]
+            so_far[n] = usage.prompt_tokens + usage.completion_tokens
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"And then, round {round_number}?"},
+            ]

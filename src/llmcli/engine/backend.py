@@ -12,6 +12,10 @@ from typing import Protocol
 import torch
 
 
+class Saved(Protocol):
+    def nbytes(self) -> int: ...
+
+
 class Backend(Protocol):
     name: str  # "native" or "transformers", as --json, /show and bench report it
     device: torch.device
@@ -37,6 +41,15 @@ class Backend(Protocol):
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached positions, whatever a pass cut short left behind."""
+        ...
+
+    def save(self) -> Saved | None:
+        """A copy of every cached position, in host memory, for `restore` to put back later;
+        None where this backend cannot."""
+        ...
+
+    def restore(self, saved: Saved) -> None:
+        """Make the cache hold exactly what `save` copied."""
         ...
 
     def reset(self) -> None:

@@ -112,6 +112,14 @@ class TransformersBackend:
                 # A negative count removes that many tokens, in transformers 4.5x and 5.x alike.
                 layer.crop(-extra)
 
+    def save(self) -> None:
+        """Not offered: transformers' caches keep state of their own per layer type (sliding
+        windows, static write positions) that a copy of the tensors would not carry."""
+        return None
+
+    def restore(self, saved: Any) -> None:
+        raise NotImplementedError("save() gives nothing to restore")
+
     def reset(self) -> None:
         """A static cache keeps its memory: a CUDA graph replays on those very addresses."""
         if self.static_cache:

@@ -22,6 +22,13 @@ import torch
 from llmcli.config.settings import SamplingParams
 from llmcli.engine import producers
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
+from llmcli.engine.kept import (
+    MIN_RESTORED_GAIN,
+    MIN_SET_ASIDE_TOKENS,
+    KeptConversations,
+    SetAside,
+    common_prefix_length,
+)
 from llmcli.engine.producers import Chooser, TokenLogprob
 from llmcli.engine.reasoning import keeps_special_tokens, think_tracker
 from llmcli.engine.sampling import make_generator
@@ -45,14 +52,6 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # asked for: one per token in token_ids
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class Engine:
     """The loop's state between calls: a backend and the exact token ids its KV cache holds."""
 
@@ -63,6 +62,9 @@ class Engine:
         self.context_length = context_length
         self.cached_ids: list[int] = []  # exactly the tokens whose keys/values the backend holds
         self.speculation: Speculation | None = None  # drafts checked several tokens per pass
+        # A server's: what other conversations left in the cache, set aside (kept.py). None: a
+        # new prompt simply crops the cache (one conversation per process: generate, chat).
+        self.kept: KeptConversations | None = None
 
     @classmethod
     def for_loaded(cls, loaded: LoadedModel) -> Engine:
@@ -110,9 +112,39 @@ class Engine:
         """
         return self._keep_common_prefix(ids, at_most=len(ids) - 1)
 
+    def start_over(self) -> None:
+        """Empty the cache for a prompt that must run whole (a seeded draw, a prompt scored)."""
+        self._set_aside_for([])
+        self.crop_to(0)
+
     def _keep_common_prefix(self, ids: list[int], at_most: int) -> int:
+        if self.kept is not None:
+            returning = self._returning(ids)  # out of the store first: setting aside evicts
+            self._set_aside_for(ids)
+            if returning is not None:
+                self.backend.restore(returning.saved)
+                self.cached_ids = list(returning.ids)
         self.crop_to(min(common_prefix_length(self.cached_ids, ids), at_most))
         return len(self.cached_ids)
+
+    def _set_aside_for(self, ids: list[int]) -> None:
+        """Copy what the cache holds aside when `ids` would crop enough of it to be worth it."""
+        kept = self.kept
+        lost = len(self.cached_ids) - common_prefix_length(self.cached_ids, ids)
+        if kept is None or lost < MIN_SET_ASIDE_TOKENS:
+            return
+        saved = self.backend.save()
+        if saved is not None:
+            kept.add(self.cached_ids, saved, saved.nbytes())
+
+    def _returning(self, ids: list[int]) -> SetAside | None:
+        """The set-aside text that shares the most with `ids`, taken from the store, when it
+        shares more than the cache does."""
+        assert self.kept is not None
+        length, entry = self.kept.best_for(ids)
+        if entry is None or length < common_prefix_length(self.cached_ids, ids) + MIN_RESTORED_GAIN:
+            return None
+        return self.kept.take(entry)
 
     def warm(self, ids: list[int]) -> int:
         """Bring the cache to hold `ids` (a loaded chat), prefilling only what is not cached yet.
@@ -291,7 +323,7 @@ class Generation:
             # So a seeded call prefills its whole prompt, as a first call does, in-process or
             # through a server: the same seed gives the same text, at the cost of the prefix
             # cache for seeded calls only.
-            engine.crop_to(0)
+            engine.start_over()
             reused = 0
         else:
             reused = engine.reuse_prefix(self._prompt_ids)

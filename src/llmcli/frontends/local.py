@@ -389,6 +389,6 @@ class LocalHistory:
         )
 
     def _crop_cache_to_conversation(self) -> None:
-        from llmcli.engine.loop import common_prefix_length
+        from llmcli.engine.kept import common_prefix_length
 
         self.engine.crop_to(common_prefix_length(self.engine.cached_ids, self.conversation.ids))

@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from llmcli.config.settings import LoadSettings, SpeculativeSettings
+from llmcli.engine.kept import KeptConversations
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
@@ -100,6 +101,7 @@ def run(request: ServeRequest) -> int:
 
             write_failure(model_spec, error)
         raise
+    engine.kept = KeptConversations(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
     served = Served(
         loaded=loaded,
         engine=engine,
@@ -159,6 +161,14 @@ def run(request: ServeRequest) -> int:
         with contextlib.suppress(OSError):
             sock.close()
     return EXIT_OK
+
+
+def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
+    """Host memory for conversations set aside (engine/kept.py): one full context's worth, at
+    most a quarter of the memory free now."""
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    whole_context = kv_bytes_per_token * context_length
+    return min(whole_context, free // 4) if free else whole_context
 
 
 def _load(model_spec: str, settings: LoadSettings) -> tuple[Any, Any]:

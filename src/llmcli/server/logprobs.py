@@ -60,7 +60,7 @@ def _by_text(tokenizer: Any, top: list[tuple[int, float]]) -> dict[str, float]:
 def score_prompt(engine: Any, ids: list[int], top: int) -> list[TokenLogprob | None]:
     """Each prompt token's log-probability given the ones before it, in one pass over the
     prompt (which the cache then holds, for the completion to reuse)."""
-    engine.crop_to(0)
+    engine.start_over()
     rows = engine.score(ids).float().log_softmax(dim=-1)
     scored: list[TokenLogprob | None] = [None]
     for position in range(len(ids) - 1):

@@ -9,6 +9,7 @@ import torch
 
 from llmcli.engine.native.forward import Transformer
 from llmcli.engine.native.graphs import StepGraphs
+from llmcli.engine.native.kvcache import SavedCache
 
 # Long prompts are prefilled in chunks: attention after cached tokens needs a mask of chunk ×
 # cached positions (and, on kernels without grouped-query support, scores as large), which a
@@ -122,6 +123,12 @@ class NativeBackend:
 
     def crop(self, length: int) -> None:
         self.cache.crop(length)
+
+    def save(self) -> SavedCache:
+        return self.cache.save()
+
+    def restore(self, saved: SavedCache) -> None:
+        self.cache.restore(saved)
 
     def reset(self) -> None:
         self.cache.crop(0)  # the tensors stay, and with them any captured graph

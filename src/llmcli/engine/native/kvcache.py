@@ -20,6 +20,8 @@ positions it would need are overwritten, and the caller prefills again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 MIN_BUCKET = 256
@@ -36,6 +38,17 @@ def ring_size(window: int | None, context_length: int) -> int | None:
     if size > MIN_BUCKET:
         size = -(-size // MIN_BUCKET) * MIN_BUCKET
     return size if size < context_length else None
+
+
+@dataclass
+class SavedCache:
+    length: int
+    written: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 class KVCache:
@@ -156,6 +169,26 @@ class KVCache:
             ring is None or self.written <= ring or self.written - ring <= length - window + 1
             for ring, window in zip(self.rings, self.windows, strict=True)
         )
+
+    def save(self) -> SavedCache:
+        """Copies, in host memory, of the positions held: a ring layer's whole ring (its slots
+        are positions mod the ring), the other layers' first `length` positions."""
+        keys, values = [], []
+        for layer, ring in enumerate(self.rings):
+            end = self.keys[layer].shape[1] if ring is not None else self.length
+            keys.append(self.keys[layer][:, :end].to("cpu", copy=True))
+            values.append(self.values[layer][:, :end].to("cpu", copy=True))
+        return SavedCache(self.length, self.written, keys, values)
+
+    @torch.inference_mode()  # the cache's tensors were made in inference mode
+    def restore(self, saved: SavedCache) -> None:
+        """Hold exactly what `save` copied. Into the tensors there are, grown if need be: a
+        captured graph replays on their addresses."""
+        self.ensure(saved.length)
+        for store, copies in ((self.keys, saved.keys), (self.values, saved.values)):
+            for layer, copy in enumerate(copies):
+                store[layer][:, : copy.shape[1]].copy_(copy)
+        self.length, self.written = saved.length, saved.written
 
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""

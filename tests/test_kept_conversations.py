@@ -1,0 +1,113 @@
+"""A server's one KV cache shared by conversations whose turns interleave: what another request
+would crop is set aside in host memory and brought back when its conversation returns
+(engine/kept.py) — exactly, with sliding-window rings too, within a memory budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmcli.engine.kept import KeptConversations
+from llmcli.engine.loop import Engine
+from llmcli.engine.native.backend import NativeBackend
+from test_native import CASES, CONTEXT, build, prompt
+
+SHARED = 40  # a system prompt all three conversations start with
+OWN = 80  # each conversation's first message
+TURN = 20  # each later message
+REPLY = 8
+
+
+def turn(engine: Engine, ids: list[int]) -> tuple[int, list[torch.Tensor], list[int]]:
+    """One request as the server runs it: the cache's prefix reused, the rest prefilled, a
+    greedy reply. (tokens reused, the logits before each reply token, the reply)"""
+    reused = engine.reuse_prefix(ids)
+    logits = engine.prefill(ids[reused:])
+    rows, reply = [logits[0].float()], []
+    for _ in range(REPLY):
+        reply.append(int(rows[-1].argmax()))
+        rows.append(engine.decode_step(reply[-1])[0].float())
+    return reused, rows[:-1], reply
+
+
+def conversations(seed: int) -> list[list[int]]:
+    shared = prompt(SHARED, seed=seed)
+    return [shared + prompt(OWN, seed=seed + 1 + n) for n in range(3)]
+
+
+RING_CASES = ["gemma3-window-8-shorter-than-the-prompt", "gpt-oss-k2-window-8"]
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2", *RING_CASES])
+@torch.inference_mode()
+def test_interleaved_conversations_are_brought_back_exactly(case: str) -> None:
+    """Three conversations, three rounds of turns in turn on one engine: from the second round
+    on each turn reuses its whole conversation so far, and its logits equal those of an engine
+    that ran that conversation alone (1e-6) and transformers' on the whole text (1e-4)."""
+    model = build(*CASES[case])
+    shared = NativeBackend(model, CONTEXT)
+    engine = Engine(shared, frozenset(), CONTEXT)
+    engine.kept = KeptConversations(1 << 30)
+    alone = [Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT) for _ in range(3)]
+    histories = conversations(seed=10)
+    for round_number in range(3):
+        for n, history in enumerate(histories):
+            ids = history + (prompt(TURN, seed=100 * round_number + n) if round_number else [])
+            reused, rows, reply = turn(engine, ids)
+            _, alone_rows, alone_reply = turn(alone[n], ids)
+            if round_number:
+                assert reused >= 0.9 * len(history) and reused == len(history)
+            assert reply == alone_reply
+            for row, alone_row in zip(rows, alone_rows, strict=True):
+                torch.testing.assert_close(row, alone_row, rtol=0, atol=1e-6)
+            reference = model(torch.tensor([ids + reply])).logits[0].float()
+            for i, row in enumerate(rows):
+                torch.testing.assert_close(row, reference[len(ids) - 1 + i], rtol=0, atol=1e-4)
+            histories[n] = ids + reply
+    assert engine.kept.restored == 6  # rounds two and three, each conversation brought back
+    assert len(engine.kept.entries) == 2  # the other two; the third is the cache's own text
+
+
+@torch.inference_mode()
+def test_the_least_recently_used_copy_goes_when_the_budget_is_full() -> None:
+    model = build(*CASES["llama-gqa2"])
+    engine = Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT)
+    first, second, third = conversations(seed=20)
+    assert len({first[SHARED], second[SHARED], third[SHARED]}) == 3  # they part right after it
+    one_copy = NativeBackend(model, CONTEXT)
+    one_copy.prefill(first + [0] * REPLY)  # a turn leaves its reply in the cache too
+    engine.kept = KeptConversations(one_copy.save().nbytes() + 1)  # room for one copy
+    for ids in (first, second, third):
+        turn(engine, ids)
+    assert [entry.ids[: len(second)] for entry in engine.kept.entries] == [second]  # first dropped
+    assert engine.kept.nbytes <= engine.kept.budget_bytes
+    reused, _, _ = turn(engine, first)
+    assert reused == SHARED  # only what the cache (the third) shares with it
+    # Setting the third aside made room by dropping the second, now the least recently used.
+    assert [entry.ids[: len(third)] for entry in engine.kept.entries] == [third]
+    reused, _, _ = turn(engine, third + prompt(TURN, seed=21))
+    assert reused >= len(third)  # brought back
+    assert engine.kept.restored == 1
+
+
+@torch.inference_mode()
+def test_a_short_loss_is_not_set_aside_and_transformers_engine_keeps_nothing(loaded_tiny) -> None:
+    from engines import engine_for
+
+    model = build(*CASES["llama-gqa2"])
+    engine = Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT)
+    engine.kept = KeptConversations(1 << 30)
+    ids = prompt(120, seed=30)
+    turn(engine, ids)
+    turn(engine, ids[:100])  # 28 tokens lost (a retry of a reply): not worth a copy
+    assert engine.kept.entries == []
+
+    hf = engine_for(loaded_tiny, backend="transformers")
+    hf.kept = KeptConversations(1 << 30)
+    vocab = len(loaded_tiny.tokenizer)
+    first, second = ([(7 * i + s) % vocab for i in range(150)] for s in (1, 2))
+    turn(hf, first)
+    reused, _, _ = turn(hf, second)
+    assert reused == 0 and hf.kept.entries == []  # transformers' cache is not copied: cropped as before
+    reused, _, _ = turn(hf, first)
+    assert reused == 0
