@@ -35,7 +35,9 @@ def one_by_one(loaded, prompts: list[list[int]], params: SamplingParams):
     return results
 
 
-def batched(loaded, prompts: list[list[int]], params: SamplingParams, static_cache: bool = False):
+def batched(
+    loaded, prompts: list[list[int]], params: SamplingParams, static_cache: bool = False, native: bool = False
+):
     return generate_batch(
         loaded.model,
         loaded.tokenizer,
@@ -44,16 +46,25 @@ def batched(loaded, prompts: list[list[int]], params: SamplingParams, static_cac
         loaded.eos_token_ids,
         loaded.context_length,
         static_cache=static_cache,
+        native=native,
     )
 
 
-@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize(
+    ("static_cache", "native"),
+    [(False, False), (True, False), (False, True)],
+    ids=["dynamic", "static", "native"],
+)
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_batch_equals_one_by_one_under_greedy(loaded_tiny, static_cache: bool, penalty: float) -> None:
+def test_batch_equals_one_by_one_under_greedy(
+    loaded_tiny, static_cache: bool, native: bool, penalty: float
+) -> None:
+    """On the native forward each row runs at its own position over its own cache: rows of six
+    lengths, finishing at different steps."""
     prompts = [prompt_ids(loaded_tiny.tokenizer, build_messages(text)) for text in PROMPTS]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, repetition_penalty=penalty)
     expected = one_by_one(loaded_tiny, prompts, params)
-    got = batched(loaded_tiny, prompts, params, static_cache)
+    got = batched(loaded_tiny, prompts, params, static_cache, native)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.text for r in got] == [r.text for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
@@ -64,9 +75,10 @@ def test_batch_applies_stop_strings_per_row(loaded_tiny) -> None:
     free = one_by_one(loaded_tiny, prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
     stop = free[1].text[3:5]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, stop=(stop,))
-    got = batched(loaded_tiny, prompts, params)
-    assert [r.text for r in got] == [r.text for r in one_by_one(loaded_tiny, prompts, params)]
-    assert stop not in got[1].text and got[1].finish_reason == "stop"
+    for native in (False, True):
+        got = batched(loaded_tiny, prompts, params, native=native)
+        assert [r.text for r in got] == [r.text for r in one_by_one(loaded_tiny, prompts, params)]
+        assert stop not in got[1].text and got[1].finish_reason == "stop"
 
 
 def test_batch_cli_writes_results_in_input_order(tiny_llama: Path, tmp_path: Path) -> None:

@@ -492,3 +492,40 @@ def test_quantized_experts_compute_what_their_dequantized_weights_do(case: str, 
     for token in ids[20:]:
         step = torch.tensor([token])
         torch.testing.assert_close(ours.decode(step), theirs.decode(step), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "llama-gqa2",
+        "qwen2-bias",
+        "qwen3-moe-k2",
+        "gemma3-window-8-shorter-than-the-prompt",
+        "gpt-oss-k2-window-8",
+    ],
+)
+@torch.inference_mode()
+def test_several_sequences_in_one_step_each_equal_it_alone(case: str) -> None:
+    """Three sequences of different lengths (two past a window-8 ring's wrap) decoded in one step
+    each: every row's logits within 1e-5 of the same sequence decoded alone, step after step,
+    and one sequence leaving the step part way changes nothing for the others."""
+    model = build(*CASES[case])
+    alone = [NativeBackend(model, CONTEXT) for _ in range(3)]
+    together = [NativeBackend(model, CONTEXT)]
+    together += [NativeBackend(model, CONTEXT, net=together[0].net) for _ in range(2)]
+    prompts = [prompt(length, seed=40 + length) for length in (5, 90, 150)]
+    tokens = []
+    for sequence, ids in enumerate(prompts):
+        expected = alone[sequence].prefill(ids)
+        torch.testing.assert_close(together[sequence].prefill(ids), expected, rtol=0, atol=1e-5)
+        tokens.append(int(expected.argmax()))
+    for step in range(12):
+        going = [0, 1, 2] if step < 6 else [0, 2]  # the second leaves after six steps
+        rows = together[0].net.decode_sequences(
+            torch.tensor([tokens[s] for s in going]), [together[s].cache for s in going]
+        )
+        for row, sequence in enumerate(going):
+            together[sequence].cache.length += 1
+            expected = alone[sequence].decode(torch.tensor([tokens[sequence]]))
+            torch.testing.assert_close(rows[row : row + 1], expected, rtol=0, atol=1e-5)
+            tokens[sequence] = int(expected.argmax())

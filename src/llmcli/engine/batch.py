@@ -87,12 +87,15 @@ def generate_batch(
     *,
     static_cache: bool = False,
     constraints: list[Constraint | None] | None = None,
+    native: bool = False,
 ) -> list[GenerationResult]:
     """Greedy or sampled generation for every prompt, in one batch; results in input order.
-    `constraints`: a grammar per prompt (or None), masking that row's logits."""
+    `constraints`: a grammar per prompt (or None), masking that row's logits. `native`: on
+    llmcli's own forward (a cache per prompt, no padding), else on transformers' model."""
     constraints = constraints or [None] * len(prompts)
     rows = [_Row(p, tokenizer, params, c) for p, c in zip(prompts, constraints, strict=True)]
-    batch = _Batch(model, rows, params, eos_token_ids, context_length, tokenizer.pad_token_id)
+    kind = _NativeBatch if native else _Batch
+    batch = kind(model, rows, params, eos_token_ids, context_length, tokenizer.pad_token_id)
     start = time.perf_counter()
     logits = batch.prefill(static_cache)
     ttft = 0.0
@@ -189,3 +192,32 @@ class _Batch:
         )
         self.next_position = self.next_position + 1
         return out.logits[:, -1, :]
+
+
+class _NativeBatch(_Batch):
+    """The batch on the native forward: each prompt prefilled alone into a cache of its own,
+    then one step for the rows still going, each at its own position (plans.SequencesStep):
+    no padding, and a row that has finished costs nothing more. Sampling is the batch's own."""
+
+    def prefill(self, static_cache: bool) -> torch.Tensor:
+        from llmcli.engine.native.backend import NativeBackend
+
+        first = NativeBackend(self.model, self.width + self.budget)
+        self.backends = [first] + [
+            NativeBackend(self.model, self.width + self.budget, net=first.net) for _ in self.rows[1:]
+        ]
+        return torch.cat([b.prefill(row.prompt) for b, row in zip(self.backends, self.rows, strict=True)])
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        if self.params.needs_history:
+            self.seen = torch.cat([self.seen, tokens.view(-1, 1)], dim=1)
+        going = [i for i, row in enumerate(self.rows) if row.finish_reason is None]
+        feed = torch.tensor([self.rows[i].token_ids[-1] for i in going], device=self.device)
+        caches = [self.backends[i].cache for i in going]
+        rows = self.backends[0].net.decode_sequences(feed, caches)
+        for cache in caches:
+            cache.length += 1
+        # Rows that have finished get logits of zeros: choose() takes no token from them.
+        logits = torch.zeros(len(self.rows), rows.shape[-1], device=self.device)
+        logits[going] = rows
+        return logits

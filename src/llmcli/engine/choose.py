@@ -17,33 +17,41 @@ if TYPE_CHECKING:
     from llmcli.models.load import LoadedModel
 
 
+def runs_natively(loaded: LoadedModel) -> bool:
+    """Whether the native engine runs this model (--engine, and what it supports); a clear
+    error where it was asked for and cannot."""
+    if loaded.engine == "transformers":
+        return False
+    from llmcli.engine.native.families import NotSupported, check_supported
+
+    try:
+        check_supported(loaded.model, loaded.context_length)
+    except NotSupported as why:
+        if hasattr(loaded.model, "architecture"):
+            # Lean-loaded (models/lean_model.py): no transformers code to fall back on. The
+            # lean loader takes only what the native engine runs, so this is not reached.
+            raise LlmcliError(
+                f"the native engine cannot run {loaded.name}: {why}",
+                "load it with --engine transformers",
+            ) from None
+        if loaded.engine == "native":
+            raise LlmcliError(
+                f"--engine native cannot run {loaded.name}: {why}",
+                "use --engine auto or --engine transformers",
+            ) from None
+        return False
+    return True
+
+
 def backend_for(loaded: LoadedModel) -> Backend:
     cuda = loaded.device.type == "cuda"
-    if loaded.engine != "transformers":
-        from llmcli.engine.native.families import NotSupported, check_supported
+    if runs_natively(loaded):
+        from llmcli.engine.native.backend import NativeBackend
 
-        try:
-            check_supported(loaded.model, loaded.context_length)
-        except NotSupported as why:
-            if hasattr(loaded.model, "architecture"):
-                # Lean-loaded (models/lean_model.py): no transformers code to fall back on. The
-                # lean loader takes only what the native engine runs, so this is not reached.
-                raise LlmcliError(
-                    f"the native engine cannot run {loaded.name}: {why}",
-                    "load it with --engine transformers",
-                ) from None
-            if loaded.engine == "native":
-                raise LlmcliError(
-                    f"--engine native cannot run {loaded.name}: {why}",
-                    "use --engine auto or --engine transformers",
-                ) from None
-        else:
-            from llmcli.engine.native.backend import NativeBackend
-
-            graphs = cuda and loaded.fast is not False
-            return NativeBackend(
-                loaded.model, loaded.context_length, graphs=graphs, static_shapes=bool(loaded.fast)
-            )
+        graphs = cuda and loaded.fast is not False
+        return NativeBackend(
+            loaded.model, loaded.context_length, graphs=graphs, static_shapes=bool(loaded.fast)
+        )
     from llmcli.engine.hf import TransformersBackend
 
     return TransformersBackend(

@@ -166,6 +166,7 @@ def _sampled(
 ) -> list[Any]:
     """One batch decoded together (the loop's sampling, per row; a grammar per row, if any)."""
     from llmcli.engine.batch import generate_batch
+    from llmcli.engine.choose import runs_natively
 
     if not prompts:
         return []
@@ -178,6 +179,7 @@ def _sampled(
         loaded.context_length,
         static_cache=bool(loaded.fast),
         constraints=constraints,
+        native=runs_natively(loaded),
     )
 
 

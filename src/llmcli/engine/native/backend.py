@@ -29,9 +29,16 @@ class NativeBackend:
     name = "native"
 
     def __init__(
-        self, model: Any, context_length: int, *, graphs: bool = False, static_shapes: bool = False
+        self,
+        model: Any,
+        context_length: int,
+        *,
+        graphs: bool = False,
+        static_shapes: bool = False,
+        net: Transformer | None = None,
     ) -> None:
-        self.net = Transformer(model, context_length)
+        # `net`: another backend's, for one more cache over the same weights (several sequences).
+        self.net = net or Transformer(model, context_length)
         self.device = self.net.device
         self.cache = self.net.new_cache(context_length)
         self.static_shapes = static_shapes or graphs

@@ -18,7 +18,15 @@ import torch.nn.functional as F
 
 from llmcli.engine.native.families import family_of
 from llmcli.engine.native.kvcache import KVCache
-from llmcli.engine.native.plans import BucketStep, CausalChunk, ExactDecode, PerRowCheck, Plan, RowsInOneCall
+from llmcli.engine.native.plans import (
+    BucketStep,
+    CausalChunk,
+    ExactDecode,
+    PerRowCheck,
+    Plan,
+    RowsInOneCall,
+    SequencesStep,
+)
 
 
 class Transformer:
@@ -98,6 +106,15 @@ class Transformer:
         if bucket is None:
             return self.forward(token, ExactDecode(cache, int(position), self.device))
         return self.forward(token, BucketStep(cache, position, bucket))
+
+    def decode_sequences(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """One token [B] for each of B sequences, token b after what caches[b] holds; logits
+        [B, vocab], row b what `decode` would give for it alone. The caller advances each
+        cache's length."""
+        for cache in caches:
+            cache.ensure(cache.length + 1)
+        steps = [ExactDecode(cache, cache.length, self.device) for cache in caches]
+        return self.forward(tokens, SequencesStep(steps))
 
     def verify(self, ids: torch.Tensor, cache: KVCache, buckets: bool) -> torch.Tensor:
         """Run `ids` [T] after what `cache` holds; logits [T, vocab], row i exactly what the

@@ -108,6 +108,28 @@ class ExactDecode:
         pass
 
 
+class SequencesStep:
+    """One token of each of several sequences, each attending over its own cache as its
+    ExactDecode would: the projections and the MLP take the rows together (one read of the
+    weights for them all), attention runs per sequence. Every row's logits are computed. The
+    caller advances each cache's length."""
+
+    last_only = False
+
+    def __init__(self, steps: list[ExactDecode]) -> None:
+        self.steps = steps
+        self.positions = torch.cat([step.positions for step in steps])
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([
+            step.attend(attention, q[:, row : row + 1], k[:, row : row + 1], v[:, row : row + 1])
+            for row, step in enumerate(self.steps)
+        ])  # fmt: skip
+
+    def finish(self) -> None:
+        pass
+
+
 class BucketStep:
     """One token attending over its whole length bucket, later slots masked: one fixed span
     serves every position in the bucket, so the shapes and addresses stay the same from token
