@@ -495,6 +495,15 @@ def serve(
             help="Requests that may wait for the model at once; beyond, a 503 with Retry-After.",
         ),
     ] = 16,
+    parallel: Annotated[
+        int | None,
+        typer.Option(
+            "--parallel",
+            help="Generations at once, their decode steps batched (native engine). Default: 4 on "
+            "a CPU, 1 on a GPU or with --speculative draft.",
+            show_default=False,
+        ),
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", help="No access log (one line per request on stderr).")
     ] = False,
@@ -515,6 +524,8 @@ def serve(
         raise UsageError(f"--port must be in 0…65535, got {port}")
     if max_queue < 1:
         raise UsageError(f"--max-queue must be at least 1, got {max_queue}")
+    if parallel is not None and parallel < 1:
+        raise UsageError(f"--parallel must be at least 1, got {parallel}")
     effective = _effective(model, SamplingSettings(), PromptSettings(), load, speculative)
     from llmcli.frontends.serve import ServeRequest, run
 
@@ -529,6 +540,7 @@ def serve(
             allowed_hosts=tuple(allowed_hosts or ()),
             cors=tuple(cors or ()),
             max_queue=max_queue,
+            parallel=parallel,
             quiet=quiet,
             idle_exit_s=idle_exit_s,
         )

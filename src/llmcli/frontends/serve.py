@@ -24,11 +24,15 @@ import uvicorn
 
 from llmcli.config.settings import LoadSettings, SpeculativeSettings
 from llmcli.engine.kept import KeptConversations
+from llmcli.engine.scheduler import ComputeThread, Slots, TakingTurns
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
 
 DEFAULT_PORT = 8471
+# Generations at once by default on a CPU: 4 streams decode at 2.2× one stream's aggregate on
+# the demo (2 cores), and more add little (8: 2.5×), while each waits longer per token.
+DEFAULT_PARALLEL = 4
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ServeRequest:
     allowed_hosts: tuple[str, ...] = ()  # names a Host header may carry besides the address
     cors: tuple[str, ...] = ()  # web origins allowed to call it
     max_queue: int = 16  # generations waiting for the worker, at most
+    parallel: int | None = None  # generations at once (None: _parallel's default)
     quiet: bool = False  # no access log
     idle_exit_s: float | None = None  # stop after this long without a request (keep-alive servers)
 
@@ -92,7 +97,7 @@ def run(request: ServeRequest) -> int:
     # cores, libgomp's workers sleep between parallel regions instead of spinning, and a decode
     # step is hundreds of small regions: the demo decoded at 72 tok/s on the 2 cores here
     # against 141 in the thread that loaded it.
-    worker = ThreadPoolExecutor(1, "llmcli-generate")
+    worker = ComputeThread()
     try:
         loaded, engine = worker.submit(_load, model_spec, request.load).result()
     except Exception as error:
@@ -102,6 +107,7 @@ def run(request: ServeRequest) -> int:
             write_failure(model_spec, error)
         raise
     engine.kept = KeptConversations(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
+    parallel = _parallel(request, engine)
     served = Served(
         loaded=loaded,
         engine=engine,
@@ -126,6 +132,16 @@ def run(request: ServeRequest) -> int:
             speculation_with_feedback, loaded, model_spec, speculative, request.load
         ).result()
     served.speculative = speculative.method
+    served.slots = Slots(engine, parallel, worker)
+    served.generations = ThreadPoolExecutor(parallel, "llmcli-generation")
+    for more in served.slots.engines[1:]:  # a lookup drafter follows one generation: one each
+        served.speculations_of[id(more)] = {
+            "off": None,
+            "lookup": speculation_with_feedback(loaded, model_spec, lookup, request.load),
+        }
+    drafting = speculations.get("draft")
+    if drafting is not None:  # the draft model's passes run on the compute thread too
+        drafting.drafter.engine.backend = TakingTurns(drafting.drafter.engine.backend, worker)
     port = sock.getsockname()[1]
     shown_host = f"[{request.host}]" if ":" in request.host else request.host
     url = f"http://{shown_host}:{port}"
@@ -157,10 +173,34 @@ def run(request: ServeRequest) -> int:
         pass  # Ctrl-C: uvicorn has finished the requests in flight; leaving is the point
     finally:
         remove_record()
+        served.generations.shutdown(wait=False, cancel_futures=True)
         served.worker.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(OSError):
             sock.close()
     return EXIT_OK
+
+
+def _parallel(request: ServeRequest, engine: Any) -> int:
+    """How many generations run at once: --parallel, else 4 where the native engine runs the
+    model on a CPU and 1 elsewhere (a GPU's decode steps of several sequences are not graphed
+    yet, nor measured)."""
+    from llmcli.engine.native.backend import NativeBackend
+
+    native = isinstance(engine.backend, NativeBackend)
+    if request.parallel is None:
+        alone = not native or engine.device.type != "cpu" or request.speculative.method == "draft"
+        return 1 if alone else DEFAULT_PARALLEL
+    if request.parallel > 1 and not native:
+        raise UsageError(
+            f"--parallel {request.parallel} needs the native engine; this model runs on transformers'",
+            "leave --parallel out (one generation at a time)",
+        )
+    if request.parallel > 1 and request.speculative.method == "draft":
+        raise UsageError(
+            "--parallel and --speculative draft do not combine: the draft model holds one cache",
+            "use --speculative lookup, or leave --parallel out",
+        )
+    return request.parallel
 
 
 def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:

@@ -17,12 +17,13 @@ worker lives on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmcli.config.settings import SamplingSettings
 from llmcli.engine.reasoning import REASONING, thinking_of
 from llmcli.engine.reply import TOOL_CALL, ReplyStream
+from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import LlmcliError
 from llmcli.server.anthropic import install_anthropic
@@ -65,7 +67,13 @@ class Served:
     engine: Any  # Engine
     model_id: str
     api_key: str | None = None
-    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "llmcli-generate"))
+    # Every forward pass, and the tokenizer's calls (engine/scheduler.py); the generations run in
+    # threads of `generations`, taking turns, each on an engine of `slots`.
+    worker: ComputeThread = field(default_factory=ComputeThread)
+    slots: Slots | None = None
+    generations: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "llmcli-gen"))
+    # Per engine of `slots` (by id): what each `speculative` a request may name runs with there.
+    speculations_of: dict[int, dict[str, Any]] = field(default_factory=dict)
     # What each `speculative` a request may name runs with ("draft" only with a draft model
     # loaded), and what a request that names none gets: the server's --speculative.
     speculations: dict[str, Any] = field(default_factory=lambda: {"off": None})
@@ -95,6 +103,19 @@ class Served:
                 raise RequestError(503, message, code="queue_full", headers={"Retry-After": "5"})
             self.count_waiting(+1)
         return Ticket(self)
+
+    @contextlib.contextmanager
+    def turn_on_an_engine(self, prompt_ids: list[int]) -> Iterator[Any]:
+        """A generation's turn, and the free engine that suits its prompt best."""
+        with self.worker.generation():
+            if self.slots is None:
+                yield self.engine
+                return
+            engine = self.slots.take(prompt_ids)
+            try:
+                yield engine
+            finally:
+                self.slots.give_back(engine)
 
     def count_waiting(self, change: int) -> None:
         self.waiting += change
@@ -384,7 +405,7 @@ async def _run_while_connected(served: Served, request: Request, job: Job) -> Ou
     it starts)."""
     cancelled = threading.Event()
     work = functools.partial(_generate, served, job, None, cancelled)
-    future = asyncio.get_running_loop().run_in_executor(served.worker, work)
+    future = asyncio.get_running_loop().run_in_executor(served.generations, work)
     while not (await asyncio.wait({future}, timeout=DISCONNECT_POLL_S))[0]:
         if await request.is_disconnected():
             cancelled.set()
@@ -411,10 +432,11 @@ async def _scores_only(
             raise RequestError(400, message, "prompt", "context_length_exceeded")
 
     def score() -> list[list[Any]]:
-        ticket.release()
-        return [score_prompt(served.engine, ids, body.logprobs or 0) for ids in prompts]
+        with served.turn_on_an_engine(prompts[0]) as engine:
+            ticket.release()
+            return [score_prompt(engine, ids, body.logprobs or 0) for ids in prompts]
 
-    scored = await asyncio.get_running_loop().run_in_executor(served.worker, score)
+    scored = await asyncio.get_running_loop().run_in_executor(served.generations, score)
     tokenizer = served.loaded.tokenizer
     choices = []
     for index, (ids, entries) in enumerate(zip(prompts, scored, strict=True)):
@@ -460,15 +482,27 @@ def _checked_sampling(body: _Sampling) -> SamplingSettings:
 def _generate(
     served: Served, job: Job, on_piece: Callable[[str, Any], None] | None, cancelled: threading.Event
 ) -> Outcome | None:
-    """On the worker thread: one generation, start to end (None when its client left first).
-    `on_piece` gets (channel, piece): reasoning or content text, or a part of a tool call."""
+    """On a generation thread, in its turn: one generation, start to end (None when its
+    client left first). `on_piece` gets (channel, piece): reasoning or content text, or a part
+    of a tool call."""
+    with served.turn_on_an_engine(job.ids) as engine:
+        return _generate_on(served, engine, job, on_piece, cancelled)
+
+
+def _generate_on(
+    served: Served,
+    engine: Any,
+    job: Job,
+    on_piece: Callable[[str, Any], None] | None,
+    cancelled: threading.Event,
+) -> Outcome | None:
     job.ticket.release()
     if cancelled.is_set() or served.stopping.is_set():
         served.metrics.cancelled.inc()
         return None
     loaded = served.loaded
     params = job.sampling.resolve(loaded.generation_config).with_(logit_bias=job.logit_bias)
-    served.engine.speculation = served.speculations[job.speculative]
+    engine.speculation = served.speculations_of.get(id(engine), served.speculations)[job.speculative]
     constraint = None
     if job.output is not None:  # here: llguidance reads the tokenizer, which only this thread uses
         from llmcli.engine.structured.constraint import Constraint
@@ -477,10 +511,10 @@ def _generate(
     reader = job.tools.reader() if job.tools is not None else None
     prompt_logprobs = None
     if job.echo:  # the prompt scored in one pass; the generation then reuses the cache
-        prompt_logprobs = score_prompt(served.engine, job.ids, job.logprobs or 0)
+        prompt_logprobs = score_prompt(engine, job.ids, job.logprobs or 0)
         if on_piece is not None:
             on_piece(ECHO, prompt_logprobs)
-    generation = served.engine.generate(
+    generation = engine.generate(
         job.ids, params, loaded.tokenizer, constraint, job.think_budget, reader is not None, job.logprobs
     )
     sent = 0  # logprobs streamed so far
@@ -538,7 +572,7 @@ async def _stream(
         for index, job in enumerate(jobs):
             chunk = functools.partial(_chunk, served.model_id, request_id, created, chat, index=index)
             future = loop.run_in_executor(
-                served.worker, functools.partial(_generate, served, job, on_piece, cancelled)
+                served.generations, functools.partial(_generate, served, job, on_piece, cancelled)
             )
             future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
             if chat:

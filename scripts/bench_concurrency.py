@@ -1,0 +1,135 @@
+"""Streaming clients at once on one `llmcli serve`: aggregate decode speed and time to the first
+token at each concurrency, for this checkout and, beside it in the same run, an earlier commit
+(--baseline REV, checked out into a temporary worktree).
+
+At each concurrency C (--concurrency 1,2,4) C clients each stream --requests greedy replies of
+-n tokens (each client its own prompt, so no prefix is shared), all started together. Reported
+per source and C: aggregate tok/s (completion tokens over the wall time, median of --runs with
+the lowest and highest beside it; `×1` is its ratio to C = 1 of the same source) and the
+median time to the first streamed token of every request.
+
+    python scripts/bench_concurrency.py [--baseline REV] [-m MODEL] [--concurrency 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench_interleaved import start
+from llmcli.server.client import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain what a CPU cache is.",
+    "List three fruits and their colours.",
+    "Describe a sunrise in the mountains.",
+    "What makes bread rise?",
+    "Tell me a fact about owls.",
+    "How do bicycles stay upright?",
+    "Name a famous painting and its painter.",
+]
+
+
+def clients_at_once(address: str, count: int, args: argparse.Namespace) -> tuple[float, list[float]]:
+    """(aggregate tok/s, each request's time to its first token)"""
+    tokens, first_tokens = [0], []
+    lock = threading.Lock()
+
+    def client(prompt: str) -> None:
+        session = Client(f"http://{address}")
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": args.new_tokens,
+            "stream_options": {"include_usage": True},
+        }
+        for _ in range(args.requests):
+            started, first = time.perf_counter(), None
+            for event in session.stream("chat/completions", body):
+                if first is None and any(
+                    (c.get("delta") or {}).get("content") for c in event.get("choices") or ()
+                ):
+                    first = time.perf_counter() - started
+                if event.get("usage"):
+                    with lock:
+                        tokens[0] += event["usage"]["completion_tokens"]
+            with lock:
+                first_tokens.append(first or 0.0)
+
+    threads = [threading.Thread(target=client, args=(PROMPTS[n % len(PROMPTS)],)) for n in range(count)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return tokens[0] / (time.perf_counter() - started), first_tokens
+
+
+def cell(values: list[float], digits: int) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="a git revision to measure beside this checkout")
+    parser.add_argument("-m", "--model", help="the model (default: the demo)")
+    parser.add_argument("--concurrency", default="1,2,4")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("-n", "--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    levels = [int(level) for level in args.concurrency.split(",")]
+    rates: dict[tuple[str, int], list[float]] = {}
+    firsts: dict[tuple[str, int], list[float]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        sources = {"this checkout": ROOT}
+        if args.baseline:
+            worktree = Path(scratch) / "baseline"
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(worktree), args.baseline],
+                check=True,
+            )
+            sources[f"baseline {args.baseline}"] = worktree
+        servers = {}
+        try:
+            for name, source in sources.items():
+                servers[name] = start(source, args, tempfile.mkdtemp(dir=scratch))
+            for name, (_, address) in servers.items():
+                clients_at_once(address, 1, args)  # warm
+            for _ in range(args.runs):  # interleaved, so load on the machine falls on both alike
+                for level in levels:
+                    for name, (_, address) in servers.items():
+                        rate, first = clients_at_once(address, level, args)
+                        rates.setdefault((name, level), []).append(rate)
+                        firsts.setdefault((name, level), []).extend(first)
+        finally:
+            for server, _ in servers.values():
+                server.terminate()
+                server.wait()
+            if args.baseline:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False
+                )
+    print(
+        f"Streaming clients at once on {args.model or 'the demo'}, {args.requests} requests each of "
+        f"-n {args.new_tokens}, greedy: median (lowest–highest) of {args.runs} runs\n"
+    )
+    print("| source | clients | aggregate tok/s | ×1 | TTFT ms (median, lowest–highest) |")
+    print("|---|---:|---:|---:|---:|")
+    for name in servers:
+        alone = statistics.median(rates[(name, levels[0])])
+        for level in levels:
+            ratio = statistics.median(rates[(name, level)]) / alone
+            ttft = cell([t * 1000 for t in firsts[(name, level)]], 0)
+            print(f"| {name} | {level} | {cell(rates[(name, level)], 1)} | {ratio:.2f} | {ttft} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Several generations at once over one model: continuous batching for a server.
+
+Each generation runs the ordinary loop (loop.py: sampling, stop strings, grammars, reasoning,
+tool calls) in a thread of its own, and the generations take turns: one at a time holds `turn`,
+so a tokenizer, a grammar and the loop's Python objects are never used by two threads at once.
+Every forward pass runs on one compute thread (`ComputeThread`), the one that loaded the model:
+torch's parallel ops on a second thread start a second OpenMP team, whose workers sleep between
+regions (2× slower decoding measured on 2 cores, frontends/serve.py). When every generation in
+progress waits for a pass, the compute thread runs the waiting prefills one by one, then one
+decode step for all the waiting tokens together (plans.SequencesStep: the weights read once for
+every row, attention per sequence over its own cache), and hands each its logits. A generation
+joins at the next step and leaves when it ends.
+
+Each generation has an engine of its own (`Slots`): its own cache over the shared weights, so a
+row's logits are what it would get alone (tests/test_native.py holds them within 1e-5). A
+request takes the free slot whose cache shares the most with its prompt; what it crops goes to
+the conversations set aside that all slots share (kept.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from llmcli.engine.kept import common_prefix_length
+from llmcli.engine.loop import Engine
+from llmcli.engine.native.backend import NativeBackend
+
+T = TypeVar("T")
+
+# How long a step waits for a generation that holds its turn but has not asked for a pass yet
+# (a grammar compiling, a long detokenization): past it, the step runs without that one.
+STRAGGLER_WAIT_S = 0.02
+
+
+@dataclass
+class _Pass:
+    """A forward pass a generation waits for: a decode step's token, or any other call."""
+
+    backend: NativeBackend | None = None  # a decode step of this backend's sequence
+    token: torch.Tensor | None = None
+    call: Callable[[], Any] | None = None  # a prefill, a check, a warm-up: run alone
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class ComputeThread(Executor):
+    """The one thread that runs forward passes: an executor for any call (a load, a tokenizer
+    call: run holding `turn`), and the batcher of the generations' passes."""
+
+    def __init__(self, name: str = "llmcli-compute") -> None:
+        self.turn = threading.Lock()  # held by the generation (or call) whose Python code runs
+        self.active = 0  # generations in progress (each holds a slot), changed under `turn`
+        self._changed = threading.Condition()
+        self._calls: list[tuple[Future[Any], Callable[[], Any]]] = []
+        self._passes: list[_Pass] = []
+        self._first_pass_at = 0.0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # The executor, for calls from outside the generations ---------------------------------
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        with self._changed:
+            if self._stopping:
+                raise RuntimeError("the compute thread has stopped")
+            self._calls.append((future, lambda: fn(*args, **kwargs)))
+            self._changed.notify()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._changed:
+            self._stopping = True
+            if cancel_futures:
+                for future, _ in self._calls:
+                    future.cancel()
+                self._calls.clear()
+            self._changed.notify()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # What a generation's backend asks for ----------------------------------------------------
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        """A generation's turn to run, from its start to its end (given up while it waits)."""
+        with self.turn:
+            self.active += 1
+            try:
+                yield
+            finally:
+                self.active -= 1
+                with self._changed:
+                    self._changed.notify()  # a step may have been waiting for this one
+
+    def run(self, wanted: _Pass) -> Any:
+        """Wait for a pass, giving up the turn meanwhile (called holding it)."""
+        with self._changed:
+            if not self._passes:
+                self._first_pass_at = time.monotonic()
+            self._passes.append(wanted)
+            self._changed.notify()
+        self.turn.release()
+        try:
+            wanted.done.wait()
+        finally:
+            self.turn.acquire()
+        if wanted.error is not None:
+            raise wanted.error
+        return wanted.result
+
+    # The thread ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        with torch.inference_mode():  # as every generation runs; thread-local, so set here
+            while True:
+                with self._changed:
+                    while not (self._stopping or self._calls or self._step_ready()):
+                        self._changed.wait(timeout=self._wait_s())
+                    if self._stopping and not self._passes:
+                        return
+                    calls, self._calls = self._calls, []
+                    passes = self._passes if self._step_ready() else []
+                    if passes:
+                        self._passes = []
+                for future, call in calls:
+                    if future.set_running_or_notify_cancel():
+                        self._run_call(future, call)
+                if passes:
+                    self._step(passes)
+
+    def _step_ready(self) -> bool:
+        """Every generation in progress waits for a pass, or the others were waited for long
+        enough."""
+        if not self._passes:
+            return False
+        return len(self._passes) >= self.active or time.monotonic() - self._first_pass_at >= STRAGGLER_WAIT_S
+
+    def _wait_s(self) -> float | None:
+        return STRAGGLER_WAIT_S if self._passes else None
+
+    def _run_call(self, future: Future[Any], call: Callable[[], Any]) -> None:
+        """A call from outside: holding the turn, as it may use the tokenizer."""
+        try:
+            with self.turn:
+                result = call()
+        except BaseException as error:  # handed to whoever waits on the future
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _step(self, passes: list[_Pass]) -> None:
+        decodes = [wanted for wanted in passes if wanted.backend is not None]
+        for wanted in passes:
+            if wanted.call is not None:
+                _settle(wanted, wanted.call)
+        if len(decodes) == 1:  # alone: its own step (a CUDA graph where it has one)
+            only = decodes[0]
+            assert only.backend is not None and only.token is not None
+            _settle(only, lambda: only.backend.decode(only.token))
+        elif decodes:
+            try:
+                rows = _decode_together(decodes)
+            except BaseException as error:
+                for wanted in decodes:
+                    wanted.error = error
+                    wanted.done.set()
+                return
+            for index, wanted in enumerate(decodes):
+                wanted.result = rows[index : index + 1].clone()
+                wanted.done.set()
+
+
+def _settle(wanted: _Pass, call: Callable[[], Any]) -> None:
+    try:
+        wanted.result = call()
+    except BaseException as error:
+        wanted.error = error
+    wanted.done.set()
+
+
+def _decode_together(decodes: list[_Pass]) -> torch.Tensor:
+    backends = [wanted.backend for wanted in decodes]
+    assert all(backend is not None for backend in backends)
+    caches = [backend.cache for backend in backends]  # type: ignore[union-attr]
+    tokens = torch.cat([wanted.token.view(1) for wanted in decodes])  # type: ignore[union-attr]
+    rows = backends[0].net.decode_sequences(tokens, caches)  # type: ignore[union-attr]
+    for cache in caches:
+        cache.length += 1
+    return rows
+
+
+class TakingTurns:
+    """A backend whose forward passes run on the compute thread (the Backend protocol of
+    backend.py): the cache's bookkeeping stays with the generation."""
+
+    def __init__(self, inner: Any, compute: ComputeThread) -> None:
+        self.inner, self.compute = inner, compute
+        self.name = inner.name
+        self.device = inner.device
+        # Only the native engine's steps join others; any other backend's run alone.
+        self._joins = isinstance(inner, NativeBackend)
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def captures_graphs(self) -> bool:
+        return self.inner.captures_graphs
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        return self.compute.run(_Pass(call=lambda: self.inner.prefill(ids)))
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        return self.compute.run(_Pass(call=lambda: self.inner.score(ids)))
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        if not self._joins:
+            return self.compute.run(_Pass(call=lambda: self.inner.decode(token)))
+        return self.compute.run(_Pass(backend=self.inner, token=token))
+
+    def warm_up(self) -> float:
+        return self.compute.run(_Pass(call=self.inner.warm_up))
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def save(self) -> Any:
+        return self.inner.save()
+
+    def restore(self, saved: Any) -> None:
+        self.inner.restore(saved)
+
+
+class Slots:
+    """The engines generations run on: one per generation at once, each with its own cache
+    over the shared weights. Taken and given back holding the compute thread's turn."""
+
+    def __init__(self, first: Engine, count: int, compute: ComputeThread) -> None:
+        backend = first.backend
+        assert isinstance(backend, NativeBackend) or count == 1
+        self.compute = compute
+        first.backend = TakingTurns(backend, compute)
+        self.engines: list[Engine] = [first]
+        for _ in range(count - 1):
+            more = NativeBackend(None, first.context_length, net=backend.net)
+            engine = Engine(TakingTurns(more, compute), first.eos_token_ids, first.context_length)
+            engine.kept = first.kept  # one store: a conversation may come back in any slot
+            self.engines.append(engine)
+        self.free = list(self.engines)
+        self.count = count
+
+    def take(self, prompt_ids: list[int]) -> Engine:
+        """The free engine whose cache shares the most with `prompt_ids`."""
+        best = max(self.free, key=lambda engine: common_prefix_length(engine.cached_ids, prompt_ids))
+        self.free.remove(best)
+        return best
+
+    def give_back(self, engine: Engine) -> None:
+        self.free.append(engine)
