@@ -53,9 +53,8 @@ def clients_at_once(address: str, count: int, args: argparse.Namespace) -> tuple
         for _ in range(args.requests):
             started, first = time.perf_counter(), None
             for event in session.stream("chat/completions", body):
-                if first is None and any(
-                    (c.get("delta") or {}).get("content") for c in event.get("choices") or ()
-                ):
+                texts = [(choice.get("delta") or {}).get("content") for choice in event.get("choices") or ()]
+                if first is None and any(texts):
                     first = time.perf_counter() - started
                 if event.get("usage"):
                     with lock:
@@ -101,7 +100,7 @@ def main() -> None:
         try:
             for name, source in sources.items():
                 servers[name] = start(source, args, tempfile.mkdtemp(dir=scratch))
-            for name, (_, address) in servers.items():
+            for _, address in servers.values():
                 clients_at_once(address, 1, args)  # warm
             for _ in range(args.runs):  # interleaved, so load on the machine falls on both alike
                 for level in levels:

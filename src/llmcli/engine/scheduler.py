@@ -64,6 +64,7 @@ class ComputeThread(Executor):
         self._passes: list[_Pass] = []
         self._first_pass_at = 0.0
         self._stopping = False
+        self.on_step: Callable[[int], None] | None = None  # told each decode step's sequence count
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -164,6 +165,8 @@ class ComputeThread(Executor):
         for wanted in passes:
             if wanted.call is not None:
                 _settle(wanted, wanted.call)
+        if decodes and self.on_step is not None:
+            self.on_step(len(decodes))
         if len(decodes) == 1:  # alone: its own step (a CUDA graph where it has one)
             only = decodes[0]
             assert only.backend is not None and only.token is not None

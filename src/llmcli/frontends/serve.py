@@ -133,6 +133,7 @@ def run(request: ServeRequest) -> int:
         ).result()
     served.speculative = speculative.method
     served.slots = Slots(engine, parallel, worker)
+    worker.on_step = served.metrics.step_sequences.observe
     served.generations = ThreadPoolExecutor(parallel, "llmcli-generation")
     for more in served.slots.engines[1:]:  # a lookup drafter follows one generation: one each
         served.speculations_of[id(more)] = {

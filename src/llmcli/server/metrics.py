@@ -2,7 +2,8 @@
 
 `/metrics` is Prometheus's text format (prometheus_client, its own registry per app): requests
 by route and status, prompt / completion / cached tokens, time to first token and decode speed
-as histograms, requests waiting for the worker, and requests whose client left before the end.
+as histograms, the sequences each decode step ran for, requests waiting for the worker, and
+requests whose client left before the end.
 The access log is one line per request on stderr (method, route, status, tokens, ms); `serve
 --quiet` turns it off.
 """
@@ -50,6 +51,12 @@ class Metrics:
             registry=registry,
         )
         self.waiting = Gauge("llmcli_queue_depth", "Generations waiting for the worker.", registry=registry)
+        self.step_sequences = Histogram(
+            "llmcli_decode_step_sequences",
+            "Sequences each decode step ran for (continuous batching).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=registry,
+        )
         self.cancelled = Counter(
             "llmcli_requests_cancelled",
             "Generations stopped or skipped because their client left.",
