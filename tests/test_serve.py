@@ -220,23 +220,37 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation(server: Server, in
     assert after.choices[0].message.content == in_process(messages, 5)
 
 
-def test_concurrent_clients_each_get_their_own_reply(server: Server, in_process) -> None:
+STEPS = "llmcli_decode_step_sequences"
+
+
+def steps_of_several(server: Server) -> float:
+    """Decode steps so far that ran for more than one sequence."""
+    return metric(server, f"{STEPS}_count") - metric(server, f'{STEPS}_bucket{{le="1.0"}}')
+
+
+def test_concurrent_clients_are_decoded_together_and_each_gets_its_own_reply(
+    server: Server, in_process
+) -> None:
+    """Eight streams of four prompts at once (fp32): steps ran for several sequences, joined
+    and left as requests came and ended, and every reply is the one the prompt gets alone."""
     prompts = [f"Question number {i}" for i in range(4)]
-    expected = {p: in_process(build_messages(p), 8) for p in prompts}
-    got: dict[str, str] = {}
+    expected = {p: in_process(build_messages(p), 32) for p in prompts}
+    got: dict[str, list[str]] = {p: [] for p in prompts}
+    before = steps_of_several(server)
 
     def ask(prompt: str) -> None:
         stream = server.client().chat.completions.create(
-            model="tiny", messages=build_messages(prompt), max_tokens=8, temperature=0, stream=True
+            model="tiny", messages=build_messages(prompt), max_tokens=32, temperature=0, stream=True
         )
-        got[prompt] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        got[prompt].append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
 
     threads = [threading.Thread(target=ask, args=(p,)) for p in prompts * 2]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=PATIENCE_S)
-    assert got == expected
+    assert got == {p: [text, text] for p, text in expected.items()}
+    assert steps_of_several(server) > before
 
 
 @pytest.mark.parametrize(
@@ -419,6 +433,21 @@ def test_a_non_loopback_host_without_a_key_is_refused(tiny_llama: Path) -> None:
     proc = run_cli("serve", "-m", str(tiny_llama), "--host", "0.0.0.0")
     assert proc.returncode == 2
     assert proc.stderr.decode().count("\n") == 1 and "--api-key" in proc.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (("--parallel", "0"), "--parallel must be at least 1"),
+        (("--parallel", "2", "--engine", "transformers"), "--parallel 2 needs the native engine"),
+        (("--parallel", "2", "--speculative", "draft", "--draft-model", "self"), "do not combine"),
+    ],
+)
+def test_a_parallel_the_server_cannot_honour_is_refused(tiny_llama: Path, options: tuple, words: str) -> None:
+    proc = run_cli("serve", "-m", str(tiny_llama), "--port", "0", *options)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and words in stderr and "Traceback" not in stderr
+    assert stderr.count("\n") == 1  # one line
 
 
 def test_an_unreachable_server_is_one_line_not_a_traceback() -> None:
