@@ -1,6 +1,7 @@
 """Streaming clients at once on one `llmcli serve`: aggregate decode speed and time to the first
 token at each concurrency, for this checkout and, beside it in the same run, an earlier commit
-(--baseline REV, checked out into a temporary worktree).
+(--baseline REV, checked out into a temporary worktree); and the time to the first token of a
+short request sent alone and sent while 3 clients stream.
 
 At each concurrency C (--concurrency 1,2,4) C clients each stream --requests greedy replies of
 -n tokens (each client its own prompt, so no prefix is shared), all started together. Reported
@@ -71,6 +72,43 @@ def clients_at_once(address: str, count: int, args: argparse.Namespace) -> tuple
     return tokens[0] / (time.perf_counter() - started), first_tokens
 
 
+def joining(address: str, others: int, args: argparse.Namespace) -> list[float]:
+    """Times to the first token of --requests requests, one after another, each sent while
+    `others` clients stream long replies."""
+    going, streaming, firsts = threading.Event(), threading.Semaphore(0), []
+    going.set()
+
+    def streamer(prompt: str) -> None:
+        session = Client(f"http://{address}")
+        body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 256}
+        told = False
+        while going.is_set():
+            for _ in session.stream("chat/completions", body):
+                if not told:
+                    streaming.release()  # its first event: this one is streaming
+                    told = True
+
+    threads = [threading.Thread(target=streamer, args=(PROMPTS[n + 1],)) for n in range(others)]
+    for thread in threads:
+        thread.start()
+    session = Client(f"http://{address}")
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0, "max_tokens": 4}
+    try:
+        for _ in range(others):
+            streaming.acquire()
+        for _ in range(args.requests * 3):
+            started = time.perf_counter()
+            for event in session.stream("chat/completions", body):
+                if any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ()):
+                    firsts.append(time.perf_counter() - started)
+                    break
+    finally:
+        going.clear()
+        for thread in threads:
+            thread.join()
+    return firsts
+
+
 def cell(values: list[float], digits: int) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
@@ -87,6 +125,7 @@ def main() -> None:
     levels = [int(level) for level in args.concurrency.split(",")]
     rates: dict[tuple[str, int], list[float]] = {}
     firsts: dict[tuple[str, int], list[float]] = {}
+    joined: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         sources = {"this checkout": ROOT}
         if args.baseline:
@@ -108,6 +147,9 @@ def main() -> None:
                         rate, first = clients_at_once(address, level, args)
                         rates.setdefault((name, level), []).append(rate)
                         firsts.setdefault((name, level), []).extend(first)
+                for name, (_, address) in servers.items():
+                    for others in (0, 3):
+                        joined.setdefault((name, others), []).extend(joining(address, others, args))
         finally:
             for server, _ in servers.values():
                 server.terminate()
@@ -128,6 +170,14 @@ def main() -> None:
             ratio = statistics.median(rates[(name, level)]) / alone
             ttft = cell([t * 1000 for t in firsts[(name, level)]], 0)
             print(f"| {name} | {level} | {cell(rates[(name, level)], 1)} | {ratio:.2f} | {ttft} |")
+    print("\nTime to the first token of a request sent alone, and sent while 3 clients stream:\n")
+    print("| source | alone (ms) | joining 3 streams (ms) | ratio |")
+    print("|---|---:|---:|---:|")
+    for name in servers:
+        alone, busy = joined[(name, 0)], joined[(name, 3)]
+        ratio = statistics.median(busy) / statistics.median(alone)
+        alone_ms, busy_ms = cell([t * 1000 for t in alone], 0), cell([t * 1000 for t in busy], 0)
+        print(f"| {name} | {alone_ms} | {busy_ms} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":
