@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 from bench_interleaved import start
+from checkouts import checkouts
 from llmcli.server.client import Client
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "Write a short poem about the sea.",
     "Explain what a CPU cache is.",
@@ -126,15 +124,7 @@ def main() -> None:
     rates: dict[tuple[str, int], list[float]] = {}
     firsts: dict[tuple[str, int], list[float]] = {}
     joined: dict[tuple[str, int], list[float]] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        sources = {"this checkout": ROOT}
-        if args.baseline:
-            worktree = Path(scratch) / "baseline"
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(worktree), args.baseline],
-                check=True,
-            )
-            sources[f"baseline {args.baseline}"] = worktree
+    with tempfile.TemporaryDirectory() as scratch, checkouts(args.baseline, scratch) as sources:
         servers = {}
         try:
             for name, source in sources.items():
@@ -154,10 +144,6 @@ def main() -> None:
             for server, _ in servers.values():
                 server.terminate()
                 server.wait()
-            if args.baseline:
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False
-                )
     print(
         f"Streaming clients at once on {args.model or 'the demo'}, {args.requests} requests each of "
         f"-n {args.new_tokens}, greedy: median (lowest–highest) of {args.runs} runs\n"

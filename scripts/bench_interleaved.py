@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from checkouts import checkouts
+
 SYSTEM = "You are a patient guide. " + " ".join(f"Rule {i}: answer plainly and briefly." for i in range(20))
 TOPICS = ["harbours and boats", "mountains and snow", "gardens and rain", "deserts and wind", "rivers"]
 
@@ -91,29 +92,14 @@ def main() -> None:
     parser.add_argument("-n", "--new-tokens", type=int, default=32)
     args = parser.parse_args()
     results: dict[str, tuple[list[float], list[float]]] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        sources = {"this checkout": ROOT}
-        if args.baseline:
-            worktree = Path(scratch) / "baseline"
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(worktree), args.baseline],
-                check=True,
-            )
-            sources[f"baseline {args.baseline}"] = worktree
-        try:
-            for name, source in sources.items():
-                runtime = tempfile.mkdtemp(dir=scratch)
-                server, address = start(source, args, runtime)
-                try:
-                    results[name] = interleave(address, args)
-                finally:
-                    server.terminate()
-                    server.wait()
-        finally:
-            if args.baseline:
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False
-                )
+    with tempfile.TemporaryDirectory() as scratch, checkouts(args.baseline, scratch) as sources:
+        for name, source in sources.items():
+            server, address = start(source, args, tempfile.mkdtemp(dir=scratch))
+            try:
+                results[name] = interleave(address, args)
+            finally:
+                server.terminate()
+                server.wait()
     print(
         f"{args.chats} chats × {args.rounds} rounds, turns interleaved, -n {args.new_tokens}, on "
         f"{args.model or 'the demo'}: median (lowest–highest) over the turns from round 2\n"

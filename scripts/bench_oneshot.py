@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from checkouts import checkouts
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,27 +78,13 @@ def main() -> None:
             raise SystemExit("--keep-alive measures this checkout only")
         kept_alive(args)
         return
-    with tempfile.TemporaryDirectory() as scratch:
-        sources = {"this checkout": ROOT}
-        if args.baseline:
-            worktree = Path(scratch) / "baseline"
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(worktree), args.baseline],
-                check=True,
-            )
-            sources[f"baseline {args.baseline}"] = worktree
-        try:
-            for source in sources.values():
-                one_run(source, args)  # the page cache and any conversion, before measuring
-            results: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
-            for _ in range(args.runs):
-                for name, source in sources.items():
-                    results[name].append(one_run(source, args))
-        finally:
-            if args.baseline:
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False
-                )
+    with tempfile.TemporaryDirectory() as scratch, checkouts(args.baseline, scratch) as sources:
+        for source in sources.values():
+            one_run(source, args)  # the page cache and any conversion, before measuring
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
+        for _ in range(args.runs):
+            for name, source in sources.items():
+                results[name].append(one_run(source, args))
     report(args, results)
 
 
