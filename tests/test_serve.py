@@ -561,13 +561,14 @@ def test_metrics_count_requests_and_tokens(server: Server) -> None:
 
 
 @pytest.mark.demo
-def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Path) -> None:
-    """One generation runs, one waits (--max-queue 1), the next is a 503 with Retry-After; when
-    their clients leave, the running one stops and the waiting one never starts."""
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Path, parallel: int) -> None:
+    """`parallel` generations run, one waits (--max-queue 1), the next is a 503 with Retry-After;
+    when their clients leave, the running ones stop and the waiting one never starts."""
     demo = demo_gguf_path()
     if demo is None:
         pytest.skip("the demo model is not installed")
-    running = start_server(demo, tmp_path, "--max-queue", "1")
+    running = start_server(demo, tmp_path, "--max-queue", "1", "--parallel", str(parallel))
     # SmolLM2's special tokens (ids 0-2, its end of turn among them) banned: a long reply for sure.
     banned = {str(token): -100 for token in range(3)}
     body = {
@@ -576,11 +577,13 @@ def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Pa
         "logit_bias": banned,
     }
     try:
-        long = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
-        long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
-                     {"Content-Type": "application/json"})  # fmt: skip
-        stream = long.getresponse()
-        read_until_text(stream)  # the worker is generating it
+        streams = []
+        for _ in range(parallel):
+            long = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
+            long.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            read_until_text(long.getresponse())  # it is being generated
+            streams.append(long)
         waiting = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
         waiting.request(
             "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
@@ -593,12 +596,16 @@ def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Pa
         refused = connection.getresponse()
         assert refused.status == 503 and refused.getheader("Retry-After")
         assert "busy" in json.loads(refused.read())["error"]["message"]
-        waiting.close()  # both clients leave
-        long.close()
-        wait_for(lambda: metric(running, "llmcli_requests_cancelled_total") == 2, "both to be cancelled")
+        waiting.close()  # every client leaves
+        for long in streams:
+            long.close()
+        cancelled = parallel + 1
+        wait_for(
+            lambda: metric(running, "llmcli_requests_cancelled_total") == cancelled, "all to be cancelled"
+        )
         assert metric(running, "llmcli_queue_depth") == 0
         served = metric(running, 'llmcli_tokens_total{kind="completion"}')
-        assert served < 1000  # the long one stopped early; the waiting one never generated
+        assert served < 1000 * parallel  # the long ones stopped early; the waiting one never generated
         reply = running.client().chat.completions.create(
             model="demo", messages=body["messages"], max_tokens=3
         )
@@ -613,7 +620,7 @@ def test_a_shutdown_cuts_streams_with_an_error_and_refuses_waiting_requests(tmp_
     demo = demo_gguf_path()
     if demo is None:
         pytest.skip("the demo model is not installed")
-    running = start_server(demo, tmp_path)
+    running = start_server(demo, tmp_path, "--parallel", "1")  # the second request waits
     banned = {str(token): -100 for token in range(3)}
     body = {
         "messages": [{"role": "user", "content": "Write a story."}],
