@@ -60,7 +60,9 @@ class ComputeThread(Executor):
     call: run holding `turn`), and the batcher of the generations' passes."""
 
     def __init__(self, name: str = "llmcli-compute") -> None:
-        self.turn = threading.Lock()  # held by the generation (or call) whose Python code runs
+        # Held by the generation (or call) whose Python code runs. Reentrant: with one generation
+        # at a time, generations run as calls on this thread itself (Slots, count 1).
+        self.turn = threading.RLock()
         self.active = 0  # generations in progress (each holds a slot), changed under `turn`
         self._changed = threading.Condition()
         self._calls: list[tuple[Future[Any], Callable[[], Any]]] = []
@@ -264,10 +266,13 @@ class Slots:
     over the shared weights. Taken and given back holding the compute thread's turn."""
 
     def __init__(self, first: Engine, count: int, compute: ComputeThread) -> None:
+        """With `count` 1 the engine is left as it is: its one generation at a time runs on
+        the compute thread itself (as a call), with nothing to hand over per token."""
         backend = first.backend
         assert isinstance(backend, NativeBackend) or count == 1
         self.compute = compute
-        first.backend = TakingTurns(backend, compute)
+        if count > 1:
+            first.backend = TakingTurns(backend, compute)
         self.engines: list[Engine] = [first]
         for _ in range(count - 1):
             more = NativeBackend(None, first.context_length, net=backend.net)

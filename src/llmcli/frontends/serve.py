@@ -24,7 +24,7 @@ import uvicorn
 
 from llmcli.config.settings import LoadSettings, SpeculativeSettings
 from llmcli.engine.kept import KeptConversations
-from llmcli.engine.scheduler import ComputeThread, Slots, TakingTurns
+from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
@@ -134,15 +134,13 @@ def run(request: ServeRequest) -> int:
     served.speculative = speculative.method
     served.slots = Slots(engine, parallel, worker)
     worker.on_step = served.metrics.step_sequences.observe
-    served.generations = ThreadPoolExecutor(parallel, "llmcli-generation")
+    # One at a time: each generation runs on the compute thread itself, as before batching.
+    served.generations = worker if parallel == 1 else ThreadPoolExecutor(parallel, "llmcli-generation")
     for more in served.slots.engines[1:]:  # a lookup drafter follows one generation: one each
         served.speculations_of[id(more)] = {
             "off": None,
             "lookup": speculation_with_feedback(loaded, model_spec, lookup, request.load),
         }
-    drafting = speculations.get("draft")
-    if drafting is not None:  # the draft model's passes run on the compute thread too
-        drafting.drafter.engine.backend = TakingTurns(drafting.drafter.engine.backend, worker)
     port = sock.getsockname()[1]
     shown_host = f"[{request.host}]" if ":" in request.host else request.host
     url = f"http://{shown_host}:{port}"

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -71,7 +71,7 @@ class Served:
     # threads of `generations`, taking turns, each on an engine of `slots`.
     worker: ComputeThread = field(default_factory=ComputeThread)
     slots: Slots | None = None
-    generations: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "llmcli-gen"))
+    generations: Executor = field(default_factory=lambda: ThreadPoolExecutor(1, "llmcli-gen"))
     # Per engine of `slots` (by id): what each `speculative` a request may name runs with there.
     speculations_of: dict[int, dict[str, Any]] = field(default_factory=dict)
     # What each `speculative` a request may name runs with ("draft" only with a draft model
