@@ -33,7 +33,14 @@ def main() -> None:
     if not (sys.stderr and sys.stderr.isatty()):
         # Library progress bars (downloads, GGUF dequantizing) are for people, not logs.
         os.environ.setdefault("TQDM_DISABLE", "1")
-    code = run_command_line(sys.argv[1:])
+    try:
+        code = run_command_line(sys.argv[1:])
+    except SystemExit as leaving:  # `serve` ended by SIGTERM, among others: still through leave()
+        if leaving.code is None or isinstance(leaving.code, int):
+            code = leaving.code or 0
+        else:  # a message, which the interpreter would have printed
+            print(leaving.code, file=sys.stderr)
+            code = 1
     try:
         sys.stdout.flush()  # what is still buffered, now: a reader that left is not an error
     except (BrokenPipeError, ValueError, AttributeError):

@@ -38,6 +38,7 @@ T = TypeVar("T")
 # A prompt is prefilled this many tokens at a time, decode steps of the others between the
 # slices (the demo on 2 cores: ~0.25 s a slice).
 PREFILL_SLICE = 256
+SHUTDOWN_WAIT_S = 10.0
 # How long a step waits for a generation that holds its turn but has not asked for a pass yet
 # (a grammar compiling, a long detokenization): past it, the step runs without that one.
 STRAGGLER_WAIT_S = 0.02
@@ -93,7 +94,8 @@ class ComputeThread(Executor):
                 self._calls.clear()
             self._changed.notify()
         if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+            # A step in progress ends within a token; a call (a load) is not waited for long.
+            self._thread.join(timeout=SHUTDOWN_WAIT_S)
 
     # What a generation's backend asks for ----------------------------------------------------
 

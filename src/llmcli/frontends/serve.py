@@ -173,7 +173,8 @@ def run(request: ServeRequest) -> int:
     finally:
         remove_record()
         served.generations.shutdown(wait=False, cancel_futures=True)
-        served.worker.shutdown(wait=False, cancel_futures=True)
+        # Joined, not left running: a thread still in torch's code as the process ends can abort it.
+        served.worker.shutdown(wait=True, cancel_futures=True)
         with contextlib.suppress(OSError):
             sock.close()
     return EXIT_OK
