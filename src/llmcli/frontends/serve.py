@@ -135,7 +135,10 @@ def run(request: ServeRequest) -> int:
     served.slots = Slots(engine, parallel, worker)
     worker.on_step = served.metrics.step_sequences.observe
     # One at a time: each generation runs on the compute thread itself, as before batching.
-    served.generations = worker if parallel == 1 else ThreadPoolExecutor(parallel, "llmcli-generation")
+    if parallel > 1:
+        served.generations = ThreadPoolExecutor(parallel, "llmcli-generation", initializer=_small_ops_alone)
+    else:
+        served.generations = worker
     for more in served.slots.engines[1:]:  # a lookup drafter follows one generation: one each
         served.speculations_of[id(more)] = {
             "off": None,
@@ -178,6 +181,18 @@ def run(request: ServeRequest) -> int:
         with contextlib.suppress(OSError):
             sock.close()
     return EXIT_OK
+
+
+def _small_ops_alone() -> None:
+    """A generation thread's torch calls (sampling over the vocabulary) run on that thread
+    alone. Each thread that runs a parallel op starts an OpenMP team of its own, and with more
+    OpenMP workers than cores libgomp's workers sleep between regions instead of spinning: the
+    compute thread's decode steps ran at half speed once four generation threads had sampled
+    (measured on the demo, 2 cores). torch's thread count is per thread once set, so the compute
+    thread keeps its own."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _parallel(request: ServeRequest, engine: Any) -> int:
