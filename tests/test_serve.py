@@ -741,7 +741,9 @@ def test_several_prompts_and_n_choices_come_back_one_choice_each(server: Server,
     # n choices: a seed moves on per choice, so sampled choices differ; streamed alike.
     messages = build_messages("Hello there")
     asked = dict(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=5, n=3)
+    before = steps_of_several(server)
     whole = client.chat.completions.create(**asked)
+    assert steps_of_several(server) > before  # the three choices decoded together
     texts_n = [choice.message.content for choice in whole.choices]
     assert [choice.index for choice in whole.choices] == [0, 1, 2] and len(set(texts_n)) > 1
     streamed = {0: "", 1: "", 2: ""}

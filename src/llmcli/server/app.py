@@ -335,7 +335,8 @@ async def _respond(
     chat: bool,
     tools: ToolTurn | None = None,
 ) -> Any:
-    """One choice per prompt and per `n`, generated one after another on the worker."""
+    """One choice per prompt and per `n`: generated together where the server runs several
+    generations at once (a stream's, one after another)."""
     sampling = _checked_sampling(body)
     method = body.speculative or served.speculative
     if method not in served.speculations:
@@ -370,14 +371,13 @@ async def _respond(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    outcomes = []
-    for job in jobs:
-        outcome = await _run_while_connected(served, request, job)
-        if outcome is None and served.stopping.is_set():
-            raise RequestError(503, "the server is shutting down: this reply was cut", code="shutting_down")
-        if outcome is None:  # nobody is there to read an answer
-            return Response(status_code=499)
-        outcomes.append(outcome)
+    # Every choice at once: with --parallel above 1 their decode steps run together.
+    finished = await asyncio.gather(*(_run_while_connected(served, request, job) for job in jobs))
+    if None in finished and served.stopping.is_set():
+        raise RequestError(503, "the server is shutting down: this reply was cut", code="shutting_down")
+    if None in finished:  # nobody is there to read an answer
+        return Response(status_code=499)
+    outcomes = [outcome for outcome in finished if outcome is not None]
     request.state.usage = _token_counts(outcomes)
     return _completion(served, request_id, created, outcomes, chat)
 
