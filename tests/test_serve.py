@@ -251,6 +251,14 @@ def test_concurrent_clients_are_decoded_together_and_each_gets_its_own_reply(
         thread.join(timeout=PATIENCE_S)
     assert got == {p: [text, text] for p, text in expected.items()}
     assert steps_of_several(server) > before
+    # A non-streamed reply's n choices run at once too: four greedy ones, the same text each.
+    before = steps_of_several(server)
+    prompt = prompts[0]
+    reply = server.client().chat.completions.create(
+        model="tiny", messages=build_messages(prompt), max_tokens=32, temperature=0, n=4
+    )
+    assert [choice.message.content for choice in reply.choices] == [expected[prompt]] * 4
+    assert steps_of_several(server) > before
 
 
 @pytest.mark.parametrize(
@@ -741,9 +749,7 @@ def test_several_prompts_and_n_choices_come_back_one_choice_each(server: Server,
     # n choices: a seed moves on per choice, so sampled choices differ; streamed alike.
     messages = build_messages("Hello there")
     asked = dict(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=5, n=3)
-    before = steps_of_several(server)
     whole = client.chat.completions.create(**asked)
-    assert steps_of_several(server) > before  # the three choices decoded together
     texts_n = [choice.message.content for choice in whole.choices]
     assert [choice.index for choice in whole.choices] == [0, 1, 2] and len(set(texts_n)) > 1
     streamed = {0: "", 1: "", 2: ""}
