@@ -39,15 +39,17 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class SetAside:
     ids: list[int]  # exactly the tokens whose keys and values `saved` holds
     saved: Any  # the backend's copy (Backend.save)
-    nbytes: int
     used: int = field(default_factory=lambda: next(_clock))
+
+    def __post_init__(self) -> None:
+        self.nbytes: int = self.saved.nbytes()  # once: the budget sums them at every add
 
 
 class KeptConversations:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self.entries: list[SetAside] = []
-        self.restored = 0  # conversations brought back, for the server's metrics and the tests
+        self.restored = 0  # conversations brought back (the tests read it)
 
     @property
     def nbytes(self) -> int:
@@ -62,14 +64,15 @@ class KeptConversations:
                 best, best_length = entry, length
         return best_length, best
 
-    def add(self, ids: list[int], saved: Any, nbytes: int) -> None:
+    def add(self, ids: list[int], saved: Any) -> None:
         """Keep a copy, dropping the ones it makes useless (texts it starts with), then the
         least recently used until the store fits its budget. A copy larger than the whole
         budget is not kept."""
-        if nbytes > self.budget_bytes:
+        entry = SetAside(list(ids), saved)
+        if entry.nbytes > self.budget_bytes:
             return
-        self.entries = [entry for entry in self.entries if entry.ids != ids[: len(entry.ids)]]
-        self.entries.append(SetAside(list(ids), saved, nbytes))
+        self.entries = [kept for kept in self.entries if kept.ids != ids[: len(kept.ids)]]
+        self.entries.append(entry)
         self.entries.sort(key=lambda entry: entry.used)
         while self.nbytes > self.budget_bytes:
             self.entries.pop(0)

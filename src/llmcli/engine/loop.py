@@ -135,7 +135,7 @@ class Engine:
             return
         saved = self.backend.save()
         if saved is not None:
-            kept.add(self.cached_ids, saved, saved.nbytes())
+            kept.add(self.cached_ids, saved)
 
     def _returning(self, ids: list[int]) -> SetAside | None:
         """The set-aside text that shares the most with `ids`, taken from the store, when it

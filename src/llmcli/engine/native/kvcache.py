@@ -48,7 +48,11 @@ class SavedCache:
     values: list[torch.Tensor]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return bytes_of([*self.keys, *self.values])
+
+
+def bytes_of(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class KVCache:
@@ -192,7 +196,7 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return bytes_of([*self.keys, *self.values])
 
     def _empty(self, capacity: int) -> torch.Tensor:
         return torch.zeros(self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
