@@ -278,8 +278,11 @@ def test_a_chat_line_over_the_limit_is_skipped_and_the_chat_goes_on(tiny_llama: 
         "chat", "-m", str(tiny_llama), "--device", "cpu", "-n", "3", stdin=script, timeout=PATIENCE_S
     )
     assert proc.returncode == 1
-    assert "line 1 of stdin is over the size limit" in proc.stderr.decode()
-    assert proc.stdout.strip()  # line 2 was answered
+    stderr = proc.stderr.decode()
+    assert "line 1 of stdin is over the size limit" in stderr
+    # Line 2 was answered: its reply ran to the 3-token limit. The reply's text is not
+    # checked, as a random tiny model's three tokens may all be white space.
+    assert "the reply above was cut by the token limit" in stderr
 
 
 BAD_TRANSCRIPT_FIELDS = {
