@@ -114,6 +114,10 @@ def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
         (["--config", "x.json"], "add --random-weights"),
         (["--random-weights"], "needs --config"),
         (["--prompt-lengths", "a,b"], "--prompt-lengths must be integers"),
+        (["--concurrency", "2,x"], "--concurrency must be integers"),
+        (["--concurrency", "0,2"], "--concurrency levels must be between 1 and"),
+        (["--concurrency", "2", "--context-fill", "64"], "--context-fill does not apply"),
+        (["--concurrency", "2", "--speculative", "lookup"], "--speculative does not apply"),
     ],
 )
 def test_bench_usage_errors(args: list[str], message: str) -> None:
@@ -183,3 +187,31 @@ def test_bandwidth_counts_the_bytes_a_decode_step_reads() -> None:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         stored = sum(p.numel() * p.element_size() for p in model.parameters())
         assert weight_bytes_read(model, stored) / 2e9 == pytest.approx(billions, abs=0.01), name
+
+
+def test_bench_concurrency_reports_each_level_beside_one_alone(tiny_llama: Path) -> None:
+    proc = run_cli(
+        "bench", "-m", str(tiny_llama), "--concurrency", "3", "--prompt-lengths", "20", "-n", "6",
+        "--runs", "2", "--device", "cpu", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()
+    report = json.loads(proc.stdout)
+    levels = {level["sequences"]: level for level in report["levels"]}
+    assert set(levels) == {1, 3}  # one alone is always measured beside the levels asked for
+    for count, level in levels.items():
+        assert level["kv_tokens"] == count * (20 + 6)  # each sequence's prompt and its steps
+        assert level["kv_bytes"] >= level["kv_tokens"] * report["kv_bytes_per_token"]
+        low, high = level["spread"]
+        assert 0 < low <= level["aggregate_tok_s"] <= high
+        assert level["per_sequence_tok_s"] == pytest.approx(level["aggregate_tok_s"] / count)
+    assert levels[1]["versus_one"] == 1.0
+    three, one = levels[3]["aggregate_tok_s"], levels[1]["aggregate_tok_s"]
+    assert levels[3]["versus_one"] == pytest.approx(three / one)
+
+
+def test_bench_concurrency_is_refused_on_an_engine_that_decodes_one_sequence(tiny_llama: Path) -> None:
+    proc = run_cli(
+        "bench", "-m", str(tiny_llama), "--concurrency", "2", "--engine", "transformers", "--device", "cpu"
+    )
+    assert proc.returncode != 0
+    assert "decodes one sequence per step" in proc.stderr.decode()

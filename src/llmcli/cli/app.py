@@ -85,6 +85,9 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object 
 # The loading flags `bench` uses: it measures a model as it loads by default, with these changes.
 GENERATE_TOOLS = Only("tools", "tool_choice")
 CHAT_TOOLS = Only("functions", "yes", "tool_choice")
+# Sequences at once `bench --concurrency` measures at most: beyond it the caches alone dwarf a
+# small model, and a server's --parallel is far lower.
+MAX_BENCH_CONCURRENCY = 64
 BENCH_LOADING = Only("device", "dtype", "threads", "quant", "quant_type", "context_length", "fast", "engine")
 
 
@@ -404,6 +407,14 @@ def bench(
         int | None,
         typer.Option(help="Also time decode with this many tokens already in the KV cache.", min=1),
     ] = None,
+    concurrency: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead: decode speed with this many sequences at once, comma-separated (e.g. "
+            "1,2,4,8), each beside one alone: the batched step `serve --parallel` runs.",
+            show_default=False,
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
     load: Annotated[LoadSettings, BENCH_LOADING],
     speculative: SpeculativeSettings,
@@ -430,6 +441,7 @@ def bench(
     # greedy decoding, and speculates only when its own flags say so.
     effective = _effective(model, SamplingSettings(), PromptSettings(), load, SpeculativeSettings())
     speculation = SpeculativeSettings.from_values(flag_values(speculative))
+    levels = _concurrency_levels(concurrency, context_fill, compiled, speculation)
     # The context too is the flag's alone: bench measures the model as asked on its command line.
     measured = dataclasses.replace(effective.load, context_length=load.context_length)
     from llmcli.frontends.bench import BenchRequest, run
@@ -447,9 +459,33 @@ def bench(
             json=json_output,
             load=measured,
             speculative=speculation,
+            concurrency=levels,
         )
     )
     raise typer.Exit(code)
+
+
+def _concurrency_levels(
+    concurrency: str | None, context_fill: int | None, compiled: bool | None, speculative: SpeculativeSettings
+) -> list[int] | None:
+    """--concurrency's levels, 1 always among them (every level is reported beside it), or None.
+    The flags it does not combine with are refused rather than left unmeasured."""
+    if concurrency is None:
+        return None
+    try:
+        levels = sorted({int(n) for n in concurrency.split(",") if n.strip()} | {1})
+    except ValueError:
+        raise UsageError(f"--concurrency must be integers separated by commas, got {concurrency!r}") from None
+    if levels[0] < 1 or levels[-1] > MAX_BENCH_CONCURRENCY:
+        raise UsageError(f"--concurrency levels must be between 1 and {MAX_BENCH_CONCURRENCY}")
+    for given, flag in (
+        (context_fill is not None, "--context-fill"),
+        (compiled is not None, "--compiled/--no-compiled"),
+        (speculative.method != "off", "--speculative"),
+    ):
+        if given:
+            raise UsageError(f"--concurrency measures the batched decode step alone; {flag} does not apply")
+    return levels
 
 
 @app.command(epilog=SERVE_EPILOG)

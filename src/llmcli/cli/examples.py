@@ -46,6 +46,8 @@ BENCH_EPILOG = """\
 
   llmcli bench --speculative lookup -n 200 --runs 3
 
+  llmcli bench --concurrency 1,2,4,8 --prompt-lengths 256 [dim]# sequences decoded together[/]
+
   llmcli bench --config configs/llama-3.2-1b.json --random-weights --device cuda --draft-model self
 
   llmcli bench --config configs/llama-3.2-1b.json --random-weights --context-fill 8192

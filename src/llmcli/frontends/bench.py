@@ -31,6 +31,7 @@ class BenchRequest:
     json: bool
     load: LoadSettings
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    concurrency: list[int] | None = None  # sequences at once, 1 among them; None: the usual bench
 
 
 def run(request: BenchRequest) -> int:
@@ -44,6 +45,8 @@ def run(request: BenchRequest) -> int:
     engine = engine_with_feedback(loaded)
     if request.speculative.method != "off":
         return _run_speculative(request, loaded, engine)
+    if request.concurrency is not None:
+        return _run_concurrency(request, loaded, engine)
     from llmcli.engine.bench import run_bench
     from llmcli.frontends.bench_tables import render_table
 
@@ -80,6 +83,37 @@ def _run_speculative(request: BenchRequest, loaded: LoadedModel, plain) -> int:
             tasks=[COPY_TASK, *FREE_FORM],
         )
     text = json.dumps(report.as_dict()) if request.json else render_speculative_table(report)
+    sys.stdout.write(text + "\n")
+    return EXIT_OK
+
+
+def _run_concurrency(request: BenchRequest, loaded: LoadedModel, engine) -> int:
+    from llmcli.engine.batch_bench import run_concurrency_bench
+    from llmcli.engine.native.backend import NativeBackend
+    from llmcli.frontends.bench_tables import render_concurrency_table
+
+    assert request.concurrency is not None
+    if not isinstance(engine.backend, NativeBackend):
+        raise UsageError(
+            f"--concurrency measures the native engine's batched step; this model runs on the "
+            f"{engine.name} engine, which decodes one sequence per step"
+        )
+    length = request.prompt_lengths[0]
+    if length + request.new_tokens > loaded.context_length:
+        raise UsageError(
+            f"a prompt of {length} and {request.new_tokens} new tokens do not fit the "
+            f"{loaded.context_length}-token context"
+        )
+    with terminal.status("Measuring…"):
+        report = run_concurrency_bench(
+            loaded,
+            engine,
+            levels=request.concurrency,
+            prompt_length=length,
+            new_tokens=request.new_tokens,
+            runs=request.runs,
+        )
+    text = json.dumps(report.as_dict()) if request.json else render_concurrency_table(report)
     sys.stdout.write(text + "\n")
     return EXIT_OK
 

@@ -3,6 +3,7 @@ an issue. The measurements are the engine's (engine/bench.py, engine/speculative
 
 from __future__ import annotations
 
+from llmcli.engine.batch_bench import ConcurrencyReport
 from llmcli.engine.bench import BenchReport
 from llmcli.engine.speculative.bench import SpeculativeBenchReport
 from llmcli.models.memory import format_bytes
@@ -157,4 +158,30 @@ def render_speculative_table(report: SpeculativeBenchReport) -> str:
             f"| {count} | {seconds * 1000:.2f} | {seconds / report.decode_step_s:.2f} | "
             f"{seconds * 1000 / count:.2f} |"
         )
+    return "\n".join(lines)
+
+
+def render_concurrency_table(report: ConcurrencyReport) -> str:
+    head = (
+        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
+        f"{report.prompt_length}-token prompts, {report.new_tokens} greedy steps, eager (no CUDA "
+        f"graphs) · median of {report.runs} runs (lowest–highest)"
+    )
+    lines = [
+        head,
+        "",
+        "| sequences | aggregate tok/s | per sequence tok/s | × one alone | KV held | KV tokens held |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for level in report.levels:
+        aggregate = _with_spread(level.aggregate_tok_s, level.spread, 1, 1)
+        lines.append(
+            f"| {level.sequences} | {aggregate} | {level.per_sequence_tok_s:.1f} | "
+            f"{level.versus_one:.2f}× | {format_bytes(level.kv_bytes)} | {level.kv_tokens} |"
+        )
+    lines += [
+        "",
+        f"KV bytes per token: {format_bytes(report.kv_bytes_per_token)}; the caches grow in "
+        "buckets (a power of two ≥ 256 tokens), so KV held is what they reserve.",
+    ]
     return "\n".join(lines)

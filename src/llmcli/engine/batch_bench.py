@@ -1,0 +1,129 @@
+"""`llmcli bench --concurrency 1,2,4,8`: the decode speed of several sequences at once, each
+level beside one sequence alone in the same run.
+
+At each level C, C sequences (each its own cache over the shared weights, as a server's
+generations are: scheduler.Slots) are prefilled with their own prompt, then decoded greedily
+together, one step for all of them (plans.SequencesStep, what `llmcli serve --parallel` runs).
+Only the decode steps are timed; the levels' runs are interleaved so drift in machine speed
+hits them alike. Reported per level: the aggregate tok/s (tokens of every sequence over the
+steps' wall time), its ratio to C = 1, what one sequence sees, and the KV memory the C caches
+hold at the end beside the tokens they hold. What a server adds (HTTP, one thread per request)
+is not here: scripts/bench_concurrency.py measures that through real clients.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from llmcli.engine.bench import low_high, prompt_of, synchronize, timed
+from llmcli.engine.loop import Engine
+from llmcli.engine.native.backend import NativeBackend
+from llmcli.models.load import LoadedModel
+
+
+@dataclass
+class ConcurrencyLevel:
+    sequences: int
+    aggregate_tok_s: float
+    spread: tuple[float, float]  # the lowest and highest run's aggregate tok/s
+    per_sequence_tok_s: float
+    versus_one: float  # aggregate ÷ the C = 1 aggregate of the same run
+    kv_bytes: int  # what the C caches hold at the end of a run
+    kv_tokens: int  # the tokens they hold then
+
+
+@dataclass
+class ConcurrencyReport:
+    model: str
+    device: str
+    dtype: str
+    quant: str
+    prompt_length: int
+    new_tokens: int
+    runs: int
+    kv_bytes_per_token: int
+    levels: list[ConcurrencyLevel] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_concurrency_bench(
+    loaded: LoadedModel,
+    engine: Engine,
+    *,
+    levels: list[int],
+    prompt_length: int,
+    new_tokens: int,
+    runs: int,
+) -> ConcurrencyReport:
+    first = engine.backend
+    if not isinstance(first, NativeBackend):
+        raise ValueError(f"the {engine.name} engine decodes one sequence per step")
+    assert levels[0] == 1, "every level is reported beside one sequence alone"
+    vocab = first.net.embedding.shape[0]
+    # One backend per sequence at the highest level, sharing the weights; each level uses the first C.
+    backends = [first] + [
+        NativeBackend(None, first.cache.context_length, net=first.net) for _ in range(max(levels) - 1)
+    ]
+    prompts = [prompt_of(prompt_length + index, vocab)[:prompt_length] for index in range(len(backends))]
+    report = ConcurrencyReport(
+        model=loaded.name,
+        device=str(first.device),
+        dtype=loaded.dtype_name,
+        quant=loaded.quant,
+        prompt_length=prompt_length,
+        new_tokens=new_tokens,
+        runs=runs,
+        kv_bytes_per_token=loaded.kv_bytes_per_token,
+    )
+    seconds: dict[int, list[float]] = {level: [] for level in levels}
+    held: dict[int, tuple[int, int]] = {}
+    for run in range(runs + 1):  # the first is a warm-up, not counted
+        for level in levels:
+            taking = backends[:level]
+            elapsed = _decode_together(taking, prompts, new_tokens)
+            if run:
+                seconds[level].append(elapsed)
+            held[level] = (sum(b.cache.nbytes() for b in taking), sum(b.cache.length for b in taking))
+            for backend in taking:
+                backend.reset()
+    one = statistics.median(new_tokens / elapsed for elapsed in seconds[1])
+    for level in levels:
+        rates = [level * new_tokens / elapsed for elapsed in seconds[level]]
+        aggregate = statistics.median(rates)
+        report.levels.append(
+            ConcurrencyLevel(
+                sequences=level,
+                aggregate_tok_s=aggregate,
+                spread=low_high(rates),
+                per_sequence_tok_s=aggregate / level,
+                versus_one=aggregate / one,
+                kv_bytes=held[level][0],
+                kv_tokens=held[level][1],
+            )
+        )
+    return report
+
+
+@torch.inference_mode()
+def _decode_together(backends: list[NativeBackend], prompts: list[list[int]], new_tokens: int) -> float:
+    """Prefill each sequence, then time `new_tokens` greedy steps of all of them together."""
+    logits = torch.cat([backend.prefill(ids) for backend, ids in zip(backends, prompts, strict=False)])
+    net, caches = backends[0].net, [backend.cache for backend in backends]
+    device = backends[0].device
+
+    def steps() -> None:
+        nonlocal logits
+        for _ in range(new_tokens):
+            tokens = logits.argmax(dim=-1)
+            logits = net.decode_sequences(tokens, caches)
+            for cache in caches:
+                cache.length += 1
+
+    synchronize(device)
+    return timed(steps, device)
