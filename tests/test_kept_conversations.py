@@ -111,3 +111,34 @@ def test_a_short_loss_is_not_set_aside_and_transformers_engine_keeps_nothing(loa
     assert reused == 0 and hf.kept.entries == []  # transformers' cache is not copied: cropped as before
     reused, _, _ = turn(hf, first)
     assert reused == 0
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2", *RING_CASES])
+@pytest.mark.parametrize("first_goes_on", [20, OWN])
+@torch.inference_mode()
+def test_a_prefix_copied_from_another_sequence_gives_what_a_prefill_gives(
+    case: str, first_goes_on: int
+) -> None:
+    """Two requests with one system prompt: the second's cache copies the first's prefix (a
+    memory copy, scheduler.Slots) and prefills only its own part; its logits equal those of a
+    cache that prefilled the shared part itself within 1e-5 (the copied keys and values were
+    computed in the first's longer pass, whose matrix products round differently in the last
+    bits). A ring the first has wrapped (window 8: a ring of 72 slots, past by 40 + 80 tokens)
+    cannot give its prefix: nothing is held, the caller prefills."""
+    model = build(*CASES[case])
+    first = NativeBackend(model, CONTEXT)
+    second = NativeBackend(None, CONTEXT, net=first.net)
+    alone = NativeBackend(model, CONTEXT)
+    shared, own = prompt(SHARED, seed=50), prompt(OWN, seed=51)
+    first.prefill(shared + prompt(first_goes_on, seed=52))  # the first request goes on past it
+    held = second.copy_prefix(first, SHARED)
+    alone.prefill(shared)  # what the second would run without the copy: the same two passes
+    expected = alone.prefill(own)
+    rings = [ring for ring in first.cache.rings if ring is not None]
+    if rings and SHARED + first_goes_on > min(rings):
+        assert held == 0 and second.length == 0
+        return
+    assert held == SHARED == second.length
+    torch.testing.assert_close(second.prefill(own), expected, rtol=0, atol=1e-5)
+    token = torch.tensor([int(expected.argmax())])
+    torch.testing.assert_close(second.decode(token), alone.decode(token), rtol=0, atol=1e-5)

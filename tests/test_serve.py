@@ -251,14 +251,48 @@ def test_concurrent_clients_are_decoded_together_and_each_gets_its_own_reply(
         thread.join(timeout=PATIENCE_S)
     assert got == {p: [text, text] for p, text in expected.items()}
     assert steps_of_several(server) > before
-    # A non-streamed reply's n choices run at once too: four greedy ones, the same text each.
+    # A non-streamed reply's n choices run at once too: four greedy ones, the same text each,
+    # the prompt prefilled once (a prompt no slot has seen: the other three copy it).
     before = steps_of_several(server)
-    prompt = prompts[0]
+    messages = build_messages("A question asked four times at once")
     reply = server.client().chat.completions.create(
-        model="tiny", messages=build_messages(prompt), max_tokens=32, temperature=0, n=4
+        model="tiny", messages=messages, max_tokens=32, temperature=0, n=4
     )
-    assert [choice.message.content for choice in reply.choices] == [expected[prompt]] * 4
+    assert [choice.message.content for choice in reply.choices] == [in_process(messages, 32)] * 4
     assert steps_of_several(server) > before
+    one_prompt = reply.usage.prompt_tokens // 4
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 3 * (one_prompt - 1)
+
+
+def test_a_request_copies_the_system_prompt_a_running_one_holds(
+    server: Server, in_process, tiny_llama: Path
+) -> None:
+    """Two chats with one long system prompt no slot has seen, the second sent while the first
+    streams: the second's slot copies what the two share from the first's cache rather than
+    prefilling it, and its reply is the one it gets alone."""
+    from transformers import AutoTokenizer
+
+    from llmcli.engine.kept import common_prefix_length
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    rules = " ".join(f"Rule {i}: answer kindly and briefly." for i in range(20))
+    system = {"role": "system", "content": rules}
+    first = [system, {"role": "user", "content": "Tell me a long story."}]
+    second = [system, {"role": "user", "content": "And a short one?"}]
+    shared = common_prefix_length(prompt_ids(tokenizer, first), prompt_ids(tokenizer, second))
+    client = server.client()
+    never_ends = {str(tokenizer.eos_token_id): -100}  # the first runs until it is closed
+    stream = client.chat.completions.create(
+        model="tiny", messages=first, max_tokens=400, temperature=0, stream=True, logit_bias=never_ends
+    )
+    try:
+        next(chunk for chunk in stream if chunk.choices and chunk.choices[0].delta.content)  # it runs
+        reply = client.chat.completions.create(model="tiny", messages=second, max_tokens=16, temperature=0)
+    finally:
+        stream.close()
+    assert shared > 100  # the system prompt is long enough for the copy to matter
+    assert reply.usage.prompt_tokens_details.cached_tokens >= shared
+    assert reply.choices[0].message.content == in_process(second, 16)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,11 @@ joins at the next step and leaves when it ends.
 Each generation has an engine of its own (`Slots`): its own cache over the shared weights, so a
 row's logits are what it would get alone (tests/test_native.py holds them within 1e-5). A
 request takes the free slot whose cache shares the most with its prompt; what it crops goes to
-the conversations set aside that all slots share (kept.py).
+the conversations set aside that all slots share (kept.py). Where a running generation's cache
+shares more (requests with one system prompt, a request's n choices), the slot copies that
+prefix from it, a memory copy rather than a prefill (a KV cache in blocks shared by content
+would hold it once; on a CPU the attention over gathered blocks cost more than it saves:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmcli.engine.kept import common_prefix_length
+from llmcli.engine.kept import MIN_RESTORED_GAIN, common_prefix_length
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
 
@@ -262,6 +266,12 @@ class TakingTurns:
     def restore(self, saved: Any) -> None:
         self.inner.restore(saved)
 
+    def copy_prefix(self, other: TakingTurns, length: int) -> int:
+        """On the compute thread, after the passes already asked for: `other`'s positions
+        below `length` are not written again before this copy runs, whatever its generation
+        does meanwhile (its next pass waits behind this one)."""
+        return self.compute.run(_Pass(call=lambda: self.inner.copy_prefix(other.inner, length)))
+
 
 class Slots:
     """The engines generations run on: one per generation at once, each with its own cache
@@ -283,12 +293,30 @@ class Slots:
             self.engines.append(engine)
         self.free = list(self.engines)
         self.count = count
+        self.copied_tokens = 0  # prompt tokens copied from a running generation's cache
 
     def take(self, prompt_ids: list[int]) -> Engine:
-        """The free engine whose cache shares the most with `prompt_ids`."""
+        """The free engine whose cache shares the most with `prompt_ids`; where a running
+        generation's cache shares more (one system prompt, the other choices of a request),
+        that prefix is copied into it rather than prefilled again."""
         best = max(self.free, key=lambda engine: common_prefix_length(engine.cached_ids, prompt_ids))
         self.free.remove(best)
+        self._copy_running_prefix(best, prompt_ids)
         return best
+
+    def _copy_running_prefix(self, engine: Engine, prompt_ids: list[int]) -> None:
+        running = [other for other in self.engines if other not in self.free and other is not engine]
+        if not running:
+            return
+        source = max(running, key=lambda other: common_prefix_length(other.cached_ids, prompt_ids))
+        # One token of the prompt is left to run: the next token's logits come from it.
+        length = min(common_prefix_length(source.cached_ids, prompt_ids), len(prompt_ids) - 1)
+        if length < common_prefix_length(engine.cached_ids, prompt_ids) + MIN_RESTORED_GAIN:
+            return
+        engine.start_over()  # what it held is set aside, where it is worth keeping
+        held = engine.backend.copy_prefix(source.backend, length)
+        engine.cached_ids = list(prompt_ids[:held])
+        self.copied_tokens += held
 
     def give_back(self, engine: Engine) -> None:
         self.free.append(engine)

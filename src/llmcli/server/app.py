@@ -323,6 +323,10 @@ class Job:
     logprobs: int | None = None  # alternatives per token to report (0: the chosen one's only)
     echo: bool = False  # completions: the prompt and its logprobs first
     think_budget: int | None = None  # a reasoning model thinks this many tokens at most
+    # Another choice of the same prompt, set once its prompt is in its cache: this one starts
+    # then, to copy that prompt from it rather than prefill it again (scheduler.Slots).
+    after: threading.Event | None = None
+    prompt_cached: threading.Event = field(default_factory=threading.Event)
 
 
 async def _respond(
@@ -363,6 +367,12 @@ async def _respond(
         for ids in prompts
         for k in range(body.n)
     ]
+    if not body.stream and served.slots is not None and served.slots.count > 1:
+        first_of: dict[tuple[int, ...], Job] = {}
+        for index, job in enumerate(jobs):  # started in this order: the one waited for has a thread
+            first = first_of.setdefault(tuple(job.ids), job)
+            if first is not job:
+                jobs[index] = replace(job, after=first.prompt_cached)
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if body.stream:
@@ -485,8 +495,13 @@ def _generate(
     """On a generation thread, in its turn: one generation, start to end (None when its
     client left first). `on_piece` gets (channel, piece): reasoning or content text, or a part
     of a tool call."""
-    with served.turn_on_an_engine(job.ids) as engine:
-        return _generate_on(served, engine, job, on_piece, cancelled)
+    if job.after is not None:
+        job.after.wait()
+    try:
+        with served.turn_on_an_engine(job.ids) as engine:
+            return _generate_on(served, engine, job, on_piece, cancelled)
+    finally:
+        job.prompt_cached.set()  # however it ended: a choice waiting for it goes on
 
 
 def _generate_on(
@@ -522,6 +537,7 @@ def _generate_on(
     stream = ReplyStream(loaded.tokenizer if job.chat else None, job.ids, reader)
     try:
         for channel, piece in stream.split(generation):
+            job.prompt_cached.set()  # a token came: the prompt is in the cache
             if cancelled.is_set() or served.stopping.is_set():
                 generation.interrupt()
                 break

@@ -137,6 +137,10 @@ class NativeBackend:
     def restore(self, saved: SavedCache) -> None:
         self.cache.restore(saved)
 
+    def copy_prefix(self, other: NativeBackend, length: int) -> int:
+        """The first `length` positions of `other`'s cache copied into this one's (kvcache.py)."""
+        return self.cache.copy_prefix(other.cache, length)
+
     def reset(self) -> None:
         self.cache.crop(0)  # the tensors stay, and with them any captured graph
 

@@ -194,6 +194,24 @@ class KVCache:
                 store[layer][:, : copy.shape[1]].copy_(copy)
         self.length, self.written = saved.length, saved.written
 
+    @torch.inference_mode()
+    def copy_prefix(self, source: KVCache, length: int) -> int:
+        """Hold the first `length` positions `source` holds (another sequence over the same
+        weights whose text starts as this one's will): a copy of their keys and values rather
+        than a prefill of them. Returns the positions held now: `length`, or 0 where a ring
+        of `source` has overwritten one of them (its slots are positions mod the ring)."""
+        length = min(length, source.length)
+        rings_intact = all(ring is None or source.written <= ring for ring in source.rings)
+        if length == 0 or not rings_intact:
+            return 0
+        self.crop(0)
+        self.ensure(length)
+        for store, copies in ((self.keys, source.keys), (self.values, source.values)):
+            for layer, copy in enumerate(copies):
+                store[layer][:, :length].copy_(copy[:, :length])
+        self.length = length
+        return length
+
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""
         return bytes_of([*self.keys, *self.values])
