@@ -142,3 +142,38 @@ def test_a_prefix_copied_from_another_sequence_gives_what_a_prefill_gives(
     torch.testing.assert_close(second.prefill(own), expected, rtol=0, atol=1e-5)
     token = torch.tensor([int(expected.argmax())])
     torch.testing.assert_close(second.decode(token), alone.decode(token), rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_slots_reserve_kv_memory_and_idle_caches_give_theirs_back() -> None:
+    """Three slots sharing three buckets' worth of KV memory: each generation reserves the
+    bucket its prompt and max_tokens may fill; a reservation that needs the memory an idle
+    slot holds takes it back (that slot's cache released, least recently used first), and
+    one that cannot be had beside the running ones is refused with the reason."""
+    from llmcli.engine.scheduler import ComputeThread, Slots
+    from llmcli.errors import KVMemoryFull
+
+    model = build(*CASES["llama-gqa2"])
+    compute = ComputeThread()
+    try:
+        first = Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT)
+        bucket = first.backend.cache.bytes_for(1)  # the smallest: 256 positions
+        assert first.backend.cache.bytes_for(300) == 2 * bucket
+        slots = Slots(first, 3, compute, kv_limit=3 * bucket)
+        with compute.generation():
+            short = slots.take(prompt(40, seed=1), longest=100)  # one bucket, with a check's rows
+            short.prefill(prompt(40, seed=1))
+            slots.give_back(short)  # idle now, its bucket still held
+            long = slots.take(prompt(40, seed=2), longest=300)  # two buckets: fits beside it
+            assert long is not short and short.backend.kv_bytes() == bucket
+            other = slots.take(prompt(40, seed=3), longest=100)  # one more: the idle one gives way
+            assert other is not short and short.backend.kv_bytes() == 0 and short.cached_ids == []
+            assert sum(slots.reserved.values()) == 3 * bucket
+            slots.give_back(other)
+            with pytest.raises(KVMemoryFull, match="the KV memory is taken"):
+                slots.take(prompt(40, seed=4), longest=300)  # two beside the running two
+            assert len(slots.free) == 2  # the refused one took nothing
+            slots.give_back(long)
+            assert slots.take(prompt(40, seed=4), longest=300) is not None  # room once it ended
+    finally:
+        compute.shutdown()

@@ -856,3 +856,63 @@ def test_chats_whose_turns_interleave_each_find_their_conversation_cached(server
                 {"role": "assistant", "content": reply.choices[0].message.content},
                 {"role": "user", "content": f"And then, round {round_number}?"},
             ]
+
+
+def test_kv_memory_is_reserved_per_request_and_one_without_room_gets_a_503(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """--kv-memory of 600 tokens' worth, two generations at once: a running one reserves the
+    512-token bucket its prompt and max_tokens may fill, so a second that may fill 256 more is
+    refused with the reason (503), as is one that could never fit; the running stream goes on
+    untouched, and once it ends the second gets its room (the idle slot's memory given back)."""
+    from transformers import AutoTokenizer
+
+    config = json.loads((tiny_llama / "config.json").read_text())
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    running = start_server(tiny_llama, tmp_path, "--parallel", "2", "--kv-memory", str(600 * per_token))
+    try:
+        client = running.client()
+        never_ends = {str(AutoTokenizer.from_pretrained(tiny_llama).eos_token_id): -100}
+        long_one = client.chat.completions.create(
+            model="tiny", messages=build_messages("Go on and on."), max_tokens=400, temperature=0,
+            stream=True, logit_bias=never_ends,
+        )  # fmt: skip
+        next(chunk for chunk in long_one if chunk.choices and chunk.choices[0].delta.content)
+
+        def ask(max_tokens: int) -> openai.types.chat.ChatCompletion:
+            return client.chat.completions.create(
+                model="tiny", messages=build_messages("Briefly?"), max_tokens=max_tokens, temperature=0
+            )
+
+        with pytest.raises(openai.APIStatusError) as taken:
+            ask(200)
+        assert taken.value.status_code == 503 and taken.value.code == "kv_memory_full"
+        assert "the KV memory is taken" in taken.value.message
+        with pytest.raises(openai.APIStatusError) as never:
+            ask(900)
+        assert never.value.status_code == 503 and "more than the server's --kv-memory" in never.value.message
+        more = [chunk for _, chunk in zip(range(20), long_one, strict=False)]
+        assert len(more) == 20  # the running stream went on
+        long_one.close()
+        answered: list[openai.types.chat.ChatCompletion] = []
+
+        def second_gets_room() -> bool:
+            try:
+                answered.append(ask(200))
+            except openai.APIStatusError as error:
+                assert error.code == "kv_memory_full"  # until the long one's generation stops
+            return bool(answered)
+
+        wait_for(second_gets_room, "the second request to get room once the first ended")
+        assert answered[0].choices[0].finish_reason in ("stop", "length")
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        running.process.wait(timeout=PATIENCE_S)
+
+
+def test_kv_memory_with_one_generation_at_a_time_is_refused(tiny_llama: Path) -> None:
+    proc = run_cli(
+        "serve", "-m", str(tiny_llama), "--parallel", "1", "--kv-memory", "1GB", timeout=PATIENCE_S
+    )
+    assert proc.returncode == 2
+    assert "--kv-memory bounds the caches of generations run at once" in proc.stderr.decode()

@@ -52,3 +52,7 @@ class ModelLoadError(LlmcliError):
 
 class ContextOverflowError(LlmcliError):
     """The prompt does not fit in the model's context window."""
+
+
+class KVMemoryFull(LlmcliError):
+    """A server's generations at once hold the KV memory it may use: this one cannot start now."""

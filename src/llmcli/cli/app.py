@@ -28,6 +28,7 @@ from llmcli.config.settings import (
     SamplingSettings,
     SpeculativeSettings,
     ToolSettings,
+    bytes_of_size,
     effective_settings,
     flag_values,
     seconds_of,
@@ -540,6 +541,16 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    kv_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-memory",
+            help="KV memory the generations at once may hold together (e.g. 2GB); a request that "
+            "cannot have room for its prompt and max_tokens gets a 503. Default: half the memory "
+            "free after the load.",
+            show_default=False,
+        ),
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", help="No access log (one line per request on stderr).")
     ] = False,
@@ -562,6 +573,12 @@ def serve(
         raise UsageError(f"--max-queue must be at least 1, got {max_queue}")
     if parallel is not None and parallel < 1:
         raise UsageError(f"--parallel must be at least 1, got {parallel}")
+    kv_memory_bytes = bytes_of_size(kv_memory, "--kv-memory") if kv_memory is not None else None
+    if kv_memory is not None and parallel == 1:
+        raise UsageError(
+            "--kv-memory bounds the caches of generations run at once; --parallel 1 runs one",
+            "leave --kv-memory out, or set --parallel above 1",
+        )
     effective = _effective(model, SamplingSettings(), PromptSettings(), load, speculative)
     from llmcli.frontends.serve import ServeRequest, run
 
@@ -577,6 +594,7 @@ def serve(
             cors=tuple(cors or ()),
             max_queue=max_queue,
             parallel=parallel,
+            kv_memory=kv_memory_bytes,
             quiet=quiet,
             idle_exit_s=idle_exit_s,
         )

@@ -507,6 +507,14 @@ def seconds_of(text: str | None, name: str) -> float | None:
         raise UsageError(f"{name}: {error}") from None
 
 
+def bytes_of_size(text: str, name: str) -> int:
+    """A size as written (2GB, 512MiB) in bytes; `name` says where it was given."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise UsageError(f"{name}: {error}") from None
+
+
 def keep_alive_seconds(text: str | None, where: str = "flag") -> float | None:
     """--keep-alive (or LLMCLI_KEEP_ALIVE, keep_alive in the config file) as seconds."""
     return seconds_of(text, setting_name("keep_alive", where, "--keep-alive"))

@@ -35,7 +35,8 @@ import torch
 
 from llmcli.engine.kept import MIN_RESTORED_GAIN, common_prefix_length
 from llmcli.engine.loop import Engine
-from llmcli.engine.native.backend import NativeBackend
+from llmcli.engine.native.backend import GRAPHED_ROWS, NativeBackend
+from llmcli.errors import KVMemoryFull
 
 T = TypeVar("T")
 
@@ -266,6 +267,15 @@ class TakingTurns:
     def restore(self, saved: Any) -> None:
         self.inner.restore(saved)
 
+    def kv_bytes_for(self, positions: int) -> int:
+        return self.inner.kv_bytes_for(positions)
+
+    def kv_bytes(self) -> int:
+        return self.inner.kv_bytes()
+
+    def release(self) -> None:
+        self.inner.release()  # a free slot's cache: no pass of it runs
+
     def copy_prefix(self, other: TakingTurns, length: int) -> int:
         """On the compute thread, after the passes already asked for: `other`'s positions
         below `length` are not written again before this copy runs, whatever its generation
@@ -275,14 +285,28 @@ class TakingTurns:
 
 class Slots:
     """The engines generations run on: one per generation at once, each with its own cache
-    over the shared weights. Taken and given back holding the compute thread's turn."""
+    over the shared weights. Taken and given back holding the compute thread's turn.
 
-    def __init__(self, first: Engine, count: int, compute: ComputeThread) -> None:
+    With several, their caches share `kv_limit` bytes. A generation reserves, as it starts, the
+    memory its cache takes at the longest it may grow (its prompt and max_tokens, in the cache's
+    buckets), so a step never runs out part way and nothing running needs preempting; the free
+    slots' caches (kept conversations) give their memory back, least recently used first, when
+    a reservation needs it. One that cannot be had even then is refused (KVMemoryFull)."""
+
+    def __init__(
+        self, first: Engine, count: int, compute: ComputeThread, kv_limit: int | None = None
+    ) -> None:
         """With `count` 1 the engine is left as it is: its one generation at a time runs on
-        the compute thread itself (as a call), with nothing to hand over per token."""
+        the compute thread itself (as a call), with nothing to hand over per token, and its
+        cache grows as far as the context (no `kv_limit`)."""
         backend = first.backend
         assert isinstance(backend, NativeBackend) or count == 1
+        assert kv_limit is None or count > 1
         self.compute = compute
+        self.kv_limit = kv_limit
+        self.reserved: dict[int, int] = {}  # id(engine) → bytes its running generation may hold
+        self._given_back: dict[int, int] = {}  # id(engine) → when it was last given back
+        self._clock = 0
         if count > 1:
             first.backend = TakingTurns(backend, compute)
         self.engines: list[Engine] = [first]
@@ -295,14 +319,38 @@ class Slots:
         self.count = count
         self.copied_tokens = 0  # prompt tokens copied from a running generation's cache
 
-    def take(self, prompt_ids: list[int]) -> Engine:
+    def take(self, prompt_ids: list[int], longest: int | None = None) -> Engine:
         """The free engine whose cache shares the most with `prompt_ids`; where a running
         generation's cache shares more (one system prompt, the other choices of a request),
-        that prefix is copied into it rather than prefilled again."""
+        that prefix is copied into it rather than prefilled again. `longest`: the positions
+        the generation may fill at most (default: the context), which it reserves."""
         best = max(self.free, key=lambda engine: common_prefix_length(engine.cached_ids, prompt_ids))
+        if self.kv_limit is not None:
+            # Room for a speculative check's rows past the last token too (cropped after it).
+            wanted = (longest + GRAPHED_ROWS[-1]) if longest is not None else best.context_length
+            self._reserve(best, min(wanted, best.context_length))
         self.free.remove(best)
         self._copy_running_prefix(best, prompt_ids)
         return best
+
+    def _reserve(self, engine: Engine, positions: int) -> None:
+        assert self.kv_limit is not None
+        backend: Any = engine.backend
+        # Its cache may already be larger (a longer conversation held before): it does not shrink.
+        need = max(backend.kv_bytes_for(positions), backend.kv_bytes())
+        running = sum(self.reserved.values())
+        if running + need > self.kv_limit:
+            raise KVMemoryFull(_memory_full_message(positions, need, running, self.kv_limit))
+        idle = [other for other in self.free if other is not engine]
+        idle.sort(key=lambda other: self._given_back.get(id(other), -1))  # least recently used first
+        held = sum(other.backend.kv_bytes() for other in idle)  # type: ignore[attr-defined]
+        while running + need + held > self.kv_limit:
+            other = idle.pop(0)
+            freed = other.backend.kv_bytes()  # type: ignore[attr-defined]
+            other.start_over()  # its text set aside in host memory, where worth keeping
+            other.backend.release()  # type: ignore[attr-defined]
+            held -= freed
+        self.reserved[id(engine)] = need
 
     def _copy_running_prefix(self, engine: Engine, prompt_ids: list[int]) -> None:
         running = [other for other in self.engines if other not in self.free and other is not engine]
@@ -319,4 +367,22 @@ class Slots:
         self.copied_tokens += held
 
     def give_back(self, engine: Engine) -> None:
+        self.reserved.pop(id(engine), None)
+        self._clock += 1
+        self._given_back[id(engine)] = self._clock
         self.free.append(engine)
+
+
+def _memory_full_message(positions: int, need: int, running: int, limit: int) -> str:
+    from llmcli.models.memory import format_bytes
+
+    if need > limit:
+        return (
+            f"a request that may grow to {positions} tokens needs {format_bytes(need)} of KV memory, "
+            f"more than the server's --kv-memory {format_bytes(limit)}: ask for fewer max_tokens"
+        )
+    return (
+        f"the KV memory is taken: a request that may grow to {positions} tokens needs "
+        f"{format_bytes(need)}, and the generations running hold {format_bytes(running)} of "
+        f"{format_bytes(limit)} (--kv-memory): retry when one ends, or ask for fewer max_tokens"
+    )

@@ -47,6 +47,7 @@ class ServeRequest:
     cors: tuple[str, ...] = ()  # web origins allowed to call it
     max_queue: int = 16  # generations waiting for the worker, at most
     parallel: int | None = None  # generations at once (None: _parallel's default)
+    kv_memory: int | None = None  # bytes their caches may hold together (None: kv_memory_default)
     quiet: bool = False  # no access log
     idle_exit_s: float | None = None  # stop after this long without a request (keep-alive servers)
 
@@ -107,7 +108,8 @@ def run(request: ServeRequest) -> int:
             write_failure(model_spec, error)
         raise
     engine.kept = KeptConversations(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
-    parallel = _parallel(request, engine)
+    kv_memory = request.kv_memory or kv_memory_default(engine.device)
+    parallel = _parallel(request, engine, kv_memory)
     served = Served(
         loaded=loaded,
         engine=engine,
@@ -132,7 +134,7 @@ def run(request: ServeRequest) -> int:
             speculation_with_feedback, loaded, model_spec, speculative, request.load
         ).result()
     served.speculative = speculative.method
-    served.slots = Slots(engine, parallel, worker)
+    served.slots = Slots(engine, parallel, worker, kv_memory if parallel > 1 else None)
     worker.on_step = served.metrics.step_sequences.observe
     # One at a time: each generation runs on the compute thread itself, as before batching.
     if parallel > 1:
@@ -195,16 +197,25 @@ def _small_ops_alone() -> None:
     torch.set_num_threads(1)
 
 
-def _parallel(request: ServeRequest, engine: Any) -> int:
-    """How many generations run at once: --parallel, else 4 where the native engine runs the
-    model on a CPU and 1 elsewhere (a GPU's decode steps of several sequences are not graphed
-    yet, nor measured)."""
+def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
+    """How many generations run at once: --parallel, else where the native engine runs the
+    model on a CPU as many whole contexts as `kv_memory` holds, at most 4, and 1 elsewhere (a
+    GPU's decode steps of several sequences are not graphed yet, nor measured)."""
     from llmcli.engine.native.backend import NativeBackend
 
     native = isinstance(engine.backend, NativeBackend)
     if request.parallel is None:
         alone = not native or engine.device.type != "cpu" or request.speculative.method == "draft"
-        return 1 if alone else DEFAULT_PARALLEL
+        if alone:
+            if request.kv_memory is not None:
+                raise UsageError(
+                    "--kv-memory bounds the caches of generations run at once, and this server runs "
+                    "one at a time by default here",
+                    "add --parallel N (the native engine on a CPU runs several by default)",
+                )
+            return 1
+        whole_contexts = kv_memory // engine.backend.kv_bytes_for(engine.context_length)
+        return max(1, min(DEFAULT_PARALLEL, whole_contexts))
     if request.parallel > 1 and not native:
         raise UsageError(
             f"--parallel {request.parallel} needs the native engine; this model runs on transformers'",
@@ -218,10 +229,24 @@ def _parallel(request: ServeRequest, engine: Any) -> int:
     return request.parallel
 
 
+def kv_memory_default(device: Any) -> int:
+    """The KV memory generations at once may hold by default: half the memory free once the
+    model is loaded (of the GPU's, on one)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    return _free_host_memory() // 2 or 1 << 30
+
+
+def _free_host_memory() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+
+
 def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
     """Host memory for conversations set aside (engine/kept.py): one full context's worth, at
     most a quarter of the memory free now."""
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    free = _free_host_memory()
     whole_context = kv_bytes_per_token * context_length
     return min(whole_context, free // 4) if free else whole_context
 

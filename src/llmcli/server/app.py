@@ -39,7 +39,7 @@ from llmcli.engine.reasoning import REASONING, thinking_of
 from llmcli.engine.reply import TOOL_CALL, ReplyStream
 from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.engine.tools.reader import CallArguments, CallStart
-from llmcli.errors import LlmcliError
+from llmcli.errors import KVMemoryFull, LlmcliError
 from llmcli.server.anthropic import install_anthropic
 from llmcli.server.guard import HostGuard, KeyGuard
 from llmcli.server.logprobs import chat_logprobs, completion_logprobs, score_prompt
@@ -105,13 +105,19 @@ class Served:
         return Ticket(self)
 
     @contextlib.contextmanager
-    def turn_on_an_engine(self, prompt_ids: list[int]) -> Iterator[Any]:
-        """A generation's turn, and the free engine that suits its prompt best."""
+    def turn_on_an_engine(self, prompt_ids: list[int], longest: int | None = None) -> Iterator[Any]:
+        """A generation's turn, and the free engine that suits its prompt best. `longest`:
+        the positions it may fill at most (its KV memory is reserved for them)."""
         with self.worker.generation():
             if self.slots is None:
                 yield self.engine
                 return
-            engine = self.slots.take(prompt_ids)
+            try:
+                engine = self.slots.take(prompt_ids, longest)
+            except KVMemoryFull as error:
+                raise RequestError(
+                    503, error.message, code="kv_memory_full", headers={"Retry-After": "5"}
+                ) from None
             try:
                 yield engine
             finally:
@@ -497,8 +503,9 @@ def _generate(
     of a tool call."""
     if job.after is not None:
         job.after.wait()
+    longest = len(job.ids) + job.sampling.resolve(served.loaded.generation_config).max_new_tokens
     try:
-        with served.turn_on_an_engine(job.ids) as engine:
+        with served.turn_on_an_engine(job.ids, longest) as engine:
             return _generate_on(served, engine, job, on_piece, cancelled)
     finally:
         job.prompt_cached.set()  # however it ended: a choice waiting for it goes on
@@ -742,6 +749,8 @@ def _sse(payload: dict[str, Any]) -> str:
 def _describe(error: BaseException) -> str:
     if isinstance(error, LlmcliError):
         return error.one_line()
+    if isinstance(error, RequestError):  # a stream's generation refused as it started
+        return error.message
     return f"{type(error).__name__}: {error}"
 
 

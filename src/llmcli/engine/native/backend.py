@@ -141,6 +141,16 @@ class NativeBackend:
         """The first `length` positions of `other`'s cache copied into this one's (kvcache.py)."""
         return self.cache.copy_prefix(other.cache, length)
 
+    def kv_bytes_for(self, positions: int) -> int:
+        return self.cache.bytes_for(positions)
+
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes()
+
+    def release(self) -> None:
+        """Empty the cache and hand its memory back (a server's idle slot, for another's room)."""
+        self.cache.release()
+
     def reset(self) -> None:
         self.cache.crop(0)  # the tensors stay, and with them any captured graph
 

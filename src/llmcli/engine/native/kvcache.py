@@ -212,6 +212,20 @@ class KVCache:
         self.length = length
         return length
 
+    def bytes_for(self, positions: int) -> int:
+        """Bytes the keys and values take once the cache holds `positions` tokens: the bucket
+        they fall in for each layer, a ring layer's whole ring."""
+        row = 2 * self.shape[0] * self.shape[1] * self.dtype.itemsize  # one position's k and v
+        bucket = self.bucket_for(max(positions, 1))
+        return sum(row * (ring if ring is not None else bucket) for ring in self.rings)
+
+    def release(self) -> None:
+        """Hand the memory back: empty, and no capacity (the next `ensure` allocates again)."""
+        self.storage_version += 1
+        self.keys = [self._empty(0) for _ in self.keys]
+        self.values = [self._empty(0) for _ in self.values]
+        self.capacity = self.length = self.written = 0
+
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""
         return bytes_of([*self.keys, *self.values])
