@@ -145,11 +145,11 @@ def test_a_prefix_copied_from_another_sequence_gives_what_a_prefill_gives(
 
 
 @torch.inference_mode()
-def test_slots_reserve_kv_memory_and_idle_caches_give_theirs_back() -> None:
-    """Three slots sharing three buckets' worth of KV memory: each generation reserves the
-    bucket its prompt and max_tokens may fill; a reservation that needs the memory an idle
-    slot holds takes it back (that slot's cache released, least recently used first), and
-    one that cannot be had beside the running ones is refused with the reason."""
+def test_slots_share_one_pool_and_reserve_within_its_limit() -> None:
+    """Three slots of one pool holding four 256-position slots' worth: the pool is its slots in
+    use × the longest bucket; each generation reserves what its prompt and max_tokens may fill,
+    and one whose reservation would take the pool past the limit beside the running ones is
+    refused with the reason, taking nothing; once one ends, its slot is the next one's."""
     from llmcli.engine.scheduler import ComputeThread, Slots
     from llmcli.errors import KVMemoryFull
 
@@ -157,23 +157,26 @@ def test_slots_reserve_kv_memory_and_idle_caches_give_theirs_back() -> None:
     compute = ComputeThread()
     try:
         first = Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT)
-        bucket = first.backend.cache.bytes_for(1)  # the smallest: 256 positions
-        assert first.backend.cache.bytes_for(300) == 2 * bucket
-        slots = Slots(first, 3, compute, kv_limit=3 * bucket)
+        slot_bucket = first.backend.cache.bytes_for(1)  # one slot of the smallest bucket: 256
+        slots = Slots(first, 3, compute, kv_limit=4 * slot_bucket)
+        assert slots.pool is not None
         with compute.generation():
-            short = slots.take(prompt(40, seed=1), longest=100)  # one bucket, with a check's rows
-            short.prefill(prompt(40, seed=1))
-            slots.give_back(short)  # idle now, its bucket still held
-            long = slots.take(prompt(40, seed=2), longest=300)  # two buckets: fits beside it
-            assert long is not short and short.backend.kv_bytes() == bucket
-            other = slots.take(prompt(40, seed=3), longest=100)  # one more: the idle one gives way
-            assert other is not short and short.backend.kv_bytes() == 0 and short.cached_ids == []
-            assert sum(slots.reserved.values()) == 3 * bucket
-            slots.give_back(other)
+            a = slots.take(prompt(40, seed=1), longest=100)
+            b = slots.take(prompt(40, seed=2), longest=100)
+            for engine, seed in ((a, 1), (b, 2)):
+                engine.prefill(prompt(40, seed=seed))
+            assert slots.pool.nbytes() == 2 * slot_bucket  # two slots of 256 positions
             with pytest.raises(KVMemoryFull, match="the KV memory is taken"):
-                slots.take(prompt(40, seed=4), longest=300)  # two beside the running two
-            assert len(slots.free) == 2  # the refused one took nothing
-            slots.give_back(long)
-            assert slots.take(prompt(40, seed=4), longest=300) is not None  # room once it ended
+                slots.take(prompt(40, seed=3), longest=300)  # three slots of 512: six
+            assert len(slots.free) == 1 and len(slots.reserved) == 2  # it took nothing
+            slots.give_back(b)
+            c = slots.take(prompt(40, seed=3), longest=300)  # b's slot: two slots of 512, four
+            assert c is b
+            c.prefill(prompt(300, seed=3))
+            assert slots.pool.nbytes() == 4 * slot_bucket
+            # a's cache moved with the pool and holds what it held.
+            alone = NativeBackend(model, CONTEXT)
+            expected = alone.prefill([*prompt(40, seed=1), 5])
+            torch.testing.assert_close(a.prefill([5]), expected, rtol=0, atol=1e-5)
     finally:
         compute.shutdown()

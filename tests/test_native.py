@@ -504,15 +504,19 @@ def test_quantized_experts_compute_what_their_dequantized_weights_do(case: str, 
         "gpt-oss-k2-window-8",
     ],
 )
+@pytest.mark.parametrize("pooled", [False, True])
 @torch.inference_mode()
-def test_several_sequences_in_one_step_each_equal_it_alone(case: str) -> None:
+def test_several_sequences_in_one_step_each_equal_it_alone(case: str, pooled: bool) -> None:
     """Three sequences of different lengths (two past a window-8 ring's wrap) decoded in one step
     each: every row's logits within 1e-5 of the same sequence decoded alone, step after step,
-    and one sequence leaving the step part way changes nothing for the others."""
+    and one sequence leaving the step part way changes nothing for the others. `pooled`: their
+    caches slots of one pool, each layer's attention one masked call over them (with a gap in
+    the slots once the middle one leaves)."""
     model = build(*CASES[case])
     alone = [NativeBackend(model, CONTEXT) for _ in range(3)]
-    together = [NativeBackend(model, CONTEXT)]
-    together += [NativeBackend(model, CONTEXT, net=together[0].net) for _ in range(2)]
+    net = NativeBackend(model, CONTEXT).net
+    pool = net.new_pool(CONTEXT) if pooled else None
+    together = [NativeBackend(None, CONTEXT, net=net, pool=pool) for _ in range(3)]
     prompts = [prompt(length, seed=40 + length) for length in (5, 90, 150)]
     tokens = []
     for sequence, ids in enumerate(prompts):

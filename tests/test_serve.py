@@ -862,9 +862,9 @@ def test_kv_memory_is_reserved_per_request_and_one_without_room_gets_a_503(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     """--kv-memory of 600 tokens' worth, two generations at once: a running one reserves the
-    512-token bucket its prompt and max_tokens may fill, so a second that may fill 256 more is
-    refused with the reason (503), as is one that could never fit; the running stream goes on
-    untouched, and once it ends the second gets its room (the idle slot's memory given back)."""
+    512-token bucket its prompt and max_tokens may fill, so a second (a second slot of the pool,
+    as long as the longest) is refused with the reason (503), as is one that could never fit;
+    the running stream goes on untouched, and once it ends the second gets its slot."""
     from transformers import AutoTokenizer
 
     config = json.loads((tiny_llama / "config.json").read_text())

@@ -195,17 +195,19 @@ class _Batch:
 
 
 class _NativeBatch(_Batch):
-    """The batch on the native forward: each prompt prefilled alone into a cache of its own,
-    then one step for the rows still going, each at its own position (plans.SequencesStep):
-    no padding, and a row that has finished costs nothing more. Sampling is the batch's own."""
+    """The batch on the native forward: each prompt prefilled alone into its own slot of one
+    pool (native/pool.py), then one step for the rows still going, each at its own position
+    (plans.SequencesStep): the weights read once for them all, one attention call per layer,
+    and a row that has finished costs nothing more. Sampling is the batch's own."""
 
     def prefill(self, static_cache: bool) -> torch.Tensor:
         from llmcli.engine.native.backend import NativeBackend
+        from llmcli.engine.native.forward import Transformer
 
-        first = NativeBackend(self.model, self.width + self.budget)
-        self.backends = [first] + [
-            NativeBackend(self.model, self.width + self.budget, net=first.net) for _ in self.rows[1:]
-        ]
+        context = self.width + self.budget
+        net = Transformer(self.model, context)
+        pool = net.new_pool(context)
+        self.backends = [NativeBackend(None, context, net=net, pool=pool) for _ in self.rows]
         return torch.cat([b.prefill(row.prompt) for b, row in zip(self.backends, self.rows, strict=True)])
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """`llmcli bench --concurrency 1,2,4,8`: the decode speed of several sequences at once, each
 level beside one sequence alone in the same run.
 
-At each level C, C sequences (each its own cache over the shared weights, as a server's
-generations are: scheduler.Slots) are prefilled with their own prompt, then decoded greedily
+At each level C, C sequences (each its own cache over the shared weights, slots of one pool, as
+a server's generations are: scheduler.Slots) are prefilled with their own prompt, then decoded greedily
 together, one step for all of them (plans.SequencesStep, what `llmcli serve --parallel` runs).
 Only the decode steps are timed; the levels' runs are interleaved so drift in machine speed
 hits them alike. Reported per level: the aggregate tok/s (tokens of every sequence over the
@@ -66,10 +66,11 @@ def run_concurrency_bench(
         raise ValueError(f"the {engine.name} engine decodes one sequence per step")
     assert levels[0] == 1, "every level is reported beside one sequence alone"
     vocab = first.net.embedding.shape[0]
-    # One backend per sequence at the highest level, sharing the weights; each level uses the first C.
-    backends = [first] + [
-        NativeBackend(None, first.cache.context_length, net=first.net) for _ in range(max(levels) - 1)
-    ]
+    # One backend per sequence at the highest level, sharing the weights, their caches slots of
+    # one pool as a server's are; each level uses the first C.
+    context = first.cache.context_length
+    pool = first.net.new_pool(context)
+    backends = [NativeBackend(None, context, net=first.net, pool=pool) for _ in range(max(levels))]
     prompts = [prompt_of(prompt_length + index, vocab)[:prompt_length] for index in range(len(backends))]
     report = ConcurrencyReport(
         model=loaded.name,
@@ -121,6 +122,9 @@ def _decode_together(backends: list[NativeBackend], prompts: list[list[int]], ne
         nonlocal logits
         for _ in range(new_tokens):
             tokens = logits.argmax(dim=-1)
+            if len(backends) == 1:  # alone, as a server runs one sequence: its own decode step
+                logits = backends[0].decode(tokens)
+                continue
             logits = net.decode_sequences(tokens, caches)
             for cache in caches:
                 cache.length += 1

@@ -36,6 +36,7 @@ import torch
 from llmcli.engine.kept import MIN_RESTORED_GAIN, common_prefix_length
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import GRAPHED_ROWS, NativeBackend
+from llmcli.engine.native.pool import SlotPool
 from llmcli.errors import KVMemoryFull
 
 T = TypeVar("T")
@@ -261,20 +262,13 @@ class TakingTurns:
     def reset(self) -> None:
         self.inner.reset()
 
+    # On the compute thread too: a cache in a pool may grow, and a pool that grows moves every
+    # slot's tensors, which no pass of another sequence may be using then.
     def save(self) -> Any:
-        return self.inner.save()
+        return self.compute.run(_Pass(call=self.inner.save))
 
     def restore(self, saved: Any) -> None:
-        self.inner.restore(saved)
-
-    def kv_bytes_for(self, positions: int) -> int:
-        return self.inner.kv_bytes_for(positions)
-
-    def kv_bytes(self) -> int:
-        return self.inner.kv_bytes()
-
-    def release(self) -> None:
-        self.inner.release()  # a free slot's cache: no pass of it runs
+        self.compute.run(_Pass(call=lambda: self.inner.restore(saved)))
 
     def copy_prefix(self, other: TakingTurns, length: int) -> int:
         """On the compute thread, after the passes already asked for: `other`'s positions
@@ -285,13 +279,15 @@ class TakingTurns:
 
 class Slots:
     """The engines generations run on: one per generation at once, each with its own cache
-    over the shared weights. Taken and given back holding the compute thread's turn.
+    over the shared weights, the caches slots of one pool (native/pool.py: one attention call
+    per layer for a step's sequences). Taken and given back holding the compute thread's turn.
 
-    With several, their caches share `kv_limit` bytes. A generation reserves, as it starts, the
-    memory its cache takes at the longest it may grow (its prompt and max_tokens, in the cache's
-    buckets), so a step never runs out part way and nothing running needs preempting; the free
-    slots' caches (kept conversations) give their memory back, least recently used first, when
-    a reservation needs it. One that cannot be had even then is refused (KVMemoryFull)."""
+    The pool holds `kv_limit` bytes at most. It is as large as its slots in use times the longest
+    bucket any of them needs, and keeps the size it reached (shrinking would move the running
+    generations' caches). A generation reserves, as it starts, the positions its prompt and
+    max_tokens may fill, so the pool never grows past the limit part way through a step and
+    nothing running needs preempting; one whose reservation does not fit is refused
+    (KVMemoryFull), and the running ones go on."""
 
     def __init__(
         self, first: Engine, count: int, compute: ComputeThread, kv_limit: int | None = None
@@ -304,14 +300,17 @@ class Slots:
         assert kv_limit is None or count > 1
         self.compute = compute
         self.kv_limit = kv_limit
-        self.reserved: dict[int, int] = {}  # id(engine) → bytes its running generation may hold
-        self._given_back: dict[int, int] = {}  # id(engine) → when it was last given back
-        self._clock = 0
-        if count > 1:
-            first.backend = TakingTurns(backend, compute)
+        self.reserved: dict[int, int] = {}  # id(engine) → positions its running generation may fill
+        self.pool: SlotPool | None = None
         self.engines: list[Engine] = [first]
+        if count > 1:
+            context = first.context_length
+            self.pool = backend.net.new_pool(context)
+            backend.cache = backend.net.new_cache(context, self.pool)  # its first slot
+            first.cached_ids = []
+            first.backend = TakingTurns(backend, compute)
         for _ in range(count - 1):
-            more = NativeBackend(None, first.context_length, net=backend.net)
+            more = NativeBackend(None, first.context_length, net=backend.net, pool=self.pool)
             engine = Engine(TakingTurns(more, compute), first.eos_token_ids, first.context_length)
             engine.kept = first.kept  # one store: a conversation may come back in any slot
             self.engines.append(engine)
@@ -320,11 +319,15 @@ class Slots:
         self.copied_tokens = 0  # prompt tokens copied from a running generation's cache
 
     def take(self, prompt_ids: list[int], longest: int | None = None) -> Engine:
-        """The free engine whose cache shares the most with `prompt_ids`; where a running
-        generation's cache shares more (one system prompt, the other choices of a request),
-        that prefix is copied into it rather than prefilled again. `longest`: the positions
-        the generation may fill at most (default: the context), which it reserves."""
-        best = max(self.free, key=lambda engine: common_prefix_length(engine.cached_ids, prompt_ids))
+        """The free engine whose cache shares the most with `prompt_ids` (the lowest slot
+        among equals: the pool stays small); where a running generation's cache shares more
+        (one system prompt, the other choices of a request), that prefix is copied into it
+        rather than prefilled again. `longest`: the positions the generation may fill at most
+        (default: the context), which it reserves."""
+        best = max(
+            self.free,
+            key=lambda engine: (common_prefix_length(engine.cached_ids, prompt_ids), -self._slot(engine)),
+        )
         if self.kv_limit is not None:
             # Room for a speculative check's rows past the last token too (cropped after it).
             wanted = (longest + GRAPHED_ROWS[-1]) if longest is not None else best.context_length
@@ -333,24 +336,29 @@ class Slots:
         self._copy_running_prefix(best, prompt_ids)
         return best
 
+    def _slot(self, engine: Engine) -> int:
+        return self.engines.index(engine)
+
     def _reserve(self, engine: Engine, positions: int) -> None:
-        assert self.kv_limit is not None
-        backend: Any = engine.backend
-        # Its cache may already be larger (a longer conversation held before): it does not shrink.
-        need = max(backend.kv_bytes_for(positions), backend.kv_bytes())
-        running = sum(self.reserved.values())
-        if running + need > self.kv_limit:
-            raise KVMemoryFull(_memory_full_message(positions, need, running, self.kv_limit))
-        idle = [other for other in self.free if other is not engine]
-        idle.sort(key=lambda other: self._given_back.get(id(other), -1))  # least recently used first
-        held = sum(other.backend.kv_bytes() for other in idle)  # type: ignore[attr-defined]
-        while running + need + held > self.kv_limit:
-            other = idle.pop(0)
-            freed = other.backend.kv_bytes()  # type: ignore[attr-defined]
-            other.start_over()  # its text set aside in host memory, where worth keeping
-            other.backend.release()  # type: ignore[attr-defined]
-            held -= freed
-        self.reserved[id(engine)] = need
+        """Count `positions` in for `engine`, or refuse them: the pool they would make, with
+        the running ones', must fit the limit."""
+        assert self.kv_limit is not None and self.pool is not None
+        running = [other for other in self.engines if id(other) in self.reserved]
+        slots = max(self._slot(other) for other in [*running, engine]) + 1
+        longest = max([positions, *(self.reserved[id(other)] for other in running)])
+        need = self._pool_bytes(slots, longest)
+        if need > self.kv_limit:
+            alone = self._pool_bytes(1, positions)  # with nothing else running (in the first slot)
+            raise KVMemoryFull(_memory_full_message(positions, alone, need, self.kv_limit))
+        self.reserved[id(engine)] = positions
+
+    def _pool_bytes(self, slots: int, positions: int) -> int:
+        """The pool's bytes (and the slots' rings') with this many slots, room for `positions`."""
+        assert self.pool is not None
+        cache = self.engines[0].backend.inner.cache  # type: ignore[attr-defined]
+        slots = max(slots, self.pool.slots)
+        capacity = max(self.pool.capacity, cache.bucket_for(positions))
+        return self.pool.bytes_for(slots, capacity) + slots * cache.ring_bytes()
 
     def _copy_running_prefix(self, engine: Engine, prompt_ids: list[int]) -> None:
         running = [other for other in self.engines if other not in self.free and other is not engine]
@@ -368,21 +376,21 @@ class Slots:
 
     def give_back(self, engine: Engine) -> None:
         self.reserved.pop(id(engine), None)
-        self._clock += 1
-        self._given_back[id(engine)] = self._clock
         self.free.append(engine)
 
 
-def _memory_full_message(positions: int, need: int, running: int, limit: int) -> str:
+def _memory_full_message(positions: int, alone: int, beside: int, limit: int) -> str:
+    """`alone`: the KV pool this request would need with nothing else running; `beside`: with
+    the running ones."""
     from llmcli.models.memory import format_bytes
 
-    if need > limit:
+    if alone > limit:
         return (
-            f"a request that may grow to {positions} tokens needs {format_bytes(need)} of KV memory, "
+            f"a request that may grow to {positions} tokens needs a KV pool of {format_bytes(alone)}, "
             f"more than the server's --kv-memory {format_bytes(limit)}: ask for fewer max_tokens"
         )
     return (
-        f"the KV memory is taken: a request that may grow to {positions} tokens needs "
-        f"{format_bytes(need)}, and the generations running hold {format_bytes(running)} of "
-        f"{format_bytes(limit)} (--kv-memory): retry when one ends, or ask for fewer max_tokens"
+        f"the KV memory is taken: a request that may grow to {positions} tokens, beside the "
+        f"generations running, needs a KV pool of {format_bytes(beside)}, more than --kv-memory "
+        f"{format_bytes(limit)}: retry when one ends, or ask for fewer max_tokens"
     )

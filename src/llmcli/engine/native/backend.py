@@ -10,6 +10,7 @@ import torch
 from llmcli.engine.native.forward import Transformer
 from llmcli.engine.native.graphs import StepGraphs
 from llmcli.engine.native.kvcache import SavedCache
+from llmcli.engine.native.pool import SlotPool
 
 # Long prompts are prefilled in chunks: attention after cached tokens needs a mask of chunk ×
 # cached positions (and, on kernels without grouped-query support, scores as large), which a
@@ -36,11 +37,13 @@ class NativeBackend:
         graphs: bool = False,
         static_shapes: bool = False,
         net: Transformer | None = None,
+        pool: SlotPool | None = None,
     ) -> None:
-        # `net`: another backend's, for one more cache over the same weights (several sequences).
+        # `net`: another backend's, for one more cache over the same weights (several sequences);
+        # `pool`: that cache in a slot of it, beside the others' (their decode steps batched).
         self.net = net or Transformer(model, context_length)
         self.device = self.net.device
-        self.cache = self.net.new_cache(context_length)
+        self.cache = self.net.new_cache(context_length, pool)
         self.static_shapes = static_shapes or graphs
         # The graphed steps' inputs live at fixed addresses, for the graphs to read: one token and
         # position for the decode step, up to GRAPHED_ROWS[-1] of each for a short pass.
@@ -143,13 +146,6 @@ class NativeBackend:
 
     def kv_bytes_for(self, positions: int) -> int:
         return self.cache.bytes_for(positions)
-
-    def kv_bytes(self) -> int:
-        return self.cache.nbytes()
-
-    def release(self) -> None:
-        """Empty the cache and hand its memory back (a server's idle slot, for another's room)."""
-        self.cache.release()
 
     def reset(self) -> None:
         self.cache.crop(0)  # the tensors stay, and with them any captured graph

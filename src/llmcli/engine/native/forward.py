@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcli.engine.native.families import family_of
-from llmcli.engine.native.kvcache import KVCache
+from llmcli.engine.native.kvcache import KVCache, ring_size
 from llmcli.engine.native.plans import (
     BucketStep,
     CausalChunk,
@@ -27,6 +27,7 @@ from llmcli.engine.native.plans import (
     RowsInOneCall,
     SequencesStep,
 )
+from llmcli.engine.native.pool import SlotPool
 
 
 class Transformer:
@@ -55,12 +56,26 @@ class Transformer:
         half = self.inv_freq.shape[0]  # head_dim / 2, or less with a partial rotary factor
         self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
 
-    def new_cache(self, context_length: int) -> KVCache:
+    def new_cache(self, context_length: int, pool: SlotPool | None = None) -> KVCache:
         shape = self.shape
         windows = [block.attention.window for block in self.blocks]
         return KVCache(
-            shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device, windows
+            shape.layers,
+            shape.kv_heads,
+            shape.head_dim,
+            context_length,
+            self.dtype,
+            self.device,
+            windows,
+            pool,
         )
+
+    def new_pool(self, context_length: int) -> SlotPool:
+        """A pool for several sequences' caches (pool.py): one attention call per layer for them all."""
+        shape = self.shape
+        rings = [ring_size(block.attention.window, context_length) for block in self.blocks]
+        pooled = [ring is None for ring in rings]
+        return SlotPool(shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device)
 
     def rope(
         self, positions: torch.Tensor, table: tuple[torch.Tensor, float] | None = None

@@ -21,8 +21,12 @@ positions it would need are overwritten, and the caller prefills again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llmcli.engine.native.pool import SlotPool
 
 MIN_BUCKET = 256
 # Positions a ring keeps beyond its window: more than a speculative check writes (17 rows).
@@ -65,7 +69,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         windows: list[int | None] | None = None,
+        pool: SlotPool | None = None,
     ) -> None:
+        """`pool`: hold the layers without a ring in a slot of this pool (pool.py), beside other
+        sequences' caches, rather than in tensors of its own."""
         self.shape = (kv_heads, head_dim)
         self.windows = windows or [None] * layers
         self.rings = [ring_size(window, context_length) for window in self.windows]
@@ -80,6 +87,8 @@ class KVCache:
         self.capacity = 0
         self.length = 0
         self.storage_version = 0
+        self.pool = pool
+        self.slot = pool.attach(self) if pool is not None else None
 
     def bucket_for(self, positions: int) -> int:
         """The attention span for a step that sees `positions` tokens: a power of two ≥ it."""
@@ -103,10 +112,29 @@ class KVCache:
                 if ring is not None:  # made once, at its full size, and never moved
                     store[layer] = old if old.shape[1] else self._empty(ring)
                     continue
+                if self.pool is not None:
+                    continue  # the pool's slot, below
                 new = self._empty(capacity)
                 new[:, : self.length] = old[:, : self.length]
                 store[layer] = new  # one layer at a time: the old tensor goes before the next is made
-        self.capacity = capacity
+        if self.pool is not None:
+            assert self.slot is not None
+            self.pool.ensure(self.slot, capacity)  # binds every attached cache to the new tensors
+        else:
+            self.capacity = capacity
+
+    def bind_pool(self) -> None:
+        """Hold views of this cache's slot of the pool (again, after the pool moved)."""
+        assert self.pool is not None and self.slot is not None
+        self.storage_version += 1
+        if self.slot >= self.pool.slots:
+            return  # no room made for this slot yet
+        for layer, ring in enumerate(self.rings):
+            if ring is None:
+                self.keys[layer], self.values[layer] = self.pool.view(layer, self.slot)
+            elif self.keys[layer].shape[1] == 0:  # its own, made once at its full size
+                self.keys[layer], self.values[layer] = self._empty(ring), self._empty(ring)
+        self.capacity = self.pool.capacity
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [kv_heads, T, d] at positions length … length + T − 1; return the layer's
@@ -219,12 +247,10 @@ class KVCache:
         bucket = self.bucket_for(max(positions, 1))
         return sum(row * (ring if ring is not None else bucket) for ring in self.rings)
 
-    def release(self) -> None:
-        """Hand the memory back: empty, and no capacity (the next `ensure` allocates again)."""
-        self.storage_version += 1
-        self.keys = [self._empty(0) for _ in self.keys]
-        self.values = [self._empty(0) for _ in self.values]
-        self.capacity = self.length = self.written = 0
+    def ring_bytes(self) -> int:
+        """Bytes the ring layers take (their size does not depend on the text's length)."""
+        row = 2 * self.shape[0] * self.shape[1] * self.dtype.itemsize
+        return sum(row * ring for ring in self.rings if ring is not None)
 
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""

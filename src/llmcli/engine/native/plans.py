@@ -17,9 +17,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from llmcli.engine.native.attention import Attention
 from llmcli.engine.native.kvcache import KVCache
+from llmcli.engine.native.pool import SlotPool
 
 
 class Plan(Protocol):
@@ -109,18 +111,22 @@ class ExactDecode:
 
 
 class SequencesStep:
-    """One token of each of several sequences, each attending over its own cache as its
-    ExactDecode would: the projections and the MLP take the rows together (one read of the
-    weights for them all), attention runs per sequence. Every row's logits are computed. The
-    caller advances each cache's length."""
+    """One token of each of several sequences: the projections and the MLP take the rows
+    together (one read of the weights for them all). Where the caches share a pool (pool.py),
+    attention is one masked call over their slots (`PooledRows`); elsewhere (ring layers, scores
+    by hand, caches of their own) each row attends over its own cache as its ExactDecode would.
+    Every row's logits are computed. The caller advances each cache's length."""
 
     last_only = False
 
     def __init__(self, steps: list[ExactDecode]) -> None:
         self.steps = steps
         self.positions = torch.cat([step.positions for step in steps])
+        self.pooled = PooledRows.of([step.cache for step in steps], self.positions)
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.pooled is not None and self.pooled.serves(attention):
+            return self.pooled.attend(attention, q, k, v)
         return torch.cat([
             step.attend(attention, q[:, row : row + 1], k[:, row : row + 1], v[:, row : row + 1])
             for row, step in enumerate(self.steps)
@@ -221,3 +227,71 @@ class RowsInOneCall:
 
     def finish(self) -> None:
         pass
+
+
+class PooledRows:
+    """The attention of a SequencesStep whose caches are slots of one pool: each layer writes
+    every row's key and value in one indexed store and attends in one call over the slots from
+    the lowest to the highest of the step's, each slot masked to its own positions (up to its
+    token, within a sliding window where the layer has one), over the longest of them. A slot
+    between them with no row in this step attends to its first position only, and its output
+    is dropped. In fp32 a row equals its lone step's within 1e-5 (tests/test_native.py)."""
+
+    def __init__(self, pool: SlotPool, slots: list[int], positions: torch.Tensor) -> None:
+        device = positions.device
+        self.pool, self.low = pool, min(slots)
+        self.span = max(slots) - self.low + 1
+        self.slots = torch.tensor(slots, device=device)
+        self.positions = positions
+        self.seen = int(positions.max()) + 1
+        rows = [slot - self.low for slot in slots]
+        # Rows in slot order without a gap: the queries are the call's batch as they are.
+        self.rows = None if rows == list(range(self.span)) else torch.tensor(rows, device=device)
+        newest = torch.zeros(self.span, dtype=torch.long, device=device)
+        newest[torch.tensor(rows, device=device)] = positions
+        self.newest = newest.view(-1, 1)
+        self.index = torch.arange(self.seen, device=device)
+        self.mask = (self.index <= self.newest).view(self.span, 1, 1, self.seen)
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, caches: list[KVCache], positions: torch.Tensor) -> PooledRows | None:
+        pool = caches[0].pool
+        if pool is None or any(cache.pool is not pool for cache in caches):
+            return None
+        return cls(pool, [cache.slot for cache in caches], positions)  # type: ignore[misc]
+
+    def serves(self, attention: Attention) -> bool:
+        return self.pool.pooled[attention.layer] and not attention.scored
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [heads, B, d], k and v [kv_heads, B, d] → [B, heads × d]."""
+        keys, values = self.pool.keys[attention.layer], self.pool.values[attention.layer]
+        assert keys is not None and values is not None
+        keys[self.slots, :, self.positions] = k.transpose(0, 1)
+        values[self.slots, :, self.positions] = v.transpose(0, 1)
+        shape, count = attention.shape, q.shape[1]
+        queries = q.transpose(0, 1).reshape(count, shape.kv_heads, -1, shape.head_dim)
+        if self.rows is not None:
+            spread = queries.new_zeros(self.span, *queries.shape[1:])
+            spread[self.rows] = queries
+            queries = spread
+        span = slice(self.low, self.low + self.span)
+        out = F.scaled_dot_product_attention(
+            queries,
+            keys[span, :, : self.seen],
+            values[span, :, : self.seen],
+            attn_mask=self._mask(attention.window),
+            scale=attention.scale,
+        )
+        if self.rows is not None:
+            out = out[self.rows]
+        return out.reshape(count, -1)
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            inside = (self.index > self.newest - window).view(self.span, 1, 1, self.seen)
+            self._windowed[window] = self.mask & inside
+        return self._windowed[window]
