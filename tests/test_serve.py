@@ -229,7 +229,7 @@ def steps_of_several(server: Server) -> float:
 
 
 def test_concurrent_clients_are_decoded_together_and_each_gets_its_own_reply(
-    server: Server, in_process
+    server: Server, in_process, tiny_llama: Path
 ) -> None:
     """Eight streams of four prompts at once (fp32): steps ran for several sequences, joined
     and left as requests came and ended, and every reply is the one the prompt gets alone."""
@@ -262,6 +262,27 @@ def test_concurrent_clients_are_decoded_together_and_each_gets_its_own_reply(
     assert steps_of_several(server) > before
     one_prompt = reply.usage.prompt_tokens // 4
     assert reply.usage.prompt_tokens_details.cached_tokens >= 3 * (one_prompt - 1)
+    # A streamed reply's choices run at once too: their chunks interleave, each the same text.
+    from transformers import AutoTokenizer
+
+    before = steps_of_several(server)
+    never_ends = {str(AutoTokenizer.from_pretrained(tiny_llama).eos_token_id): -100}
+    order, texts = [], {0: "", 1: "", 2: ""}
+    stream = server.client().chat.completions.create(
+        model="tiny", messages=build_messages("Three at once, streamed"), max_tokens=32, temperature=0,
+        n=3, stream=True, logit_bias=never_ends, stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                order.append(choice.index)
+                texts[choice.index] += choice.delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert texts[0] and texts[0] == texts[1] == texts[2]
+    assert order != sorted(order)  # not one choice after another
+    assert steps_of_several(server) > before
+    assert usage.completion_tokens == 3 * 32
 
 
 def test_a_request_copies_the_system_prompt_a_running_one_holds(

@@ -346,7 +346,7 @@ async def _respond(
     tools: ToolTurn | None = None,
 ) -> Any:
     """One choice per prompt and per `n`: generated together where the server runs several
-    generations at once (a stream's, one after another)."""
+    generations at once, streamed or not."""
     sampling = _checked_sampling(body)
     method = body.speculative or served.speculative
     if method not in served.speculations:
@@ -373,7 +373,7 @@ async def _respond(
         for ids in prompts
         for k in range(body.n)
     ]
-    if not body.stream and served.slots is not None and served.slots.count > 1:
+    if served.slots is not None and served.slots.count > 1:
         first_of: dict[tuple[int, ...], Job] = {}
         for index, job in enumerate(jobs):  # started in this order: the one waited for has a thread
             first = first_of.setdefault(tuple(job.ids), job)
@@ -581,32 +581,38 @@ def _generate_on(
 async def _stream(
     served: Served, request: Request, jobs: list[Job], request_id: str, created: int, include_usage: bool
 ) -> AsyncIterator[str]:
-    """The choices one after another, each chunk naming its choice's index."""
+    """Every choice at once (one after another where the server runs one generation at a
+    time), each chunk naming its choice's index; each choice's last chunk as it ends."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
-
-    def on_piece(channel: str, piece: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (channel, piece))
-
     chat = jobs[0].chat
-    outcomes: list[Outcome] = []
+    chunks = [
+        functools.partial(_chunk, served.model_id, request_id, created, chat, index=index)
+        for index in range(len(jobs))
+    ]
+    futures = []
+    outcomes: dict[int, Outcome] = {}
     try:
         for index, job in enumerate(jobs):
-            chunk = functools.partial(_chunk, served.model_id, request_id, created, chat, index=index)
+
+            def on_piece(channel: str, piece: Any, index: int = index) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (index, channel, piece))
+
             future = loop.run_in_executor(
                 served.generations, functools.partial(_generate, served, job, on_piece, cancelled)
             )
-            future.add_done_callback(lambda _: queue.put_nowait(("done", "")))
+            future.add_done_callback(lambda _, index=index: queue.put_nowait((index, "done", "")))
+            futures.append(future)
             if chat:
-                yield _sse(chunk({"role": "assistant", "content": ""}, None))
-            while True:
-                kind, piece = await queue.get()
-                if kind == "done":
-                    break
-                yield _sse(_piece_chunk(served, job, chunk, kind, piece))
+                yield _sse(chunks[index]({"role": "assistant", "content": ""}, None))
+        while len(outcomes) < len(jobs):
+            index, kind, piece = await queue.get()
+            if kind != "done":
+                yield _sse(_piece_chunk(served, jobs[index], chunks[index], kind, piece))
+                continue
             try:
-                outcome = future.result()
+                outcome = futures[index].result()
             except Exception as error:  # the stream has begun: the error goes in it, as OpenAI does
                 yield _sse(error_body(_describe(error), "server_error"))
                 return
@@ -614,17 +620,18 @@ async def _stream(
                 if served.stopping.is_set():  # an error event and no [DONE]: the client knows it was cut
                     yield _sse(error_body("the server is shutting down: this reply was cut", "server_error"))
                 return
-            outcomes.append(outcome)
-            final = chunk({} if chat else "", _finish_reason(outcome))
+            outcomes[index] = outcome
+            final = chunks[index]({} if chat else "", _finish_reason(outcome))
             final["timings"], final["sampling"] = _timings(outcome), outcome.sampling
             yield _sse(final)
-        request.state.usage = _token_counts(outcomes)
+        finished = [outcomes[index] for index in range(len(jobs))]
+        request.state.usage = _token_counts(finished)
         if include_usage:
             usage = _chunk(served.model_id, request_id, created, chat, {}, None)
-            yield _sse(usage | {"choices": [], "usage": _usage(outcomes)})
+            yield _sse(usage | {"choices": [], "usage": _usage(finished)})
         yield "data: [DONE]\n\n"
     finally:
-        cancelled.set()  # a client that left: its generation stops at the next token
+        cancelled.set()  # a client that left, or a choice that failed: the others stop at their next token
 
 
 def _piece_chunk(
