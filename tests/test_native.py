@@ -16,6 +16,7 @@ from llmcli.config.settings import SamplingParams
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.families import NotSupported, check_supported
+from llmcli.engine.native.plans import PooledRows
 from llmcli.errors import LlmcliError
 
 VOCAB = 256
@@ -494,6 +495,34 @@ def test_quantized_experts_compute_what_their_dequantized_weights_do(case: str, 
         torch.testing.assert_close(ours.decode(step), theirs.decode(step), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["llama-gqa2", "gemma3-window-8-shorter-than-the-prompt"])
+@torch.inference_mode()
+def test_a_sequence_joining_a_pool_part_way_equals_it_alone(case: str) -> None:
+    """Slots of one pool: the first sequence decodes alone for four steps, then a second is
+    prefilled (the pool growing to its second slot, the first's cache moved with it) and joins
+    its steps; every row within 1e-5 of each sequence decoded alone."""
+    model = build(*CASES[case])
+    net = NativeBackend(model, CONTEXT).net
+    pool = net.new_pool(CONTEXT)
+    together = [NativeBackend(None, CONTEXT, net=net, pool=pool) for _ in range(2)]
+    alone = [NativeBackend(model, CONTEXT) for _ in range(2)]
+    prompts = [prompt(140, seed=60), prompt(120, seed=61)]
+    tokens = [int(alone[0].prefill(prompts[0]).argmax())]
+    torch.testing.assert_close(together[0].prefill(prompts[0]).argmax(), torch.tensor(tokens[0]))
+    for step in range(10):
+        if step == 4:
+            expected = alone[1].prefill(prompts[1])
+            torch.testing.assert_close(together[1].prefill(prompts[1]), expected, rtol=0, atol=1e-5)
+            tokens.append(int(expected.argmax()))
+        going = list(range(len(tokens)))
+        rows = net.decode_sequences(torch.tensor(tokens), [together[s].cache for s in going])
+        for sequence in going:
+            together[sequence].cache.length += 1
+            expected = alone[sequence].decode(torch.tensor([tokens[sequence]]))
+            torch.testing.assert_close(rows[sequence : sequence + 1], expected, rtol=0, atol=1e-5)
+            tokens[sequence] = int(expected.argmax())
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -517,7 +546,9 @@ def test_several_sequences_in_one_step_each_equal_it_alone(case: str, pooled: bo
     net = NativeBackend(model, CONTEXT).net
     pool = net.new_pool(CONTEXT) if pooled else None
     together = [NativeBackend(None, CONTEXT, net=net, pool=pool) for _ in range(3)]
-    prompts = [prompt(length, seed=40 + length) for length in (5, 90, 150)]
+    # Pooled: lengths alike enough for one call over the longest (plans.POOLED_FILL).
+    lengths = (130, 90, 150) if pooled else (5, 90, 150)
+    prompts = [prompt(length, seed=40 + length) for length in lengths]
     tokens = []
     for sequence, ids in enumerate(prompts):
         expected = alone[sequence].prefill(ids)
@@ -525,6 +556,9 @@ def test_several_sequences_in_one_step_each_equal_it_alone(case: str, pooled: bo
         tokens.append(int(expected.argmax()))
     for step in range(12):
         going = [0, 1, 2] if step < 6 else [0, 2]  # the second leaves after six steps
+        caches = [together[s].cache for s in going]
+        positions = torch.tensor([cache.length for cache in caches])
+        assert (PooledRows.of(caches, positions) is not None) == pooled  # a gap in the slots after six
         rows = together[0].net.decode_sequences(
             torch.tensor([tokens[s] for s in going]), [together[s].cache for s in going]
         )
