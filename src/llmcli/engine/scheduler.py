@@ -316,7 +316,6 @@ class Slots:
             self.engines.append(engine)
         self.free = list(self.engines)
         self.count = count
-        self.copied_tokens = 0  # prompt tokens copied from a running generation's cache
 
     def take(self, prompt_ids: list[int], longest: int | None = None) -> Engine:
         """The free engine whose cache shares the most with `prompt_ids` (the lowest slot
@@ -370,9 +369,14 @@ class Slots:
         if length < common_prefix_length(engine.cached_ids, prompt_ids) + MIN_RESTORED_GAIN:
             return
         engine.start_over()  # what it held is set aside, where it is worth keeping
+        # Setting aside waits for a pass, the turn given up meanwhile: the source may have been
+        # cropped for another request since. Measured again now, holding the turn; what is
+        # written below this length from now on waits behind the copy.
+        length = min(common_prefix_length(source.cached_ids, prompt_ids), len(prompt_ids) - 1)
+        if length < MIN_RESTORED_GAIN:
+            return
         held = engine.backend.copy_prefix(source.backend, length)
         engine.cached_ids = list(prompt_ids[:held])
-        self.copied_tokens += held
 
     def give_back(self, engine: Engine) -> None:
         self.reserved.pop(id(engine), None)

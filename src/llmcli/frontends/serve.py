@@ -30,8 +30,9 @@ from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
 
 DEFAULT_PORT = 8471
-# Generations at once by default on a CPU: 4 streams decode at 2.2× one stream's aggregate on
-# the demo (2 cores), and more add little (8: 2.5×), while each waits longer per token.
+# Generations at once by default on a CPU: 4 streams decode at 2.6× one stream's aggregate on
+# the demo (2 cores), and more add less (the step alone: 8 at 3.5×, 4 at 2.8×) while each waits
+# longer per token.
 DEFAULT_PARALLEL = 4
 
 
