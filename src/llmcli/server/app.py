@@ -448,7 +448,7 @@ async def _scores_only(
             raise RequestError(400, message, "prompt", "context_length_exceeded")
 
     def score() -> list[list[Any]]:
-        with served.turn_on_an_engine(prompts[0]) as engine:
+        with served.turn_on_an_engine(prompts[0], max(len(ids) for ids in prompts)) as engine:
             ticket.release()
             return [score_prompt(engine, ids, body.logprobs or 0) for ids in prompts]
 

@@ -243,14 +243,16 @@ class KVCache:
     def bytes_for(self, positions: int) -> int:
         """Bytes the keys and values take once the cache holds `positions` tokens: the bucket
         they fall in for each layer, a ring layer's whole ring."""
-        row = 2 * self.shape[0] * self.shape[1] * self.dtype.itemsize  # one position's k and v
         bucket = self.bucket_for(max(positions, 1))
-        return sum(row * (ring if ring is not None else bucket) for ring in self.rings)
+        return sum(self._position_bytes() * (ring or bucket) for ring in self.rings)
 
     def ring_bytes(self) -> int:
         """Bytes the ring layers take (their size does not depend on the text's length)."""
-        row = 2 * self.shape[0] * self.shape[1] * self.dtype.itemsize
-        return sum(row * ring for ring in self.rings if ring is not None)
+        return sum(self._position_bytes() * ring for ring in self.rings if ring is not None)
+
+    def _position_bytes(self) -> int:
+        """One position's keys and values in one layer."""
+        return 2 * self.shape[0] * self.shape[1] * self.dtype.itemsize
 
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""
