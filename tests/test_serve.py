@@ -909,6 +909,12 @@ def test_kv_memory_is_reserved_per_request_and_one_without_room_gets_a_503(
             ask(200)
         assert taken.value.status_code == 503 and taken.value.code == "kv_memory_full"
         assert "the KV memory is taken" in taken.value.message
+        with pytest.raises(openai.APIError) as streamed:  # a stream's refusal is its error event
+            for _ in client.chat.completions.create(
+                model="tiny", messages=build_messages("Briefly?"), max_tokens=200, temperature=0, stream=True
+            ):
+                pass
+        assert streamed.value.code == "kv_memory_full" and "the KV memory is taken" in streamed.value.message
         with pytest.raises(openai.APIStatusError) as never:
             ask(900)
         assert never.value.status_code == 503 and "more than the server's --kv-memory" in never.value.message

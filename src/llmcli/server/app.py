@@ -614,7 +614,8 @@ async def _stream(
             try:
                 outcome = futures[index].result()
             except Exception as error:  # the stream has begun: the error goes in it, as OpenAI does
-                yield _sse(error_body(_describe(error), "server_error"))
+                code = error.code if isinstance(error, RequestError) else None  # e.g. kv_memory_full
+                yield _sse(error_body(_describe(error), "server_error", code=code))
                 return
             if outcome is None:
                 if served.stopping.is_set():  # an error event and no [DONE]: the client knows it was cut
