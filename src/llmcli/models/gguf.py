@@ -169,7 +169,7 @@ def convert(gguf_file: Path, target: Path, kind: str) -> None:
             model = AutoModelForCausalLM.from_pretrained(
                 gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float16
             )
-        except (ValueError, KeyError, OSError, RuntimeError, EOFError, struct.error) as error:
+        except (ValueError, KeyError, IndexError, OSError, RuntimeError, EOFError, struct.error) as error:
             raise ModelLoadError(f"cannot read {gguf_file.name}: {error}") from error
         # The weights are plain tensors now; drop the GGUF quantizer that forbids saving them.
         model.hf_quantizer = None
@@ -212,7 +212,8 @@ def stored_weight_kind(gguf_file: Path) -> str:
 
     try:
         tensors = GGUFReader(str(gguf_file)).tensors
-    except (ValueError, KeyError, OSError, EOFError, struct.error) as error:
+    # IndexError: gguf's reader indexing an array the file ends before (a cut in its metadata).
+    except (ValueError, KeyError, IndexError, OSError, EOFError, struct.error) as error:
         raise ModelLoadError(
             f"{gguf_file} is not a readable GGUF file: cut short or damaged ({error})",
             "download it again, or check the file with llama.cpp's gguf-dump",
