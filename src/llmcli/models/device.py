@@ -1,7 +1,8 @@
 """Where a model runs and how: the device and dtype `auto` picks, and how many CPU threads.
 
 Device auto: CUDA if present, else Apple MPS, else CPU. Dtype auto: bf16 where the GPU supports it,
-else fp16 on GPUs, fp32 on CPU (CPU half-precision matmuls are slow or missing on many machines).
+else fp16 on GPUs, fp32 on CPU (CPU half-precision matmuls are slow or missing on many machines;
+a GGUF file's 16-bit weights are the exception where they are not: models/load.py).
 """
 
 from __future__ import annotations

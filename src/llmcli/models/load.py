@@ -291,6 +291,22 @@ def prepare_device(
     return dtype
 
 
+# A GGUF file's 16-bit weights, held in their own width on a CPU whose torch runs 16-bit
+# matrix products natively (AVX-512 here: a 576 × 1536 fp16 GEMV 45 µs, bf16 77, fp32 232 on
+# 2 cores), rather than widened to fp32 at twice the file's size. Elsewhere fp32, as a CPU's
+# default (half-precision products are slow or missing on many).
+_GGUF_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+_NATIVE_HALF_CAPABILITIES = frozenset({"AVX512", "AVX512_BF16", "AMX"})
+
+
+def _gguf_float_dtype(folder: Path, device: torch.device) -> torch.dtype | None:
+    from llmcli.models.gguf import gguf_type
+
+    if device.type != "cpu" or torch.backends.cpu.get_cpu_capability() not in _NATIVE_HALF_CAPABILITIES:
+        return None
+    return _GGUF_FLOAT_DTYPES.get(gguf_type(folder) or "")
+
+
 @dataclass
 class LoadPlan:
     """What a load settles before any weight is read: shared by transformers' path and the lean
@@ -316,6 +332,8 @@ def plan_load(resolved: ResolvedModel, settings: LoadSettings, quiet: bool = Tru
     device = choose_device(settings.device)
     settings, native_quant, group = plan_quantization(settings, config, device, resolved.source, folder)
     dtype = prepare_device(settings, device, native_quant=native_quant is not None, quiet=quiet)
+    if resolved.source == "gguf" and settings.dtype == "auto" and native_quant is None:
+        dtype = _gguf_float_dtype(folder, device) or dtype
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(
         resolved, settings, config, device, dtype, (native_quant, group) if native_quant else None
