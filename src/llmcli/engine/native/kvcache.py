@@ -20,6 +20,7 @@ positions it would need are overwritten, and the caller prefills again.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from llmcli.engine.native.pool import SlotPool
 
 MIN_BUCKET = 256
+# Every cache's tensors get a version no other cache's ever had: a graph captured on one cache's
+# addresses is never replayed on another's (a server's first slot is given a pooled cache).
+_STORAGE_VERSIONS = itertools.count(1)
 # Positions a ring keeps beyond its window: more than a speculative check writes (17 rows).
 RING_SLACK = 64
 
@@ -86,7 +90,7 @@ class KVCache:
         self.values: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
         self.capacity = 0
         self.length = 0
-        self.storage_version = 0
+        self.storage_version = next(_STORAGE_VERSIONS)
         self.pool = pool
         self.slot = pool.attach(self) if pool is not None else None
 
@@ -105,7 +109,7 @@ class KVCache:
         capacity = self.bucket_for(positions)
         # Before the first tensor moves: an out-of-memory error half way must not leave a graph
         # believing the moved layers are still where they were.
-        self.storage_version += 1
+        self.storage_version = next(_STORAGE_VERSIONS)
         for store in (self.keys, self.values):
             for layer, old in enumerate(store):
                 ring = self.rings[layer]
@@ -126,7 +130,7 @@ class KVCache:
     def bind_pool(self) -> None:
         """Hold views of this cache's slot of the pool (again, after the pool moved)."""
         assert self.pool is not None and self.slot is not None
-        self.storage_version += 1
+        self.storage_version = next(_STORAGE_VERSIONS)
         if self.slot >= self.pool.slots:
             return  # no room made for this slot yet
         for layer, ring in enumerate(self.rings):
