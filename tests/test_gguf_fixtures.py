@@ -63,3 +63,26 @@ def test_a_16_bit_gguf_is_held_in_its_16_bits_and_matches_llama_cpp(
         perplexity(torch.from_numpy(reference["logits"]), reference["ids"]),
     )
     assert abs(ours / theirs - 1) < 0.005
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_K_S", "Q4_0", "Q4_1"])
+def test_4_bit_blocks_read_as_int4_codes_are_bit_equal_to_ggufs_dequantization(kind: str) -> None:
+    """Every Q4_0, Q4_1 and Q4_K tensor of llama.cpp's files, read as llmcli's int4 codes with a
+    scale and zero point per group of 32, gives exactly the weights gguf's own dequantization
+    gives, in fp32."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from llmcli.models.gguf_int4 import codes_of, dequantize
+
+    checked = 0
+    for tensor in GGUFReader(str(fixture(kind))).tensors:
+        if tensor.tensor_type.name not in ("Q4_0", "Q4_1", "Q4_K") or len(tensor.shape) != 2:
+            continue
+        in_features, out_features = (int(n) for n in tensor.shape)
+        codes, scale, zero = codes_of(tensor.data, tensor.tensor_type.name, out_features, in_features)
+        ours = dequantize(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, zero)))
+        exact = gguf_dequantize(tensor.data, tensor.tensor_type).reshape(out_features, in_features)
+        assert torch.equal(ours, torch.from_numpy(exact.astype(np.float32))), tensor.name
+        checked += 1
+    assert checked >= 12  # every layer's 4-bit projections at least

@@ -1,4 +1,4 @@
-"""GGUF 4-bit blocks read as int4 codes, never dequantized: how a Q4_0/Q4_1 file stays exact.
+"""GGUF 4-bit blocks read as int4 codes, never dequantized: how a Q4_0/Q4_1/Q4_K file stays exact.
 
 A Q4_0 block is 32 weights sharing an fp16 scale d (w = d·(q − 8)); a Q4_1 block adds an fp16
 min m (w = d·q + m). llmcli's int4 (models/quantized.py) is groups of weights along the input
@@ -25,7 +25,10 @@ import numpy as np
 
 GROUP = 32  # weights per Q4_0/Q4_1 block
 BLOCKS_FILE = "int4/blocks.safetensors"  # in a folder of its own: not one of the model's shards
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # fp16 d (and fp16 m) + 16 bytes of nibbles
+# Bytes of a block: Q4_0/Q4_1, 32 weights: fp16 d (and fp16 m) + 16 bytes of nibbles; Q4_K, 256
+# weights: fp16 d and dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles.
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+_BLOCK_WEIGHTS = {"Q4_0": GROUP, "Q4_1": GROUP, "Q4_K": 256}
 _LAYER_NAMES = {  # GGUF's per-layer tensor names → the Llama family's module names
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -38,11 +41,13 @@ _LAYER_NAMES = {  # GGUF's per-layer tensor names → the Llama family's module 
 
 
 def codes_of(data: np.ndarray, type_name: str, out_features: int, in_features: int) -> tuple[np.ndarray, ...]:
-    """(codes uint8 [N, K] in 0…15, scale fp32 [N, K/32], zero fp32 [N, K/32]) of a Q4_0/Q4_1
-    tensor's raw bytes, in llmcli's convention w = (q − 8)·scale + zero."""
+    """(codes uint8 [N, K] in 0…15, scale fp32 [N, K/32], zero fp32 [N, K/32]) of a Q4_0, Q4_1
+    or Q4_K tensor's raw bytes, in llmcli's convention w = (q − 8)·scale + zero."""
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(
-        out_features, in_features // GROUP, _BLOCK_BYTES[type_name]
+        out_features, in_features // _BLOCK_WEIGHTS[type_name], _BLOCK_BYTES[type_name]
     )
+    if type_name == "Q4_K":
+        return _q4_k_codes(blocks, out_features, in_features)
     scale = blocks[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)
     if type_name == "Q4_1":
         zero = blocks[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32) + np.float32(8) * scale
@@ -53,6 +58,25 @@ def codes_of(data: np.ndarray, type_name: str, out_features: int, in_features: i
     # Byte j of a block holds element j in its low nibble and element 16 + j in its high one.
     codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out_features, in_features)
     return codes, scale, zero
+
+
+def _q4_k_codes(blocks: np.ndarray, out_features: int, in_features: int) -> tuple[np.ndarray, ...]:
+    """A Q4_K super-block is 8 groups of 32 weights, group g: w = (d·sc_g)·q − dmin·m_g with 6-bit
+    sc_g and m_g (as gguf dequantizes it). So scale = d·sc_g and zero = 8·scale − dmin·m_g: both
+    products are exact in fp32, and the weights are bit-equal wherever that zero is too."""
+    from gguf.quants import Q4_K
+
+    rows = blocks.reshape(-1, blocks.shape[-1])
+    d = rows[:, 0:2].copy().view("<f2").astype(np.float32)
+    dmin = rows[:, 2:4].copy().view("<f2").astype(np.float32)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(rows[:, 4:16]))
+    scale = d * sc.astype(np.float32)
+    zero = np.float32(8) * scale - dmin * m.astype(np.float32)
+    # 32 bytes per pair of groups: the first group in their low nibbles, the second in the high.
+    nibbles = rows[:, 16:].reshape(-1, 4, 1, 32)
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2).reshape(out_features, in_features)
+    groups = in_features // GROUP
+    return codes, scale.reshape(out_features, groups), zero.reshape(out_features, groups)
 
 
 def dequantize(codes: Any, scale: Any, zero: Any) -> Any:
