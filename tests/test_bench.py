@@ -118,6 +118,8 @@ def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
         (["--concurrency", "0,2"], "--concurrency levels must be between 1 and"),
         (["--concurrency", "2", "--context-fill", "64"], "--context-fill does not apply"),
         (["--concurrency", "2", "--speculative", "lookup"], "--speculative does not apply"),
+        (["--concurrency", "2", "--no-generate"], "--generate/--no-generate does not apply"),
+        (["--concurrency", "2", "--prompt-lengths", "64,128"], "--concurrency measures one prompt length"),
     ],
 )
 def test_bench_usage_errors(args: list[str], message: str) -> None:

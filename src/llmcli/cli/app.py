@@ -89,6 +89,7 @@ CHAT_TOOLS = Only("functions", "yes", "tool_choice")
 # Sequences at once `bench --concurrency` measures at most: beyond it the caches alone dwarf a
 # small model, and a server's --parallel is far lower.
 MAX_BENCH_CONCURRENCY = 64
+DEFAULT_BENCH_PROMPT_LENGTHS = "128,512,2048"
 BENCH_LOADING = Only("device", "dtype", "threads", "quant", "quant_type", "context_length", "fast", "engine")
 
 
@@ -389,13 +390,23 @@ def bench(
         ),
     ] = False,
     prompt_lengths: Annotated[
-        str, typer.Option(help="Prompt lengths to time prefill at, comma-separated.")
-    ] = ("128,512,2048"),
+        str | None,
+        typer.Option(
+            help="Prompt lengths to time prefill at, comma-separated. Default: 128,512,2048 (with "
+            "--concurrency: one length, default 128).",
+            show_default=False,
+        ),
+    ] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", help="Tokens per decode run.")] = 128,
     runs: Annotated[int, typer.Option(help="Runs per figure; the median is reported.")] = 5,
     baseline: Annotated[
-        bool, typer.Option("--generate/--no-generate", help="Also time model.generate on the same model.")
-    ] = True,
+        bool | None,
+        typer.Option(
+            "--generate/--no-generate",
+            help="Also time model.generate on the same model. Default: on (not with --concurrency).",
+            show_default=False,
+        ),
+    ] = None,
     compiled: Annotated[
         bool | None,
         typer.Option(
@@ -430,11 +441,12 @@ def bench(
         raise UsageError("--random-weights needs --config CONFIG (a config.json, a folder, or a Hub id)")
     if config and model:
         raise UsageError("use either -m MODEL or --config CONFIG --random-weights, not both")
+    lengths_text = prompt_lengths if prompt_lengths is not None else DEFAULT_BENCH_PROMPT_LENGTHS
     try:
-        lengths = [int(n) for n in prompt_lengths.split(",") if n.strip()]
+        lengths = [int(n) for n in lengths_text.split(",") if n.strip()]
     except ValueError:
         raise UsageError(
-            f"--prompt-lengths must be integers separated by commas, got {prompt_lengths!r}"
+            f"--prompt-lengths must be integers separated by commas, got {lengths_text!r}"
         ) from None
     if not lengths or min(lengths) < 1 or new_tokens < 2 or runs < 1:
         raise UsageError("--prompt-lengths must be ≥ 1, --new-tokens ≥ 2 and --runs ≥ 1")
@@ -442,7 +454,11 @@ def bench(
     # greedy decoding, and speculates only when its own flags say so.
     effective = _effective(model, SamplingSettings(), PromptSettings(), load, SpeculativeSettings())
     speculation = SpeculativeSettings.from_values(flag_values(speculative))
-    levels = _concurrency_levels(concurrency, context_fill, compiled, speculation)
+    levels = _concurrency_levels(concurrency, context_fill, compiled, baseline, speculation)
+    if levels is not None and len(lengths) > 1:
+        if prompt_lengths is not None:
+            raise UsageError("--concurrency measures one prompt length: give --prompt-lengths one number")
+        lengths = lengths[:1]
     # The context too is the flag's alone: bench measures the model as asked on its command line.
     measured = dataclasses.replace(effective.load, context_length=load.context_length)
     from llmcli.frontends.bench import BenchRequest, run
@@ -454,7 +470,7 @@ def bench(
             prompt_lengths=lengths,
             new_tokens=new_tokens,
             runs=runs,
-            with_generate=baseline,
+            with_generate=baseline is not False,
             with_compiled=compiled,
             context_fill=context_fill,
             json=json_output,
@@ -467,7 +483,11 @@ def bench(
 
 
 def _concurrency_levels(
-    concurrency: str | None, context_fill: int | None, compiled: bool | None, speculative: SpeculativeSettings
+    concurrency: str | None,
+    context_fill: int | None,
+    compiled: bool | None,
+    generate: bool | None,
+    speculative: SpeculativeSettings,
 ) -> list[int] | None:
     """--concurrency's levels, 1 always among them (every level is reported beside it), or None.
     The flags it does not combine with are refused rather than left unmeasured."""
@@ -482,6 +502,7 @@ def _concurrency_levels(
     for given, flag in (
         (context_fill is not None, "--context-fill"),
         (compiled is not None, "--compiled/--no-compiled"),
+        (generate is not None, "--generate/--no-generate"),
         (speculative.method != "off", "--speculative"),
     ):
         if given:
