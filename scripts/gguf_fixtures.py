@@ -14,29 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-
-def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
-    """exp(mean over i of −log softmax(logits[i])[ids[i + 1]]), in float64."""
-    rows = torch.from_numpy(logits[:-1].astype(np.float64))
-    nll = -torch.log_softmax(rows, dim=-1)[torch.arange(len(ids) - 1), torch.from_numpy(ids[1:])]
-    return math.exp(float(nll.mean()))
-
-
-def against(reference: np.ndarray, ours: np.ndarray) -> tuple[float, float]:
-    """Mean KL(reference || ours) per position (nats) and the top-1 agreement."""
-    p = torch.log_softmax(torch.from_numpy(reference.astype(np.float64)), dim=-1)
-    q = torch.log_softmax(torch.from_numpy(ours.astype(np.float64)), dim=-1)
-    kl = (p.exp() * (p - q)).sum(dim=-1)
-    top = (p.argmax(dim=-1) == q.argmax(dim=-1)).double().mean()
-    return float(kl.mean()), float(top)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from llama_cpp_reference import kl_and_top1, perplexity
 
 
 def main() -> None:
@@ -66,9 +53,9 @@ def main() -> None:
         loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu"))
         engine = Engine.for_loaded(loaded)
         with torch.inference_mode():
-            logits = engine.backend.score([int(i) for i in ids]).float().numpy()
-        kl, top = against(reference["logits"], logits)
-        ours, theirs = perplexity(logits, ids), perplexity(reference["logits"], ids)
+            logits = engine.backend.score([int(i) for i in ids]).float()
+        kl, top = kl_and_top1(reference["logits"], logits)
+        ours, theirs = perplexity(logits, ids), perplexity(torch.from_numpy(reference["logits"]), ids)
         held = loaded.weight_bytes / entry["size_bytes"]
         print(
             f"| {entry['type']} | {engine.name} | {loaded.dtype_name} {loaded.quant} | {held:.2f}× | "

@@ -3,12 +3,13 @@ each file against llama.cpp's on the same file. Skipped where the fixtures are n
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from llama_cpp_reference import kl_and_top1, perplexity
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures"
 NATIVE_HALF = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
@@ -19,18 +20,6 @@ def fixture(name: str) -> Path:
     if not path.is_file():
         pytest.skip(f"llama.cpp's GGUF fixtures are not beside the checkout ({FIXTURES})")
     return path
-
-
-def kl_and_top1(reference: np.ndarray, ours: torch.Tensor) -> tuple[float, float]:
-    p = torch.log_softmax(torch.from_numpy(reference).double(), dim=-1)
-    q = torch.log_softmax(ours.double(), dim=-1)
-    kl = (p.exp() * (p - q)).sum(dim=-1).mean()
-    return float(kl), float((p.argmax(-1) == q.argmax(-1)).double().mean())
-
-
-def perplexity(logits: torch.Tensor, ids: np.ndarray) -> float:
-    rows = torch.log_softmax(logits[:-1].double(), dim=-1)
-    return math.exp(float(-rows[torch.arange(len(ids) - 1), torch.from_numpy(ids[1:])].mean()))
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [("F16", "fp16"), ("BF16", "bf16")])
