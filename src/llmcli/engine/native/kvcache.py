@@ -59,6 +59,11 @@ class SavedCache:
         return bytes_of([*self.keys, *self.values])
 
 
+def position_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """One position's keys and values in one layer."""
+    return 2 * kv_heads * head_dim * dtype.itemsize
+
+
 def bytes_of(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -255,8 +260,7 @@ class KVCache:
         return sum(self._position_bytes() * ring for ring in self.rings if ring is not None)
 
     def _position_bytes(self) -> int:
-        """One position's keys and values in one layer."""
-        return 2 * self.shape[0] * self.shape[1] * self.dtype.itemsize
+        return position_bytes(*self.shape, self.dtype)
 
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""

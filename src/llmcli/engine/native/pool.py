@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmcli.engine.native.kvcache import position_bytes
+
 if TYPE_CHECKING:
     from llmcli.engine.native.kvcache import KVCache
 
@@ -77,8 +79,7 @@ class SlotPool:
         return keys[slot], values[slot]
 
     def bytes_for(self, slots: int, capacity: int) -> int:
-        row = 2 * self.shape[0] * self.shape[1] * self.dtype.itemsize
-        return row * slots * capacity * sum(self.pooled)
+        return position_bytes(*self.shape, self.dtype) * slots * capacity * sum(self.pooled)
 
     def nbytes(self) -> int:
         return self.bytes_for(self.slots, self.capacity)
