@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmcli.config.settings import SamplingSettings
+from llmcli.config.settings import SamplingParams, SamplingSettings
 from llmcli.engine.reasoning import REASONING, thinking_of
 from llmcli.engine.reply import TOOL_CALL, ReplyStream
 from llmcli.engine.scheduler import ComputeThread, Slots
@@ -503,10 +503,10 @@ def _generate(
     of a tool call."""
     if job.after is not None:
         job.after.wait()
-    longest = len(job.ids) + job.sampling.resolve(served.loaded.generation_config).max_new_tokens
+    params = job.sampling.resolve(served.loaded.generation_config).with_(logit_bias=job.logit_bias)
     try:
-        with served.turn_on_an_engine(job.ids, longest) as engine:
-            return _generate_on(served, engine, job, on_piece, cancelled)
+        with served.turn_on_an_engine(job.ids, len(job.ids) + params.max_new_tokens) as engine:
+            return _generate_on(served, engine, job, params, on_piece, cancelled)
     finally:
         job.prompt_cached.set()  # however it ended: a choice waiting for it goes on
 
@@ -515,6 +515,7 @@ def _generate_on(
     served: Served,
     engine: Any,
     job: Job,
+    params: SamplingParams,
     on_piece: Callable[[str, Any], None] | None,
     cancelled: threading.Event,
 ) -> Outcome | None:
@@ -523,7 +524,6 @@ def _generate_on(
         served.metrics.cancelled.inc()
         return None
     loaded = served.loaded
-    params = job.sampling.resolve(loaded.generation_config).with_(logit_bias=job.logit_bias)
     engine.speculation = served.speculations_of.get(id(engine), served.speculations)[job.speculative]
     constraint = None
     if job.output is not None:  # here: llguidance reads the tokenizer, which only this thread uses
