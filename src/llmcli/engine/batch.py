@@ -217,8 +217,6 @@ class _NativeBatch(_Batch):
         feed = torch.tensor([self.rows[i].token_ids[-1] for i in going], device=self.device)
         caches = [self.backends[i].cache for i in going]
         rows = self.backends[0].net.decode_sequences(feed, caches)
-        for cache in caches:
-            cache.length += 1
         # Rows that have finished get logits of zeros: choose() takes no token from them.
         logits = torch.zeros(len(self.rows), rows.shape[-1], device=self.device)
         logits[going] = rows

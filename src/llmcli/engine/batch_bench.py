@@ -126,8 +126,6 @@ def _decode_together(backends: list[NativeBackend], prompts: list[list[int]], ne
                 logits = backends[0].decode(tokens)
                 continue
             logits = net.decode_sequences(tokens, caches)
-            for cache in caches:
-                cache.length += 1
 
     synchronize(device)
     return timed(steps, device)

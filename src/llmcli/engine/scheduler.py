@@ -210,10 +210,7 @@ def _decode_together(decodes: list[_Pass]) -> torch.Tensor:
     assert all(backend is not None for backend in backends)
     caches = [backend.cache for backend in backends]  # type: ignore[union-attr]
     tokens = torch.cat([wanted.token.view(1) for wanted in decodes])  # type: ignore[union-attr]
-    rows = backends[0].net.decode_sequences(tokens, caches)  # type: ignore[union-attr]
-    for cache in caches:
-        cache.length += 1
-    return rows
+    return backends[0].net.decode_sequences(tokens, caches)  # type: ignore[union-attr]
 
 
 class TakingTurns:

@@ -124,8 +124,7 @@ class Transformer:
 
     def decode_sequences(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """One token [B] for each of B sequences, token b after what caches[b] holds; logits
-        [B, vocab], row b what `decode` would give for it alone. The caller advances each
-        cache's length."""
+        [B, vocab], row b what `decode` would give for it alone; each cache holds its token after."""
         for cache in caches:
             cache.ensure(cache.length + 1)
         steps = [ExactDecode(cache, cache.length, self.device) for cache in caches]

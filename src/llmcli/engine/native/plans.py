@@ -115,7 +115,7 @@ class SequencesStep:
     together (one read of the weights for them all). Where the caches share a pool (pool.py),
     attention is one masked call over their slots (`PooledRows`); elsewhere (ring layers, scores
     by hand, caches of their own) each row attends over its own cache as its ExactDecode would.
-    Every row's logits are computed. The caller advances each cache's length."""
+    Every row's logits are computed, and each cache's length moves on by its token."""
 
     last_only = False
 
@@ -133,7 +133,8 @@ class SequencesStep:
         ])  # fmt: skip
 
     def finish(self) -> None:
-        pass
+        for step in self.steps:
+            step.cache.length += 1
 
 
 class BucketStep:
