@@ -120,6 +120,7 @@ def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
         (["--concurrency", "2", "--speculative", "lookup"], "--speculative does not apply"),
         (["--concurrency", "2", "--no-generate"], "--generate/--no-generate does not apply"),
         (["--concurrency", "2", "--prompt-lengths", "64,128"], "--concurrency measures one prompt length"),
+        (["--speculative", "lookup", "--prompt-lengths", "6,9"], "--speculative measures one prompt length"),
     ],
 )
 def test_bench_usage_errors(args: list[str], message: str) -> None:

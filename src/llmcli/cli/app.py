@@ -455,9 +455,12 @@ def bench(
     effective = _effective(model, SamplingSettings(), PromptSettings(), load, SpeculativeSettings())
     speculation = SpeculativeSettings.from_values(flag_values(speculative))
     levels = _concurrency_levels(concurrency, context_fill, compiled, baseline, speculation)
-    if levels is not None and len(lengths) > 1:
+    one_length = None  # the modes that measure at one prompt length
+    if levels is not None or speculation.method != "off":
+        one_length = "--concurrency" if levels is not None else "--speculative"
+    if one_length is not None and len(lengths) > 1:
         if prompt_lengths is not None:
-            raise UsageError("--concurrency measures one prompt length: give --prompt-lengths one number")
+            raise UsageError(f"{one_length} measures one prompt length: give --prompt-lengths one number")
         lengths = lengths[:1]
     # The context too is the flag's alone: bench measures the model as asked on its command line.
     measured = dataclasses.replace(effective.load, context_length=load.context_length)
