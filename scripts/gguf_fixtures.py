@@ -50,7 +50,7 @@ def main() -> None:
         path = args.fixtures / name
         reference = np.load(args.fixtures / entry["reference"])
         ids = reference["ids"]
-        loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu"))
+        loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu"), lean=True)  # as `generate`
         engine = Engine.for_loaded(loaded)
         with torch.inference_mode():
             logits = engine.backend.score([int(i) for i in ids]).float()

@@ -20,42 +20,46 @@ pytestmark = [
 ]
 
 
-def converted_copies() -> list:
-    return list(gguf_cache_dir().glob("SmolLM2-135M-Instruct.Q4_1-*/model.safetensors"))
+def cache_folders() -> list:
+    """The demo's folders in llmcli's GGUF cache: its small parts, read from the file once."""
+    return [marker.parent for marker in gguf_cache_dir().glob("SmolLM2-135M-Instruct.Q4_1-*/.llmcli-gguf")]
 
 
 @pytest.fixture(scope="module")
 def first_run():
-    """The first use converts the GGUF file into the cache (unless another test already made the
-    demo load); everything after reuses it. Returns the run and whether it had to convert."""
-    must_convert = not converted_copies()
-    proc = run_cli(
+    """The first use reads the GGUF file's small parts (config, tokenizer) into the cache (unless
+    another test already made the demo load); everything after reuses them. Returns the run."""
+    return run_cli(
         "generate", "-t", "0", "--json", "--stats", "Name the capital of France.", timeout=PATIENCE_S
     )
-    return proc, must_convert
 
 
 def test_default_model_answers_a_factual_question(first_run) -> None:
-    proc, must_convert = first_run
-    assert proc.returncode == 0, proc.stderr.decode()
-    record = json.loads(proc.stdout)
+    assert first_run.returncode == 0, first_run.stderr.decode()
+    record = json.loads(first_run.stdout)
     assert "Paris" in record["text"]
     assert record["model"] == "SmolLM2-135M-Instruct.Q4_1"
     assert record["finish_reason"] == "stop"
-    assert ("Converting SmolLM2-135M-Instruct.Q4_1.gguf" in proc.stderr.decode()) is must_convert
+    assert "Converting" not in first_run.stderr.decode()  # nothing is: the weights are read in place
 
 
-def test_gguf_is_converted_once(first_run) -> None:
-    assert first_run[0].returncode == 0
-    assert len(converted_copies()) == 1
+def test_the_gguf_is_read_in_place_with_nothing_converted(first_run) -> None:
+    """No converted copy of the weights in the cache: one folder of the file's small parts (its
+    config and tokenizer, under 10 MB), and the weights read from the file at every load."""
+    from llmcli.models.gguf import folder_size
+
+    assert first_run.returncode == 0
+    (folder,) = cache_folders()
+    assert not list(folder.rglob("*.safetensors"))
+    assert folder_size(folder) <= 10_000_000
     again = run_cli("generate", "-m", str(demo_gguf_path()), "-t", "0", "-n", "16", "What is 2 + 2?")
     assert again.returncode == 0, again.stderr.decode()
-    assert "Converting" not in again.stderr.decode()
     assert "4" in again.stdout.decode()
+    assert cache_folders() == [folder]
 
 
 def test_stop_string_and_streamed_text_on_a_real_model(first_run) -> None:
-    assert first_run[0].returncode == 0
+    assert first_run.returncode == 0
     proc = run_cli("generate", "-t", "0", "--stop", "Paris", "Name the capital of France.")
     assert proc.returncode == 0, proc.stderr.decode()
     text = proc.stdout.decode()
@@ -67,12 +71,11 @@ def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
     a third of the fp32 bytes; --quant none dequantizes as before."""
     from llmcli.models.gguf import stored_weight_kind, weight_kind
 
-    record = json.loads(first_run[0].stdout)
+    record = json.loads(first_run.stdout)
     assert (record["quant"], record["quant_backend"], record["engine"]) == ("int4-g32", "native", "native")
     assert stored_weight_kind(demo_gguf_path()) == "int4 Q4_1"  # the kind, and GGUF's name for it
-    folder = converted_copies()[0].parent
+    (folder,) = cache_folders()
     assert weight_kind(folder) == "int4" and (folder / ".llmcli-weights").is_file()
-    assert (folder / "int4" / "blocks.safetensors").is_file()  # the file's own codes, read by the load
     plain = run_cli("generate", "-t", "0", "--json", "--quant", "none", "Name the capital of France.")
     assert plain.returncode == 0, plain.stderr.decode()
     full = json.loads(plain.stdout)
@@ -82,7 +85,7 @@ def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
 
 
 def test_models_show_sizes_the_demo_as_it_loads(first_run) -> None:
-    record = json.loads(first_run[0].stdout)
+    record = json.loads(first_run.stdout)
     shown = run_cli("models", "show", "SmolLM2-135M-Instruct.Q4_1", "--json")
     assert shown.returncode == 0, shown.stderr.decode()
     estimate = json.loads(shown.stdout)["memory_bytes"]["int4"]

@@ -167,10 +167,10 @@ def test_a_chat_without_a_writable_history_starts_and_works(tiny_llama: Path, tm
 
 @pytest.mark.demo
 @pytest.mark.skipif(demo_gguf_path() is None, reason="the demo model is not installed")
-def test_concurrent_first_runs_convert_once_and_all_succeed(tmp_path: Path) -> None:
+def test_concurrent_first_runs_read_once_and_all_succeed(tmp_path: Path) -> None:
     """Three first runs a quarter second apart on a fresh cache — two generations and, between
-    them, an import of the same file under a name: one converts the GGUF file, the others wait
-    for it; none sees a half-written folder."""
+    them, an import of the same file under a name: one reads the GGUF file's small parts into
+    the cache, the others wait for it; none sees a half-written folder."""
     import subprocess
     import time
 
@@ -187,7 +187,7 @@ def test_concurrent_first_runs_convert_once_and_all_succeed(tmp_path: Path) -> N
     outcomes = [run.communicate(timeout=PATIENCE_S) for run in runs]
     errors = [err.decode() for _, err in outcomes]
     assert [run.returncode for run in runs] == [0, 0, 0], errors
-    assert sum("Converting" in err for err in errors) == 1, errors
+    assert sum("once into llmcli's cache" in err for err in errors) == 1, errors
     folders = [p.name for p in (tmp_path / "cache" / "llmcli" / "gguf").iterdir() if p.is_dir()]
     assert len(folders) == 1 and not folders[0].startswith("."), folders  # no staging left behind
 

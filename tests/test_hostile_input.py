@@ -599,7 +599,7 @@ def test_models_show_gives_each_quant_as_it_loads_here(quant: str) -> None:
     assert planned["dtype"] == loaded["dtype"]  # --quant none on a CPU loads fp32, not bf16
     assert abs(planned["weight_bytes"] - loaded["weight_bytes"]) <= 0.03 * loaded["weight_bytes"]
     text = run_cli("models", "show").stdout.decode()
-    assert "checkpoint     GGUF Q4_1, converted" in text and "not quantized" not in text
+    assert "checkpoint     GGUF Q4_1, read from the file" in text and "not quantized" not in text
 
 
 def test_removing_an_import_that_is_the_defaults_conversion_says_so(tmp_path: Path) -> None:

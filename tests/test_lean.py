@@ -174,13 +174,14 @@ def test_a_lean_model_computes_what_transformers_loaded_one_does(case: str, tmp_
     the native engine, the same fp32 logits after a prefill and at each decode step."""
     from llmcli.engine.native.backend import NativeBackend
     from llmcli.models.lean_config import LeanConfig
+    from llmcli.models.lean_model import Tensors
     from llmcli.models.lean_model import build as build_lean
 
     arch, overrides = ("llama", LINEAR_ROPE) if case == "llama-linear-rope" else CASES[case]
     reference = build(arch, overrides)
     reference.save_pretrained(tmp_path)
     config = LeanConfig(json.loads((tmp_path / "config.json").read_text()))
-    lean = build_lean(tmp_path, config, torch.float32, torch.device("cpu"))
+    lean = build_lean(Tensors(tmp_path, torch.float32, torch.device("cpu")), config)
     torch.testing.assert_close(
         lean.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq.float(), rtol=0, atol=0
     )

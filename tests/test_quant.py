@@ -19,9 +19,9 @@ from llmcli.models.memory import (
     estimate_weight_bytes,
     fits,
     kv_bytes_per_token,
-    safetensors_shapes,
+    weight_shapes,
 )
-from llmcli.models.resolve import ResolvedModel, resolve_model
+from llmcli.models.resolve import ResolvedModel
 
 from cli_helpers import PATIENCE_S, run_cli
 
@@ -50,9 +50,13 @@ def linear_layer_bytes(model) -> int:
 
 
 @pytest.fixture(scope="module")
-def demo_folder(loaded_demo) -> Path:
-    """The demo model's converted safetensors folder (a GGUF file itself cannot be re-quantized)."""
-    return resolve_model(None).path
+def demo_folder(loaded_demo, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model saved as a safetensors folder (fp32), for bitsandbytes to quantize: a GGUF
+    file itself is not re-quantized (it is refused)."""
+    folder = tmp_path_factory.mktemp("demo-folder")
+    loaded_demo.model.save_pretrained(folder)
+    loaded_demo.tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,7 @@ def test_estimate_from_headers_matches_the_loaded_model(
     tiny_llama: Path, quant: str, double_quant: bool
 ) -> None:
     loaded = load_variant(tiny_llama, quant, double_quant=double_quant)
-    estimate = estimate_weight_bytes(safetensors_shapes(tiny_llama), 4, quant, double_quant)
+    estimate = estimate_weight_bytes(weight_shapes(tiny_llama), 4, quant, double_quant)
     assert abs(estimate - loaded.weight_bytes) / loaded.weight_bytes < 0.03
 
 
@@ -110,7 +114,7 @@ def test_estimate_from_headers_matches_the_loaded_model(
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_estimate_from_headers_matches_the_demo_model(demo_folder: Path, loaded_demo, quant: str) -> None:
     measured = loaded_demo.weight_bytes if quant == "none" else load_variant(demo_folder, quant).weight_bytes
-    estimate = estimate_weight_bytes(safetensors_shapes(demo_folder), 4, quant)
+    estimate = estimate_weight_bytes(weight_shapes(demo_folder), 4, quant)
     assert abs(estimate - measured) / measured < 0.03
 
 
@@ -131,7 +135,7 @@ def test_kv_bytes_per_token_matches_a_real_cache(loaded_tiny) -> None:
 
 
 def fit_request(folder: Path, budget: int, quant: str = "none", context: int = 1024, given: bool = False):
-    shapes = safetensors_shapes(folder)
+    shapes = weight_shapes(folder)
     config = json.loads((folder / "config.json").read_text())
     return FitRequest(
         name=folder.name,
@@ -150,9 +154,7 @@ def fit_request(folder: Path, budget: int, quant: str = "none", context: int = 1
 
 def needed(folder: Path, quant: str, tokens: int) -> int:
     config = json.loads((folder / "config.json").read_text())
-    return (
-        estimate_weight_bytes(safetensors_shapes(folder), 2, quant) + kv_bytes_per_token(config, 2) * tokens
-    )
+    return estimate_weight_bytes(weight_shapes(folder), 2, quant) + kv_bytes_per_token(config, 2) * tokens
 
 
 def test_fit_check_with_room_keeps_the_context(tiny_llama: Path) -> None:
@@ -240,7 +242,7 @@ def test_quant_on_a_prequantized_checkpoint_is_refused(tiny_llama: Path, tmp_pat
     assert as_is.returncode == 0, as_is.stderr.decode()
     record = json.loads(as_is.stdout)
     assert record["quant"] == "bitsandbytes"
-    stored = estimate_weight_bytes(safetensors_shapes(folder), 4, "stored")
+    stored = estimate_weight_bytes(weight_shapes(folder), 4, "stored")
     assert abs(stored - record["weight_bytes"]) / record["weight_bytes"] < 0.05
     again = run_cli("generate", "-m", str(folder), "--quant", "int8", "hi")
     assert again.returncode == 2 and "already quantized (bitsandbytes)" in again.stderr.decode()

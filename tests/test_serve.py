@@ -67,7 +67,7 @@ def start_server(model: Path, runtime: Path, *extra: str) -> Server:
         env=env,
     )
     line = process.stderr.readline().decode()  # "Serving NAME at URL/v1 (Ctrl-C stops)."
-    while line.startswith(("Converting", "Loading")):  # a first load's notes come before it
+    while line.startswith(("Converting", "Reading", "Loading")):  # a first load's notes come before it
         line = process.stderr.readline().decode()
     if "Serving" not in line:
         process.kill()

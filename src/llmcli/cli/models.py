@@ -109,6 +109,7 @@ def show(
     with handled_errors():
         from llmcli.models.catalog import model_summary
         from llmcli.models.gguf import gguf_type
+        from llmcli.models.gguf_direct import is_direct
         from llmcli.models.load import default_load
         from llmcli.models.resolve import default_model_spec, is_gguf_spec
 
@@ -143,7 +144,14 @@ def show(
         kv = _bytes(summary["kv_bytes_per_token_bf16"] * (2 if kv_dtype == "fp32" else 1))
         defaults = _sampling_defaults(summary["generation_defaults"])
         disk = summary["on_disk_bytes"]
-        where = "converted, in llmcli's cache" if gguf_file or source == "gguf" else "in its files"
+        where, read_in_place = "in its files", False
+        if gguf_file or source == "gguf":
+            read_in_place = is_direct(Path(summary["path"]))
+            where = (
+                "its tokenizer and settings in llmcli's cache"
+                if read_in_place
+                else "converted, in llmcli's cache"
+            )
         on_disk = f"{_bytes(disk['folder'])} {where}"
         if gguf_file is not None:
             on_disk = f"{_bytes(disk['gguf_file'])} the GGUF file · {on_disk}"
@@ -158,7 +166,7 @@ def show(
             f"architecture   {shape}",
             f"parameters     {parameters}",
             f"context        {summary['context_length']} tokens",
-            f"checkpoint     {_checkpoint(summary, source)}",
+            f"checkpoint     {_checkpoint(summary, source, read_in_place)}",
             f"on disk        {on_disk}",
             f"in memory      weights {_bytes(loaded['weight_bytes'])} as it loads here by default "
             f"({loaded['device']}, {loaded['dtype']}{quant_note})",
@@ -186,11 +194,13 @@ def _is_the_defaults_conversion(model: str) -> bool:
     return folder.resolve() == conversion_of(Path(default).resolve()).resolve()
 
 
-def _checkpoint(summary: dict[str, Any], source: str) -> str:
+def _checkpoint(summary: dict[str, Any], source: str, read_in_place: bool) -> str:
     """How the weights are stored: a GGUF file's type, a checkpoint's quantization, or neither."""
     if source == "gguf":
         kind = summary.get("gguf_type")
         stored = f"GGUF {kind}" if kind else "GGUF"
+        if read_in_place:
+            return f"{stored}, read from the file (4-bit blocks as int4 codes, wider blocks as int8)"
         return f"{stored}, converted to fp16 safetensors (4-bit blocks kept as int4 codes)"
     return summary["quantization"] or "not quantized"
 
@@ -284,7 +294,7 @@ def import_gguf(
         from llmcli.frontends import terminal
         from llmcli.models.gguf import converted_folder
 
-        with terminal.status(f"Converting {file.name}…"):
+        with terminal.status(f"Reading {file.name}…"):
             folder = converted_folder(file, name=name or file.stem)
         _print(f"Imported {file.name} as {name or file.stem} ({folder})")
 

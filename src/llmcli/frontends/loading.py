@@ -16,8 +16,11 @@ if TYPE_CHECKING:
     from llmcli.models.load import LoadedModel
 
 
-def announce_conversion(path: Path) -> None:
-    terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
+def announce_conversion(path: Path, read_in_place: bool) -> None:
+    if read_in_place:  # its tokenizer and settings: a few seconds, once
+        terminal.note(f"Reading {path.name}'s tokenizer and settings once into llmcli's cache…")
+    else:
+        terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
 
 
 def load_with_feedback(model_spec: str | None, settings: LoadSettings, lean: bool = False) -> LoadedModel:

@@ -21,7 +21,7 @@ from llmcli.models.memory import (
     estimate_weight_bytes,
     kv_bytes_per_token,
     native_mode,
-    safetensors_shapes,
+    weight_shapes,
 )
 
 
@@ -45,7 +45,7 @@ class ModelEntry:
 def describe_folder(folder: Path) -> dict[str, Any]:
     """Architecture, parameter count, context length and chat template, from the files alone."""
     config = _read_json(folder / "config.json")
-    shapes = safetensors_shapes(folder) if folder.is_dir() else {}
+    shapes = weight_shapes(folder) if folder.is_dir() else {}
     return {
         "architecture": (config.get("architectures") or [config.get("model_type")])[0],
         "parameters": sum(t.count for t in shapes.values()) or None,
@@ -182,7 +182,7 @@ def model_summary(folder: Path, name: str) -> dict[str, Any]:
     """What `models show` prints: the config's shape, template, generation defaults, memory."""
     config = _read_json(folder / "config.json")
     text = config.get("text_config") or config
-    shapes = safetensors_shapes(folder)
+    shapes = weight_shapes(folder)
     template_file = folder / "chat_template.jinja"
     template = (
         template_file.read_text()

@@ -1,19 +1,21 @@
-"""GGUF file → a Hugging Face folder in llmcli's cache, converted once.
+"""A GGUF file → the folder in llmcli's cache that stands for it, written once.
 
-transformers reads GGUF by dequantizing every tensor (15–20 s even for a 135M model), so the
-result is saved as safetensors and later loads take a fraction of a second. The cache key is a
-hash of the file's whole content, so a moved or copied file still hits and a changed one misses,
-whatever part of it changed. Hashing costs one read of the file (sha256 runs at ~2 GB/s here), so
-the hash is remembered beside the cache under the file's identity and times (inode, size, mtime
-and ctime: no write to a file leaves its ctime as it was) and the file is read again only when
-one of them changes.
+Files of the architectures llmcli's own engine runs are read in place (gguf_direct.py): the
+folder holds only their small parts (config, tokenizer), a few MB. Files of other architectures
+are converted by transformers, which reads GGUF by dequantizing every tensor (15–20 s even for a
+135M model), so the result is saved as safetensors and later loads take a fraction of a second.
 
-A conversion builds its folder under a hidden staging name and renames it into place when done.
-One that was killed leaves the staging folder behind: the next conversion removes such leftovers
-(those whose converter no longer holds their lock), as does `llmcli models rm`, and
-`llmcli models list` shows the space they hold.
-Weights are stored in fp16: GGUF block scales are fp16, so dequantized values lose next to
-nothing there, at half the disk of fp32.
+The cache key is a hash of the file's whole content, so a moved or copied file still hits and a
+changed one misses, whatever part of it changed. Hashing costs one read of the file (sha256 runs
+at ~2 GB/s here), so the hash is remembered beside the cache under the file's identity and times
+(inode, size, mtime and ctime: no write to a file leaves its ctime as it was) and the file is
+read again only when one of them changes.
+
+A folder is built under a hidden staging name and renamed into place when done. One that was
+killed leaves the staging folder behind: the next write removes such leftovers (those whose
+writer no longer holds their lock), as does `llmcli models rm`, and `llmcli models list` shows
+the space they hold. Converted weights are stored in fp16: GGUF block scales are fp16, so
+dequantized values lose next to nothing there, at half the disk of fp32.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
+import math
 import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock, Timeout
 
@@ -34,8 +40,11 @@ from llmcli.atomic import write_text_atomically
 from llmcli.config.paths import cache_dir, gguf_cache_dir
 from llmcli.errors import ModelLoadError
 
+if TYPE_CHECKING:
+    from llmcli.models.gguf_table import GGUFTable
+
 _DONE_MARKER = ".llmcli-converted"
-_NAME_FILE = ".llmcli-name"
+_NAME_FILE = ".llmcli-name"  # gguf_direct.NAME_FILE too
 _KIND_FILE = ".llmcli-weights"  # how the file stored its layers' weights: int4, int8 or float
 
 # GGUF's types by how many bits a weight keeps: 4-bit blocks go to int4 (their blocks of 32, with a
@@ -110,16 +119,23 @@ def folder_size(folder: Path) -> int:
 
 
 def converted_folder(
-    gguf_file: Path, *, on_convert: Callable[[Path], None] | None = None, name: str | None = None
+    gguf_file: Path, *, on_convert: Callable[[Path, bool], None] | None = None, name: str | None = None
 ) -> Path:
-    """The converted copy of `gguf_file`, made now if it does not exist yet. `name` (from
-    `models import --name`) is what -m will accept for it."""
+    """The folder in llmcli's cache that stands for `gguf_file`, written now if it does not exist
+    yet: the file's small parts where it is read in place (gguf_direct.py), else its converted
+    copy. `name` (from `models import --name`) is what -m will accept for it."""
+    from llmcli.models.gguf_direct import direct_folder, is_direct, reads_directly, source_of
     from llmcli.models.gguf_int4 import BLOCKS_FILE  # here: it imports numpy
+    from llmcli.models.gguf_table import read_table
 
     gguf_file = gguf_file.resolve()
     target = conversion_of(gguf_file)
-    if (target / _DONE_MARKER).is_file() and (target / BLOCKS_FILE).is_file() and not name:
-        return target  # the common case: converted before, nothing to write
+    if is_direct(target) and not name:
+        with contextlib.suppress(ModelLoadError):
+            if source_of(target) == gguf_file:
+                return target  # the common case: read before, nothing to write
+    elif _converted_for_transformers(target) and (target / BLOCKS_FILE).is_file() and not name:
+        return target  # converted before (an architecture transformers' path alone runs)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         lock = FileLock(target.parent / f".{target.name}.lock")
@@ -132,10 +148,21 @@ def converted_folder(
     # One converter at a time per file: processes started together wait for the first one's
     # conversion instead of each making (and replacing) their own under each other's feet.
     try:
-        if not (target / _DONE_MARKER).is_file():
-            kind = stored_weight_kind(gguf_file)  # reads the whole header: a damaged file is named now
+        table = read_table(gguf_file)  # the whole header: a damaged file is named now, in one line
+        if not _is_ready(target, table):
+            _clear_leftovers(target)
+        if reads_directly(table):
+            # Read in place: only its small parts are written (an older llmcli's whole converted
+            # copy of it, if one is here, is replaced by them).
+            if on_convert is not None and not is_direct(target):
+                on_convert(gguf_file, True)
+            direct_folder(gguf_file, target, table)
+            _mark_done(target, gguf_file)
+        elif not (target / _DONE_MARKER).is_file():
+            _check_transformers_reads(table)
+            kind = stored_weight_kind(gguf_file)
             if on_convert is not None:
-                on_convert(gguf_file)
+                on_convert(gguf_file, False)
             convert(gguf_file, target, kind)
         elif not (target / BLOCKS_FILE).is_file():  # written even when no tensor is 4-bit
             # A conversion by an older llmcli: add the int4 codes it lacks (a second or two, once).
@@ -148,6 +175,63 @@ def converted_folder(
     return target
 
 
+def _check_transformers_reads(table: GGUFTable) -> None:
+    """A file of an architecture llmcli does not read in place is converted by transformers:
+    one it has no mapping for is refused now, before the conversion starts."""
+    _require_gguf()
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from llmcli.models.gguf_direct import DIRECT_ARCHITECTURES
+
+    if table.architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{table.path}: its architecture {table.architecture!r} is one neither llmcli's engine "
+            "nor transformers runs",
+            f"llmcli reads {', '.join(sorted(DIRECT_ARCHITECTURES))} GGUF files itself, "
+            "and the others transformers reads",
+        )
+
+
+def _converted_for_transformers(folder: Path) -> bool:
+    """A whole conversion of a file llmcli does not read in place. (An older llmcli converted
+    every file: one it now reads in place is read again, and its copy replaced.)"""
+    from llmcli.models.gguf_direct import DIRECT_ARCHITECTURES
+
+    if not (folder / _DONE_MARKER).is_file():
+        return False
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return not set(architectures) & set(DIRECT_ARCHITECTURES.values())
+
+
+def _is_ready(target: Path, table: GGUFTable) -> bool:
+    """Whether `target` holds what this file needs already (read in place, or converted)."""
+    from llmcli.models.gguf_direct import is_direct, reads_directly
+
+    return is_direct(target) if reads_directly(table) else (target / _DONE_MARKER).is_file()
+
+
+def _clear_leftovers(target: Path) -> None:
+    """Before writing `target`: what killed writers left, of it (its lock is held here, so its
+    staging folders are a killed writer's) and of any other file."""
+    for folder in [f for f in target.parent.glob(f".{target.name}-*") if f.is_dir()]:
+        shutil.rmtree(folder, ignore_errors=True)
+    remove_leftovers()
+
+
+def _mark_done(folder: Path, gguf_file: Path) -> None:
+    """The marker every GGUF folder in the cache has (catalog.py lists them by it): its file."""
+    marker = folder / _DONE_MARKER
+    if not marker.is_file() or marker.read_text().strip() != str(gguf_file):
+        write_text_atomically(marker, f"{gguf_file}\n")
+
+
+def write_weight_kind(folder: Path, stored: str) -> None:
+    (folder / _KIND_FILE).write_text(stored + "\n")
+
+
 def convert(gguf_file: Path, target: Path, kind: str) -> None:
     """Dequantize through transformers and save as safetensors; atomic, so a crash leaves no half folder."""
     _require_gguf()
@@ -158,10 +242,6 @@ def convert(gguf_file: Path, target: Path, kind: str) -> None:
 
     quiet_libraries()
     target.parent.mkdir(parents=True, exist_ok=True)
-    own_leftovers = [f for f in target.parent.glob(f".{target.name}-*") if f.is_dir()]
-    for folder in own_leftovers:  # this conversion's lock is held here: these are a killed one's
-        shutil.rmtree(folder, ignore_errors=True)
-    remove_leftovers()
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         try:
@@ -205,8 +285,6 @@ def _require_gguf() -> None:
 def stored_weight_kind(gguf_file: Path) -> str:
     """int4, int8 or float: what most of the file's layer weights (blk.*, 2-D) are stored as,
     then GGUF's name for their type ("int4 Q4_1")."""
-    from collections import Counter
-
     _require_gguf()
     from gguf import GGUFReader
 
@@ -218,14 +296,22 @@ def stored_weight_kind(gguf_file: Path) -> str:
             f"{gguf_file} is not a readable GGUF file: cut short or damaged ({error})",
             "download it again, or check the file with llama.cpp's gguf-dump",
         ) from None
+    return kind_of_types(
+        (tensor.tensor_type.name, tuple(int(n) for n in tensor.shape))
+        for tensor in tensors
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2
+    )
+
+
+def kind_of_types(layer_weights: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """int4, int8 or float, then GGUF's type name ("int4 Q4_1"): what most of these layer
+    weights (type, shape) are stored as."""
     kinds: Counter[str] = Counter()
     types: Counter[str] = Counter()
-    for tensor in tensors:
-        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
-            name = tensor.tensor_type.name
-            kind = "int4" if name in _INT4_TYPES else "int8" if name in _INT8_TYPES else "float"
-            kinds[kind] += int(tensor.n_elements)
-            types[name] += int(tensor.n_elements)
+    for name, shape in layer_weights:
+        kind = "int4" if name in _INT4_TYPES else "int8" if name in _INT8_TYPES else "float"
+        kinds[kind] += math.prod(shape)
+        types[name] += math.prod(shape)
     if not kinds:
         return "float"
     return f"{kinds.most_common(1)[0][0]} {types.most_common(1)[0][0]}"

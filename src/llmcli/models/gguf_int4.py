@@ -90,9 +90,10 @@ def dequantize(codes: Any, scale: Any, zero: Any) -> Any:
     return (product + zero.to(torch.float32)[..., None]).view(out_features, in_features)
 
 
-def unpermute_rows(array: np.ndarray, heads: int) -> np.ndarray:
+def unpermute_rows(array: Any, heads: int) -> Any:
     """llama.cpp's converter interleaves the two rotary halves of each q/k head; transformers undoes
-    it on load, so the codes must follow the same rows."""
+    it on load, so the codes must follow the same rows. A numpy array or a torch tensor (a view
+    where it can be)."""
     half = array.shape[0] // heads // 2
     return array.reshape(heads, half, 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
 

@@ -20,6 +20,7 @@ from llmcli.models.lean_model import LEAN_ARCHITECTURES
 
 if TYPE_CHECKING:
     from llmcli.config.settings import LoadSettings
+    from llmcli.models.lean_model import TensorSource
     from llmcli.models.load import LoadedModel, LoadPlan
     from llmcli.models.resolve import ResolvedModel
 
@@ -50,16 +51,26 @@ def _asked_for_transformers(settings: LoadSettings) -> bool:
 
 
 def _exactly_coded(resolved: ResolvedModel, plan: LoadPlan) -> frozenset[str]:
-    """The linear layers a GGUF conversion's own 4-bit blocks will replace as they are (int4 on
-    the blocks' group, on a CPU, where every width takes int4): their bf16 copies are never read."""
-    from llmcli.models.gguf_int4 import blocks_of
+    """The linear layers a GGUF file's own 4-bit blocks will replace as they are (int4 on the
+    blocks' group, on a CPU, where every width takes int4): their bf16 copies are never read."""
+    from llmcli.models.load import exact_codes_of
 
     if resolved.source != "gguf" or plan.native_quant != "int4" or plan.device.type != "cpu":
         return frozenset()
-    blocks = blocks_of(resolved.path)
+    blocks = exact_codes_of(resolved.path)
     if blocks is None or blocks.group != plan.group:
         return frozenset()
     return frozenset(blocks.names)
+
+
+def _tensors(resolved: ResolvedModel, config: LeanConfig, plan: LoadPlan) -> TensorSource:
+    from llmcli.models.gguf_direct import GGUFTensors, is_direct
+    from llmcli.models.lean_model import Tensors
+
+    if is_direct(resolved.path):
+        heads = (config.num_attention_heads, config.num_key_value_heads)
+        return GGUFTensors(resolved.path, plan.dtype, plan.device, heads)
+    return Tensors(resolved.path, plan.dtype, plan.device)
 
 
 def _architecture(resolved: ResolvedModel) -> str:
@@ -77,6 +88,7 @@ def _architecture(resolved: ResolvedModel) -> str:
 def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     import torch
 
+    from llmcli.models.gguf_direct import is_direct
     from llmcli.models.lean_model import build, is_stand_in
     from llmcli.models.lean_tokenizer import LeanTokenizer
     from llmcli.models.load import (
@@ -89,7 +101,8 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     from llmcli.models.memory import kv_bytes_per_token, measured_weight_bytes
 
     folder = resolved.path
-    if not any(folder.glob("*.safetensors")) or not (folder / "tokenizer.json").is_file():
+    read_in_place = is_direct(folder)
+    if not (read_in_place or any(folder.glob("*.safetensors"))) or not (folder / "tokenizer.json").is_file():
         raise LeanUnsupported("a folder without safetensors weights and a tokenizer.json")
     tokenizer = LeanTokenizer(folder)  # before the weights: a refusal here costs nothing
     plan = plan_load(resolved, settings, quiet=False)
@@ -102,7 +115,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         raise LeanUnsupported("a model for several GPUs")
     config = LeanConfig(plan.config)
     try:
-        model = build(folder, config, plan.dtype, device, _exactly_coded(resolved, plan))
+        model = build(_tensors(resolved, config, plan), config, _exactly_coded(resolved, plan))
     except (KeyError, AttributeError, TypeError, ValueError) as error:
         # A config field missing or of another shape: transformers' path reads it, or says why.
         raise LeanUnsupported(f"its config.json as written ({type(error).__name__}: {error})") from None

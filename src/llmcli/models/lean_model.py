@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -110,19 +111,34 @@ class Tensors:
         shape = self._file_of(name).shape(name)
         return torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
 
+    def rope_factors(self) -> torch.Tensor | None:
+        return None  # a folder's config says its RoPE scaling itself
+
 
 def is_stand_in(tensor: torch.Tensor) -> bool:
     return tensor.numel() > 1 and not any(tensor.stride())
 
 
-def build(
-    folder: Path,
-    config: LeanConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    stand_ins: frozenset[str] = frozenset(),
-) -> LeanCausalLM:
-    """The model from `folder`'s safetensors, in `dtype` on `device`. `stand_ins`: linear layers
+class TensorSource(Protocol):
+    """Where the weights come from, by transformers' names: a folder's safetensors (`Tensors`),
+    or a GGUF file read in place (gguf_direct.GGUFTensors)."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def optional(self, name: str) -> torch.Tensor | None: ...
+
+    def stand_in(self, name: str) -> torch.Tensor: ...
+
+    def rope_factors(self) -> torch.Tensor | None: ...
+
+
+def build(tensors: TensorSource, config: LeanConfig, stand_ins: frozenset[str] = frozenset()) -> LeanCausalLM:
+    """The model from `tensors`, in their dtype on their device. `stand_ins`: linear layers
     (by module name) whose weights are never read, because exact codes will replace them (a GGUF
     file's 4-bit blocks): they get stand-ins of their shape (`is_stand_in`), which the quantizer
     replaces."""
@@ -131,7 +147,10 @@ def build(
     if config.hidden_act != "silu":
         raise LeanUnsupported(f"its activation {config.hidden_act!r}")
     inv_freq, scaling = rope_frequencies(config)
-    tensors = Tensors(folder, dtype, device)
+    factors = tensors.rope_factors()
+    if factors is not None:  # a GGUF file's Llama 3.1-style scaling, as llama.cpp applies it
+        inv_freq = inv_freq / factors.to(inv_freq.dtype)
+    device = tensors.device
     embed = tensors.get("model.embed_tokens.weight")
     body = nn.Module()
     body.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)  # no random init first

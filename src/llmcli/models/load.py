@@ -11,7 +11,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,18 +30,22 @@ from llmcli.models.memory import (
     measured_weight_bytes,
     native_mode,
     read_safetensors_header,
-    safetensors_shapes,
+    weight_shapes,
 )
 from llmcli.models.quant import (
     auto_quant,
     bitsandbytes_config,
     bitsandbytes_request,
     check_quant_request,
+    gguf_refusal,
     native_quant_kind,
     quant_label,
     silence_bitsandbytes,
 )
 from llmcli.models.resolve import ResolvedModel
+
+if TYPE_CHECKING:
+    from llmcli.models.quantized import ExactCodes
 
 
 @dataclass
@@ -172,7 +176,7 @@ def plan_context(
         b for b in (free_memory(device, offload=settings.offload), settings.max_memory) if b is not None
     ]
     budget = min(limits) if limits else None
-    shapes = safetensors_shapes(resolved.path)
+    shapes = weight_shapes(resolved.path)
     if budget is None or not shapes:
         return context, None
     dtype_bytes = dtype.itemsize
@@ -209,13 +213,13 @@ def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, s
     """How `-m` with `--quant quant` and no other flags would load this model here, without
     loading it: (device, dtype, quant label, estimated weight bytes) — the figures `models show`
     gives for this machine."""
-    from llmcli.models.memory import estimate_weight_bytes, native_mode, safetensors_shapes
+    from llmcli.models.memory import estimate_weight_bytes, native_mode, weight_shapes
 
     config = read_config(folder)
     device = choose_device("auto")
     planned, native, group = plan_quantization(LoadSettings(quant=quant), config, device, source, folder)
     dtype = torch.bfloat16 if native else choose_dtype("auto", device)
-    shapes = safetensors_shapes(folder)
+    shapes = weight_shapes(folder)
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if native:
         mode = native_mode(native, group, shapes)
@@ -354,6 +358,8 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
             return loaded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from llmcli.models.gguf_direct import gguf_transformers_model, is_direct
+
     plan = plan_load(resolved, settings)
     folder, config, device, dtype = resolved.path, plan.config, plan.device, plan.dtype
     settings, native_quant, group = plan.settings, plan.native_quant, plan.group
@@ -371,6 +377,9 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
             **placement(device, settings),
             **common,
         )
+        if is_direct(folder):  # a GGUF file read in place: no safetensors to read
+            refuse_for_gguf(settings, device, native_quant)
+            from_pretrained = functools.partial(gguf_transformers_model, folder, dtype, device)
         try:
             model, info = from_pretrained(attn_implementation="sdpa", output_loading_info=True)
         except ValueError as error:
@@ -430,12 +439,32 @@ def quantize_natively(model: Any, resolved: ResolvedModel, kind: str, group: int
     layers take the file's own 4-bit blocks, not a requantized fp16 copy."""
     from llmcli.models.quantized import quantize_model
 
-    exact = None
+    exact, wider = None, frozenset()
     if resolved.source == "gguf" and kind == "int4":
-        from llmcli.models.gguf_int4 import blocks_of
+        exact = exact_codes_of(resolved.path)
+        wider = getattr(exact, "wider", frozenset())
+    return quantize_model(model, kind, group, exact, wider)
 
-        exact = blocks_of(resolved.path)
-    return quantize_model(model, kind, group, exact)
+
+def refuse_for_gguf(settings: LoadSettings, device: torch.device, native_quant: str | None) -> None:
+    """What a GGUF file read in place cannot be loaded with through transformers' path, refused
+    rather than dropped: bitsandbytes quantization and weights spread by accelerate."""
+    if native_quant is None and bitsandbytes_request(settings.quant, settings.quant_type)[0] != "none":
+        raise gguf_refusal(settings.quant)
+    if placement(device, settings).get("device_map") == "auto":
+        raise UsageError(
+            "a GGUF file loads onto one device: --offload and several GPUs are for safetensors models",
+            "pass --device cuda:0, or drop --offload",
+        )
+
+
+def exact_codes_of(folder: Path) -> ExactCodes | None:
+    """A GGUF file's 4-bit blocks as int4 codes: read from the file itself where it is read in
+    place, else from those written beside an older conversion."""
+    from llmcli.models.gguf_direct import GGUFCodes, is_direct
+    from llmcli.models.gguf_int4 import blocks_of
+
+    return GGUFCodes.of(folder) if is_direct(folder) else blocks_of(folder)
 
 
 def _dequantized_mxfp4(model: Any, config: dict[str, Any]) -> bool:
@@ -530,7 +559,7 @@ def out_of_memory_error(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     free = free_memory(device)
-    shapes = safetensors_shapes(resolved.path)
+    shapes = weight_shapes(resolved.path)
     dtype_bytes = dtype.itemsize
     needed = estimate_weight_bytes(
         shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant

@@ -126,9 +126,14 @@ class TensorHeader:
         return count
 
 
-def safetensors_shapes(folder: Path) -> dict[str, TensorHeader]:
-    """Tensor name → shape and stored element size, from the headers of every *.safetensors file
-    (no weights are read)."""
+def weight_shapes(folder: Path) -> dict[str, TensorHeader]:
+    """Tensor name → shape and stored element size, from the headers of every *.safetensors file,
+    or of the GGUF file a folder reads in place (gguf_direct.py; its blocks counted as 2 bytes a
+    weight, the 16-bit width they are estimated against). No weights are read."""
+    from llmcli.models.gguf_direct import is_direct, table_shapes
+
+    if is_direct(folder):
+        return {name: TensorHeader(list(shape), size) for name, (shape, size) in table_shapes(folder).items()}
     tensors: dict[str, TensorHeader] = {}
     for file in sorted(folder.glob("*.safetensors")):
         header = read_safetensors_header(file)

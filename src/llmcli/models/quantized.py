@@ -196,14 +196,20 @@ class QuantizedSlice(torch.nn.Module):
 
 
 def quantize_model(
-    model: torch.nn.Module, kind: str, group: int | None = None, exact: ExactCodes | None = None
+    model: torch.nn.Module,
+    kind: str,
+    group: int | None = None,
+    exact: ExactCodes | None = None,
+    wider: frozenset[str] = frozenset(),
 ) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
     peak is the model plus one layer). q/k/v and gate/up become one matrix each (see
     FUSED_PROJECTIONS). The output head always goes to int8: it is the largest single matrix,
     and the one the next token's choice is most sensitive to. `group`: int4's group size
     (default: the largest preferred one that fits). `exact`: int4 codes to use as they are, by
-    module name, instead of quantizing the weights (a GGUF file's 4-bit blocks). Returns the label."""
+    module name, instead of quantizing the weights (a GGUF file's 4-bit blocks). `wider`: layers
+    int8 holds even when `kind` is int4 (a GGUF file's layers of more than 4 bits; their fused
+    siblings are not fused with them). Returns the label."""
     if kind == "int4" and group is None:
         group = int4_group(model)
     group = group or 0
@@ -214,7 +220,7 @@ def quantize_model(
     def quantized(
         names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
     ) -> QuantizedLinear:
-        if kind == "int8" or is_head or not _tinygemm_fits(weight):
+        if kind == "int8" or is_head or not _tinygemm_fits(weight) or any(name in wider for name in names):
             layer = QuantizedLinear.int8(weight, bias)
         elif exact is not None and group == exact.group and all(name in exact for name in names):
             parts = [exact.get(name) for name in names]
@@ -232,6 +238,8 @@ def quantize_model(
                 continue
             if len({part.in_features for part in parts}) != 1:
                 continue
+            if len({f"{module_name}.{name}" in wider for name in names}) > 1:
+                continue  # int4 and int8 parts: each quantized as it is, run in turn
             weight = torch.cat([part.weight.detach() for part in parts])
             bias = None
             if any(part.bias is not None for part in parts):

@@ -126,11 +126,12 @@ def resolve_model(
     spec: str | None,
     *,
     allow_pickle: bool = False,
-    on_convert: Callable[[Path], None] | None = None,
+    on_convert: Callable[[Path, bool], None] | None = None,
 ) -> ResolvedModel:
     """Find the model's files, fetching or converting them if needed.
 
-    `on_convert` is called before a GGUF file is converted, to tell the user why this run is slow.
+    `on_convert` is called before a GGUF file is converted or first read (its second argument:
+    read in place, not converted), to tell the user why this run is slow.
     """
     spec = expand_default_alias(spec) or default_model_spec()
     path = Path(spec).expanduser()
@@ -308,7 +309,9 @@ def _offline_hint(repo_id: str, otherwise: str) -> str:
     return f"models here with a similar name: {', '.join(close)}; or {otherwise}" if close else otherwise
 
 
-def find_local(spec: str, on_convert: Callable[[Path], None] | None = None) -> tuple[Path, str, Path | None]:
+def find_local(
+    spec: str, on_convert: Callable[[Path, bool], None] | None = None
+) -> tuple[Path, str, Path | None]:
     """A model that is here already, never downloaded (a .gguf file is converted once): its
     folder, its source (gguf, folder or hub) and the GGUF file it came from, if any."""
     path = Path(spec).expanduser()

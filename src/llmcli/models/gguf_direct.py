@@ -1,0 +1,412 @@
+"""A GGUF file read as it is: its tensors straight from the file, nothing converted on disk.
+
+For the architectures the native engine runs (llama.cpp's `llama`, which Mistral's files use
+too, `qwen2` and `qwen3`), a GGUF file's small parts are written once beside its fingerprint in
+llmcli's cache — config.json (from the file's metadata), the tokenizer and chat template
+(transformers' own GGUF tokenizer conversion, once), and a note of where the file is — and its
+weights are read from the file itself at every load:
+
+- F32, F16 and BF16 tensors as they are;
+- Q4_0, Q4_1 and Q4_K tensors as int4 codes on groups of 32, the file's own blocks
+  (gguf_int4.py: bit-equal to gguf's dequantization);
+- every other type through gguf's own dequantization, to the model's width, then llmcli's int8
+  (measured: torch's int8 kernel runs 2–4× faster than an exact block kernel in numba here; see
+  docs/benchmarks.md).
+
+Before this, every GGUF file was converted by transformers into an fp16 copy in the cache
+(about 30 s and 2-4× the file's size, measured on the demo); other architectures still are
+(gguf.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from llmcli.atomic import write_text_atomically
+from llmcli.errors import ModelLoadError
+from llmcli.models.gguf_int4 import unpermute_rows
+from llmcli.models.gguf_table import GGUFTable, TableEntry, read_table
+
+if TYPE_CHECKING:
+    import torch
+
+# llama.cpp's architecture name → the transformers class the lean model stands in for.
+DIRECT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SOURCE_FILE = ".llmcli-gguf"  # the GGUF file's path, in a folder read directly
+NAME_FILE = ".llmcli-name"  # as gguf.py names it: the name `models import --name` gave
+EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+# The block types gguf's own dequantization reads (gguf 0.19; tests hold it to this list):
+# every type llama.cpp's quantizer writes. The others GGUF defines (integer tensors, F64, and
+# the Q8_1/Q8_K types llama.cpp keeps for activations) are refused, in one line naming them.
+DEQUANTIZED_TYPES = (
+    "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
+)  # fmt: skip
+READABLE_TYPES = (*sorted(FLOAT_TYPES), *sorted(EXACT_INT4_TYPES), *DEQUANTIZED_TYPES)
+# llama.cpp's converter interleaves the two rotary halves of each q and k head of a `llama` file
+# (its RoPE pairs neighbours); transformers' layout pairs halves, so those rows are put back.
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1-style scaling, stored as the divisors of inv_freq
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """transformers' name for a GGUF tensor (blk.3.attn_q.weight → model.layers.3.self_attn
+    .q_proj.weight); None for one the Llama layout has no place for."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 1 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{suffix}"
+    return None
+
+
+def reads_directly(table: GGUFTable) -> bool:
+    """Whether the file is read in place: an architecture the lean model builds, every tensor of
+    a type read here (one that is not is refused now, naming it)."""
+    if table.architecture not in DIRECT_ARCHITECTURES:
+        return False
+    for entry in table.tensors.values():
+        if entry.type_name not in READABLE_TYPES:
+            raise ModelLoadError(
+                f"{table.path}: tensor {entry.name} is of type {entry.type_name}, which llmcli cannot read",
+                f"llmcli reads {', '.join(READABLE_TYPES)}",
+            )
+    return True
+
+
+def config_of(table: GGUFTable) -> dict[str, Any]:
+    """config.json for the file, from its metadata: the fields the lean model reads."""
+    arch, meta = table.architecture, table.metadata
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    embed = table.tensors.get("token_embd.weight")
+    vocab = int(key("vocab_size") or (embed.shape[0] if embed else meta.get("tokenizer.ggml.tokens", 0)))
+    config: dict[str, Any] = {
+        "architectures": [DIRECT_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in table.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in table.tensors,
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling = key("rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": str(scaling)}  # the lean model refuses it by name
+    return config
+
+
+# The sampling values a file's author wrote into its metadata (llama.cpp reads them as its
+# defaults), in generation_config.json's names, which llmcli's sampling defaults read.
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def generation_config_of(table: GGUFTable) -> dict[str, Any]:
+    """generation_config.json for the file: its end-of-sequence token and sampling defaults."""
+    meta = table.metadata
+    generation: dict[str, Any] = {}
+    for key, name in _SAMPLING_KEYS.items():
+        value = meta.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            # Stored as float32: 0.9 comes back as 0.8999999761581421, written as the 0.9 meant.
+            generation[name] = float(f"{value:.7g}") if isinstance(value, float) else value
+    if meta.get("tokenizer.ggml.eos_token_id") is not None:
+        generation["eos_token_id"] = meta["tokenizer.ggml.eos_token_id"]
+    return generation
+
+
+def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
+    """`target` holding the file's small parts, written now if they are not there yet (a few
+    seconds, once: the tokenizer). The caller holds the conversion lock of `target`."""
+    if (target / SOURCE_FILE).is_file():
+        if _source_of(target) != gguf_file:  # the same content, moved or copied: follow it
+            write_text_atomically(target / SOURCE_FILE, f"{gguf_file}\n")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(config_of(table), indent=2) + "\n")
+        generation = generation_config_of(table)
+        if generation:
+            (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        _save_tokenizer(gguf_file, staging)
+        from llmcli.models.gguf import write_weight_kind
+
+        write_weight_kind(staging, _stored_kind(table))
+        (staging / SOURCE_FILE).write_text(f"{gguf_file}\n")
+        kept_name = target / NAME_FILE  # an older llmcli's converted copy, imported under a name
+        if kept_name.is_file():
+            shutil.copy(kept_name, staging / NAME_FILE)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _save_tokenizer(gguf_file: Path, folder: Path) -> None:
+    """transformers' conversion of the file's tokenizer (its vocabulary, merges, pre-tokenizer and
+    special tokens as llama.cpp recorded them), saved once: the only step that needs it."""
+    from transformers import AutoTokenizer
+
+    from llmcli.models.load import quiet_libraries
+
+    quiet_libraries()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    except (ValueError, KeyError, IndexError, OSError, RuntimeError) as error:
+        raise ModelLoadError(f"cannot read the tokenizer of {gguf_file.name}: {error}") from error
+    tokenizer.save_pretrained(folder)
+
+
+def _stored_kind(table: GGUFTable) -> str:
+    from llmcli.models.gguf import kind_of_types
+
+    return kind_of_types(
+        (entry.type_name, entry.shape)
+        for entry in table.tensors.values()
+        if entry.name.startswith("blk.") and len(entry.shape) == 2
+    )
+
+
+def _source_of(folder: Path) -> Path | None:
+    with contextlib.suppress(OSError):
+        return Path((folder / SOURCE_FILE).read_text().strip())
+    return None
+
+
+def is_direct(folder: Path) -> bool:
+    return (folder / SOURCE_FILE).is_file()
+
+
+def source_of(folder: Path) -> Path:
+    """The GGUF file a directly read folder stands for, checked to be there still."""
+    source = _source_of(folder)
+    if source is None or not source.is_file():
+        raise ModelLoadError(
+            f"the GGUF file behind {folder.name} is gone ({source})",
+            "pass the .gguf file with -m again, or `llmcli models import` it where it is now",
+        )
+    return source
+
+
+def table_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """transformers' name → (shape, bytes a value as stored, 2 for blocks) of the file's tensors;
+    empty where the file cannot be read (the load says why)."""
+    widths = {"F32": 4, "F16": 2, "BF16": 2}
+    try:
+        table = read_table(source_of(folder))
+    except ModelLoadError:
+        return {}
+    return {
+        name: (entry.shape, widths.get(entry.type_name, 2))
+        for entry in table.tensors.values()
+        if (name := hf_name(entry.name))
+    }
+
+
+class GGUFTensors:
+    """The file's tensors by transformers' name, each read when asked for, in the lean model's
+    dtype on its device (the same calls as lean_model.Tensors)."""
+
+    def __init__(
+        self, folder: Path, dtype: torch.dtype, device: torch.device, heads: tuple[int, int]
+    ) -> None:
+        self.dtype, self.device = dtype, device
+        self.path = source_of(folder)
+        self.table = read_table(self.path)
+        self._by_name = {hf: entry for entry in self.table.tensors.values() if (hf := hf_name(entry.name))}
+        # Copy-on-write: torch takes a writable array; nothing is ever written through it.
+        self._file = np.memmap(self.path, dtype=np.uint8, mode="c")
+        self._permuted = self.table.architecture in _PERMUTED_ARCHITECTURES
+        self._heads = {"q_proj": heads[0], "k_proj": heads[1]}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def entry(self, name: str) -> TableEntry:
+        from llmcli.models.lean_config import DamagedCheckpoint
+
+        entry = self._by_name.get(name)
+        if entry is None:
+            raise DamagedCheckpoint(f"a GGUF file without the tensor for {name}")
+        return entry
+
+    def raw(self, entry: TableEntry) -> np.ndarray:
+        return self._file[entry.start : entry.start + entry.nbytes]
+
+    def rows_heads(self, name: str) -> int | None:
+        """The heads whose rows llama.cpp interleaved in this tensor, if it did."""
+        if not self._permuted:
+            return None
+        projection = name.rsplit(".", 2)[-2]
+        return self._heads.get(projection)
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self.entry(name)
+        tensor = _values(self.raw(entry), entry)
+        heads = self.rows_heads(name)
+        if heads is not None:
+            tensor = unpermute_rows(tensor, heads).contiguous()
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self else None
+
+    def stand_in(self, name: str) -> torch.Tensor:
+        import torch
+
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.entry(name).shape)
+
+    def rope_factors(self) -> torch.Tensor | None:
+        entry = self.table.tensors.get(ROPE_FACTORS)
+        return None if entry is None else _values(self.raw(entry), entry).float()
+
+    def linears_of(self, types: frozenset[str], inverted: bool = False) -> frozenset[str]:
+        """The matrices (by module name) stored in one of `types` (in none of them: `inverted`)."""
+        return frozenset(
+            name.removesuffix(".weight")
+            for name, entry in self._by_name.items()
+            if name.endswith(".weight") and len(entry.shape) == 2 and (entry.type_name in types) != inverted
+        )
+
+
+class GGUFCodes:
+    """The file's Q4_0, Q4_1 and Q4_K matrices as int4 codes (models/quantized.py's ExactCodes).
+    `wider`: the matrices of other quantized types (5 to 8 bits, and the 2-, 3- and non-linear
+    4-bit ones), which int8 holds, even in a model of int4 layers: int4 would requantize them
+    onto a coarser grid than the file's."""
+
+    group = 32
+
+    def __init__(self, tensors: GGUFTensors) -> None:
+        self._tensors = tensors
+        self.names = tensors.linears_of(EXACT_INT4_TYPES)
+        self.wider = tensors.linears_of(EXACT_INT4_TYPES | FLOAT_TYPES, inverted=True) - {
+            "model.embed_tokens"
+        }
+
+    @classmethod
+    def of(cls, folder: Path) -> GGUFCodes:
+        import torch
+
+        config = json.loads((folder / "config.json").read_text())
+        heads = (
+            config["num_attention_heads"],
+            config.get("num_key_value_heads") or config["num_attention_heads"],
+        )
+        return cls(GGUFTensors(folder, torch.float32, torch.device("cpu"), heads))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def get(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        import torch
+
+        from llmcli.models.gguf_int4 import codes_of
+
+        weight = f"{name}.weight"
+        entry = self._tensors.entry(weight)
+        out_features, in_features = entry.shape
+        parts = codes_of(self._tensors.raw(entry), entry.type_name, out_features, in_features)
+        heads = self._tensors.rows_heads(weight)
+        if heads is not None:
+            parts = tuple(unpermute_rows(part, heads) for part in parts)
+        codes, scale, zero = (torch.from_numpy(np.ascontiguousarray(part)) for part in parts)
+        return codes.to(torch.int32), scale, zero
+
+
+def _values(raw: np.ndarray, entry: TableEntry) -> torch.Tensor:
+    """The tensor's values: floats as stored (a view of the file where no copy is needed), other
+    types through gguf's own dequantization, in fp32."""
+    import torch
+
+    floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if entry.type_name in floats:
+        return torch.from_numpy(raw).view(floats[entry.type_name]).view(entry.shape)
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(raw, GGMLQuantizationType[entry.type_name])
+    return torch.from_numpy(values.reshape(entry.shape).astype("float32", copy=False))
+
+
+def gguf_transformers_model(
+    folder: Path, dtype: torch.dtype, device: torch.device, **kwargs: Any
+) -> tuple[Any, dict[str, Any]]:
+    """transformers' model of a file read in place, for what only transformers' path runs (beam
+    search, `--engine transformers`): built from the config, its weights read as the lean
+    model's are. `kwargs`: from_pretrained's `attn_implementation` and `output_loading_info`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    heads = (config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads)
+    tensors = GGUFTensors(folder, dtype, device, heads)
+    if tensors.rope_factors() is not None:
+        raise ModelLoadError(
+            f"{tensors.path.name} scales RoPE by stored factors (as Llama 3.1 does), "
+            "which only llmcli's own engine reads",
+            "drop --engine transformers (beam search runs on transformers: use sampling or greedy)",
+        )
+    torch.manual_seed(0)  # the values are overwritten; a fixed seed keeps the load repeatable
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=kwargs.get("attn_implementation")
+        )
+    wanted = model.state_dict()
+    state = {name: tensors.get(name) for name in wanted if name in tensors}
+    result = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    missing = [
+        name for name in result.missing_keys if not (config.tie_word_embeddings and name == "lm_head.weight")
+    ]
+    return model, {"missing_keys": missing, "mismatched_keys": []}
