@@ -31,7 +31,7 @@ def rewrite_gguf(
     new = architecture or old
     writer = gguf.GGUFWriter(str(target), new)
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name == "general.architecture" or name in (metadata or {}):
             continue
         key = new + name[len(old) :] if name.startswith(old + ".") else name
         kind = field.types[0]

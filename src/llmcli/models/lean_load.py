@@ -115,7 +115,8 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         raise LeanUnsupported("a model for several GPUs")
     config = LeanConfig(plan.config)
     try:
-        model = build(_tensors(resolved, config, plan), config, _exactly_coded(resolved, plan))
+        packed = plan.native_quant is not None and device.type == "cpu"
+        model = build(_tensors(resolved, config, plan), config, _exactly_coded(resolved, plan), packed)
     except (KeyError, AttributeError, TypeError, ValueError) as error:
         # A config field missing or of another shape: transformers' path reads it, or says why.
         raise LeanUnsupported(f"its config.json as written ({type(error).__name__}: {error})") from None

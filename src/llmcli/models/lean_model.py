@@ -63,13 +63,14 @@ class LeanCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> nn.Module:
+        """An nn.Embedding, or a GGUF file's table kept in its blocks (gguf_embedding.py)."""
         return self.model.embed_tokens
 
     def get_output_embeddings(self) -> nn.Module:
@@ -111,6 +112,9 @@ class Tensors:
         shape = self._file_of(name).shape(name)
         return torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
 
+    def embedding(self, name: str, packed: bool) -> nn.Module:
+        return nn.Embedding.from_pretrained(self.get(name), freeze=True)  # no random init first
+
     def rope_factors(self) -> torch.Tensor | None:
         return None  # a folder's config says its RoPE scaling itself
 
@@ -134,14 +138,21 @@ class TensorSource(Protocol):
 
     def stand_in(self, name: str) -> torch.Tensor: ...
 
+    def embedding(self, name: str, packed: bool) -> nn.Module:
+        """The embedding's module; `packed`: the model's layers are quantized on a CPU, where
+        a quantized table may stay in its own blocks."""
+        ...
+
     def rope_factors(self) -> torch.Tensor | None: ...
 
 
-def build(tensors: TensorSource, config: LeanConfig, stand_ins: frozenset[str] = frozenset()) -> LeanCausalLM:
+def build(
+    tensors: TensorSource, config: LeanConfig, stand_ins: frozenset[str] = frozenset(), packed: bool = False
+) -> LeanCausalLM:
     """The model from `tensors`, in their dtype on their device. `stand_ins`: linear layers
     (by module name) whose weights are never read, because exact codes will replace them (a GGUF
     file's 4-bit blocks): they get stand-ins of their shape (`is_stand_in`), which the quantizer
-    replaces."""
+    replaces. `packed`: the quantizer will run, on a CPU (TensorSource.embedding)."""
     if config.architectures[0] not in LEAN_ARCHITECTURES:
         raise LeanUnsupported(f"its architecture {config.architectures[0]}")
     if config.hidden_act != "silu":
@@ -151,19 +162,22 @@ def build(tensors: TensorSource, config: LeanConfig, stand_ins: frozenset[str] =
     if factors is not None:  # a GGUF file's Llama 3.1-style scaling, as llama.cpp applies it
         inv_freq = inv_freq / factors.to(inv_freq.dtype)
     device = tensors.device
-    embed = tensors.get("model.embed_tokens.weight")
+    embed_name = "model.embed_tokens.weight"
     body = nn.Module()
-    body.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)  # no random init first
+    body.embed_tokens = tensors.embedding(embed_name, packed)
     body.layers = nn.ModuleList(
         _layer(tensors, f"model.layers.{i}", stand_ins) for i in range(config.num_hidden_layers)
     )
     body.norm = Norm(tensors.get("model.norm.weight"))
     body.rotary_emb = Rotary(inv_freq.to(device), scaling)
-    if config.tie_word_embeddings:
-        lm_head = _linear(embed, None)
-        lm_head.weight = body.embed_tokens.weight  # one tensor, as transformers ties them
-    else:  # absent, it is refused: transformers' path names the missing tensor
-        lm_head = _linear(tensors.get("lm_head.weight"), None)
+    head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
+    if "lm_head" in stand_ins:  # exact codes replace it: never read
+        lm_head = _linear(tensors.stand_in(head_name), None)
+    elif config.tie_word_embeddings and isinstance(body.embed_tokens, nn.Embedding):
+        lm_head = _linear(body.embed_tokens.weight, None)  # one tensor, as transformers ties them
+    else:  # a tied table kept packed is read again for the head (which the quantizer replaces);
+        # an untied head that is absent is refused: transformers' path names the missing tensor
+        lm_head = _linear(tensors.get(head_name), None)
     return LeanCausalLM(config, body, lm_head)
 
 

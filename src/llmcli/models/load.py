@@ -219,6 +219,8 @@ def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, s
     device = choose_device("auto")
     planned, native, group = plan_quantization(LoadSettings(quant=quant), config, device, source, folder)
     dtype = torch.bfloat16 if native else choose_dtype("auto", device)
+    if source == "gguf" and not native:  # as plan_load settles it
+        dtype = _gguf_float_dtype(folder, device) or dtype
     shapes = weight_shapes(folder)
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if native:
@@ -231,7 +233,8 @@ def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, s
         label = mode.removeprefix("native-")
     else:
         label = (stored or "none") if mode in ("none", "stored") else mode
-    return device.type, DTYPE_NAMES[dtype], label, estimate_weight_bytes(shapes, dtype.itemsize, mode)
+    weight_bytes = estimate_weight_bytes(shapes, dtype.itemsize, mode, device_type=device.type)
+    return device.type, DTYPE_NAMES[dtype], label, weight_bytes
 
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
@@ -562,7 +565,7 @@ def out_of_memory_error(
     shapes = weight_shapes(resolved.path)
     dtype_bytes = dtype.itemsize
     needed = estimate_weight_bytes(
-        shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant
+        shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant, device.type
     )
     stronger = {"none": "--quant int8 or --quant int4, ", "int8": "--quant int4, "}.get(settings.quant, "")
     return LlmcliError(

@@ -117,6 +117,9 @@ _ITEMSIZE = {
 class TensorHeader:
     shape: list[int]
     itemsize: int  # bytes per element as stored in the file
+    # A GGUF file read in place (gguf_direct.py): the tensor's type there, and its bytes.
+    gguf_type: str | None = None
+    gguf_bytes: int = 0
 
     @property
     def count(self) -> int:
@@ -133,7 +136,7 @@ def weight_shapes(folder: Path) -> dict[str, TensorHeader]:
     from llmcli.models.gguf_direct import is_direct, table_shapes
 
     if is_direct(folder):
-        return {name: TensorHeader(list(shape), size) for name, (shape, size) in table_shapes(folder).items()}
+        return table_shapes(folder)
     tensors: dict[str, TensorHeader] = {}
     for file in sorted(folder.glob("*.safetensors")):
         header = read_safetensors_header(file)
@@ -200,35 +203,54 @@ def _is_native_linear(name: str, shape: list[int]) -> bool:
     return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("lm_head.weight"))
 
 
-def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str) -> float:
+def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str, device_type: str) -> float:
     """llmcli's int8 (a byte per weight and a scale per row) and int4 (half a byte per weight and
-    a scale and a zero per group) for the linear layers; the output head always int8, and its own
-    copy when it was tied to the embedding; everything else in the load dtype."""
+    a scale and a zero per group) for the linear layers; the output head int8, and its own copy
+    when it was tied to the embedding; everything else in the load dtype. A GGUF file read in
+    place holds its own types: its 4-bit blocks int4 (the head's too), its other quantized
+    matrices int8, and on a CPU a quantized embedding in its blocks (gguf_direct.py)."""
     group = int(mode.rpartition("-g")[2]) if "int4" in mode else 0
+
+    def linear_bytes(tensor: TensorHeader, is_head: bool) -> float:
+        coded = tensor.gguf_type in _GGUF_INT4_TYPES  # the file's own 4-bit codes, even the head's
+        quantized_here = tensor.gguf_type in _FLOATS and not is_head
+        if group and tensor.shape[1] % group == 0 and (coded or quantized_here):
+            return tensor.count / 2 + tensor.count / group * 2 * dtype_bytes
+        return tensor.count + tensor.shape[0] * dtype_bytes
+
     total = 0.0
     for name, tensor in tensors.items():
-        rows = tensor.shape[0] if tensor.shape else 0
-        if not _is_native_linear(name, tensor.shape):
-            total += tensor.count * dtype_bytes
-        elif group and not name.endswith("lm_head.weight") and tensor.shape[1] % group == 0:
-            total += tensor.count / 2 + tensor.count / group * 2 * dtype_bytes
+        if _is_native_linear(name, tensor.shape):
+            total += linear_bytes(tensor, name.endswith("lm_head.weight"))
+        elif (
+            name.endswith("embed_tokens.weight") and device_type == "cpu" and tensor.gguf_type not in _FLOATS
+        ):
+            total += tensor.gguf_bytes  # kept in the file's blocks
         else:
-            total += tensor.count + rows * dtype_bytes
+            total += tensor.count * dtype_bytes
     if not any(name.endswith("lm_head.weight") for name in tensors):
         embedding = next((t for name, t in tensors.items() if name.endswith("embed_tokens.weight")), None)
-        if embedding is not None:  # tied: the head becomes an int8 matrix of its own
-            total += embedding.count + embedding.shape[0] * dtype_bytes
+        if embedding is not None:  # tied: the head becomes a matrix of its own
+            total += linear_bytes(embedding, True)
     return total
 
 
+_GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # read as int4 codes (gguf_direct.py)
+_FLOATS = frozenset({None, "F32", "F16", "BF16"})
+
+
 def estimate_weight_bytes(
-    tensors: dict[str, TensorHeader], dtype_bytes: int, quant: str, double_quant: bool = True
+    tensors: dict[str, TensorHeader],
+    dtype_bytes: int,
+    quant: str,
+    double_quant: bool = True,
+    device_type: str = "cpu",
 ) -> int:
     """Bytes the weights will take once loaded. `quant` "stored" means as they are in the files
     (a checkpoint that comes quantized loads as it is); "native-…" llmcli's own formats (see
     native_mode); int8/int4 bitsandbytes'."""
     if quant.startswith("native-"):
-        return int(_native_bytes(tensors, dtype_bytes, quant))
+        return int(_native_bytes(tensors, dtype_bytes, quant, device_type))
     total = 0.0
     for name, tensor in tensors.items():
         count = tensor.count
@@ -270,7 +292,10 @@ def fits(request: FitRequest) -> tuple[int, str | None]:
     A context the user did not ask for is lowered to what fits; one they asked for is not.
     """
     budget = int(request.budget * (1 - _HEADROOM))
-    weights = estimate_weight_bytes(request.shapes, request.dtype_bytes, request.quant, request.double_quant)
+    device_type = request.device.split(":")[0]
+    weights = estimate_weight_bytes(
+        request.shapes, request.dtype_bytes, request.quant, request.double_quant, device_type
+    )
     kv = request.kv_per_token * request.context
     if weights + kv <= budget:
         return request.context, None

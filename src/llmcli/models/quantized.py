@@ -204,28 +204,30 @@ def quantize_model(
 ) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
     peak is the model plus one layer). q/k/v and gate/up become one matrix each (see
-    FUSED_PROJECTIONS). The output head always goes to int8: it is the largest single matrix,
-    and the one the next token's choice is most sensitive to. `group`: int4's group size
-    (default: the largest preferred one that fits). `exact`: int4 codes to use as they are, by
-    module name, instead of quantizing the weights (a GGUF file's 4-bit blocks). `wider`: layers
+    FUSED_PROJECTIONS). The output head goes to int8 (it is the largest single matrix, and the
+    one the next token's choice is most sensitive to) unless `exact` holds its own codes.
+    `group`: int4's group size (default: the largest preferred one that fits). `exact`: int4
+    codes to use as they are, by module name, instead of quantizing the weights (a GGUF file's
+    4-bit blocks). `wider`: layers
     int8 holds even when `kind` is int4 (a GGUF file's layers of more than 4 bits; their fused
     siblings are not fused with them). Returns the label."""
     if kind == "int4" and group is None:
         group = int4_group(model)
     group = group or 0
     head = model.get_output_embeddings()
-    device = model.get_input_embeddings().weight.device  # where the exact codes go
+    device = next(model.parameters()).device  # where the exact codes go
     kinds = set()
 
     def quantized(
         names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
     ) -> QuantizedLinear:
-        if kind == "int8" or is_head or not _tinygemm_fits(weight) or any(name in wider for name in names):
-            layer = QuantizedLinear.int8(weight, bias)
-        elif exact is not None and group == exact.group and all(name in exact for name in names):
+        coded = exact is not None and group == exact.group and all(name in exact for name in names)
+        if coded and kind == "int4" and _tinygemm_fits(weight):  # the file's own codes, the head's too
             parts = [exact.get(name) for name in names]
             codes, scales, zeros = (torch.cat(part).to(device) for part in zip(*parts, strict=True))
             layer = QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype)
+        elif kind == "int8" or is_head or not _tinygemm_fits(weight) or any(name in wider for name in names):
+            layer = QuantizedLinear.int8(weight, bias)
         else:
             layer = QuantizedLinear.int4(weight, bias, group)
         kinds.add(layer.kind)

@@ -94,7 +94,8 @@ class Transformer:
         ropes = {"global": self.rope(plan.positions)}
         if self.local_rope is not None:
             ropes["local"] = self.rope(plan.positions, self.local_rope)
-        h = F.embedding(tokens, self.embedding)
+        embedding = self.embedding
+        h = F.embedding(tokens, embedding) if isinstance(embedding, torch.Tensor) else embedding.rows(tokens)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         h = h.to(self.residual_dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -40,10 +40,21 @@ class Block:
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class RowLookup(Protocol):
+    """An embedding held in a packed form (a GGUF file's blocks), whose rows are read on demand:
+    the forward calls `rows` where a tensor would be indexed."""
+
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple[int, int]  # [vocabulary, hidden], as the tensor's
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class Weights:
     shape: Shape
-    embedding: torch.Tensor
+    embedding: torch.Tensor | RowLookup
     blocks: list[Block]
     norm: Layer
     output: Layer

@@ -88,10 +88,14 @@ def weights(
     )
     body = model.model
     windows = layer_windows(config)
-    dtype = body.embed_tokens.weight.dtype  # what the norms' outputs go into
+    # A GGUF file's packed embedding (models/gguf_direct.py) is read row by row.
+    embedding = (
+        body.embed_tokens.weight if isinstance(body.embed_tokens, torch.nn.Embedding) else body.embed_tokens
+    )
+    dtype = embedding.dtype  # what the norms' outputs go into
     return Weights(
         shape=shape,
-        embedding=body.embed_tokens.weight,
+        embedding=embedding,
         blocks=[
             _block(layer, shape, i, feed_forward, windows[i], dtype) for i, layer in enumerate(body.layers)
         ],

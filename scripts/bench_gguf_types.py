@@ -1,0 +1,188 @@
+"""GGUF files of several types made from the demo, each as llmcli reads it: the load (a first one
+on an empty cache against later ones), what the cache gains, the weights held against the file,
+decode speed and perplexity on scripts/data/quality.txt — one table, the files interleaved.
+
+The files are written once into --dir with gguf's own writer and quantizer from the demo's
+weights (its Q4_1 blocks dequantized: F16, Q8_0, Q5_0, Q4_0 — the types gguf's Python quantizer
+makes; K-quants need llama.cpp's tools, and llama.cpp's fixtures hold those). llama.cpp's decode
+speed on each file is added when llama-cpp-python is installed (scripts/bench_gguf.py says how).
+
+  python scripts/bench_gguf_types.py [--dir /tmp/llmcli-demo-types] [--runs 5] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gguf_files import rewrite_gguf
+from llama_cpp_reference import perplexity
+
+QUALITY_TEXT = Path(__file__).parent / "data" / "quality.txt"
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+TYPES = ("F16", "Q8_0", "Q5_0", "Q4_0")
+# One load in a process of its own: resolve (a first one reads the tokenizer) and load, timed.
+LOAD = """
+import sys, time
+from llmcli.config.settings import LoadSettings
+from llmcli.models.load import load_model
+from llmcli.models.resolve import resolve_model
+start = time.perf_counter()
+load_model(resolve_model(sys.argv[1]), LoadSettings(device="cpu"), lean=True)
+print(time.perf_counter() - start)
+"""
+
+
+def make_types(demo: Path, folder: Path) -> list[Path]:
+    """The demo's 2-D weights written again as each type (its other tensors as they are)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    folder.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(demo))
+    made = []
+    for name in TYPES:
+        target = folder / f"{demo.stem.rsplit('.', 1)[0]}.{name}.gguf"
+        if not target.is_file():
+            kind = gguf.GGMLQuantizationType[name]
+            retype = {}
+            for tensor in reader.tensors:
+                if len(tensor.shape) != 2:
+                    continue
+                values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+                data = values.astype(np.float16) if name == "F16" else quantize(values, kind)
+                retype[tensor.name] = (kind, data)
+            staging = target.with_suffix(".partial")
+            rewrite_gguf(demo, staging, retype=retype, metadata={"general.file_type": _file_type(name)})
+            staging.rename(target)
+        made.append(target)
+    return made
+
+
+def _file_type(name: str) -> int:
+    import gguf
+
+    return int(gguf.LlamaFileType[f"MOSTLY_{name}"])
+
+
+def load_seconds(path: Path, cache: Path) -> float:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD, str(path)], env=env, capture_output=True, text=True, check=True
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "llmcli-demo-types")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    from llmcli.config.settings import LoadSettings
+    from llmcli.engine.bench import interleaved_times, ours
+    from llmcli.engine.conversation import build_messages, prompt_ids
+    from llmcli.engine.loop import Engine
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import demo_gguf_path, resolve_model
+
+    demo = demo_gguf_path()
+    files = [demo, *make_types(demo, args.dir)]
+    rows: dict[str, dict[str, object]] = {}
+    makers = {}
+    with tempfile.TemporaryDirectory(prefix="llmcli-bench-gguf-") as scratch:
+        for path in files:
+            cache = Path(scratch) / path.stem
+            first = load_seconds(path, cache)
+            later = [load_seconds(path, cache) for _ in range(3)]
+            os.environ["XDG_CACHE_HOME"] = str(cache)
+            loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu"), lean=True)
+            engine = Engine.for_loaded(dataclasses.replace(loaded, eos_token_ids=frozenset()))
+            text_ids = loaded.tokenizer.encode(QUALITY_TEXT.read_text())
+            with torch.inference_mode():
+                logits = engine.backend.score(text_ids).float()
+            prompt = prompt_ids(loaded.tokenizer, build_messages(PROMPT))
+            for n in (1, args.tokens):
+                makers[f"{path.stem}/{n}"] = ours(engine, prompt, n)
+            rows[path.stem] = {
+                "held as": f"{loaded.dtype_name} {loaded.quant}",
+                "held / file": loaded.weight_bytes / path.stat().st_size,
+                "first load s": first,
+                "later load s": statistics.median(later),
+                "cache MB": folder_bytes(cache / "llmcli") / 1e6,
+                "ppl": perplexity(logits, np.asarray(text_ids)),
+            }
+        if importlib.util.find_spec("llama_cpp") is not None:
+            from bench_gguf import llama_cpp_run
+
+            for path in files:
+                run = llama_cpp_run(str(path), prompt, torch.get_num_threads())
+                for n in (1, args.tokens):
+                    makers[f"llama.cpp {path.stem}/{n}"] = run(n)
+        times = interleaved_times(makers, args.runs, torch.device("cpu"))
+    for path in files:
+        for prefix, column in (("", "decode tok/s"), ("llama.cpp ", "llama.cpp tok/s")):
+            key = f"{prefix}{path.stem}"
+            if f"{key}/1" in times:
+                rates = [
+                    (args.tokens - 1) / (b - a)
+                    for a, b in zip(times[f"{key}/1"], times[f"{key}/{args.tokens}"], strict=True)
+                ]
+                rows[path.stem][column] = rates
+    print(
+        f"\ncpu · {torch.get_num_threads()} threads · {args.tokens} new tokens · "
+        f"median (lowest–highest) of {args.runs}"
+    )
+    columns = [
+        "held as",
+        "held / file",
+        "first load s",
+        "later load s",
+        "cache MB",
+        "decode tok/s",
+        "llama.cpp tok/s",
+        "ppl",
+    ]
+    print("| file | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for name, row in rows.items():
+        cells = [_cell(row.get(column)) for column in columns]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(
+        json.dumps(
+            {name: {k: v for k, v in row.items() if not isinstance(v, list)} for name, row in rows.items()}
+        )
+    )
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, list):
+        return f"{statistics.median(value):.1f} ({min(value):.1f}–{max(value):.1f})"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    main()
