@@ -1,6 +1,7 @@
 """GGUF files of several types made from the demo, each as llmcli reads it: the load (a first one
 on an empty cache against later ones), what the cache gains, the weights held against the file,
-decode speed and perplexity on scripts/data/quality.txt — one table, the files interleaved.
+decode speed and perplexity on scripts/data/quality.txt (beside an exact reader's: every tensor
+dequantized by gguf, run in fp32) — one table, the files interleaved.
 
 The files are written once into --dir with gguf's own writer and quantizer from the demo's
 weights (its Q4_1 blocks dequantized: F16, Q8_0, Q5_0, Q4_0 — the types gguf's Python quantizer
@@ -118,8 +119,14 @@ def main() -> None:
             loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu"), lean=True)
             engine = Engine.for_loaded(dataclasses.replace(loaded, eos_token_ids=frozenset()))
             text_ids = loaded.tokenizer.encode(QUALITY_TEXT.read_text())
+            # The exact reader beside it: every tensor dequantized by gguf, run in fp32.
+            exact = load_model(
+                resolve_model(str(path)), LoadSettings(device="cpu", quant="none", dtype="fp32")
+            )
             with torch.inference_mode():
                 logits = engine.backend.score(text_ids).float()
+                exact_logits = Engine.for_loaded(exact).backend.score(text_ids).float()
+            del exact
             prompt = prompt_ids(loaded.tokenizer, build_messages(PROMPT))
             for n in (1, args.tokens):
                 makers[f"{path.stem}/{n}"] = ours(engine, prompt, n)
@@ -130,6 +137,7 @@ def main() -> None:
                 "later load s": statistics.median(later),
                 "cache MB": folder_bytes(cache / "llmcli") / 1e6,
                 "ppl": perplexity(logits, np.asarray(text_ids)),
+                "exact reader ppl": perplexity(exact_logits, np.asarray(text_ids)),
             }
         if importlib.util.find_spec("llama_cpp") is not None:
             from bench_gguf import llama_cpp_run
@@ -161,6 +169,7 @@ def main() -> None:
         "decode tok/s",
         "llama.cpp tok/s",
         "ppl",
+        "exact reader ppl",
     ]
     print("| file | " + " | ".join(columns) + " |")
     print("|---|" + "---:|" * len(columns))
