@@ -284,3 +284,38 @@ def test_bad_files_are_named_in_one_line_before_anything_is_read(tmp_path: Path)
     foreign = rewrite_gguf(source, tmp_path / "foreign.gguf", architecture="rwkv7")
     line = one_error_line(run_cli("generate", "-m", str(foreign), "hi", env=env), 1)
     assert "foreign.gguf" in line and "'rwkv7'" in line and "neither llmcli's engine nor transformers" in line
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_file_reads_as_transformers_own_gguf_loader_reads_it(
+    architecture: str, own_cache: Path, tmp_path: Path
+) -> None:
+    """transformers' own GGUF loader (it dequantizes the whole file) is the reference: the same
+    fp32 logits from the file read in place, for a `llama` file (whose q/k rows llama.cpp's
+    converter interleaved) and a `qwen2` one (whose rows it left as they were)."""
+    from transformers import AutoModelForCausalLM
+
+    source = fixture("F16")
+    path = (
+        source if architecture == "llama" else rewrite_gguf(source, tmp_path / "q.gguf", architecture="qwen2")
+    )
+    ids = np.load(source.with_name("fixture-F16.reference.npz"))["ids"][:30]
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids.tolist()])).logits[0]
+    loaded = load(path, dtype="fp32")
+    assert type(loaded.model).__name__ == "LeanCausalLM"
+    torch.testing.assert_close(logits_on(loaded, ids), expected, rtol=0, atol=1e-4)
+
+
+def test_an_imported_file_changed_since_is_refused_not_misread(tmp_path: Path) -> None:
+    """A file imported under a name, then rewritten in place with another model: its config and
+    tokenizer in the cache are another file's, so the load stops, in one line."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    path = tmp_path / "model.gguf"
+    path.write_bytes(fixture("Q4_0").read_bytes())
+    assert run_cli("models", "import", str(path), "--name", "mine", env=env).returncode == 0
+    assert run_cli("generate", "-m", "mine", "-n", "2", "hi", env=env).returncode == 0
+    path.write_bytes(fixture("Q8_0").read_bytes())
+    line = one_error_line(run_cli("generate", "-m", "mine", "-n", "2", "hi", env=env), 1)
+    assert "model.gguf" in line and "has changed since it was read" in line

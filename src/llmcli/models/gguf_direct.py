@@ -230,12 +230,21 @@ def is_direct(folder: Path) -> bool:
 
 
 def source_of(folder: Path) -> Path:
-    """The GGUF file a directly read folder stands for, checked to be there still."""
+    """The GGUF file a directly read folder stands for, checked to be there still, with the
+    content the folder was written for (its name ends with the content's fingerprint): a file
+    rewritten in place since must not be read with another file's config and tokenizer."""
+    from llmcli.models.gguf import fingerprint
+
     source = _source_of(folder)
     if source is None or not source.is_file():
         raise ModelLoadError(
             f"the GGUF file behind {folder.name} is gone ({source})",
             "pass the .gguf file with -m again, or `llmcli models import` it where it is now",
+        )
+    if fingerprint(source) != folder.name.rsplit("-", 1)[-1]:
+        raise ModelLoadError(
+            f"the GGUF file behind {folder.name} has changed since it was read ({source})",
+            "pass the .gguf file with -m, or `llmcli models import` it again",
         )
     return source
 

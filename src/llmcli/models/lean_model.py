@@ -160,6 +160,10 @@ def build(
     inv_freq, scaling = rope_frequencies(config)
     factors = tensors.rope_factors()
     if factors is not None:  # a GGUF file's Llama 3.1-style scaling, as llama.cpp applies it
+        if factors.shape != inv_freq.shape:
+            raise LeanUnsupported(
+                f"its rope_freqs tensor of {factors.numel()} factors for {inv_freq.numel()} frequencies"
+            )
         inv_freq = inv_freq / factors.to(inv_freq.dtype)
     device = tensors.device
     embed_name = "model.embed_tokens.weight"
