@@ -319,3 +319,16 @@ def test_an_imported_file_changed_since_is_refused_not_misread(tmp_path: Path) -
     path.write_bytes(fixture("Q8_0").read_bytes())
     line = one_error_line(run_cli("generate", "-m", "mine", "-n", "2", "hi", env=env), 1)
     assert "model.gguf" in line and "has changed since it was read" in line
+
+
+def test_a_file_with_tensors_the_llama_layout_has_no_place_for_is_not_read_in_place(tmp_path: Path) -> None:
+    """A Mixtral file says `llama` and adds expert tensors: read in place, they would be left out
+    without a word; it goes to transformers' path instead. A RoPE factors tensor has its place."""
+    from llmcli.models.gguf_direct import reads_directly
+    from llmcli.models.gguf_table import read_table
+
+    source = fixture("F16")
+    experts = rewrite_gguf(source, tmp_path / "e.gguf", add={"blk.0.ffn_gate_exps.weight": np.zeros((4, 8))})
+    factors = rewrite_gguf(source, tmp_path / "f.gguf", add={"rope_freqs.weight": np.ones(32)})
+    assert reads_directly(read_table(source)) and reads_directly(read_table(factors))
+    assert not reads_directly(read_table(experts))

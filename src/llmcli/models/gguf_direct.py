@@ -10,8 +10,10 @@ weights are read from the file itself at every load:
 - Q4_0, Q4_1 and Q4_K tensors as int4 codes on groups of 32, the file's own blocks
   (gguf_int4.py: bit-equal to gguf's dequantization);
 - every other type through gguf's own dequantization, to the model's width, then llmcli's int8
-  (measured: torch's int8 kernel runs 2–4× faster than an exact block kernel in numba here; see
-  docs/benchmarks.md).
+  (measured: torch's int8 kernel runs 2.3–2.9× faster than an exact block kernel in numba here;
+  docs/benchmarks.md);
+- on a CPU, a quantized embedding stays in its blocks (gguf_embedding.py), and an output head
+  (or the embedding tied to it) of a 4-bit type takes its own codes.
 
 Before this, every GGUF file was converted by transformers into an fp16 copy in the cache
 (about 30 s and 2-4× the file's size, measured on the demo); other architectures still are
@@ -88,9 +90,12 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def reads_directly(table: GGUFTable) -> bool:
-    """Whether the file is read in place: an architecture the lean model builds, every tensor of
-    a type read here (one that is not is refused now, naming it)."""
+    """Whether the file is read in place: an architecture the lean model builds, every tensor
+    one it has a place for (a Mixtral file is `llama` with experts: transformers' path takes
+    it, as before), and of a type read here (one that is not is refused now, naming it)."""
     if table.architecture not in DIRECT_ARCHITECTURES:
+        return False
+    if any(hf_name(name) is None and name != ROPE_FACTORS for name in table.tensors):
         return False
     for entry in table.tensors.values():
         if entry.type_name not in READABLE_TYPES:

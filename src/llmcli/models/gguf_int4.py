@@ -170,6 +170,7 @@ class Int4Blocks:
     """The codes written beside a conversion, by module name (model.layers.0.self_attn.q_proj)."""
 
     group = GROUP
+    wider: frozenset[str] = frozenset()  # a conversion's other layers go to the model's kind, as ever
 
     def __init__(self, path: Path) -> None:
         from llmcli.models.tensor_file import TensorFile

@@ -438,15 +438,12 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
 
 
 def quantize_natively(model: Any, resolved: ResolvedModel, kind: str, group: int | None) -> str:
-    """`model` quantized in place by llmcli's own int8/int4; the label. A GGUF conversion's int4
-    layers take the file's own 4-bit blocks, not a requantized fp16 copy."""
+    """`model` quantized in place by llmcli's own int8/int4; the label. A GGUF file's 4-bit
+    layers take its own blocks, not requantized weights, and its wider ones int8."""
     from llmcli.models.quantized import quantize_model
 
-    exact, wider = None, frozenset()
-    if resolved.source == "gguf" and kind == "int4":
-        exact = exact_codes_of(resolved.path)
-        wider = getattr(exact, "wider", frozenset())
-    return quantize_model(model, kind, group, exact, wider)
+    exact = exact_codes_of(resolved.path) if resolved.source == "gguf" and kind == "int4" else None
+    return quantize_model(model, kind, group, exact)
 
 
 def refuse_for_gguf(settings: LoadSettings, device: torch.device, native_quant: str | None) -> None:

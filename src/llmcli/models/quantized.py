@@ -196,11 +196,7 @@ class QuantizedSlice(torch.nn.Module):
 
 
 def quantize_model(
-    model: torch.nn.Module,
-    kind: str,
-    group: int | None = None,
-    exact: ExactCodes | None = None,
-    wider: frozenset[str] = frozenset(),
+    model: torch.nn.Module, kind: str, group: int | None = None, exact: ExactCodes | None = None
 ) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
     peak is the model plus one layer). q/k/v and gate/up become one matrix each (see
@@ -208,13 +204,14 @@ def quantize_model(
     one the next token's choice is most sensitive to) unless `exact` holds its own codes.
     `group`: int4's group size (default: the largest preferred one that fits). `exact`: int4
     codes to use as they are, by module name, instead of quantizing the weights (a GGUF file's
-    4-bit blocks). `wider`: layers
-    int8 holds even when `kind` is int4 (a GGUF file's layers of more than 4 bits; their fused
-    siblings are not fused with them). Returns the label."""
+    4-bit blocks), and the layers int8 holds even when `kind` is int4 (`exact.wider`: a GGUF
+    file's layers of more than 4 bits; their fused siblings are not fused with them). Returns
+    the label."""
     if kind == "int4" and group is None:
         group = int4_group(model)
     group = group or 0
     head = model.get_output_embeddings()
+    wider = exact.wider if exact is not None else frozenset()
     device = next(model.parameters()).device  # where the exact codes go
     kinds = set()
 
@@ -306,9 +303,11 @@ def quantize_experts(experts: torch.nn.Module, kind: str, group: int) -> set[str
 
 
 class ExactCodes(Protocol):
-    """int4 codes by module name, each (codes [N, K], scales and zeros [N, K / group])."""
+    """int4 codes by module name, each (codes [N, K], scales and zeros [N, K / group]); `wider`:
+    the layers of the same file stored with more than 4 bits, for int8."""
 
     group: int
+    wider: frozenset[str]
 
     def __contains__(self, name: str) -> bool: ...
 
