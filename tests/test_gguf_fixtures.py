@@ -332,3 +332,33 @@ def test_a_file_with_tensors_the_llama_layout_has_no_place_for_is_not_read_in_pl
     factors = rewrite_gguf(source, tmp_path / "f.gguf", add={"rope_freqs.weight": np.ones(32)})
     assert reads_directly(read_table(source)) and reads_directly(read_table(factors))
     assert not reads_directly(read_table(experts))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_a_tied_table_is_held_once_and_read_from_its_int8_head(
+    kind: str, own_cache: Path, tmp_path: Path
+) -> None:
+    """A file whose head is its embedding (no output tensor, as the demo's): the head is int8 —
+    Q8_0's way, and Q4_0's here too, since the CPU's int4 kernel packs no 4098 rows (its codes
+    are dequantized exactly for it, not a stand-in quantized) — and the table is read from the
+    head's rows, so the file's one tensor is held once. The logits are transformers' own GGUF
+    loader's (fp32) within the noise of int8 and bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from llmcli.models.load import default_load
+    from llmcli.models.resolve import resolve_model
+
+    source = fixture(kind)
+    tied = rewrite_gguf(source, tmp_path / "tied.gguf", keep=lambda name: name != "output.weight")
+    ids = np.load(source.with_name(f"fixture-{kind}.reference.npz"))["ids"]
+    reference = AutoModelForCausalLM.from_pretrained(tied.parent, gguf_file=tied.name, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids.tolist()])).logits[0]
+    loaded = load(tied)
+    assert type(loaded.model.get_input_embeddings()).__name__ == "HeadRows"
+    kl, top1 = kl_and_top1(expected.numpy(), logits_on(loaded, ids))
+    assert kl < 0.006 and top1 >= 0.9, (kl, top1)
+    _, _, _, estimate = default_load(resolve_model(str(tied)).path, "gguf")  # `models show`'s figure
+    assert abs(estimate / loaded.weight_bytes - 1) < 0.03
+    if kind == "Q8_0":  # the head as wide as the file's table: held at the file's size
+        assert loaded.weight_bytes <= 1.1 * tied.stat().st_size

@@ -28,3 +28,35 @@ class BlockEmbedding(torch.nn.Module):
         picked = self.blocks[tokens.reshape(-1)].numpy()
         values = torch.from_numpy(dequantize(picked, GGMLQuantizationType[self.type_name]))
         return values.to(self.dtype).view(*tokens.shape, self.shape[1])
+
+
+class HeadRows(torch.nn.Module):
+    """A tied embedding read from the int8 output head it is tied to: row t of the table is row t
+    of the head (codes × the row's scale). A GGUF file keeps one table for both, as llama.cpp
+    uses it; holding the head and the table in its blocks besides would be a second copy (28 MB
+    of the demo's 98)."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self._head = (head,)  # a tuple, not a submodule: its buffers are the head's, counted once
+        self.dtype = head.scales.dtype
+        self.shape = (head.out_features, head.in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self._head[0].packed.device
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        flat = tokens.reshape(-1)
+        values = head.packed[flat].to(self.dtype) * head.scales[flat, None].to(self.dtype)
+        return values.view(*tokens.shape, self.shape[1])
+
+
+def share_tied_head(model: torch.nn.Module) -> None:
+    """Once quantized: a table kept in its blocks and tied to a head that became int8 is read from
+    the head instead (HeadRows). A head of int4 codes keeps the table: its packed layout has no
+    rows to read."""
+    head = model.get_output_embeddings()
+    if isinstance(model.get_input_embeddings(), BlockEmbedding) and getattr(head, "kind", None) == "int8":
+        model.model.embed_tokens = HeadRows(head)

@@ -126,8 +126,13 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         raise out_of_memory_error(resolved, plan.settings, plan.config, device, plan.dtype) from error
     quant, quant_backend = "none", "none"
     if plan.native_quant is not None:
+        tied = config.tie_word_embeddings
         quant = quantize_natively(model, resolved, plan.native_quant, plan.group)
         quant_backend = "native"
+        if tied:
+            from llmcli.models.gguf_embedding import share_tied_head
+
+            share_tied_head(model)
     unread = next((name for name, p in model.named_parameters() if is_stand_in(p)), None)
     if unread is not None:  # a stand-in the quantizer did not replace: never run on it
         raise LlmcliError(f"{resolved.name}: {unread} was not loaded (a bug in llmcli's lean loader)")

@@ -208,13 +208,19 @@ def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str,
     a scale and a zero per group) for the linear layers; the output head int8, and its own copy
     when it was tied to the embedding; everything else in the load dtype. A GGUF file read in
     place holds its own types: its 4-bit blocks int4 (the head's too), its other quantized
-    matrices int8, and on a CPU a quantized embedding in its blocks (gguf_direct.py)."""
+    matrices int8, and on a CPU a quantized embedding in its blocks, or, tied to an int8 head,
+    read from the head (gguf_direct.py, gguf_embedding.py)."""
     group = int(mode.rpartition("-g")[2]) if "int4" in mode else 0
 
     def linear_bytes(tensor: TensorHeader, is_head: bool) -> float:
         coded = tensor.gguf_type in _GGUF_INT4_TYPES  # the file's own 4-bit codes, even the head's
         quantized_here = tensor.gguf_type in _FLOATS and not is_head
-        if group and tensor.shape[1] % group == 0 and (coded or quantized_here):
+        if (
+            group
+            and tensor.shape[1] % group == 0
+            and _int4_packs(tensor.shape, device_type)
+            and (coded or quantized_here)
+        ):
             return tensor.count / 2 + tensor.count / group * 2 * dtype_bytes
         return tensor.count + tensor.shape[0] * dtype_bytes
 
@@ -231,8 +237,19 @@ def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str,
     if not any(name.endswith("lm_head.weight") for name in tensors):
         embedding = next((t for name, t in tensors.items() if name.endswith("embed_tokens.weight")), None)
         if embedding is not None:  # tied: the head becomes a matrix of its own
-            total += linear_bytes(embedding, True)
+            head = linear_bytes(embedding, True)
+            total += head
+            packed = device_type == "cpu" and embedding.gguf_type not in _FLOATS
+            if packed and head == embedding.count + embedding.shape[0] * dtype_bytes:
+                total -= embedding.gguf_bytes  # an int8 head: the table is read from it (HeadRows)
     return total
+
+
+def _int4_packs(shape: list[int], device_type: str) -> bool:
+    """Whether torch's int4 kernel packs this matrix (quantized.py's _tinygemm_fits): a CPU packs
+    rows by 16, CUDA tiles the input by 128 and the output by 8; other shapes go to int8."""
+    rows, columns = shape
+    return rows % 8 == 0 and columns % 128 == 0 if device_type == "cuda" else rows % 16 == 0
 
 
 _GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # read as int4 codes (gguf_direct.py)

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from llmcli.models.gguf_int4 import dequantize as dequantize_codes
 from llmcli.models.quant import pick_int4_group
 
 CUDA_INNER_K_TILES = 8
@@ -219,14 +220,21 @@ def quantize_model(
         names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
     ) -> QuantizedLinear:
         coded = exact is not None and group == exact.group and all(name in exact for name in names)
-        if coded and kind == "int4" and _tinygemm_fits(weight):  # the file's own codes, the head's too
+        if coded:
             parts = [exact.get(name) for name in names]
             codes, scales, zeros = (torch.cat(part).to(device) for part in zip(*parts, strict=True))
-            layer = QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype)
-        elif kind == "int8" or is_head or not _tinygemm_fits(weight) or any(name in wider for name in names):
+            if kind == "int4" and _tinygemm_fits(weight):  # the file's own codes, the head's too
+                return _counted(QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype))
+            # A shape the kernel cannot pack: the weights the codes stand for (the loader gave
+            # this layer a stand-in, never read), for int8.
+            weight = dequantize_codes(codes, scales, zeros).to(weight.dtype)
+        if kind == "int8" or is_head or not _tinygemm_fits(weight) or any(name in wider for name in names):
             layer = QuantizedLinear.int8(weight, bias)
         else:
             layer = QuantizedLinear.int4(weight, bias, group)
+        return _counted(layer)
+
+    def _counted(layer: QuantizedLinear) -> QuantizedLinear:
         kinds.add(layer.kind)
         return layer
 
@@ -315,8 +323,9 @@ class ExactCodes(Protocol):
 
 
 def _tinygemm_fits(weight: torch.Tensor) -> bool:
-    """CUDA's int4 kernel tiles the input by 16 × inner-k-tiles and the output by 8."""
-    if weight.device.type != "cuda":
-        return True
+    """CUDA's int4 kernel tiles the input by 16 × inner-k-tiles and the output by 8; the CPU's
+    packs the output by 16 (a GGUF head of 4098 rows, say, stays int8)."""
     out_features, in_features = weight.shape
+    if weight.device.type != "cuda":
+        return out_features % 16 == 0
     return in_features % (16 * CUDA_INNER_K_TILES) == 0 and out_features % 8 == 0
