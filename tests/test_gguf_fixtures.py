@@ -362,3 +362,33 @@ def test_a_tied_table_is_held_once_and_read_from_its_int8_head(
     assert abs(estimate / loaded.weight_bytes - 1) < 0.03
     if kind == "Q8_0":  # the head as wide as the file's table: held at the file's size
         assert loaded.weight_bytes <= 1.1 * tied.stat().st_size
+
+
+def test_a_qwen3_file_reads_its_q_and_k_norms(own_cache: Path, tmp_path: Path) -> None:
+    """A `qwen3` file has per-head q and k norms. transformers' own GGUF loader cannot be the
+    reference here (it ignores the file's key_length and builds 128-wide heads for these 64-wide
+    ones), so its modeling code is, on the tensors llmcli reads: the native engine on the lean
+    model gives the same fp32 logits as transformers' Qwen3 on the same weights, and the norms
+    change them (the test sees them read)."""
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    source = fixture("F16")
+    ids = np.load(source.with_name("fixture-F16.reference.npz"))["ids"][:30]
+    rng = np.random.default_rng(0)
+    norms = {f"blk.{i}.attn_{n}_norm.weight": rng.uniform(0.5, 1.5, 64) for i in range(2) for n in "qk"}
+    path = rewrite_gguf(source, tmp_path / "qwen3.gguf", architecture="qwen3", add=norms)
+    lean = load(path, dtype="fp32")
+    assert type(lean.model).__name__ == "LeanCausalLM" and lean.model.architecture == "Qwen3ForCausalLM"
+    settings = LoadSettings(device="cpu", dtype="fp32", engine="transformers")
+    reference = load_model(resolve_model(str(path)), settings).model
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids.tolist()])).logits[0]
+    ours = logits_on(lean, ids)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+    ones = {name: np.ones(64) for name in norms}
+    plain = logits_on(
+        load(rewrite_gguf(source, tmp_path / "ones.gguf", architecture="qwen3", add=ones), dtype="fp32"), ids
+    )
+    assert not torch.allclose(ours, plain, atol=1e-2, rtol=0)
