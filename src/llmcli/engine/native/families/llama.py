@@ -88,7 +88,7 @@ def weights(
     )
     body = model.model
     windows = layer_windows(config)
-    # A GGUF file's packed embedding (models/gguf_direct.py) is read row by row.
+    # A GGUF file's table kept packed (models/gguf_embedding.py) is read row by row.
     embedding = (
         body.embed_tokens.weight if isinstance(body.embed_tokens, torch.nn.Embedding) else body.embed_tokens
     )
