@@ -434,8 +434,7 @@ def gguf_transformers_model(
             "which only llmcli's own engine reads",
             "drop --engine transformers (beam search runs on transformers: use sampling or greedy)",
         )
-    torch.manual_seed(0)  # the values are overwritten; a fixed seed keeps the load repeatable
-    with torch.device(device):
+    with torch.device(device):  # its random start values are all overwritten below
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=kwargs.get("attn_implementation")
         )
