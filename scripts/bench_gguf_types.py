@@ -1,12 +1,13 @@
 """GGUF files of several types made from the demo, each as llmcli reads it: the load (a first one
 on an empty cache against later ones), what the cache gains, the weights held against the file,
 decode speed and perplexity on scripts/data/quality.txt (beside an exact reader's: every tensor
-dequantized by gguf, run in fp32) — one table, the files interleaved.
+dequantized by gguf, run in fp32) — one table, the files interleaved. Where llama-cpp-python is
+installed (in a venv of its own: `pip install llama-cpp-python`, which compiles llama.cpp), its
+decode speed and perplexity on the same files and token ids are columns beside llmcli's.
 
 The files are written once into --dir with gguf's own writer and quantizer from the demo's
 weights (its Q4_1 blocks dequantized: F16, Q8_0, Q5_0, Q4_0 — the types gguf's Python quantizer
-makes; K-quants need llama.cpp's tools, and llama.cpp's fixtures hold those). llama.cpp's decode
-speed on each file is added when llama-cpp-python is installed (scripts/bench_gguf.py says how).
+makes; K-quants need llama.cpp's tools, and llama.cpp's fixtures hold those).
 
   python scripts/bench_gguf_types.py [--dir /tmp/llmcli-demo-types] [--runs 5] [--tokens 64]
 """
@@ -78,6 +79,23 @@ def _file_type(name: str) -> int:
     return int(gguf.LlamaFileType[f"MOSTLY_{name}"])
 
 
+def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's logits at every position of `ids` (the same token ids as llmcli's), as the
+    fixtures' references were made: one batch, 2 threads."""
+    from llama_cpp import Llama
+
+    model = Llama(
+        model_path=str(path),
+        n_ctx=len(ids) + 8,
+        n_batch=len(ids) + 8,
+        n_threads=2,
+        logits_all=True,
+        verbose=False,
+    )
+    model.eval(ids)
+    return torch.from_numpy(np.array(model.scores[: len(ids)], dtype=np.float32))
+
+
 def load_seconds(path: Path, cache: Path) -> float:
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     done = subprocess.run(
@@ -139,6 +157,9 @@ def main() -> None:
                 "ppl": perplexity(logits, np.asarray(text_ids)),
                 "exact reader ppl": perplexity(exact_logits, np.asarray(text_ids)),
             }
+            if importlib.util.find_spec("llama_cpp") is not None:
+                theirs = llama_cpp_logits(path, text_ids)
+                rows[path.stem]["llama.cpp ppl"] = perplexity(theirs, np.asarray(text_ids))
         if importlib.util.find_spec("llama_cpp") is not None:
             from bench_gguf import llama_cpp_run
 
@@ -169,6 +190,7 @@ def main() -> None:
         "decode tok/s",
         "llama.cpp tok/s",
         "ppl",
+        "llama.cpp ppl",
         "exact reader ppl",
     ]
     print("| file | " + " | ".join(columns) + " |")

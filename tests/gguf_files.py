@@ -21,7 +21,8 @@ def rewrite_gguf(
     keep: Callable[[str], bool] = lambda name: True,
 ) -> Path:
     """`source` written again to `target`: its metadata under `architecture` (keys renamed from
-    the old one) updated with `metadata` (scalars, typed as the writer types them), its tensors
+    the old one) updated with `metadata` (scalars, typed as the file typed them, else as the
+    writer does), its tensors
     kept by `keep`, `add`ed ones (fp32) after them, and `retype`d ones (name → (GGML type, raw
     bytes)) stored as that type."""
     import gguf
@@ -40,7 +41,9 @@ def rewrite_gguf(
         else:
             writer.add_key_value(key, field.contents(), kind)
     for key, value in (metadata or {}).items():
-        kind = gguf.GGUFValueType.get_type(value)
+        # A key the file has keeps its type (llama.cpp refuses general.file_type as i32, say).
+        known = reader.fields.get(key)
+        kind = known.types[0] if known is not None else gguf.GGUFValueType.get_type(value)
         writer.add_key_value(key, value, kind)
     for tensor in reader.tensors:
         if not keep(tensor.name):
