@@ -7,7 +7,7 @@ decode speed and perplexity on the same files and token ids are columns beside l
 
 The files are written once into --dir with gguf's own writer and quantizer from the demo's
 weights (its Q4_1 blocks dequantized: F16, Q8_0, Q5_0, Q4_0 — the types gguf's Python quantizer
-makes; K-quants need llama.cpp's tools, and llama.cpp's fixtures hold those).
+makes), and Q4_K_M by llama.cpp's own quantizer where llama-cpp-python is installed.
 
   python scripts/bench_gguf_types.py [--dir /tmp/llmcli-demo-types] [--runs 5] [--tokens 64]
 """
@@ -73,6 +73,26 @@ def make_types(demo: Path, folder: Path) -> list[Path]:
     return made
 
 
+def make_k_quant(f16: Path, name: str = "Q4_K_M") -> Path:
+    """The F16 file quantized by llama.cpp's own quantizer (its Python binding), where installed:
+    gguf's Python quantizer has no K types. (On the demo, width 576, llama.cpp falls back to
+    Q5_0/Q8_0 for most tensors: its Q4_K_M is that mix, as a user's would be.)"""
+    import ctypes
+
+    import llama_cpp
+
+    target = f16.with_name(f16.name.replace(".F16.", f".{name}."))
+    if not target.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
+        staging = target.with_suffix(".partial")
+        done = llama_cpp.llama_model_quantize(str(f16).encode(), str(staging).encode(), ctypes.byref(params))
+        if done != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {f16} to {name}")
+        staging.rename(target)
+    return target
+
+
 def _file_type(name: str) -> int:
     import gguf
 
@@ -126,6 +146,8 @@ def main() -> None:
 
     demo = demo_gguf_path()
     files = [demo, *make_types(demo, args.dir)]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        files.append(make_k_quant(next(path for path in files if ".F16." in path.name)))
     rows: dict[str, dict[str, object]] = {}
     makers = {}
     with tempfile.TemporaryDirectory(prefix="llmcli-bench-gguf-") as scratch:

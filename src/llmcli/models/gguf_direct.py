@@ -215,13 +215,21 @@ def _save_tokenizer(gguf_file: Path, folder: Path) -> None:
 
 
 def _stored_kind(table: GGUFTable) -> str:
+    """ "int4 Q5_0": the kind --quant auto loads the file as, then its main type. A file with any
+    4-bit layer read exactly loads as int4, whatever most of its layers are: its other quantized
+    layers are int8 either way (GGUFCodes.wider), and the 4-bit ones keep their own codes. (The
+    demo made Q4_K_M by llama.cpp is mostly Q5_0, its fallback for width 576.)"""
     from llmcli.models.gguf import kind_of_types
 
-    return kind_of_types(
+    layers = [
         (entry.type_name, entry.shape)
         for entry in table.tensors.values()
         if entry.name.startswith("blk.") and len(entry.shape) == 2
-    )
+    ]
+    stored = kind_of_types(layers)
+    if any(type_name in EXACT_INT4_TYPES for type_name, _ in layers):
+        return "int4 " + stored.split()[-1]
+    return stored
 
 
 def _source_of(folder: Path) -> Path | None:
