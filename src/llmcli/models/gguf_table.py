@@ -13,6 +13,7 @@ line naming the file and the tensor or type.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class TableEntry:
 
 
 @dataclass(frozen=True)
-class GGUFTable:
+class GGUFTable:  # shared by every reader of the same file in a process (read_table): read only
     path: Path
     metadata: dict[str, Any]  # scalars and strings; arrays of numbers; arrays of strings by count
     tensors: dict[str, TableEntry]
@@ -61,9 +62,20 @@ class GGUFTable:
 
 
 def read_table(path: Path) -> GGUFTable:
-    """The file's table, checked against the file: ModelLoadError naming what is wrong."""
+    """The file's table, checked against the file: ModelLoadError naming what is wrong. Read once
+    per process while the file stays as it was (its identity and times): a load asks for it from
+    several places (the estimate, the codes, the weights), 30 ms each on the demo."""
     try:
-        data = path.read_bytes() if path.stat().st_size < (1 << 20) else None
+        st = path.stat()
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {path}: {error.strerror}") from None
+    return _read_table(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_table(path: Path, identity: tuple[int, ...]) -> GGUFTable:
+    try:
+        data = path.read_bytes() if identity[2] < (1 << 20) else None
         with path.open("rb") as handle:
             return _Parser(path, handle, data).table()
     except OSError as error:
