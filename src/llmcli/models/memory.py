@@ -212,15 +212,14 @@ def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str,
     read from the head (gguf_direct.py, gguf_embedding.py)."""
     group = int(mode.rpartition("-g")[2]) if "int4" in mode else 0
 
-    def linear_bytes(tensor: TensorHeader, is_head: bool) -> float:
+    def held_as_int4(tensor: TensorHeader, is_head: bool) -> bool:
         coded = tensor.gguf_type in _GGUF_INT4_TYPES  # the file's own 4-bit codes, even the head's
         quantized_here = tensor.gguf_type in _FLOATS and not is_head
-        if (
-            group
-            and tensor.shape[1] % group == 0
-            and _int4_packs(tensor.shape, device_type)
-            and (coded or quantized_here)
-        ):
+        fits = group and tensor.shape[1] % group == 0 and _int4_packs(tensor.shape, device_type)
+        return bool(fits) and (coded or quantized_here)
+
+    def linear_bytes(tensor: TensorHeader, is_head: bool) -> float:
+        if held_as_int4(tensor, is_head):
             return tensor.count / 2 + tensor.count / group * 2 * dtype_bytes
         return tensor.count + tensor.shape[0] * dtype_bytes
 
@@ -237,10 +236,9 @@ def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str,
     if not any(name.endswith("lm_head.weight") for name in tensors):
         embedding = next((t for name, t in tensors.items() if name.endswith("embed_tokens.weight")), None)
         if embedding is not None:  # tied: the head becomes a matrix of its own
-            head = linear_bytes(embedding, True)
-            total += head
+            total += linear_bytes(embedding, True)
             packed = device_type == "cpu" and embedding.gguf_type not in _FLOATS
-            if packed and head == embedding.count + embedding.shape[0] * dtype_bytes:
+            if packed and not held_as_int4(embedding, True):
                 total -= embedding.gguf_bytes  # an int8 head: the table is read from it (HeadRows)
     return total
 
