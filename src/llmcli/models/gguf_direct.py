@@ -183,7 +183,7 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
         generation = generation_config_of(table)
         if generation:
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        _save_tokenizer(gguf_file, staging)
+        _save_tokenizer(gguf_file, table, staging)
         from llmcli.models.gguf import write_weight_kind
 
         write_weight_kind(staging, _stored_kind(table))
@@ -199,9 +199,15 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
     return target
 
 
-def _save_tokenizer(gguf_file: Path, folder: Path) -> None:
-    """transformers' conversion of the file's tokenizer (its vocabulary, merges, pre-tokenizer and
-    special tokens as llama.cpp recorded them), saved once: the only step that needs it."""
+def _save_tokenizer(gguf_file: Path, table: GGUFTable, folder: Path) -> None:
+    """The file's tokenizer (its vocabulary, merges, pre-tokenizer and special tokens as llama.cpp
+    recorded them), saved once: built by llmcli for byte-level BPE files, in a fraction of a
+    second; through transformers' conversion for the others (sentencepiece, unigram), seconds."""
+    from llmcli.models import gguf_tokenizer
+
+    if gguf_tokenizer.builds(table):
+        gguf_tokenizer.write_tokenizer(table, folder)
+        return
     from transformers import AutoTokenizer
 
     from llmcli.models.load import quiet_libraries
