@@ -188,6 +188,10 @@ class Int4Blocks:
     def names(self) -> frozenset[str]:
         return frozenset(self._names)
 
+    def int8(self, name: str) -> None:
+        """A conversion's other layers are read as floats from its safetensors."""
+        return None
+
     def get(self, name: str) -> tuple[Any, Any, Any]:
         """(codes int32 [N, K] in 0…15, scale fp32 [N, K/32], zero fp32 [N, K/32])."""
         import torch

@@ -50,17 +50,26 @@ def _asked_for_transformers(settings: LoadSettings) -> bool:
     return engine == "transformers" or settings.offload or bitsandbytes_only(settings.quant, engine)
 
 
-def _exactly_coded(resolved: ResolvedModel, plan: LoadPlan) -> frozenset[str]:
-    """The linear layers a GGUF file's own 4-bit blocks will replace as they are (int4 on the
-    blocks' group, on a CPU, where every width takes int4): their bf16 copies are never read."""
+def _read_by_quantizer(resolved: ResolvedModel, plan: LoadPlan) -> frozenset[str]:
+    """The linear layers the quantizer reads from a GGUF file's own blocks, whose float copies are
+    therefore never made: the 4-bit ones taken as they are (int4 on the blocks' group, on a CPU,
+    where every width takes int4), and those int8 holds, dequantized a slice at a time (every
+    quantized layer under --quant int8; otherwise the wider ones and the head)."""
+    from llmcli.models.gguf_direct import GGUFCodes
     from llmcli.models.load import exact_codes_of
 
-    if resolved.source != "gguf" or plan.native_quant != "int4" or plan.device.type != "cpu":
+    if resolved.source != "gguf" or plan.native_quant is None:
         return frozenset()
     blocks = exact_codes_of(resolved.path)
-    if blocks is None or blocks.group != plan.group:
-        return frozenset()
-    return frozenset(blocks.names)
+    if not isinstance(blocks, GGUFCodes):  # an older conversion: only its 4-bit codes, beside it
+        take_codes = blocks is not None and plan.native_quant == "int4" and plan.device.type == "cpu"
+        return frozenset(blocks.names) if take_codes and blocks.group == plan.group else frozenset()
+    if plan.native_quant == "int8":
+        return blocks.int8_names
+    int8 = blocks.int8_names & (blocks.wider | {"lm_head"})
+    if plan.device.type == "cpu" and blocks.group == plan.group:
+        return blocks.names | int8
+    return int8
 
 
 def _tensors(resolved: ResolvedModel, config: LeanConfig, plan: LoadPlan) -> TensorSource:
@@ -116,7 +125,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     config = LeanConfig(plan.config)
     try:
         packed = plan.native_quant is not None and device.type == "cpu"
-        model = build(_tensors(resolved, config, plan), config, _exactly_coded(resolved, plan), packed)
+        model = build(_tensors(resolved, config, plan), config, _read_by_quantizer(resolved, plan), packed)
     except (KeyError, AttributeError, TypeError, ValueError) as error:
         # A config field missing or of another shape: transformers' path reads it, or says why.
         raise LeanUnsupported(f"its config.json as written ({type(error).__name__}: {error})") from None

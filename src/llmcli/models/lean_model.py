@@ -150,9 +150,10 @@ def build(
     tensors: TensorSource, config: LeanConfig, stand_ins: frozenset[str] = frozenset(), packed: bool = False
 ) -> LeanCausalLM:
     """The model from `tensors`, in their dtype on their device. `stand_ins`: linear layers
-    (by module name) whose weights are never read, because exact codes will replace them (a GGUF
-    file's 4-bit blocks): they get stand-ins of their shape (`is_stand_in`), which the quantizer
-    replaces. `packed`: the quantizer will run, on a CPU (TensorSource.embedding)."""
+    (by module name) whose weights are never read, because the quantizer reads them from a GGUF
+    file's blocks (its 4-bit codes as they are, the others into int8): they get stand-ins of
+    their shape (`is_stand_in`), which the quantizer replaces. `packed`: the quantizer will run,
+    on a CPU (TensorSource.embedding)."""
     if config.architectures[0] not in LEAN_ARCHITECTURES:
         raise LeanUnsupported(f"its architecture {config.architectures[0]}")
     if config.hidden_act != "silu":
@@ -175,7 +176,7 @@ def build(
     body.norm = Norm(tensors.get("model.norm.weight"))
     body.rotary_emb = Rotary(inv_freq.to(device), scaling)
     head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
-    if "lm_head" in stand_ins:  # exact codes replace it: never read
+    if "lm_head" in stand_ins:  # the quantizer reads it from the file: never read here
         lm_head = _linear(tensors.stand_in(head_name), None)
     elif config.tie_word_embeddings and isinstance(body.embed_tokens, nn.Embedding):
         lm_head = _linear(body.embed_tokens.weight, None)  # one tensor, as transformers ties them

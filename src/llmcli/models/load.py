@@ -439,10 +439,11 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
 
 def quantize_natively(model: Any, resolved: ResolvedModel, kind: str, group: int | None) -> str:
     """`model` quantized in place by llmcli's own int8/int4; the label. A GGUF file's 4-bit
-    layers take its own blocks, not requantized weights, and its wider ones int8."""
+    layers take its own blocks, not requantized weights, and its wider ones int8 (read from the
+    blocks where the file is read in place)."""
     from llmcli.models.quantized import quantize_model
 
-    exact = exact_codes_of(resolved.path) if resolved.source == "gguf" and kind == "int4" else None
+    exact = exact_codes_of(resolved.path) if resolved.source == "gguf" else None
     return quantize_model(model, kind, group, exact)
 
 

@@ -62,19 +62,20 @@ class QuantizedLinear(torch.nn.Module):
 
     @classmethod
     def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
-        codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-        scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-        # In slices of rows: an fp32 copy of a whole output head would be the load's peak.
-        step = max(1, _ELEMENTS_AT_A_TIME // weight.shape[1])
-        for start in range(0, weight.shape[0], step):
-            rows = slice(start, start + step)
-            w = weight.detach()[rows].float()
-            scales[rows] = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-            codes[rows] = (w / scales[rows, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls("int8", codes, scales.to(weight.dtype), _bias(bias), tuple(weight.shape))
+        _refuse_stand_in(weight)
+        codes, scales = int8_codes(lambda rows: weight.detach()[rows], tuple(weight.shape), weight.device)
+        return cls.from_int8(codes, scales, bias, weight.dtype)
+
+    @classmethod
+    def from_int8(
+        cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> QuantizedLinear:
+        """int8 from codes [N, K] in -127…127 and per-channel scales [N] (int8_codes)."""
+        return cls("int8", codes, scales.to(dtype), _bias(bias), tuple(codes.shape))
 
     @classmethod
     def int4(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: int) -> QuantizedLinear:
+        _refuse_stand_in(weight)
         out_features, in_features = weight.shape
         w = weight.detach().float().view(out_features, in_features // group, group)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
@@ -113,6 +114,32 @@ class QuantizedLinear(torch.nn.Module):
             return self.forward(eye).float().t().contiguous()
         finally:
             self.bias = bias
+
+
+def int8_codes(
+    rows_of: Callable[[slice], torch.Tensor], shape: tuple[int, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel int8 codes and fp32 scales of a matrix of `shape` whose rows `rows_of` gives,
+    a slice at a time: an fp32 copy of a whole output head would be the load's peak, and a GGUF
+    file's blocks are dequantized slice by slice this way, never whole."""
+    codes = torch.empty(shape, dtype=torch.int8, device=device)
+    scales = torch.empty(shape[0], dtype=torch.float32, device=device)
+    step = max(1, _ELEMENTS_AT_A_TIME // shape[1])
+    for start in range(0, shape[0], step):
+        rows = slice(start, start + step)
+        w = rows_of(rows).to(device=device, dtype=torch.float32)
+        scales[rows] = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        codes[rows] = (w / scales[rows, None]).round().clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def _refuse_stand_in(weight: torch.Tensor) -> None:
+    """A lean load's stand-in (models/lean_model.py) is a promise that the file's own codes
+    replace the layer: quantizing it instead would give a layer of zeros."""
+    from llmcli.models.lean_model import is_stand_in
+
+    if is_stand_in(weight):
+        raise RuntimeError("the quantizer met a layer the loader never read (a bug in llmcli's lean loader)")
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -208,6 +235,8 @@ def quantize_model(
     4-bit blocks), and the layers int8 holds even when `kind` is int4 (`exact.wider`: a GGUF
     file's layers of more than 4 bits; their fused siblings are not fused with them). Returns
     the label."""
+    from llmcli.models.lean_model import is_stand_in
+
     if kind == "int4" and group is None:
         group = int4_group(model)
     group = group or 0
@@ -220,19 +249,21 @@ def quantize_model(
         names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
     ) -> QuantizedLinear:
         coded = exact is not None and group == exact.group and all(name in exact for name in names)
-        if coded:
+        if coded and kind == "int4" and _tinygemm_fits(weight):  # the file's own codes, the head's too
             parts = [exact.get(name) for name in names]
             codes, scales, zeros = (torch.cat(part).to(device) for part in zip(*parts, strict=True))
-            if kind == "int4" and _tinygemm_fits(weight):  # the file's own codes, the head's too
-                return _counted(QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype))
-            # A shape the kernel cannot pack: the weights the codes stand for (the loader gave
-            # this layer a stand-in, never read), for int8.
-            weight = dequantize_codes(codes, scales, zeros).to(weight.dtype)
+            return _counted(QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype))
         if kind == "int8" or is_head or not _tinygemm_fits(weight) or any(name in wider for name in names):
-            layer = QuantizedLinear.int8(weight, bias)
-        else:
-            layer = QuantizedLinear.int4(weight, bias, group)
-        return _counted(layer)
+            read = [exact.int8(name) for name in names] if exact is not None else [None]
+            if all(part is not None for part in read):  # from the file's blocks, slice by slice
+                codes, scales = (torch.cat(part).to(device) for part in zip(*read, strict=True))
+                return _counted(QuantizedLinear.from_int8(codes, scales, bias, weight.dtype))
+            if coded:  # the weights the codes stand for (the layer's weight is a stand-in)
+                parts = [exact.get(name) for name in names]
+                codes, scales, zeros = (torch.cat(part).to(device) for part in zip(*parts, strict=True))
+                weight = dequantize_codes(codes, scales, zeros).to(weight.dtype)
+            return _counted(QuantizedLinear.int8(weight, bias))
+        return _counted(QuantizedLinear.int4(weight, bias, group))
 
     def _counted(layer: QuantizedLinear) -> QuantizedLinear:
         kinds.add(layer.kind)
@@ -247,6 +278,8 @@ def quantize_model(
                 continue
             if len({f"{module_name}.{name}" in wider for name in names}) > 1:
                 continue  # int4 and int8 parts: each quantized as it is, run in turn
+            if len({is_stand_in(part.weight) for part in parts}) > 1:
+                continue  # parts read from the file's blocks beside parts read as floats
             weight = torch.cat([part.weight.detach() for part in parts])
             bias = None
             if any(part.bias is not None for part in parts):
@@ -312,7 +345,8 @@ def quantize_experts(experts: torch.nn.Module, kind: str, group: int) -> set[str
 
 class ExactCodes(Protocol):
     """int4 codes by module name, each (codes [N, K], scales and zeros [N, K / group]); `wider`:
-    the layers of the same file stored with more than 4 bits, for int8."""
+    the layers of the same file stored with more than 4 bits, for int8; `int8`: a layer's int8
+    codes and scales read from the file's blocks (int8_codes), None where it cannot."""
 
     group: int
     wider: frozenset[str]
@@ -320,6 +354,8 @@ class ExactCodes(Protocol):
     def __contains__(self, name: str) -> bool: ...
 
     def get(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 def _tinygemm_fits(weight: torch.Tensor) -> bool:
