@@ -536,7 +536,7 @@ def test_a_sequence_joining_a_pool_part_way_equals_it_alone(case: str) -> None:
 @torch.inference_mode()
 def test_several_sequences_in_one_step_each_equal_it_alone(case: str, pooled: bool) -> None:
     """Three sequences of different lengths (two past a window-8 ring's wrap) decoded in one step
-    each: every row's logits within 1e-5 of the same sequence decoded alone, step after step,
+    each: every row's logits within 3e-5 of the same sequence decoded alone, step after step,
     and one sequence leaving the step part way changes nothing for the others. `pooled`: their
     caches slots of one pool, each layer's attention one masked call over them (with a gap in
     the slots once the middle one leaves)."""
@@ -563,5 +563,7 @@ def test_several_sequences_in_one_step_each_equal_it_alone(case: str, pooled: bo
         )
         for row, sequence in enumerate(going):
             expected = alone[sequence].decode(torch.tensor([tokens[sequence]]))
-            torch.testing.assert_close(rows[row : row + 1], expected, rtol=0, atol=1e-5)
+            # Rows multiplied together in one GEMM, alone in a GEMV: another order of summation,
+            # up to 1.4e-5 apart on transformers 5.24's initialisation of this model (measured).
+            torch.testing.assert_close(rows[row : row + 1], expected, rtol=0, atol=3e-5)
             tokens[sequence] = int(expected.argmax())
