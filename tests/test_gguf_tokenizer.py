@@ -129,20 +129,23 @@ def test_a_vocabulary_without_endoftext_keeps_the_files_size(tmp_path: Path) -> 
     assert tokenizer.convert_tokens_to_ids("<|end_of_text|>") == tokens.index("<|endoftext|>")
 
 
+# A call of llmcli that says, last on stderr, which of transformers and accelerate it imported.
+IMPORTED = (
+    "import sys\n"
+    "from llmcli.cli.entry import run_command_line\n"
+    "code = run_command_line(sys.argv[1:])\n"
+    "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'accelerate'})\n"
+    "print('\\nexit', code, 'imported', ','.join(loaded) or '-', file=sys.stderr)\n"
+)
+
+
 def test_a_first_run_on_a_gguf_file_imports_no_transformers(tmp_path: Path) -> None:
     """The first load of a byte-level GGUF file writes its small folder without transformers:
     the tokenizer is llmcli's, and the call runs on the native path."""
-    code = (
-        "import sys\n"
-        "from llmcli.cli.entry import run_command_line\n"
-        "code = run_command_line(sys.argv[1:])\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate'))\n"
-        "print('\\nexit', code, 'imported', ','.join(loaded) or '-', file=sys.stderr)\n"
-    )
     args = ["generate", "-m", str(fixture("Q4_0")), "-t", "0", "-n", "4", "Hello"]
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     result = subprocess.run(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-c", IMPORTED, *args],
         capture_output=True,
         text=True,
         timeout=PATIENCE_S,
@@ -163,3 +166,42 @@ def test_each_pre_tokenizer_splits_as_transformers_conversion_splits() -> None:
     from llmcli.models.gguf_tokenizer import SPLITS
 
     assert SPLITS and {name: GGUF_PRE_TOKENIZER_SPLITS.get(name) for name in SPLITS} == SPLITS
+
+
+def test_a_sentencepiece_file_is_converted_by_transformers_once_and_read_lean_after(tmp_path: Path) -> None:
+    """A tokenizer this builder does not make (here sentencepiece, `tokenizer.ggml.model` =
+    "llama") is converted by transformers on the first load, and kept as the lean tokenizer
+    reads it where it answers alike: the next load imports no transformers."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+
+    source = fixture("Q4_0")
+    count = len(gguf.GGUFReader(str(source)).fields["tokenizer.ggml.tokens"].contents())
+    scores = [float(-index) for index in range(count)]
+    path = rewrite_gguf(
+        source,
+        tmp_path / "sentencepiece.gguf",
+        metadata={"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": scores},
+    )
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["generate", "-m", str(path), "-t", "0", "-n", "4", "Hello"]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", IMPORTED, *args],
+            capture_output=True,
+            text=True,
+            timeout=PATIENCE_S,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    assert "transformers" in runs[0].stderr.splitlines()[-1], runs[0].stderr  # its conversion
+    assert "exit 0 imported -" in runs[1].stderr, runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout
+    (folder,) = (tmp_path / "cache" / "llmcli" / "gguf").glob("sentencepiece-*")
+    ours, theirs = LeanTokenizer(folder), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(theirs.encode(text)) == theirs.decode(theirs.encode(text))

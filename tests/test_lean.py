@@ -5,6 +5,7 @@ the same RoPE table and the same logits — and a one-shot call on it must not i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -240,6 +241,77 @@ def test_a_native_family_the_lean_path_cannot_read_loads_through_transformers_wi
     assert result.returncode == 0, result.stderr
     notes = [line for line in result.stderr.decode().splitlines() if "lean loader" in line]
     assert len(notes) == 1 and "add_bos_token" in notes[0], result.stderr
+
+
+@pytest.fixture(scope="module")
+def llama2_style(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama 2-shaped folder: a Metaspace, byte-fallback tokenizer of the LlamaTokenizer class
+    (which transformers 5 builds in code from the vocabulary), with an add_bos_token switch."""
+    models = tmp_path_factory.mktemp("models")
+    folder = build_tiny_model(models / "llama2-style", "llama", tokenizer_style="metaspace")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config |= {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "bos_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_tokenizer_transformers_builds_in_code_is_kept_and_later_starts_are_lean(
+    llama2_style: Path, tmp_path: Path
+) -> None:
+    """The first start reads a LlamaTokenizer folder through transformers (one note says so),
+    and keeps the tokenizer transformers built; the next starts read that through `tokenizers`
+    alone — no transformers imported — with the same reply, and it answers as transformers'."""
+    from transformers import AutoTokenizer
+
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+    from llmcli.models.tokenizer_capture import captured
+
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["generate", "-m", str(llama2_style), "-t", "0", "-n", "8", "The capital of France"]
+    first = run_cli(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    notes = first.stderr.decode().strip().splitlines()
+    assert len(notes) == 1 and "LlamaTokenizer" in notes[0] and "later starts are lean" in notes[0], notes
+    again = subprocess.run(
+        [sys.executable, "-c", IMPORTED, *args],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE_S,
+        env=os.environ | env,
+    )
+    assert "exit 0 imported -" in again.stderr and "lean loader" not in again.stderr, again.stderr
+    assert again.stdout == first.stdout.decode()
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", env["XDG_CACHE_HOME"])
+        kept = captured(llama2_style)
+    assert kept is not None
+    lean, reference = LeanTokenizer(kept), AutoTokenizer.from_pretrained(llama2_style)
+    texts = ["Hello world", "  two  spaces", "café 東京 🙂\n\nx", "<|im_start|>user\nhi<|im_end|>", ""]
+    for text in texts:
+        for special in (True, False):
+            ids = reference.encode(text, add_special_tokens=special)
+            assert lean.encode(text, add_special_tokens=special) == ids, (text, special)
+            assert lean.decode(ids) == reference.decode(ids)
+    # What the class built is not what the folder's tokenizer.json says, read as it stands.
+    as_written = json.loads((llama2_style / "tokenizer.json").read_text())
+    assert json.loads((kept / "tokenizer.json").read_text())["normalizer"] != as_written["normalizer"]
+
+
+def test_a_kept_tokenizer_must_answer_as_transformers_does(
+    llama2_style: Path, lean_llama: Path, tmp_path: Path
+) -> None:
+    """What transformers built is kept only if llmcli's lean tokenizer reads it back alike: the
+    check tells two different tokenizers apart."""
+    from transformers import AutoTokenizer
+
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+    from llmcli.models.tokenizer_capture import same_answers, write_plain
+
+    reference = AutoTokenizer.from_pretrained(llama2_style)
+    assert write_plain(reference, tmp_path / "kept")
+    assert same_answers(LeanTokenizer(tmp_path / "kept"), reference)
+    assert not same_answers(LeanTokenizer(lean_llama), reference)
 
 
 def test_tensor_file_reads_each_tensor_as_safetensors_does(tmp_path: Path) -> None:

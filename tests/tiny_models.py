@@ -91,9 +91,11 @@ def build_tiny_model(
     seed: int = 0,
     added: tuple[str, ...] = (),
     special: tuple[str, ...] = (),
+    tokenizer_style: str = "bytelevel",
 ) -> Path:
     """Save a 2-layer `arch` ("llama", "qwen2", "qwen3_moe", "gpt_oss", "gemma3_text") model with
-    random weights and a trained tokenizer (with `chat_template` as its template when it is text)."""
+    random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
+    `chat_template` as its template when it is text."""
     import torch
     from transformers import (
         Gemma3ForCausalLM,
@@ -108,7 +110,7 @@ def build_tiny_model(
         Qwen3MoeForCausalLM,
     )
 
-    tokenizer = train_tokenizer(added=added, special=special)
+    tokenizer = train_tokenizer(style=tokenizer_style, added=added, special=special)
     if not chat_template:
         tokenizer.chat_template = None
     elif isinstance(chat_template, str):

@@ -213,11 +213,13 @@ def _save_tokenizer(gguf_file: Path, table: GGUFTable, folder: Path) -> None:
     from llmcli.models.load import quiet_libraries
 
     quiet_libraries()
+    from llmcli.models.tokenizer_capture import write_plain
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     except (ValueError, KeyError, IndexError, OSError, RuntimeError) as error:
         raise ModelLoadError(f"cannot read the tokenizer of {gguf_file.name}: {error}") from error
-    tokenizer.save_pretrained(folder)
+    write_plain(tokenizer, folder)  # as the lean tokenizer reads it where it answers alike
 
 
 def _stored_kind(table: GGUFTable) -> str:

@@ -41,6 +41,11 @@ class LeanUnsupported(LlmcliError):
     """What the lean load path cannot read (the message names it); transformers' path can."""
 
 
+class TokenizerUnsupported(LeanUnsupported):
+    """A tokenizer the lean tokenizer does not read as it stands (transformers builds it in code):
+    kept once transformers has built it (tokenizer_capture.py)."""
+
+
 class DamagedCheckpoint(LeanUnsupported):
     """A checkpoint that does not match its config (a tensor missing): transformers' path refuses
     it in one line naming the tensor, so the lean path leaves it to that refusal, without a note."""

@@ -12,34 +12,61 @@ transformers' path is the only one, and nothing needs saying.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmcli.errors import LlmcliError
-from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported
+from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, TokenizerUnsupported
 from llmcli.models.lean_model import LEAN_ARCHITECTURES
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from llmcli.config.settings import LoadSettings
     from llmcli.models.lean_model import TensorSource
+    from llmcli.models.lean_tokenizer import LeanTokenizer
     from llmcli.models.load import LoadedModel, LoadPlan
     from llmcli.models.resolve import ResolvedModel
 
 
-def lean_load(resolved: ResolvedModel, settings: LoadSettings) -> tuple[LoadedModel | None, str | None]:
-    """(the model loaded the lean way, None), or (None, a note saying why not, or None when
-    there is nothing to say: an architecture only transformers runs)."""
+@dataclass(frozen=True)
+class LeanOutcome:
+    loaded: LoadedModel | None  # None: load through transformers
+    note: str | None = None  # why not, where there is something to say
+    keep_tokenizer: bool = False  # the reason was the tokenizer: keep what transformers builds
+
+
+def lean_load(resolved: ResolvedModel, settings: LoadSettings) -> LeanOutcome:
+    """The model loaded the lean way, or a note saying why not (none when there is nothing to
+    say: an architecture only transformers runs)."""
     try:
         architecture = _architecture(resolved)
     except LeanUnsupported:
-        return None, None
+        return LeanOutcome(None)
     if architecture not in LEAN_ARCHITECTURES or _asked_for_transformers(settings):
-        return None, None
+        return LeanOutcome(None)
     try:
-        return _load(resolved, settings), None
+        return LeanOutcome(_load(resolved, settings))
     except DamagedCheckpoint:
-        return None, None
+        return LeanOutcome(None)
     except LeanUnsupported as why:
-        return None, f"loading through transformers (a slower start): the lean loader does not read {why}"
+        note = f"loading through transformers (a slower start): the lean loader does not read {why}"
+        return LeanOutcome(None, note, keep_tokenizer=isinstance(why, TokenizerUnsupported))
+
+
+def _lean_tokenizer(folder: Path) -> LeanTokenizer:
+    """The folder's tokenizer through `tokenizers`: as it stands, or as transformers built it on
+    an earlier load and llmcli kept it (tokenizer_capture.py)."""
+    from llmcli.models.lean_tokenizer import LeanTokenizer
+    from llmcli.models.tokenizer_capture import captured
+
+    try:
+        return LeanTokenizer(folder)
+    except TokenizerUnsupported:
+        kept = captured(folder)
+        if kept is None:
+            raise
+        return LeanTokenizer(kept)
 
 
 def _asked_for_transformers(settings: LoadSettings) -> bool:
@@ -99,7 +126,6 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
 
     from llmcli.models.gguf_direct import is_direct
     from llmcli.models.lean_model import build, is_stand_in
-    from llmcli.models.lean_tokenizer import LeanTokenizer
     from llmcli.models.load import (
         LoadedModel,
         eos_ids,
@@ -113,7 +139,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     read_in_place = is_direct(folder)
     if not (read_in_place or any(folder.glob("*.safetensors"))) or not (folder / "tokenizer.json").is_file():
         raise LeanUnsupported("a folder without safetensors weights and a tokenizer.json")
-    tokenizer = LeanTokenizer(folder)  # before the weights: a refusal here costs nothing
+    tokenizer = _lean_tokenizer(folder)  # before the weights: a refusal here costs nothing
     plan = plan_load(resolved, settings, quiet=False)
     if plan.config.get("quantization_config"):
         raise LeanUnsupported("a checkpoint that comes quantized")

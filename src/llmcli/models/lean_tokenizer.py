@@ -10,9 +10,10 @@ It reads a folder as transformers' generic fast tokenizer (`TokenizersBackend`,
 (their own normaliser, pre-tokenizer and decoder over the file's vocabulary). Other classes with
 their own construction (Llama's), `add_bos_token`/`add_eos_token` switches (which rewrite the
 post-processor), special tokens the backend lacks (which transformers adds) and space clean-up on
-a non-BPE model are refused with the reason (`LeanUnsupported`), and the loader takes
-transformers' path: the tests hold this class equal to transformers' on every tokenizer they
-build.
+a non-BPE model are refused with the reason (`TokenizerUnsupported`), and the loader takes
+transformers' path, which keeps the tokenizer it built for later loads where this class reads
+it back alike (tokenizer_capture.py): the tests hold this class equal to transformers' on every
+tokenizer they build.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmcli.models.lean_config import LeanUnsupported
+from llmcli.models.lean_config import TokenizerUnsupported
 
 # The tokenizer classes read exactly as a plain tokenizer.json is (no construction of their own).
 PLAIN_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
@@ -46,9 +47,9 @@ class LeanTokenizer:
         tokenizer_class = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
         construct = CONSTRUCTED.get(tokenizer_class)
         if tokenizer_class not in PLAIN_CLASSES and construct is None:
-            raise LeanUnsupported(f"its tokenizer class {tokenizer_class}")
+            raise TokenizerUnsupported(f"its tokenizer class {tokenizer_class}")
         if "add_bos_token" in config or "add_eos_token" in config:
-            raise LeanUnsupported("its tokenizer's add_bos_token/add_eos_token switches")
+            raise TokenizerUnsupported("its tokenizer's add_bos_token/add_eos_token switches")
         self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.backend_tokenizer.no_truncation()
         self.backend_tokenizer.no_padding()
@@ -64,14 +65,14 @@ class LeanTokenizer:
         added = {token.content for token in self.backend_tokenizer.get_added_tokens_decoder().values()}
         absent = [t for t in (*self._named.values(), *self._extra) if t is not None and t not in added]
         if absent:
-            raise LeanUnsupported(f"its special token {absent[0]!r}, which tokenizer.json does not add")
+            raise TokenizerUnsupported(f"its special token {absent[0]!r}, which tokenizer.json does not add")
         declared = config.get("added_tokens_decoder") or {}
         missing = [_content(token) for token in declared.values() if _content(token) not in added]
         if missing:
-            raise LeanUnsupported(f"its added token {missing[0]!r}, which tokenizer.json lacks")
+            raise TokenizerUnsupported(f"its added token {missing[0]!r}, which tokenizer.json lacks")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         if self.clean_up_tokenization_spaces and type(self.backend_tokenizer.model).__name__ != "BPE":
-            raise LeanUnsupported("its tokenizer's clean_up_tokenization_spaces")
+            raise TokenizerUnsupported("its tokenizer's clean_up_tokenization_spaces")
         self.chat_template = _chat_template(folder, config)
 
     # Special tokens ----------------------------------------------------------------------
@@ -161,9 +162,9 @@ def _plain_bpe(backend: Any, name: str) -> None:
     (byte fallback, an unknown token, dropout, word affixes)."""
     model = backend.model
     if type(model).__name__ != "BPE" or model.byte_fallback or model.unk_token or model.dropout:
-        raise LeanUnsupported(f"a {name} whose tokenizer.json the class would rebuild otherwise")
+        raise TokenizerUnsupported(f"a {name} whose tokenizer.json the class would rebuild otherwise")
     if model.fuse_unk or model.continuing_subword_prefix or model.end_of_word_suffix:
-        raise LeanUnsupported(f"a {name} whose tokenizer.json the class would rebuild otherwise")
+        raise TokenizerUnsupported(f"a {name} whose tokenizer.json the class would rebuild otherwise")
 
 
 def _qwen2(backend: Any, config: dict[str, Any]) -> dict[str, str]:
@@ -217,7 +218,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise LeanUnsupported(f"its unreadable {path.name} ({error})") from None
+        raise TokenizerUnsupported(f"its unreadable {path.name} ({error})") from None
     return value if isinstance(value, dict) else {}
 
 

@@ -352,13 +352,14 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
     """`lean`: read a Llama-family folder straight into the native engine's layout, without
     transformers (lean_load.py), where it can; its reason where it cannot is a note, and the
     load goes on through transformers."""
-    lean_note = None
+    lean_note, keep_tokenizer = None, False
     if lean:
         from llmcli.models.lean_load import lean_load
 
-        loaded, lean_note = lean_load(resolved, settings)
-        if loaded is not None:
-            return loaded
+        outcome = lean_load(resolved, settings)
+        if outcome.loaded is not None:
+            return outcome.loaded
+        lean_note, keep_tokenizer = outcome.note, outcome.keep_tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmcli.models.gguf_direct import gguf_transformers_model, is_direct
@@ -397,6 +398,11 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
     except RuntimeError as error:  # transformers' own checks of the tensors against the config
         raise _load_error(resolved, error) from error
     _check_every_tensor_loaded(resolved, info)
+    if keep_tokenizer and lean_note is not None:
+        from llmcli.models.tokenizer_capture import capture
+
+        if capture(tokenizer, folder):
+            lean_note += "; llmcli keeps the tokenizer transformers built, so later starts are lean"
     model.eval()
     quant = quant_label(settings.quant, settings.quant_type, config)
     quant_backend = "bitsandbytes" if settings.quant != "none" else "none"
