@@ -7,7 +7,13 @@ each figure is the median of --runs with the lowest and highest beside it. The m
 unless -m names another; the page cache is warm after the first run of each.
 
     python scripts/bench_oneshot.py [--runs 5] [--baseline REV] [-m MODEL] [-n 32]
+                                    [--llama-cpp PYTHON]
     python scripts/bench_oneshot.py --keep-alive 5m [--runs 5]
+
+--llama-cpp PYTHON: a column for llama.cpp too, the same one-shot call made by a Python that has
+llama-cpp-python installed (a venv of its own: it builds llama.cpp from source, which llmcli never
+needs): the GGUF file loaded, the prompt through the file's chat template, greedy, streamed to
+stdout token by token, the process timed from its start as llmcli's is.
 
 --keep-alive: the calls after one that left a background server of the model (`generate
 --keep-alive`), in runtime and state folders of the benchmark's own; the server is stopped at
@@ -17,6 +23,7 @@ the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -27,17 +34,44 @@ import time
 from pathlib import Path
 
 from checkouts import checkouts
+from llmcli.models.resolve import demo_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# llama.cpp's one-shot, as `llama-cli -no-cnv` or a script would make it through llama-cpp-python.
+LLAMA_CPP_ONE_SHOT = """
+import sys
+from llama_cpp import Llama
+path, tokens, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+model = Llama(model_path=path, n_ctx=2048, verbose=False)
+chunks = model.create_chat_completion(
+    [{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0, top_k=1, stream=True
+)
+for chunk in chunks:
+    sys.stdout.write(chunk["choices"][0]["delta"].get("content") or "")
+    sys.stdout.flush()
+"""
 
 
 def one_run(source: Path, args: argparse.Namespace, *extra: str) -> dict[str, float]:
     command = [sys.executable, "-m", "llmcli", "generate", "-t", "0", "-n", str(args.new_tokens), *extra]
     command += ["-m", args.model] if args.model else []
     env = {**os.environ, "PYTHONPATH": str(source / "src")}
+    return timed([*command, args.prompt], env, str(source))
+
+
+def llama_cpp_run(args: argparse.Namespace) -> dict[str, float]:
+    model = args.model or str(demo_gguf_path())
+    command = [args.llama_cpp, "-c", LLAMA_CPP_ONE_SHOT, model, str(args.new_tokens), args.prompt]
+    return timed(command, dict(os.environ), "llama.cpp")
+
+
+def timed(command: list[str], env: dict[str, str], name: str) -> dict[str, float]:
+    """Wall time, first and last byte on stdout, peak RSS and exit of one call of `command`."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [*command, args.prompt],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
@@ -51,7 +85,7 @@ def one_run(source: Path, args: argparse.Namespace, *extra: str) -> dict[str, fl
     _, status, usage = os.wait4(proc.pid, 0)
     end = time.perf_counter()
     if status != 0 or first is None or last is None:
-        raise SystemExit(f"{source}: generate failed (status {status})")
+        raise SystemExit(f"{name}: the one-shot call failed (status {status})")
     return {
         "wall_s": end - start,
         "first_byte_s": first - start,
@@ -72,19 +106,23 @@ def main() -> None:
     parser.add_argument("-n", "--new-tokens", type=int, default=32)
     parser.add_argument("--prompt", default="Write one sentence about the sea.")
     parser.add_argument("--keep-alive", help="time the calls after one that kept the model loaded")
+    parser.add_argument("--llama-cpp", metavar="PYTHON", help="a Python with llama-cpp-python")
     args = parser.parse_args()
     if args.keep_alive:
-        if args.baseline:
+        if args.baseline or args.llama_cpp:
             raise SystemExit("--keep-alive measures this checkout only")
         kept_alive(args)
         return
     with tempfile.TemporaryDirectory() as scratch, checkouts(args.baseline, scratch) as sources:
-        for source in sources.values():
-            one_run(source, args)  # the page cache and any conversion, before measuring
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
+        calls = {name: functools.partial(one_run, source, args) for name, source in sources.items()}
+        if args.llama_cpp:
+            calls["llama.cpp (llama-cpp-python)"] = functools.partial(llama_cpp_run, args)
+        for call in calls.values():
+            call()  # the page cache and any conversion, before measuring
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in calls}
         for _ in range(args.runs):
-            for name, source in sources.items():
-                results[name].append(one_run(source, args))
+            for name, call in calls.items():
+                results[name].append(call())
     report(args, results)
 
 
