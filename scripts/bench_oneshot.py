@@ -4,7 +4,8 @@ it in the same run, an earlier commit (--baseline REV, checked out into a tempor
 
 Runs are interleaved (this, the baseline, this, …), so load on the machine falls on both alike;
 each figure is the median of --runs with the lowest and highest beside it. The model is the demo
-unless -m names another; the page cache is warm after the first run of each.
+unless -m names another; the page cache is warm after the first run of each, and each checkout
+has a cache folder of its own, filled by that first run.
 
     python scripts/bench_oneshot.py [--runs 5] [--baseline REV] [-m MODEL] [-n 32]
                                     [--llama-cpp PYTHON]
@@ -54,10 +55,13 @@ for chunk in chunks:
 """
 
 
-def one_run(source: Path, args: argparse.Namespace, *extra: str) -> dict[str, float]:
+def one_run(
+    source: Path, args: argparse.Namespace, *extra: str, cache: str | None = None
+) -> dict[str, float]:
+    """`cache`: a cache folder of this source's own (an older llmcli may not read a newer's)."""
     command = [sys.executable, "-m", "llmcli", "generate", "-t", "0", "-n", str(args.new_tokens), *extra]
     command += ["-m", args.model] if args.model else []
-    env = {**os.environ, "PYTHONPATH": str(source / "src")}
+    env = {**os.environ, "PYTHONPATH": str(source / "src")} | ({"XDG_CACHE_HOME": cache} if cache else {})
     return timed([*command, args.prompt], env, str(source))
 
 
@@ -104,7 +108,8 @@ def main() -> None:
     parser.add_argument("--baseline", help="a git revision to measure beside this checkout")
     parser.add_argument("-m", "--model", help="the model (default: the demo)")
     parser.add_argument("-n", "--new-tokens", type=int, default=32)
-    parser.add_argument("--prompt", default="Write one sentence about the sea.")
+    # Long enough that every column generates all its tokens (a reply that ends sooner is faster).
+    parser.add_argument("--prompt", default="Write a long story about the sea.")
     parser.add_argument("--keep-alive", help="time the calls after one that kept the model loaded")
     parser.add_argument("--llama-cpp", metavar="PYTHON", help="a Python with llama-cpp-python")
     args = parser.parse_args()
@@ -114,11 +119,14 @@ def main() -> None:
         kept_alive(args)
         return
     with tempfile.TemporaryDirectory() as scratch, checkouts(args.baseline, scratch) as sources:
-        calls = {name: functools.partial(one_run, source, args) for name, source in sources.items()}
+        calls = {
+            name: functools.partial(one_run, source, args, cache=f"{scratch}/cache-{index}")
+            for index, (name, source) in enumerate(sources.items())
+        }
         if args.llama_cpp:
             calls["llama.cpp (llama-cpp-python)"] = functools.partial(llama_cpp_run, args)
         for call in calls.values():
-            call()  # the page cache and any conversion, before measuring
+            call()  # the page cache, bytecode and any conversion, before measuring
         results: dict[str, list[dict[str, float]]] = {name: [] for name in calls}
         for _ in range(args.runs):
             for name, call in calls.items():
