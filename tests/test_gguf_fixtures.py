@@ -421,7 +421,7 @@ def test_int8_read_from_the_blocks_is_the_quantizer_on_ggufs_dequantization(kind
     folder = _direct_folder(path)
     codes = GGUFCodes.of(folder)
     assert name in codes.int8_names
-    read = codes.int8(name)
+    read = codes.int8(name, torch.float32)
     assert read is not None
     config = json.loads((folder / "config.json").read_text())
     tensors = {hf_name(t.name): t for t in GGUFReader(str(path)).tensors}

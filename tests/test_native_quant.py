@@ -236,3 +236,20 @@ def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
     estimate = estimate_weight_bytes(shapes, 2, native_mode("int4", 32, shapes))
     assert loaded.quant == "int4-g32"
     assert abs(estimate - loaded.weight_bytes) / loaded.weight_bytes < 0.03
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_codes_are_chosen_for_the_scale_the_kernel_reads(scale_dtype: torch.dtype) -> None:
+    """Each weight is within half a step of its code times the scale as stored (bf16 on a CPU):
+    codes chosen for the fp32 scale and then read with a rounded one are off by up to 0.4 % of
+    the row's largest weight (half a step is 0.4 % as well)."""
+    from llmcli.models.quantized import int8_codes
+
+    weight = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.05
+    codes, scales = int8_codes(lambda rows: weight[rows], tuple(weight.shape), weight.device, scale_dtype)
+    assert scales.dtype == scale_dtype and codes.dtype == torch.int8
+    step = scales.float()[:, None]
+    error = (codes.float() * step - weight).abs()
+    unclipped = (weight / step).abs() <= 127  # a rounded-down scale clips the row's largest weight
+    assert bool((error[unclipped] <= 0.5 * step.expand_as(error)[unclipped] * (1 + 1e-5)).all())
+    assert unclipped.float().mean() > 0.99

@@ -436,7 +436,7 @@ class GGUFCodes:
         codes, scale, zero = (torch.from_numpy(np.ascontiguousarray(part)) for part in parts)
         return codes.to(torch.int32), scale, zero
 
-    def int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def int8(self, name: str, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's per-channel int8 codes and scales, its blocks dequantized a slice of rows
         at a time (never a whole fp32 copy: the demo's Q8_0 head is 113 MB of it); None for a
         layer the file holds as floats."""
@@ -453,7 +453,7 @@ class GGUFCodes:
             blocks = self._tensors.read(entry, part)
             return _values(blocks.reshape(-1), entry, (len(blocks), entry.shape[1]))
 
-        codes, scales = int8_codes(rows, entry.shape, torch.device("cpu"))
+        codes, scales = int8_codes(rows, entry.shape, torch.device("cpu"), scale_dtype)
         heads = self._tensors.rows_heads(weight)
         if heads is not None:
             codes, scales = (unpermute_rows(part, heads).contiguous() for part in (codes, scales))

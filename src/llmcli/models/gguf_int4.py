@@ -188,7 +188,7 @@ class Int4Blocks:
     def names(self) -> frozenset[str]:
         return frozenset(self._names)
 
-    def int8(self, name: str) -> None:
+    def int8(self, name: str, scale_dtype: Any) -> None:
         """A conversion's other layers are read as floats from its safetensors."""
         return None
 
