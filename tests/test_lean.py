@@ -164,7 +164,7 @@ def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
             LeanTokenizer(folder)
 
 
-LEAN_CASES = [name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-"))]
+LEAN_CASES = [name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi"))]
 LEAN_CASES = [name for name in LEAN_CASES if not name.startswith("qwen3-moe")]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
 
@@ -229,6 +229,29 @@ def test_a_one_shot_call_on_the_native_path_imports_neither_transformers_nor_acc
     # Beam search needs transformers' model: that call loads through transformers, no note said.
     beams = run_cli(*args, "--num-beams", "2")
     assert beams.returncode == 0 and b"lean loader" not in beams.stderr, beams.stderr
+
+
+def test_a_phi3_folder_takes_the_lean_path_and_longrope_says_why_not(tmp_path: Path) -> None:
+    """Phi-3's fused q/k/v and gate/up are read as stored, without transformers; its long-context
+    RoPE (longrope, chosen by the context in use) is transformers' to settle: one note says so."""
+    folder = build_tiny_model(tmp_path / "phi3", "phi3")
+    args = ["generate", "-m", str(folder), "-t", "0", "-n", "8", "The capital of France"]
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
+    )
+    assert "exit 0 imported -" in result.stderr and "lean loader" not in result.stderr, result.stderr
+    config = json.loads((folder / "config.json").read_text())
+    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    longrope = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * half, "long_factor": [2.0] * half,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config | {"rope_parameters": longrope}))
+    slower = run_cli(*args)
+    assert slower.returncode == 0, slower.stderr
+    notes = [line for line in slower.stderr.decode().splitlines() if "lean loader" in line]
+    assert len(notes) == 1 and "longrope" in notes[0], slower.stderr
+    assert slower.stdout.strip()
 
 
 def test_a_native_family_the_lean_path_cannot_read_loads_through_transformers_with_a_note(

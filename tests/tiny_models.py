@@ -93,7 +93,7 @@ def build_tiny_model(
     special: tuple[str, ...] = (),
     tokenizer_style: str = "bytelevel",
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2", "qwen3_moe", "gpt_oss", "gemma3_text") model with
+    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text") model with
     random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
     `chat_template` as its template when it is text."""
     import torch
@@ -104,6 +104,8 @@ def build_tiny_model(
         GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3MoeConfig,
@@ -150,6 +152,7 @@ def build_tiny_model(
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         "gpt_oss": (GptOssConfig, GptOssForCausalLM),
         "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),

@@ -1,5 +1,5 @@
 """config.json as the native engine reads it, without transformers' configuration classes: the
-values it names, and transformers' defaults for the Llama-family fields it leaves out.
+values it names, and transformers' defaults for the Llama-family (and Phi-3) fields it leaves out.
 
 Also the RoPE frequencies, computed as transformers computes them for the RoPE types the lean
 path takes (default, linear, llama3); others are refused (`LeanUnsupported`) and the loader
@@ -34,6 +34,17 @@ DEFAULTS: dict[str, Any] = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
+# Where an architecture's configuration class fills in otherwise (transformers' Phi3Config).
+ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Phi3ForCausalLM": {
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "pad_token_id": 32000,
+    },
+}
 LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
 
@@ -56,7 +67,8 @@ class LeanConfig:
     transformers' configs), with the family defaults above."""
 
     def __init__(self, values: dict[str, Any]) -> None:
-        self._values = {**DEFAULTS, **values}
+        architecture = (values.get("architectures") or [""])[0]
+        self._values = {**DEFAULTS, **ARCHITECTURE_DEFAULTS.get(architecture, {}), **values}
         if self._values.get("num_key_value_heads") is None:
             self._values["num_key_value_heads"] = self._values.get("num_attention_heads")
 
@@ -86,6 +98,8 @@ class LeanConfig:
         rope = dict(found) if isinstance(found, dict) else {}
         rope.setdefault("rope_theta", self._values.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        if rope["rope_type"] in ("su", "yarn") and self._values.get("architectures") == ["Phi3ForCausalLM"]:
+            rope["rope_type"] = "longrope"  # Phi-3's older names for it, as transformers reads them
         return rope
 
 
@@ -96,7 +110,8 @@ def rope_frequencies(config: LeanConfig) -> tuple[torch.Tensor, float]:
     if kind not in LEAN_ROPE_TYPES:
         raise LeanUnsupported(f"its RoPE type {kind!r}")
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    dim = int(head_dim * config.partial_rotary_factor)
+    # transformers 5 keeps it among the RoPE parameters (Phi-4-mini rotates 3/4 of each head).
+    dim = int(head_dim * float(rope.get("partial_rotary_factor", config.partial_rotary_factor)))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (float(rope["rope_theta"]) ** exponents)
     if kind == "linear":

@@ -21,9 +21,10 @@ from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsuppo
 from llmcli.models.tensor_file import TensorFile
 
 # The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
-# q/k/v biases and Qwen3's q/k norms where the checkpoint has them.
+# q/k/v biases and Qwen3's q/k norms where the checkpoint has them, and Phi-3's q/k/v and
+# gate/up stored fused.
 LEAN_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
 )
 
 
@@ -196,7 +197,8 @@ def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str]) -> nn.Modul
     layer.input_layernorm = Norm(tensors.get(f"{prefix}.input_layernorm.weight"))
     layer.post_attention_layernorm = Norm(tensors.get(f"{prefix}.post_attention_layernorm.weight"))
     attention = nn.Module()
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    fused_qkv = f"{prefix}.self_attn.qkv_proj.weight" in tensors  # Phi-3
+    for name in ("qkv_proj", "o_proj") if fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj"):
         setattr(attention, name, linear(f"self_attn.{name}"))
     for name in ("q_norm", "k_norm"):  # Qwen3
         weight = tensors.optional(f"{prefix}.self_attn.{name}.weight")
@@ -204,7 +206,8 @@ def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str]) -> nn.Modul
             setattr(attention, name, Norm(weight))
     layer.self_attn = attention
     mlp = nn.Module()
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    fused_gate_up = f"{prefix}.mlp.gate_up_proj.weight" in tensors  # Phi-3
+    for name in ("gate_up_proj", "down_proj") if fused_gate_up else ("gate_proj", "up_proj", "down_proj"):
         setattr(mlp, name, linear(f"mlp.{name}"))
     layer.mlp = mlp
     return layer
