@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from test_chat_cache import THINK_DROPPING_TEMPLATE
-from test_native import BASE, CASES, build
+from test_native import BASE, CASES, PHI, build
 from test_reasoning import HARMONY_TEMPLATE, THINKING_TEMPLATE
 
 from cli_helpers import PATIENCE_S, one_error_line, run_cli
@@ -167,9 +167,21 @@ def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
 LEAN_CASES = [name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi"))]
 LEAN_CASES = [name for name in LEAN_CASES if not name.startswith("qwen3-moe")]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
+# Phi-3.5-style longrope, partial: the native engine's context of 64 is past the original 16,
+# so both models run on the long factors.
+LONGROPE = {
+    "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+        "original_max_position_embeddings": 16,
+    },
+    "original_max_position_embeddings": 16,
+    **PHI,
+}  # fmt: skip
+EXTRA_CASES = {"llama-linear-rope": ("llama", LINEAR_ROPE), "phi3-longrope": ("phi3", LONGROPE)}
 
 
-@pytest.mark.parametrize("case", [*LEAN_CASES, "llama-linear-rope"])
+@pytest.mark.parametrize("case", [*LEAN_CASES, *EXTRA_CASES])
 def test_a_lean_model_computes_what_transformers_loaded_one_does(case: str, tmp_path: Path) -> None:
     """Built from the saved safetensors without transformers: the same RoPE table and, through
     the native engine, the same fp32 logits after a prefill and at each decode step."""
@@ -178,7 +190,7 @@ def test_a_lean_model_computes_what_transformers_loaded_one_does(case: str, tmp_
     from llmcli.models.lean_model import Tensors
     from llmcli.models.lean_model import build as build_lean
 
-    arch, overrides = ("llama", LINEAR_ROPE) if case == "llama-linear-rope" else CASES[case]
+    arch, overrides = EXTRA_CASES.get(case) or CASES[case]
     reference = build(arch, overrides)
     reference.save_pretrained(tmp_path)
     config = LeanConfig(json.loads((tmp_path / "config.json").read_text()))
@@ -231,27 +243,43 @@ def test_a_one_shot_call_on_the_native_path_imports_neither_transformers_nor_acc
     assert beams.returncode == 0 and b"lean loader" not in beams.stderr, beams.stderr
 
 
-def test_a_phi3_folder_takes_the_lean_path_and_longrope_says_why_not(tmp_path: Path) -> None:
-    """Phi-3's fused q/k/v and gate/up are read as stored, without transformers; its long-context
-    RoPE (longrope, chosen by the context in use) is transformers' to settle: one note says so."""
+@pytest.mark.parametrize("length", [None, 16, 17, 64])
+def test_longrope_frequencies_are_transformers_own(length: int | None, tmp_path: Path) -> None:
+    """llmcli's LongRoPE table (lean_config.longrope_frequencies), from transformers' config or
+    from config.json alone, is transformers' own for a text of `length`: the short factors up to
+    the pretraining length of 16, the long ones past it, and the same attention scaling."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llmcli.models.lean_config import LeanConfig, longrope_frequencies
+
+    reference = build("phi3", LONGROPE)
+    reference.save_pretrained(tmp_path)
+    lean_config = LeanConfig(json.loads((tmp_path / "config.json").read_text()))
+    expected, scale = ROPE_INIT_FUNCTIONS["longrope"](reference.config, torch.device("cpu"), seq_len=length)
+    for config in (reference.config, lean_config):
+        inv_freq, ours = longrope_frequencies(config, length)
+        torch.testing.assert_close(inv_freq, expected, rtol=0, atol=0)
+        assert ours == scale and scale > 1
+
+
+def test_a_phi3_folder_takes_the_lean_path_with_its_long_context_rope(tmp_path: Path) -> None:
+    """Phi-3's fused q/k/v and gate/up are read as stored, and its long-context RoPE (longrope:
+    Phi-3.5, Phi-4-mini) computed by llmcli: no transformers imported, either way."""
     folder = build_tiny_model(tmp_path / "phi3", "phi3")
     args = ["generate", "-m", str(folder), "-t", "0", "-n", "8", "The capital of France"]
-    result = subprocess.run(
-        [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
-    )
-    assert "exit 0 imported -" in result.stderr and "lean loader" not in result.stderr, result.stderr
     config = json.loads((folder / "config.json").read_text())
     half = config["hidden_size"] // config["num_attention_heads"] // 2
     longrope = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "short_factor": [1.0] * half, "long_factor": [2.0] * half,
     }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config | {"rope_parameters": longrope}))
-    slower = run_cli(*args)
-    assert slower.returncode == 0, slower.stderr
-    notes = [line for line in slower.stderr.decode().splitlines() if "lean loader" in line]
-    assert len(notes) == 1 and "longrope" in notes[0], slower.stderr
-    assert slower.stdout.strip()
+    for rope in (None, longrope):
+        (folder / "config.json").write_text(json.dumps(config | {"rope_parameters": rope}))
+        result = subprocess.run(
+            [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
+        )
+        assert "exit 0 imported -" in result.stderr and "lean loader" not in result.stderr, result.stderr
+        assert result.stdout.strip()
 
 
 def test_a_native_family_the_lean_path_cannot_read_loads_through_transformers_with_a_note(

@@ -45,7 +45,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
         "pad_token_id": 32000,
     },
 }
-LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3", "longrope"})
 
 
 class LeanUnsupported(LlmcliError):
@@ -118,7 +118,33 @@ def rope_frequencies(config: LeanConfig) -> tuple[torch.Tensor, float]:
         inv_freq = inv_freq / float(rope["factor"])
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, rope)
+    elif kind == "longrope":  # the table transformers builds: the short factors (phi3.py picks)
+        return longrope_frequencies(config, length=None)
     return inv_freq, 1.0
+
+
+def longrope_frequencies(config: Any, length: int | None) -> tuple[torch.Tensor, float]:
+    """LongRoPE's (inv_freq, attention scaling) as transformers computes them for a text of
+    `length` (Phi-3.5, Phi-4-mini): the long factors past the pretraining length, the short ones
+    within it (and for None). `config`: a LeanConfig or transformers' own configuration."""
+    rope = config.rope if isinstance(config, LeanConfig) else dict(config.rope_parameters)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    dim = int(head_dim * float(partial))
+    # Phi-3 keeps the pretraining length beside the RoPE parameters; transformers prefers it there.
+    original = (
+        getattr(config, "original_max_position_embeddings", None)
+        or rope.get("original_max_position_embeddings")
+        or config.max_position_embeddings
+    )
+    factor = rope.get("factor") or config.max_position_embeddings / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = rope["long_factor"] if length and length > original else rope["short_factor"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * float(rope["rope_theta"]) ** exponents)
+    return inv_freq, float(attention)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:

@@ -29,23 +29,18 @@ def weights(model: Any, context_length: int) -> Weights:
 
 def _rope(model: Any, context_length: int | None) -> tuple[torch.Tensor, float] | None:
     """longrope's frequencies for the context in use; None where transformers' table holds."""
-    config = model.config
-    rope = _rope_parameters(config)
-    if rope.get("rope_type") != "longrope":
-        return None
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from llmcli.models.lean_config import longrope_frequencies
 
-    rotary = model.model.rotary_emb
-    original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
-    length = context_length or config.max_position_embeddings
-    device = rotary.original_inv_freq.device
-    if length > original:  # the long factors, as transformers uses them past the original length
-        inv_freq, scale = ROPE_INIT_FUNCTIONS["longrope"](config, device, seq_len=original + 1)
-    else:
-        inv_freq, scale = rotary.original_inv_freq, rotary.attention_scaling
-    return inv_freq.float(), float(scale)
+    config = model.config
+    if _rope_parameters(config).get("rope_type") != "longrope":
+        return None
+    return longrope_frequencies(config, context_length or config.max_position_embeddings)
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
+    from llmcli.models.lean_config import LeanConfig
+
+    if isinstance(config, LeanConfig):  # a lean model's config, as it reads it (Phi-3's "su" too)
+        return config.rope
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return rope if isinstance(rope, dict) else {}
