@@ -164,7 +164,9 @@ def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
             LeanTokenizer(folder)
 
 
-LEAN_CASES = [name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi"))]
+LEAN_CASES = [
+    name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi", "gemma3"))
+]
 LEAN_CASES = [name for name in LEAN_CASES if not name.startswith("qwen3-moe")]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
 # Phi-3.5-style longrope, partial: the native engine's context of 64 is past the original 16,
@@ -195,9 +197,12 @@ def test_a_lean_model_computes_what_transformers_loaded_one_does(case: str, tmp_
     reference.save_pretrained(tmp_path)
     config = LeanConfig(json.loads((tmp_path / "config.json").read_text()))
     lean = build_lean(Tensors(tmp_path, torch.float32, torch.device("cpu")), config)
-    torch.testing.assert_close(
-        lean.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq.float(), rtol=0, atol=0
-    )
+    names = ("inv_freq", "full_attention_inv_freq", "sliding_attention_inv_freq")  # Gemma 3: per kind
+    tables = [name for name in names if hasattr(reference.model.rotary_emb, name)]
+    assert tables
+    for name in tables:
+        ours, theirs = (getattr(model.model.rotary_emb, name) for model in (lean, reference))
+        torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=0)
     prompt = torch.randint(0, BASE["vocab_size"], (12,), generator=torch.Generator().manual_seed(1)).tolist()
     engines = [NativeBackend(model, 64) for model in (reference, lean)]
     logits = [engine.prefill(prompt) for engine in engines]
@@ -260,6 +265,51 @@ def test_longrope_frequencies_are_transformers_own(length: int | None, tmp_path:
         inv_freq, ours = longrope_frequencies(config, length)
         torch.testing.assert_close(inv_freq, expected, rtol=0, atol=0)
         assert ours == scale and scale > 1
+
+
+def test_a_gemma3_config_of_any_age_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """A Gemma 3 config.json as the Hub's checkpoints write it (before transformers 5: a layer
+    pattern, a local RoPE base, the global scaling apart) and as transformers 5 writes it: the
+    lean config settles the same layer kinds and RoPE parameters as transformers' own."""
+    from transformers import AutoConfig
+
+    from llmcli.models.lean_config import LeanConfig
+
+    hub = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 16, "vocab_size": 300, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window_pattern": 6,
+        "sliding_window": 512, "query_pre_attn_scalar": 16,
+    }  # fmt: skip
+    for name, values in (("hub", hub), ("saved", None)):
+        folder = tmp_path / name
+        folder.mkdir()
+        if values is None:  # the same model saved by transformers 5
+            AutoConfig.for_model(**{k: v for k, v in hub.items() if k != "architectures"}).save_pretrained(
+                folder
+            )
+            values = json.loads((folder / "config.json").read_text()) | {
+                "architectures": hub["architectures"]
+            }
+        (folder / "config.json").write_text(json.dumps(values))
+        theirs, ours = AutoConfig.from_pretrained(folder), LeanConfig(values)
+        assert ours.layer_types == theirs.layer_types and "full_attention" in ours.layer_types
+        for kind, rope in theirs.rope_parameters.items():
+            assert {key: ours.rope_parameters[kind].get(key) for key in rope} == rope, (name, kind)
+
+
+def test_a_gemma3_folder_takes_the_lean_path(tmp_path: Path) -> None:
+    """Gemma 3's text model loads without transformers, and replies as transformers' path does."""
+    folder = build_tiny_model(tmp_path / "gemma3", "gemma3_text")
+    args = ["generate", "-m", str(folder), "-t", "0", "-n", "8", "--json", "The capital of France"]
+    lean = subprocess.run(
+        [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
+    )
+    assert "exit 0 imported -" in lean.stderr and "lean loader" not in lean.stderr, lean.stderr
+    reference = run_cli(*args, "--engine", "transformers")
+    assert reference.returncode == 0, reference.stderr
+    assert json.loads(lean.stdout)["text"] == json.loads(reference.stdout)["text"]
 
 
 def test_a_phi3_folder_takes_the_lean_path_with_its_long_context_rope(tmp_path: Path) -> None:

@@ -34,8 +34,24 @@ DEFAULTS: dict[str, Any] = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
-# Where an architecture's configuration class fills in otherwise (transformers' Phi3Config).
+# Where an architecture's configuration class fills in otherwise (transformers' Phi3Config and
+# Gemma3TextConfig).
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma3ForCausalLM": {
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    },
     "Phi3ForCausalLM": {
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 4096,
@@ -71,6 +87,34 @@ class LeanConfig:
         self._values = {**DEFAULTS, **ARCHITECTURE_DEFAULTS.get(architecture, {}), **values}
         if self._values.get("num_key_value_heads") is None:
             self._values["num_key_value_heads"] = self._values.get("num_attention_heads")
+        if architecture == "Gemma3ForCausalLM":
+            self._gemma3()
+
+    def _gemma3(self) -> None:
+        """Gemma 3's layer kinds and a RoPE table for each, as Gemma3TextConfig settles them from
+        a config.json of any age (`sliding_window_pattern`, `rope_local_base_freq`, a global
+        `rope_scaling`)."""
+        values = self._values
+        if values.get("use_bidirectional_attention"):
+            raise LeanUnsupported("bidirectional attention (an embedding model)")
+        if values.get("layer_types") is None:
+            pattern = values["sliding_window_pattern"]
+            values["layer_types"] = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(values["num_hidden_layers"])
+            ]
+        ropes = values.get("rope_parameters")
+        if ropes is not None and not {"full_attention", "sliding_attention"} & set(ropes):
+            raise LeanUnsupported("Gemma 3 RoPE parameters not given per kind of layer")
+        ropes = {kind: dict(rope) for kind, rope in (ropes or {}).items() if isinstance(rope, dict)}
+        full = ropes.setdefault("full_attention", {"rope_type": "default"})
+        full.update(values.get("rope_scaling") or {})
+        full.setdefault("rope_theta", values.get("rope_theta", 1_000_000.0))
+        local = ropes.setdefault("sliding_attention", {"rope_type": "default"})
+        local.setdefault("rope_theta", values.get("rope_local_base_freq", 10_000.0))
+        for rope in ropes.values():
+            rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        values["rope_parameters"] = ropes
 
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("_values", {})
@@ -103,9 +147,10 @@ class LeanConfig:
         return rope
 
 
-def rope_frequencies(config: LeanConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2], attention scaling) as transformers' rotary embedding holds them."""
-    rope = config.rope
+def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention scaling) as transformers' rotary embedding holds them
+    (`rope`: one kind of layer's parameters, Gemma 3's; the config's own by default)."""
+    rope = rope if rope is not None else config.rope
     kind = rope["rope_type"]
     if kind not in LEAN_ROPE_TYPES:
         raise LeanUnsupported(f"its RoPE type {kind!r}")

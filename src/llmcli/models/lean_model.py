@@ -21,10 +21,18 @@ from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsuppo
 from llmcli.models.tensor_file import TensorFile
 
 # The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
-# q/k/v biases and Qwen3's q/k norms where the checkpoint has them, and Phi-3's q/k/v and
-# gate/up stored fused.
+# q/k/v biases and Qwen3's q/k norms where the checkpoint has them, Phi-3's q/k/v and gate/up
+# stored fused, and Gemma 3 (its norms around the MLP, a RoPE table per kind of layer).
+GEMMA3 = "Gemma3ForCausalLM"
 LEAN_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
+        GEMMA3,
+    }
 )
 
 
@@ -155,27 +163,25 @@ def build(
     file's blocks (its 4-bit codes as they are, the others into int8): they get stand-ins of
     their shape (`is_stand_in`), which the quantizer replaces. `packed`: the quantizer will run,
     on a CPU (TensorSource.embedding)."""
-    if config.architectures[0] not in LEAN_ARCHITECTURES:
-        raise LeanUnsupported(f"its architecture {config.architectures[0]}")
-    if config.hidden_act != "silu":
-        raise LeanUnsupported(f"its activation {config.hidden_act!r}")
-    inv_freq, scaling = rope_frequencies(config)
-    factors = tensors.rope_factors()
-    if factors is not None:  # a GGUF file's Llama 3.1-style scaling, as llama.cpp applies it
-        if factors.shape != inv_freq.shape:
-            raise LeanUnsupported(
-                f"its rope_freqs tensor of {factors.numel()} factors for {inv_freq.numel()} frequencies"
-            )
-        inv_freq = inv_freq / factors.to(inv_freq.dtype)
+    architecture = config.architectures[0]
+    if architecture not in LEAN_ARCHITECTURES:
+        raise LeanUnsupported(f"its architecture {architecture}")
+    gemma = architecture == GEMMA3
+    activation = config.hidden_activation if gemma else config.hidden_act
+    if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise LeanUnsupported(f"its activation {activation!r}")
     device = tensors.device
+    rotary = _gemma_rotary(config, device) if gemma else _rotary(tensors, config, device)
     embed_name = "model.embed_tokens.weight"
     body = nn.Module()
     body.embed_tokens = tensors.embedding(embed_name, packed)
+    if gemma:  # what transformers' scaled embedding says it multiplies its rows by
+        body.embed_tokens.scalar_embed_scale = config.hidden_size**0.5
     body.layers = nn.ModuleList(
         _layer(tensors, f"model.layers.{i}", stand_ins) for i in range(config.num_hidden_layers)
     )
     body.norm = Norm(tensors.get("model.norm.weight"))
-    body.rotary_emb = Rotary(inv_freq.to(device), scaling)
+    body.rotary_emb = rotary
     head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
     if "lm_head" in stand_ins:  # the quantizer reads it from the file: never read here
         lm_head = _linear(tensors.stand_in(head_name), None)
@@ -187,6 +193,30 @@ def build(
     return LeanCausalLM(config, body, lm_head)
 
 
+def _rotary(tensors: TensorSource, config: LeanConfig, device: torch.device) -> Rotary:
+    inv_freq, scaling = rope_frequencies(config)
+    factors = tensors.rope_factors()
+    if factors is not None:  # a GGUF file's Llama 3.1-style scaling, as llama.cpp applies it
+        if factors.shape != inv_freq.shape:
+            raise LeanUnsupported(
+                f"its rope_freqs tensor of {factors.numel()} factors for {inv_freq.numel()} frequencies"
+            )
+        inv_freq = inv_freq / factors.to(inv_freq.dtype)
+    return Rotary(inv_freq.to(device), scaling)
+
+
+def _gemma_rotary(config: LeanConfig, device: torch.device) -> SimpleNamespace:
+    """Gemma 3's tables, one per kind of layer, under the names its rotary embedding gives them
+    (`sliding_attention_inv_freq`, …): a local base for the sliding layers, the global one with
+    its scaling for the others."""
+    tables = SimpleNamespace()
+    for kind, rope in config.rope_parameters.items():
+        inv_freq, scaling = rope_frequencies(config, rope)
+        setattr(tables, f"{kind}_inv_freq", inv_freq.to(device))
+        setattr(tables, f"{kind}_attention_scaling", scaling)
+    return tables
+
+
 def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str]) -> nn.Module:
     def linear(name: str) -> nn.Linear:
         module = f"{prefix}.{name}"
@@ -196,6 +226,10 @@ def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str]) -> nn.Modul
     layer = nn.Module()
     layer.input_layernorm = Norm(tensors.get(f"{prefix}.input_layernorm.weight"))
     layer.post_attention_layernorm = Norm(tensors.get(f"{prefix}.post_attention_layernorm.weight"))
+    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma's norms around the MLP
+        weight = tensors.optional(f"{prefix}.{name}.weight")
+        if weight is not None:
+            setattr(layer, name, Norm(weight))
     attention = nn.Module()
     fused_qkv = f"{prefix}.self_attn.qkv_proj.weight" in tensors  # Phi-3
     for name in ("qkv_proj", "o_proj") if fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj"):
