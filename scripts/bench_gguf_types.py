@@ -1,9 +1,10 @@
-"""GGUF files of several types made from the demo, each as llmcli reads it: the load (a first one
-on an empty cache against later ones), what the cache gains, the weights held against the file,
-decode speed and perplexity on scripts/data/quality.txt (beside an exact reader's: every tensor
-dequantized by gguf, run in fp32) — one table, the files interleaved. Where llama-cpp-python is
-installed (in a venv of its own: `pip install llama-cpp-python`, which compiles llama.cpp), its
-decode speed and perplexity on the same files and token ids are columns beside llmcli's.
+"""GGUF files of several types made from the demo, each as llmcli reads it: the load (the median
+of three first ones, each on an empty cache, against three later ones), what the cache gains,
+the weights held against the file, decode speed and perplexity on scripts/data/quality.txt
+(beside an exact reader's: every tensor dequantized by gguf, run in fp32) — one table, the
+files interleaved. Where llama-cpp-python is installed (in a venv of its own: `pip install
+llama-cpp-python`, which compiles llama.cpp), its decode speed and perplexity on the same files
+and token ids are columns beside llmcli's.
 
 The files are written once into --dir with gguf's own writer and quantizer from the demo's
 weights (its Q4_1 blocks dequantized: F16, Q8_0, Q5_0, Q4_0 — the types gguf's Python quantizer
@@ -153,7 +154,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="llmcli-bench-gguf-") as scratch:
         for path in files:
             cache = Path(scratch) / path.stem
-            first = load_seconds(path, cache)
+            # Each first load on an empty cache of its own; the last of them is kept for the later loads.
+            firsts = [load_seconds(path, Path(scratch) / f"{path.stem}-first-{i}") for i in range(2)]
+            firsts.append(load_seconds(path, cache))
             later = [load_seconds(path, cache) for _ in range(3)]
             os.environ["XDG_CACHE_HOME"] = str(cache)
             loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu"), lean=True)
@@ -173,7 +176,7 @@ def main() -> None:
             rows[path.stem] = {
                 "held as": f"{loaded.dtype_name} {loaded.quant}",
                 "held / file": loaded.weight_bytes / path.stat().st_size,
-                "first load s": first,
+                "first load s": statistics.median(firsts),
                 "later load s": statistics.median(later),
                 "cache MB": folder_bytes(cache / "llmcli") / 1e6,
                 "ppl": perplexity(logits, np.asarray(text_ids)),
