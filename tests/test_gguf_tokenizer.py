@@ -205,3 +205,21 @@ def test_a_sentencepiece_file_is_converted_by_transformers_once_and_read_lean_af
     for text in TEXTS:
         assert ours.encode(text) == theirs.encode(text), text
         assert ours.decode(theirs.encode(text)) == theirs.decode(theirs.encode(text))
+
+
+def test_the_vocabulary_is_read_whole_across_the_readers_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vocabulary and merges llmcli's header reader returns are gguf's own, also when its
+    read-ahead (4 MiB) is cut to 997 bytes, so that strings straddle every chunk's end."""
+    import gguf
+
+    from llmcli.models import gguf_table
+    from llmcli.models.gguf_tokenizer import MERGES, TOKEN_TYPES, TOKENS
+
+    path = demo_file()
+    fields = gguf.GGUFReader(str(path)).fields
+    expected = {key: list(fields[key].contents()) for key in (TOKENS, MERGES)}
+    for chunk in (gguf_table._Parser._CHUNK, 997):
+        monkeypatch.setattr(gguf_table._Parser, "_CHUNK", chunk)
+        metadata = gguf_table.read_arrays(path, frozenset({TOKENS, MERGES, TOKEN_TYPES}))
+        assert {key: metadata[key] for key in (TOKENS, MERGES)} == expected
+        assert metadata[TOKEN_TYPES] == list(fields[TOKEN_TYPES].contents())

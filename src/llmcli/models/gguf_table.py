@@ -163,7 +163,7 @@ class _Parser:
             if element == _STRING and whole:
                 if count > self.size:
                     raise _cut_short(self.path, f"an array of {count} strings at byte {self.position}")
-                return [self._string() for _ in range(count)]
+                return self._strings(count)
             if element == _STRING:  # stepped over: the tokenizer is read once, elsewhere
                 self._skip_strings(count)
                 return count
@@ -181,6 +181,28 @@ class _Parser:
                 offset += 8 + length_at(buffer, offset)[0]
                 count -= 1
             self.position = self.buffer_start + offset  # may point past the buffer: read on demand
+
+    def _strings(self, count: int) -> list[str]:
+        """`count` strings, read in the buffer without a call per string where each lies whole
+        in it (a 49k-token vocabulary and its merges: 0.15 s through `_string`, measured)."""
+        length_at = _LENGTH.unpack_from
+        strings: list[str] = []
+        while len(strings) < count:
+            self._ensure(8)
+            buffer, offset = self.buffer, self.position - self.buffer_start
+            try:
+                while len(strings) < count and offset + 8 <= len(buffer):
+                    end = offset + 8 + length_at(buffer, offset)[0]
+                    if end > len(buffer):
+                        break
+                    strings.append(buffer[offset + 8 : end].decode("utf-8"))
+                    offset = end
+            except UnicodeDecodeError:
+                raise _cut_short(self.path, f"a string that is not UTF-8 at byte {offset}") from None
+            self.position = self.buffer_start + offset
+            if len(strings) < count:  # one across the buffer's end: read on its own
+                strings.append(self._string())
+        return strings
 
     def table(self) -> GGUFTable:
         if self._take(4) != _MAGIC:
