@@ -165,7 +165,7 @@ def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
 
 
 LEAN_CASES = [
-    name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi", "gemma3"))
+    name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi", "gemma"))
 ]
 LEAN_CASES = [name for name in LEAN_CASES if not name.startswith("qwen3-moe")]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
@@ -297,6 +297,30 @@ def test_a_gemma3_config_of_any_age_is_read_as_transformers_reads_it(tmp_path: P
         assert ours.layer_types == theirs.layer_types and "full_attention" in ours.layer_types
         for kind, rope in theirs.rope_parameters.items():
             assert {key: ours.rope_parameters[kind].get(key) for key in rope} == rope, (name, kind)
+
+
+def test_a_gemma2_hub_config_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """Gemma 2's config.json as the Hub writes it (no layer kinds, soft caps left to defaults):
+    the same layer kinds, caps and RoPE as transformers' own reading."""
+    from transformers import AutoConfig
+
+    from llmcli.models.lean_config import LeanConfig, rope_frequencies
+
+    hub = {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 300, "rope_theta": 10000.0, "query_pre_attn_scalar": 16,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    theirs, ours = AutoConfig.from_pretrained(tmp_path), LeanConfig(hub)
+    assert ours.layer_types == theirs.layer_types and len(set(ours.layer_types)) == 2
+    for name in ("final_logit_softcapping", "attn_logit_softcapping", "sliding_window", "head_dim"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
+
+    torch.testing.assert_close(
+        rope_frequencies(ours)[0], Gemma2RotaryEmbedding(theirs).inv_freq, rtol=0, atol=0
+    )
 
 
 def test_a_gemma3_folder_takes_the_lean_path(tmp_path: Path) -> None:

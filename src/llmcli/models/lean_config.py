@@ -34,9 +34,23 @@ DEFAULTS: dict[str, Any] = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
-# Where an architecture's configuration class fills in otherwise (transformers' Phi3Config and
-# Gemma3TextConfig).
+# Where an architecture's configuration class fills in otherwise (transformers' Phi3Config,
+# Gemma2Config and Gemma3TextConfig).
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "use_bidirectional_attention": None,
+    },
     "Gemma3ForCausalLM": {
         "head_dim": 256,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -89,6 +103,9 @@ class LeanConfig:
             self._values["num_key_value_heads"] = self._values.get("num_attention_heads")
         if architecture == "Gemma3ForCausalLM":
             self._gemma3()
+        elif architecture == "Gemma2ForCausalLM" and self._values.get("layer_types") is None:
+            layers = range(self._values["num_hidden_layers"])  # sliding and global in turn
+            self._values["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in layers]
 
     def _gemma3(self) -> None:
         """Gemma 3's layer kinds and a RoPE table for each, as Gemma3TextConfig settles them from

@@ -22,18 +22,12 @@ from llmcli.models.tensor_file import TensorFile
 
 # The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
 # q/k/v biases and Qwen3's q/k norms where the checkpoint has them, Phi-3's q/k/v and gate/up
-# stored fused, and Gemma 3 (its norms around the MLP, a RoPE table per kind of layer).
-GEMMA3 = "Gemma3ForCausalLM"
+# stored fused, and Gemma 2 and 3 (their norms around the MLP; Gemma 3's RoPE table per kind
+# of layer).
+GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 LEAN_ARCHITECTURES = frozenset(
-    {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Phi3ForCausalLM",
-        GEMMA3,
-    }
-)
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
+) | {GEMMA2, GEMMA3}
 
 
 class Norm(nn.Module):
@@ -166,12 +160,12 @@ def build(
     architecture = config.architectures[0]
     if architecture not in LEAN_ARCHITECTURES:
         raise LeanUnsupported(f"its architecture {architecture}")
-    gemma = architecture == GEMMA3
+    gemma = architecture in (GEMMA2, GEMMA3)
     activation = config.hidden_activation if gemma else config.hidden_act
     if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
         raise LeanUnsupported(f"its activation {activation!r}")
     device = tensors.device
-    rotary = _gemma_rotary(config, device) if gemma else _rotary(tensors, config, device)
+    rotary = _gemma_rotary(config, device) if architecture == GEMMA3 else _rotary(tensors, config, device)
     embed_name = "model.embed_tokens.weight"
     body = nn.Module()
     body.embed_tokens = tensors.embedding(embed_name, packed)
