@@ -34,3 +34,26 @@ def one_error_line(proc, code: int) -> str:
     assert len(lines) == 1 and lines[0].startswith("llmcli: error: "), err
     assert "unexpected" not in err and "Traceback" not in err
     return lines[0]
+
+
+# llmcli's command line in a process that ends its stderr with "exit CODE imported NAMES": which
+# of transformers and accelerate the call left imported ("-" for neither).
+_REPORTING_IMPORTS = (
+    "import sys\n"
+    "from llmcli.cli.entry import run_command_line\n"
+    "code = run_command_line(sys.argv[1:])\n"
+    "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'accelerate'})\n"
+    "print('\\nexit', code, 'imported', ','.join(loaded) or '-', file=sys.stderr)\n"
+)
+
+
+def run_reporting_imports(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`llmcli ARGS`, in-process as the console script runs it, its stderr ending with which of
+    transformers and accelerate it imported (`exit 0 imported -`: neither)."""
+    return subprocess.run(
+        [sys.executable, "-c", _REPORTING_IMPORTS, *args],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE_S,
+        env={**os.environ, **(env or {})},
+    )

@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gguf_files import rewrite_gguf
 
-from cli_helpers import PATIENCE_S, run_cli
+from cli_helpers import run_cli, run_reporting_imports
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures"
 TEXTS = (
@@ -129,28 +126,12 @@ def test_a_vocabulary_without_endoftext_keeps_the_files_size(tmp_path: Path) -> 
     assert tokenizer.convert_tokens_to_ids("<|end_of_text|>") == tokens.index("<|endoftext|>")
 
 
-# A call of llmcli that says, last on stderr, which of transformers and accelerate it imported.
-IMPORTED = (
-    "import sys\n"
-    "from llmcli.cli.entry import run_command_line\n"
-    "code = run_command_line(sys.argv[1:])\n"
-    "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'accelerate'})\n"
-    "print('\\nexit', code, 'imported', ','.join(loaded) or '-', file=sys.stderr)\n"
-)
-
-
 def test_a_first_run_on_a_gguf_file_imports_no_transformers(tmp_path: Path) -> None:
     """The first load of a byte-level GGUF file writes its small folder without transformers:
     the tokenizer is llmcli's, and the call runs on the native path."""
     args = ["generate", "-m", str(fixture("Q4_0")), "-t", "0", "-n", "4", "Hello"]
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    result = subprocess.run(
-        [sys.executable, "-c", IMPORTED, *args],
-        capture_output=True,
-        text=True,
-        timeout=PATIENCE_S,
-        env=os.environ | env,
-    )
+    result = run_reporting_imports(*args, env=env)
     assert "exit 0 imported -" in result.stderr, result.stderr
     assert "tokenizer and settings once" in result.stderr
     assert list((tmp_path / "cache" / "llmcli" / "gguf").glob("*/tokenizer.json"))
@@ -185,18 +166,9 @@ def test_a_sentencepiece_file_is_converted_by_transformers_once_and_read_lean_af
         tmp_path / "sentencepiece.gguf",
         metadata={"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": scores},
     )
-    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     args = ["generate", "-m", str(path), "-t", "0", "-n", "4", "Hello"]
-    runs = [
-        subprocess.run(
-            [sys.executable, "-c", IMPORTED, *args],
-            capture_output=True,
-            text=True,
-            timeout=PATIENCE_S,
-            env=env,
-        )
-        for _ in range(2)
-    ]
+    runs = [run_reporting_imports(*args, env=env) for _ in range(2)]
     assert "transformers" in runs[0].stderr.splitlines()[-1], runs[0].stderr  # its conversion
     assert "exit 0 imported -" in runs[1].stderr, runs[1].stderr
     assert runs[0].stdout == runs[1].stdout

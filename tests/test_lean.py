@@ -5,10 +5,7 @@ the same RoPE table and the same logits — and a one-shot call on it must not i
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from test_chat_cache import THINK_DROPPING_TEMPLATE
 from test_native import BASE, CASES, PHI, build
 from test_reasoning import HARMONY_TEMPLATE, THINKING_TEMPLATE
 
-from cli_helpers import PATIENCE_S, one_error_line, run_cli
+from cli_helpers import one_error_line, run_cli, run_reporting_imports
 from tiny_models import CHATML_TEMPLATE, build_tiny_model, train_tokenizer
 from tool_templates import HERMES_TEMPLATE, MISTRAL_TEMPLATE, TOOLS
 
@@ -225,22 +222,11 @@ def copy_of(model: Path, folder: Path) -> Path:
     return folder
 
 
-IMPORTED = (
-    "import sys\n"
-    "from llmcli.cli.entry import run_command_line\n"
-    "code = run_command_line(sys.argv[1:])\n"
-    "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate'))\n"
-    "print('\\nexit', code, 'imported', ','.join(loaded) or '-', file=sys.stderr)\n"
-)
-
-
 def test_a_one_shot_call_on_the_native_path_imports_neither_transformers_nor_accelerate(
     lean_llama: Path,
 ) -> None:
     args = ["generate", "-m", str(lean_llama), "-t", "0", "-n", "8", "The capital of France"]
-    result = subprocess.run(
-        [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
-    )
+    result = run_reporting_imports(*args)
     assert "exit 0 imported -" in result.stderr, result.stderr
     assert result.stdout.strip()
     # Beam search needs transformers' model: that call loads through transformers, no note said.
@@ -327,9 +313,7 @@ def test_a_gemma3_folder_takes_the_lean_path(tmp_path: Path) -> None:
     """Gemma 3's text model loads without transformers, and replies as transformers' path does."""
     folder = build_tiny_model(tmp_path / "gemma3", "gemma3_text")
     args = ["generate", "-m", str(folder), "-t", "0", "-n", "8", "--json", "The capital of France"]
-    lean = subprocess.run(
-        [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
-    )
+    lean = run_reporting_imports(*args)
     assert "exit 0 imported -" in lean.stderr and "lean loader" not in lean.stderr, lean.stderr
     reference = run_cli(*args, "--engine", "transformers")
     assert reference.returncode == 0, reference.stderr
@@ -349,9 +333,7 @@ def test_a_phi3_folder_takes_the_lean_path_with_its_long_context_rope(tmp_path: 
     }  # fmt: skip
     for rope in (None, longrope):
         (folder / "config.json").write_text(json.dumps(config | {"rope_parameters": rope}))
-        result = subprocess.run(
-            [sys.executable, "-c", IMPORTED, *args], capture_output=True, text=True, timeout=PATIENCE_S
-        )
+        result = run_reporting_imports(*args)
         assert "exit 0 imported -" in result.stderr and "lean loader" not in result.stderr, result.stderr
         assert result.stdout.strip()
 
@@ -397,13 +379,7 @@ def test_a_tokenizer_transformers_builds_in_code_is_kept_and_later_starts_are_le
     assert first.returncode == 0, first.stderr
     notes = first.stderr.decode().strip().splitlines()
     assert len(notes) == 1 and "LlamaTokenizer" in notes[0] and "later starts are lean" in notes[0], notes
-    again = subprocess.run(
-        [sys.executable, "-c", IMPORTED, *args],
-        capture_output=True,
-        text=True,
-        timeout=PATIENCE_S,
-        env=os.environ | env,
-    )
+    again = run_reporting_imports(*args, env=env)
     assert "exit 0 imported -" in again.stderr and "lean loader" not in again.stderr, again.stderr
     assert again.stdout == first.stdout.decode()
     monkeypatch = pytest.MonkeyPatch()

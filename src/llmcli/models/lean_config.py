@@ -34,33 +34,26 @@ DEFAULTS: dict[str, Any] = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
+# What Gemma2Config and Gemma3TextConfig both fill in.
+_GEMMA: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "use_bidirectional_attention": None,
+}
 # Where an architecture's configuration class fills in otherwise (transformers' Phi3Config,
 # Gemma2Config and Gemma3TextConfig).
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "Gemma2ForCausalLM": {
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "final_logit_softcapping": 30.0,
-        "attn_logit_softcapping": 50.0,
-        "use_bidirectional_attention": None,
-    },
-    "Gemma3ForCausalLM": {
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
+    "Gemma2ForCausalLM": _GEMMA
+    | {"max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "Gemma3ForCausalLM": _GEMMA
+    | {
         "max_position_embeddings": 131_072,
-        "tie_word_embeddings": True,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
         "sliding_window_pattern": 6,
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
