@@ -211,10 +211,9 @@ def _save_tokenizer(gguf_file: Path, table: GGUFTable, folder: Path) -> None:
     from transformers import AutoTokenizer
 
     from llmcli.models.load import quiet_libraries
-
-    quiet_libraries()
     from llmcli.models.tokenizer_capture import write_plain
 
+    quiet_libraries()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     except (ValueError, KeyError, IndexError, OSError, RuntimeError) as error:

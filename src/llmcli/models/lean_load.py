@@ -148,8 +148,8 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     device = plan.device
     if device.type == "cuda" and device.index is None and torch.cuda.device_count() > 1:
         raise LeanUnsupported("a model for several GPUs")
-    config = LeanConfig(plan.config)
     try:
+        config = LeanConfig(plan.config)
         packed = plan.native_quant is not None and device.type == "cpu"
         model = build(_tensors(resolved, config, plan), config, _read_by_quantizer(resolved, plan), packed)
     except (KeyError, AttributeError, TypeError, ValueError) as error:

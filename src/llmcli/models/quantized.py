@@ -63,7 +63,7 @@ class QuantizedLinear(torch.nn.Module):
     @classmethod
     def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
         _refuse_stand_in(weight)
-        rows_of = lambda rows: weight.detach()[rows]  # noqa: E731 - one line, read once
+        rows_of = weight.detach().__getitem__
         codes, scales = int8_codes(rows_of, tuple(weight.shape), weight.device, weight.dtype)
         return cls.from_int8(codes, scales, bias, weight.dtype)
 
@@ -135,7 +135,9 @@ def int8_codes(
     for start in range(0, shape[0], step):
         rows = slice(start, start + step)
         w = rows_of(rows).to(device=device, dtype=torch.float32)
-        scales[rows] = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(scale_dtype).float()
+        # At least the smallest normal value of the stored type: an all-zero row stays zero, not NaN.
+        smallest = torch.finfo(scale_dtype).tiny
+        scales[rows] = (w.abs().amax(dim=1) / 127).clamp(min=smallest).to(scale_dtype).float()
         codes[rows] = (w / scales[rows, None]).round().clamp(-127, 127).to(torch.int8)
     return codes, scales.to(scale_dtype)
 

@@ -62,17 +62,21 @@ def capture(tokenizer: Any, folder: Path) -> bool:
     place = _place(folder)
     if place is None:
         return False
-    place.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{place.name}-", dir=place.parent))
-    try:
+    staging = None
+    try:  # a cache that cannot be written costs later starts their speed, never this load
+        place.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{place.name}-", dir=place.parent))
         if not write_plain(tokenizer, staging):
             return False
         if place.exists():
             shutil.rmtree(place, ignore_errors=True)
         os.replace(staging, place)
         return True
+    except OSError:
+        return False
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_plain(tokenizer: Any, folder: Path) -> bool:
