@@ -91,7 +91,8 @@ CASES = {
     "qwen3-moe-k2": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, **MOE}),
     "qwen3-moe-k1-dense-layer-unnormalised": (
         "qwen3_moe",
-        {"num_experts": 8, "num_experts_per_tok": 1, "norm_topk_prob": False, "mlp_only_layers": [0], **MOE},
+        # MOE first: its norm_topk_prob=True placed after overrode this case's False.
+        {**MOE, "num_experts": 8, "num_experts_per_tok": 1, "norm_topk_prob": False, "mlp_only_layers": [0]},
     ),
     "qwen3-moe-k8-head-dim-24": (
         "qwen3_moe",
