@@ -162,9 +162,10 @@ def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
 
 
 LEAN_CASES = [
-    name for name in CASES if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi", "gemma"))
+    name
+    for name in CASES
+    if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi", "gemma", "mixtral"))
 ]
-LEAN_CASES = [name for name in LEAN_CASES if not name.startswith("qwen3-moe")]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
 # Phi-3.5-style longrope, partial: the native engine's context of 64 is past the original 16,
 # so both models run on the long factors.
@@ -309,9 +310,11 @@ def test_a_gemma2_hub_config_is_read_as_transformers_reads_it(tmp_path: Path) ->
     )
 
 
-def test_a_gemma3_folder_takes_the_lean_path(tmp_path: Path) -> None:
-    """Gemma 3's text model loads without transformers, and replies as transformers' path does."""
-    folder = build_tiny_model(tmp_path / "gemma3", "gemma3_text")
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe"])
+def test_gemma3_and_a_mixture_of_experts_take_the_lean_path(arch: str, tmp_path: Path) -> None:
+    """Gemma 3's text model, and Qwen3-MoE's experts restacked from one tensor each as
+    transformers holds them, load without transformers and reply as transformers' path does."""
+    folder = build_tiny_model(tmp_path / arch, arch)
     args = ["generate", "-m", str(folder), "-t", "0", "-n", "8", "--json", "The capital of France"]
     lean = run_reporting_imports(*args)
     assert "exit 0 imported -" in lean.stderr and "lean loader" not in lean.stderr, lean.stderr

@@ -59,6 +59,15 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": None,
         "use_bidirectional_attention": False,
     },
+    # Qwen's configs carry a window they use only where `use_sliding_window` says so (default off).
+    "Qwen2ForCausalLM": {"use_sliding_window": False},
+    "Qwen3ForCausalLM": {"use_sliding_window": False},
+    "Qwen3MoeForCausalLM": {
+        "max_position_embeddings": 32768,
+        "norm_topk_prob": False,
+        "use_sliding_window": False,
+    },
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
     "Phi3ForCausalLM": {
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 4096,

@@ -22,12 +22,12 @@ from llmcli.models.tensor_file import TensorFile
 
 # The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
 # q/k/v biases and Qwen3's q/k norms where the checkpoint has them, Phi-3's q/k/v and gate/up
-# stored fused, and Gemma 2 and 3 (their norms around the MLP; Gemma 3's RoPE table per kind
-# of layer).
+# stored fused, Gemma 2 and 3 (their norms around the MLP; Gemma 3's RoPE table per kind of
+# layer), and the sparse mixtures Qwen3-MoE and Mixtral (a router and experts in some layers).
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 LEAN_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
-) | {GEMMA2, GEMMA3}
+) | {GEMMA2, GEMMA3, "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
 
 
 class Norm(nn.Module):
@@ -172,7 +172,7 @@ def build(
     if gemma:  # what transformers' scaled embedding says it multiplies its rows by
         body.embed_tokens.scalar_embed_scale = config.hidden_size**0.5
     body.layers = nn.ModuleList(
-        _layer(tensors, f"model.layers.{i}", stand_ins) for i in range(config.num_hidden_layers)
+        _layer(tensors, f"model.layers.{i}", stand_ins, config) for i in range(config.num_hidden_layers)
     )
     body.norm = Norm(tensors.get("model.norm.weight"))
     body.rotary_emb = rotary
@@ -211,11 +211,27 @@ def _gemma_rotary(config: LeanConfig, device: torch.device) -> SimpleNamespace:
     return tables
 
 
-def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str]) -> nn.Module:
+# The projections that write the residual stream (their rows are the hidden size); every other
+# one reads it (its columns are).
+_WRITERS = frozenset({"o_proj", "down_proj", "w2"})
+
+
+def _fits_the_stream(name: str, weight: torch.Tensor, hidden: int) -> None:
+    """A projection whose side facing the residual stream is not the hidden size: the checkpoint
+    does not match its config, which transformers' path names in one line (DamagedCheckpoint)."""
+    projection = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    side = weight.shape[-2] if projection in _WRITERS else weight.shape[-1]
+    if side != hidden:
+        raise DamagedCheckpoint(f"a checkpoint whose tensor {name} has the shape {list(weight.shape)}")
+
+
+def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str], config: LeanConfig) -> nn.Module:
     def linear(name: str) -> nn.Linear:
         module = f"{prefix}.{name}"
         read = tensors.stand_in if module in stand_ins else tensors.get
-        return _linear(read(f"{module}.weight"), tensors.optional(f"{module}.bias"))
+        weight = read(f"{module}.weight")
+        _fits_the_stream(f"{module}.weight", weight, config.hidden_size)
+        return _linear(weight, tensors.optional(f"{module}.bias"))
 
     layer = nn.Module()
     layer.input_layernorm = Norm(tensors.get(f"{prefix}.input_layernorm.weight"))
@@ -233,9 +249,59 @@ def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str]) -> nn.Modul
         if weight is not None:
             setattr(attention, name, Norm(weight))
     layer.self_attn = attention
+    experts = _experts(tensors, prefix, config)
+    if experts is not None:
+        layer.mlp = experts
+        return layer
     mlp = nn.Module()
     fused_gate_up = f"{prefix}.mlp.gate_up_proj.weight" in tensors  # Phi-3
     for name in ("gate_up_proj", "down_proj") if fused_gate_up else ("gate_proj", "up_proj", "down_proj"):
         setattr(mlp, name, linear(f"mlp.{name}"))
     layer.mlp = mlp
     return layer
+
+
+# Where a sparse layer keeps its experts, and their gate, up and down matrices' names.
+_EXPERT_LAYOUTS = (
+    ("mlp", ("gate_proj", "up_proj", "down_proj")),  # Qwen3-MoE
+    ("block_sparse_moe", ("w1", "w3", "w2")),  # Mixtral
+)
+
+
+def _experts(tensors: Tensors, prefix: str, config: LeanConfig) -> nn.Module | None:
+    """A sparse layer's router and experts as transformers 5 holds them (which the native MoE
+    family and the quantizer read): gate and up stacked as [experts, 2 × intermediate, hidden],
+    down as [experts, hidden, intermediate] — restacked from a checkpoint's one tensor per expert,
+    or read as stacked where the checkpoint is so; None for a dense layer (no router)."""
+    for place, (gate, up, down) in _EXPERT_LAYOUTS:
+        router = f"{prefix}.{place}.gate.weight"
+        if router not in tensors:
+            continue
+        block = f"{prefix}.{place}.experts"
+        moe, routing, experts = nn.Module(), nn.Module(), nn.Module()
+        routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)
+        routing.top_k = config.num_experts_per_tok
+        if f"{block}.gate_up_proj" in tensors:  # stacked already
+            gate_up, downs = tensors.get(f"{block}.gate_up_proj"), tensors.get(f"{block}.down_proj")
+        else:
+            count = routing.weight.shape[0]
+            gate_up = torch.stack(
+                [
+                    torch.cat(
+                        [tensors.get(f"{block}.{e}.{gate}.weight"), tensors.get(f"{block}.{e}.{up}.weight")]
+                    )
+                    for e in range(count)
+                ]
+            )
+            downs = torch.stack([tensors.get(f"{block}.{e}.{down}.weight") for e in range(count)])
+        for name, weight in (
+            (f"{block}.gate_up_proj", gate_up),
+            (f"{block}.down_proj", downs),
+            (router, routing.weight),
+        ):
+            _fits_the_stream(name, weight, config.hidden_size)
+        experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        experts.down_proj = nn.Parameter(downs, requires_grad=False)
+        moe.gate, moe.experts = routing, experts
+        return moe
+    return None
