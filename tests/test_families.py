@@ -149,6 +149,11 @@ def without(source: Path, folder: Path, drop: str | None = None, reshape: str | 
             "model.layers.1.self_attn.o_proj.weight",
             "tensor model.layers.1.self_attn.o_proj.weight has the shape",
         ),
+        (
+            None,
+            "model.layers.1.mlp.experts.2.up_proj.weight",
+            "tensor model.layers.1.mlp.experts.2.up_proj.weight has the shape [3, 3], where expert 0's has",
+        ),
     ],
 )
 def test_a_checkpoint_that_does_not_match_its_config_is_named(

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from llmcli.errors import ModelLoadError
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, rope_frequencies
 from llmcli.models.tensor_file import TensorFile
 
@@ -271,8 +272,8 @@ _EXPERT_LAYOUTS = (
 def _experts(tensors: Tensors, prefix: str, config: LeanConfig) -> nn.Module | None:
     """A sparse layer's router and experts as transformers 5 holds them (which the native MoE
     family and the quantizer read): gate and up stacked as [experts, 2 × intermediate, hidden],
-    down as [experts, hidden, intermediate] — restacked from a checkpoint's one tensor per expert,
-    or read as stacked where the checkpoint is so; None for a dense layer (no router)."""
+    down as [experts, hidden, intermediate] — restacked from the checkpoint's one tensor per
+    expert, as transformers' loader restacks them; None for a dense layer (no router)."""
     for place, (gate, up, down) in _EXPERT_LAYOUTS:
         router = f"{prefix}.{place}.gate.weight"
         if router not in tensors:
@@ -281,19 +282,7 @@ def _experts(tensors: Tensors, prefix: str, config: LeanConfig) -> nn.Module | N
         moe, routing, experts = nn.Module(), nn.Module(), nn.Module()
         routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)
         routing.top_k = config.num_experts_per_tok
-        if f"{block}.gate_up_proj" in tensors:  # stacked already
-            gate_up, downs = tensors.get(f"{block}.gate_up_proj"), tensors.get(f"{block}.down_proj")
-        else:
-            count = routing.weight.shape[0]
-            gate_up = torch.stack(
-                [
-                    torch.cat(
-                        [tensors.get(f"{block}.{e}.{gate}.weight"), tensors.get(f"{block}.{e}.{up}.weight")]
-                    )
-                    for e in range(count)
-                ]
-            )
-            downs = torch.stack([tensors.get(f"{block}.{e}.{down}.weight") for e in range(count)])
+        gate_up, downs = _stacked(tensors, block, routing.weight.shape[0], (gate, up), down)
         for name, weight in (
             (f"{block}.gate_up_proj", gate_up),
             (f"{block}.down_proj", downs),
@@ -305,3 +294,36 @@ def _experts(tensors: Tensors, prefix: str, config: LeanConfig) -> nn.Module | N
         moe.gate, moe.experts = routing, experts
         return moe
     return None
+
+
+def _stacked(
+    tensors: Tensors, block: str, count: int, gate_up: tuple[str, str], down: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' gate and up matrices as one [count, 2 × intermediate, hidden] tensor and
+    their down ones as [count, hidden, intermediate], filled expert by expert (a layer's experts
+    are held once, plus one expert's matrix in passing). An expert of another shape than the
+    first is refused in one line naming it (transformers' loader says only that its conversion
+    failed)."""
+
+    def read(expert: int, name: str, shape: torch.Size | None) -> torch.Tensor:
+        tensor = f"{block}.{expert}.{name}.weight"
+        weight = tensors.get(tensor)
+        if shape is not None and weight.shape != shape:
+            raise ModelLoadError(
+                f"the checkpoint's tensor {tensor} has the shape {list(weight.shape)}, "
+                f"where expert 0's has {list(shape)}",
+                "the checkpoint is damaged or not for this config: download it again",
+            )
+        return weight
+
+    first = read(0, gate_up[0], None)
+    rows = first.shape[0]
+    stacked = first.new_empty((count, 2 * rows, first.shape[1]))
+    for expert in range(count):
+        for half, name in enumerate(gate_up):
+            stacked[expert, half * rows : (half + 1) * rows] = read(expert, name, first.shape)
+    first_down = read(0, down, None)
+    downs = first_down.new_empty((count, *first_down.shape))
+    for expert in range(count):
+        downs[expert] = read(expert, down, first_down.shape)
+    return stacked, downs
