@@ -195,3 +195,17 @@ def test_the_vocabulary_is_read_whole_across_the_readers_chunks(monkeypatch: pyt
         metadata = gguf_table.read_arrays(path, frozenset({TOKENS, MERGES, TOKEN_TYPES}))
         assert {key: metadata[key] for key in (TOKENS, MERGES)} == expected
         assert metadata[TOKEN_TYPES] == list(fields[TOKEN_TYPES].contents())
+
+
+def test_a_file_whose_merges_its_vocabulary_lacks_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A merge of tokens the vocabulary lacks (a damaged or hand-made file): one line naming the
+    file and the token, nothing left in the cache."""
+    path = rewrite_gguf(
+        fixture("Q4_0"), tmp_path / "merges.gguf", metadata={"tokenizer.ggml.merges": ["zzzq yyyq", "a b"]}
+    )
+    cache = tmp_path / "cache"
+    result = run_cli("generate", "-m", str(path), "-n", "2", "hi", env={"XDG_CACHE_HOME": str(cache)})
+    lines = result.stderr.decode().strip().splitlines()
+    assert result.returncode == 1 and "Traceback" not in result.stderr.decode()
+    assert lines[-1].startswith("llmcli: error: ") and "merges.gguf" in lines[-1] and "zzzq" in lines[-1]
+    assert not [folder for folder in (cache / "llmcli" / "gguf").glob("*") if folder.is_dir()]

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmcli.errors import ModelLoadError
 from llmcli.models.gguf_table import GGUFTable, read_arrays
 
 TOKENS, MERGES, TOKEN_TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"
@@ -72,16 +73,24 @@ SPLITS = {
 
 def builds(table: GGUFTable) -> bool:
     """Whether this module builds the file's tokenizer: byte-level BPE with its merges listed."""
-    return table.metadata.get("tokenizer.ggml.model") == "gpt2" and MERGES in table.metadata
+    metadata = table.metadata
+    return metadata.get("tokenizer.ggml.model") == "gpt2" and TOKENS in metadata and MERGES in metadata
 
 
 def write_tokenizer(table: GGUFTable, folder: Path) -> None:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja in `folder`, as
     transformers saves the tokenizer it converts from the file (for a file `builds` takes)."""
     metadata = read_arrays(table.path, frozenset({TOKENS, MERGES, TOKEN_TYPES}))
-    tokens: list[str] = metadata[TOKENS]
+    tokens, merges = metadata[TOKENS], metadata[MERGES]
+    if not all(
+        isinstance(value, list) and all(isinstance(s, str) for s in value) for value in (tokens, merges)
+    ):
+        raise ModelLoadError(f"{table.path}: its tokenizer's vocabulary or merges are not lists of strings")
     named = {name: _token_at(tokens, metadata.get(key)) for name, key in _SPECIAL_IDS.items()}
-    tokenizer = _byte_level(tokens, metadata[MERGES], metadata.get(TOKEN_TYPES) or [], named)
+    try:
+        tokenizer = _byte_level(tokens, merges, metadata.get(TOKEN_TYPES) or [], named)
+    except Exception as error:  # tokenizers' own, for a merge of tokens the vocabulary lacks, say
+        raise ModelLoadError(f"{table.path}: cannot build its tokenizer ({error})") from None
     split = SPLITS.get(str(metadata.get("tokenizer.ggml.pre")))
     if split is not None:
         from tokenizers import Regex, pre_tokenizers
