@@ -1,9 +1,10 @@
 """config.json as the native engine reads it, without transformers' configuration classes: the
-values it names, and transformers' defaults for the Llama-family (and Phi-3) fields it leaves out.
+values it names, and transformers' defaults for the fields it leaves out (the Llama family's,
+and where Phi-3, Gemma 2/3, Qwen3-MoE and Mixtral differ).
 
 Also the RoPE frequencies, computed as transformers computes them for the RoPE types the lean
-path takes (default, linear, llama3); others are refused (`LeanUnsupported`) and the loader
-takes transformers' path, which settles them.
+path takes (default, linear, llama3, longrope); others are refused (`LeanUnsupported`) and the
+loader takes transformers' path, which settles them.
 """
 
 from __future__ import annotations
@@ -173,18 +174,24 @@ def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> 
     kind = rope["rope_type"]
     if kind not in LEAN_ROPE_TYPES:
         raise LeanUnsupported(f"its RoPE type {kind!r}")
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    # transformers 5 keeps it among the RoPE parameters (Phi-4-mini rotates 3/4 of each head).
-    dim = int(head_dim * float(rope.get("partial_rotary_factor", config.partial_rotary_factor)))
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (float(rope["rope_theta"]) ** exponents)
+    if kind == "longrope":  # the table transformers builds: the short factors (phi3.py picks)
+        return longrope_frequencies(config, length=None)
+    inv_freq = 1.0 / (float(rope["rope_theta"]) ** _exponents(config, rope))
     if kind == "linear":
         inv_freq = inv_freq / float(rope["factor"])
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, rope)
-    elif kind == "longrope":  # the table transformers builds: the short factors (phi3.py picks)
-        return longrope_frequencies(config, length=None)
     return inv_freq, 1.0
+
+
+def _exponents(config: Any, rope: dict[str, Any]) -> torch.Tensor:
+    """2i / d for each rotated pair of a head's d rotated dimensions, as transformers computes
+    them: d is the head's width times the partial rotary factor, which transformers 5 keeps among
+    the RoPE parameters (Phi-4-mini rotates 3/4 of each head)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    dim = int(head_dim * float(partial))
+    return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
 
 
 def longrope_frequencies(config: Any, length: int | None) -> tuple[torch.Tensor, float]:
@@ -192,9 +199,6 @@ def longrope_frequencies(config: Any, length: int | None) -> tuple[torch.Tensor,
     `length` (Phi-3.5, Phi-4-mini): the long factors past the pretraining length, the short ones
     within it (and for None). `config`: a LeanConfig or transformers' own configuration."""
     rope = config.rope if isinstance(config, LeanConfig) else dict(config.rope_parameters)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-    dim = int(head_dim * float(partial))
     # Phi-3 keeps the pretraining length beside the RoPE parameters; transformers prefers it there.
     original = (
         getattr(config, "original_max_position_embeddings", None)
@@ -206,7 +210,7 @@ def longrope_frequencies(config: Any, length: int | None) -> tuple[torch.Tensor,
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factors = rope["long_factor"] if length and length > original else rope["short_factor"]
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    exponents = _exponents(config, rope)
     inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * float(rope["rope_theta"]) ** exponents)
     return inv_freq, float(attention)
 
