@@ -25,10 +25,8 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 import shutil
 import struct
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from filelock import FileLock, Timeout
 
-from llmcli.atomic import write_text_atomically
+from llmcli.atomic import folder_written_atomically, write_text_atomically
 from llmcli.config.paths import cache_dir, gguf_cache_dir
 from llmcli.errors import ModelLoadError
 
@@ -241,9 +239,8 @@ def convert(gguf_file: Path, target: Path, kind: str) -> None:
     from llmcli.models.load import quiet_libraries
 
     quiet_libraries()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    # A target already there has no done marker: an older llmcli's half-written one, replaced.
+    with folder_written_atomically(target) as staging:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
             model = AutoModelForCausalLM.from_pretrained(
@@ -260,11 +257,6 @@ def convert(gguf_file: Path, target: Path, kind: str) -> None:
         (staging / _KIND_FILE).write_text(kind + "\n")
         save_int4_blocks(gguf_file, staging)
         (staging / _DONE_MARKER).write_text(f"{gguf_file}\n")
-        if target.exists():  # a folder without the done marker: an older llmcli's half-written one
-            shutil.rmtree(target, ignore_errors=True)  # (the caller holds the lock: nobody reads it)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def save_int4_blocks(gguf_file: Path, folder: Path) -> None:

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmcli.atomic import write_text_atomically
+from llmcli.atomic import folder_written_atomically, write_text_atomically
 from llmcli.errors import ModelLoadError
 from llmcli.models.gguf_int4 import unpermute_rows
 from llmcli.models.gguf_table import GGUFTable, TableEntry, read_table
@@ -176,9 +174,7 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
         if _source_of(target) != gguf_file:  # the same content, moved or copied: follow it
             write_text_atomically(target / SOURCE_FILE, f"{gguf_file}\n")
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with folder_written_atomically(target) as staging:
         (staging / "config.json").write_text(json.dumps(config_of(table), indent=2) + "\n")
         generation = generation_config_of(table)
         if generation:
@@ -191,11 +187,6 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
         kept_name = target / NAME_FILE  # an older llmcli's converted copy, imported under a name
         if kept_name.is_file():
             shutil.copy(kept_name, staging / NAME_FILE)
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from llmcli.atomic import folder_written_atomically
 from llmcli.config.paths import cache_dir
 
 # The files a tokenizer is built from (what transformers reads for one).
@@ -62,21 +60,17 @@ def capture(tokenizer: Any, folder: Path) -> bool:
     place = _place(folder)
     if place is None:
         return False
-    staging = None
     try:  # a cache that cannot be written costs later starts their speed, never this load
-        place.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{place.name}-", dir=place.parent))
-        if not write_plain(tokenizer, staging):
-            return False
-        if place.exists():
-            shutil.rmtree(place, ignore_errors=True)
-        os.replace(staging, place)
+        with folder_written_atomically(place) as staging:
+            if not write_plain(tokenizer, staging):
+                raise _NotKept
         return True
-    except OSError:
+    except (_NotKept, OSError):
         return False
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+
+
+class _NotKept(Exception):
+    """What transformers built answers otherwise through the lean tokenizer: nothing is kept."""
 
 
 def write_plain(tokenizer: Any, folder: Path) -> bool:
