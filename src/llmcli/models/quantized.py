@@ -49,12 +49,15 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
         self._matmul = _kernel(kind, packed.device)
+        self._rows_in_out = bias is None  # rows in, the kernel's rows out: nothing to reshape or add
 
     @property
     def label(self) -> str:
         return f"int4-g{self.group}" if self.kind == "int4" else "int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._rows_in_out and x.dim() == 2:
+            return self._matmul(x, self)  # a decode step's shape: a CPU step is ~120 of these calls
         shape = x.shape
         out = self._matmul(x.reshape(-1, shape[-1]), self)
         out = out.reshape(*shape[:-1], self.out_features)
@@ -155,8 +158,17 @@ def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach().clone()
 
 
+# torch's own bindings of the CPU kernels: 1.7 µs a call less than through torch.ops.
+_INT8_MM = getattr(torch, "_weight_int8pack_mm", torch.ops.aten._weight_int8pack_mm)
+_INT4_MM_CPU = getattr(torch, "_weight_int4pack_mm_for_cpu", torch.ops.aten._weight_int4pack_mm_for_cpu)
+
+
+def _in_dtype(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return scales if scales.dtype == dtype else scales.to(dtype)
+
+
 def _int8_mm(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-    return torch.ops.aten._weight_int8pack_mm(x, layer.packed, layer.scales.to(x.dtype))
+    return _INT8_MM(x, layer.packed, _in_dtype(layer.scales, x.dtype))
 
 
 def _int8_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
@@ -171,7 +183,7 @@ def _int8_dequantizing_mm(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tens
 
 
 def _int4_mm_cpu(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, layer.group, layer.scales.to(x.dtype))
+    return _INT4_MM_CPU(x, layer.packed, layer.group, _in_dtype(layer.scales, x.dtype))
 
 
 def _int4_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:

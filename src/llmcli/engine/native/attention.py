@@ -65,17 +65,18 @@ class Attention:
         self.scored = self.sinks is not None or softcap is not None  # by hand, not by SDPA
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d], RoPE applied to q and k."""
+        """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d], RoPE applied to q and k
+        (cos and sin [T, 1, d]: Transformer.rope)."""
         tokens, d = x.shape[0], self.shape.head_dim
         qkv = self.qkv(x).view(tokens, -1, d)
         heads = self.shape.heads
         if self.q_norm is identity:
             # q and k lie side by side in qkv's output: one rotation covers both heads' sets.
-            qk = rotate(qkv[:, : heads + self.shape.kv_heads], cos[:, None], sin[:, None])
+            qk = rotate(qkv[:, : heads + self.shape.kv_heads], cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
         else:
-            q = rotate(self.q_norm(qkv[:, :heads]), cos[:, None], sin[:, None])
-            k = rotate(self.k_norm(qkv[:, heads : heads + self.shape.kv_heads]), cos[:, None], sin[:, None])
+            q = rotate(self.q_norm(qkv[:, :heads]), cos, sin)
+            k = rotate(self.k_norm(qkv[:, heads : heads + self.shape.kv_heads]), cos, sin)
         v = qkv[:, heads + self.shape.kv_heads :]
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 

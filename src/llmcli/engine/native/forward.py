@@ -80,11 +80,12 @@ class Transformer:
     def rope(
         self, positions: torch.Tensor, table: tuple[torch.Tensor, float] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, head_dim] for these positions, computed as transformers computes
-        cos and sin (sin negated on its first half, for `rotate`); from `table` (frequencies and
-        scale) where given, else the model's own."""
+        """cos and signed sin [T, 1, head_dim] for these positions (shaped once a pass to broadcast
+        over heads, not once a layer), computed as transformers computes cos and sin (sin negated
+        on its first half, for `rotate`); from `table` (frequencies and scale) where given, else
+        the model's own."""
         inv_freq, scale = table if table is not None else (self.inv_freq, self.rope_scale)
-        freqs = positions.float()[:, None] * inv_freq
+        freqs = positions.float()[:, None, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * scale).to(self.dtype)
         return cos, (angles.sin() * scale).to(self.dtype) * self.rope_sign

@@ -42,7 +42,8 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        # A CPU's residual stream is fp32 already (forward.py): no cast to dispatch then.
+        normed = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), eps=self.eps)
         if self.dtype != self.weight.dtype:
             return (self.weight.float() * normed).to(self.dtype)
         return self.weight * normed.to(self.weight.dtype)
