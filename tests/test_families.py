@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import one_error_line, run_cli
+from cli_helpers import one_error_line, run_cli, run_reporting_imports
 from tiny_models import build_tiny_model, mxfp4_experts
 
 
@@ -34,22 +34,32 @@ def test_a_mixture_of_experts_runs_native_and_says_what_transformers_says(tiny_m
     assert native["text"] == reference["text"] and native["completion_tokens"] == 24
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gpt_oss_mxfp4_experts_load_dequantized_with_a_note_and_run_native(
-    tmp_path_factory: pytest.TempPathFactory,
+    dtype: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The released gpt-oss checkpoints store experts in MXFP4. Without a kernel (a CPU here)
-    transformers dequantizes them while loading; llmcli says so in one line of its own (their
-    memory grows 4-8x), reports the weights as unquantized, and runs them on its own forward:
-    the same greedy text as transformers'."""
+    llmcli's lean loader dequantizes them, as transformers' path does, and says so in one line
+    (their memory grows 4-8x); it imports neither transformers nor accelerate, reports the
+    weights as unquantized, and runs them on its own forward: the same greedy text as
+    transformers', which says the same of its own dequantization."""
     folder = mxfp4_experts(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mxfp4", "gpt_oss"))
-    proc = run_cli("generate", "-m", str(folder), "--device", "cpu", "-t", "0", "-n", "24", "--json", "Hi")
+    args = ["generate", "-m", str(folder), "--device", "cpu", "--dtype", dtype, "-t", "0", "-n", "24"]
+    args.append("--json")
+    lean = run_reporting_imports(*args, "Hi")
+    assert [line for line in lean.stderr.splitlines() if line] == [
+        f"MXFP4 experts dequantized to {dtype}: llmcli has no MXFP4 kernel on cpu, "
+        "so they take 4-8x their size on disk in memory",
+        "exit 0 imported -",
+    ]
+    native = json.loads(lean.stdout)
+    proc = run_cli(*args, "--engine", "transformers", "Hi")
     assert proc.returncode == 0, proc.stderr.decode()
-    native = json.loads(proc.stdout)
     assert proc.stderr.decode().strip().splitlines() == [
-        "MXFP4 experts dequantized to fp32: transformers has no MXFP4 kernel on cpu here, "
+        f"MXFP4 experts dequantized to {dtype}: transformers has no MXFP4 kernel on cpu here, "
         "so they take 4-8x their size on disk in memory"
     ]
-    reference = generated(folder, "--engine", "transformers")
+    reference = json.loads(proc.stdout)
     assert (native["engine"], native["quant"]) == ("native", "none")
     assert native["text"] == reference["text"] and len(set(native["text"])) > 5
 

@@ -16,7 +16,7 @@ from test_native import BASE, CASES, PHI, build
 from test_reasoning import HARMONY_TEMPLATE, THINKING_TEMPLATE
 
 from cli_helpers import one_error_line, run_cli, run_reporting_imports
-from tiny_models import CHATML_TEMPLATE, build_tiny_model, train_tokenizer
+from tiny_models import CHATML_TEMPLATE, build_tiny_model, mxfp4_experts, train_tokenizer
 from tool_templates import HERMES_TEMPLATE, MISTRAL_TEMPLATE, TOOLS
 
 TEMPLATES = {
@@ -164,7 +164,7 @@ def test_tokenizers_it_cannot_read_exactly_are_refused_with_the_reason(
 LEAN_CASES = [
     name
     for name in CASES
-    if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi", "gemma", "mixtral"))
+    if name.startswith(("llama", "mistral", "qwen2", "qwen3-", "phi", "gemma", "mixtral", "gpt-oss"))
 ]
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}
 # Phi-3.5-style longrope, partial: the native engine's context of 64 is past the original 16,
@@ -310,10 +310,11 @@ def test_a_gemma2_hub_config_is_read_as_transformers_reads_it(tmp_path: Path) ->
     )
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe", "gpt_oss"])
 def test_gemma3_and_a_mixture_of_experts_take_the_lean_path(arch: str, tmp_path: Path) -> None:
-    """Gemma 3's text model, and Qwen3-MoE's experts restacked from one tensor each as
-    transformers holds them, load without transformers and reply as transformers' path does."""
+    """Gemma 3's text model, Qwen3-MoE's experts restacked from one tensor each as transformers
+    holds them, and gpt-oss (sinks, YaRN, experts stored stacked), load without transformers and
+    reply as transformers' path does."""
     folder = build_tiny_model(tmp_path / arch, arch)
     args = ["generate", "-m", str(folder), "-t", "0", "-n", "8", "--json", "The capital of France"]
     lean = run_reporting_imports(*args)
@@ -478,3 +479,89 @@ def test_a_config_the_lean_path_cannot_read_loads_through_transformers_with_a_no
     broken = with_rope("llama3-incomplete", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0})
     line = one_error_line(run_cli("generate", "-m", str(broken), "-n", "2", "Hello"), 1)
     assert "low_freq_factor" in line or "high_freq_factor" in line
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+YARN_CASES = {
+    "gpt-oss-defaults": ("gpt_oss", {}),  # GptOssConfig's own YaRN, none written in config.json
+    "gpt-oss-untruncated": ("gpt_oss", {"rope_parameters": YARN | {"truncate": False, "beta_slow": 1.0}}),
+    # the older form Qwen's long-context configs write: rope_scaling with "type", rope_theta apart
+    "qwen3-rope-scaling": ("qwen3", {"rope_scaling": {"type": "yarn", "factor": 4.0}, "rope_theta": 1e6}),
+    "qwen2-mscale": ("qwen2", {"rope_parameters": YARN | {"mscale": 0.707, "mscale_all_dim": 1.0}}),
+    "llama-attention-factor-head-dim-32": (
+        "llama",
+        {"rope_parameters": YARN | {"attention_factor": 1.3, "beta_fast": 16.0}, "head_dim": 32},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", YARN_CASES)
+def test_yarn_frequencies_are_transformers_own(case: str, tmp_path: Path) -> None:
+    """llmcli's YaRN table (gpt-oss, Qwen's long-context configs), from config.json as written by
+    hand and as transformers saves it, is transformers' own: the same frequencies bit for bit
+    and the same attention scaling."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llmcli.models.lean_config import LeanConfig, rope_frequencies
+
+    arch, overrides = YARN_CASES[case]
+    # No head_dim: each family's default (gpt-oss 64, Qwen3 128, the others hidden / heads).
+    shape = {k: v for k, v in BASE.items() if k != "initializer_range"} | overrides
+    written = shape | {"architectures": [ARCHITECTURES[arch]]}
+    theirs = AutoConfig.for_model(arch, **shape)
+    theirs.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text()) | {"architectures": written["architectures"]}
+    expected, scale = ROPE_INIT_FUNCTIONS["yarn"](theirs, torch.device("cpu"))
+    for values in (written, saved):
+        inv_freq, ours = rope_frequencies(LeanConfig(values))
+        torch.testing.assert_close(inv_freq, expected, rtol=0, atol=0)
+        assert ours == scale
+
+
+ARCHITECTURES = {
+    "gpt_oss": "GptOssForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpt_oss_mxfp4_experts_read_by_llmcli_are_transformers_own(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """A gpt-oss checkpoint with MXFP4 experts, built by the lean loader: every tensor equal to
+    what transformers' loader dequantizes, in its dtype (the norms fp32 in an fp16 model, as
+    transformers keeps them)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from llmcli.models.lean_config import LeanConfig
+    from llmcli.models.lean_model import Tensors
+    from llmcli.models.lean_model import build as build_lean
+
+    folder = mxfp4_experts(build_tiny_model(tmp_path / "gpt-oss", "gpt_oss"))
+    reference = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    config = LeanConfig(json.loads((folder / "config.json").read_text()))
+    lean = build_lean(Tensors(folder, dtype, torch.device("cpu")), config)
+    theirs, ours = dict(reference.named_parameters()), dict(lean.named_parameters())
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    norms = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    assert ours["model.norm.weight"].dtype == norms
+    assert ours["model.layers.0.mlp.experts.down_proj"].dtype == dtype
+
+
+def test_mxfp4_blocks_that_do_not_match_their_scales_are_refused_in_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = mxfp4_experts(build_tiny_model(tmp_path / "gpt-oss", "gpt_oss"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :, :1].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    line = one_error_line(run_cli("generate", "-m", str(folder), "--device", "cpu", "-n", "2", "Hi"), 1)
+    assert "model.layers.1.mlp.experts.down_proj_blocks" in line and "do not match" in line, line

@@ -330,13 +330,13 @@ class GGUFTensors:
         projection = name.rsplit(".", 2)[-2]
         return self._heads.get(projection)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         entry = self.entry(name)
         tensor = _values(self.raw(entry), entry)
         heads = self.rows_heads(name)
         if heads is not None:
             tensor = unpermute_rows(tensor, heads).contiguous()
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self else None

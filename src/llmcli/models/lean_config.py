@@ -3,8 +3,8 @@ values it names, and transformers' defaults for the fields it leaves out (the Ll
 and where Phi-3, Gemma 2/3, Qwen3-MoE and Mixtral differ).
 
 Also the RoPE frequencies, computed as transformers computes them for the RoPE types the lean
-path takes (default, linear, llama3, longrope); others are refused (`LeanUnsupported`) and the
-loader takes transformers' path, which settles them.
+path takes (default, linear, llama3, longrope, yarn); others are refused (`LeanUnsupported`) and
+the loader takes transformers' path, which settles them.
 """
 
 from __future__ import annotations
@@ -62,13 +62,25 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     # Qwen's configs carry a window they use only where `use_sliding_window` says so (default off).
     "Qwen2ForCausalLM": {"use_sliding_window": False},
-    "Qwen3ForCausalLM": {"use_sliding_window": False},
+    "Qwen3ForCausalLM": {"use_sliding_window": False, "head_dim": 128},
     "Qwen3MoeForCausalLM": {
         "max_position_embeddings": 32768,
         "norm_topk_prob": False,
         "use_sliding_window": False,
     },
     "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
+    "GptOssForCausalLM": {
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150_000.0,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+    },
     "Phi3ForCausalLM": {
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 4096,
@@ -78,7 +90,18 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
         "pad_token_id": 32000,
     },
 }
-LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3", "longrope"})
+# GptOssConfig's RoPE where config.json names none: YaRN from 4096 positions, 32 times over.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+# Sliding and full layers in turn, the first sliding, where config.json names no layer types.
+_ALTERNATING = frozenset({"Gemma2ForCausalLM", "GptOssForCausalLM"})
+LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3", "longrope", "yarn"})
 
 
 class LeanUnsupported(LlmcliError):
@@ -106,9 +129,12 @@ class LeanConfig:
             self._values["num_key_value_heads"] = self._values.get("num_attention_heads")
         if architecture == "Gemma3ForCausalLM":
             self._gemma3()
-        elif architecture == "Gemma2ForCausalLM" and self._values.get("layer_types") is None:
+        elif architecture in _ALTERNATING and self._values.get("layer_types") is None:
             layers = range(self._values["num_hidden_layers"])  # sliding and global in turn
             self._values["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in layers]
+        rope_given = values.get("rope_parameters") or values.get("rope_scaling")
+        if architecture == "GptOssForCausalLM" and not rope_given:
+            self._values["rope_parameters"] = dict(_GPT_OSS_ROPE)
 
     def _gemma3(self) -> None:
         """Gemma 3's layer kinds and a RoPE table for each, as Gemma3TextConfig settles them from
@@ -176,6 +202,8 @@ def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> 
         raise LeanUnsupported(f"its RoPE type {kind!r}")
     if kind == "longrope":  # the table transformers builds: the short factors (phi3.py picks)
         return longrope_frequencies(config, length=None)
+    if kind == "yarn":
+        return _yarn(config, rope)
     inv_freq = 1.0 / (float(rope["rope_theta"]) ** _exponents(config, rope))
     if kind == "linear":
         inv_freq = inv_freq / float(rope["factor"])
@@ -184,14 +212,59 @@ def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> 
     return inv_freq, 1.0
 
 
-def _exponents(config: Any, rope: dict[str, Any]) -> torch.Tensor:
-    """2i / d for each rotated pair of a head's d rotated dimensions, as transformers computes
-    them: d is the head's width times the partial rotary factor, which transformers 5 keeps among
-    the RoPE parameters (Phi-4-mini rotates 3/4 of each head)."""
+def _rotated_width(config: Any, rope: dict[str, Any]) -> int:
+    """d, the rotated dimensions of a head: its width times the partial rotary factor, which
+    transformers 5 keeps among the RoPE parameters (Phi-4-mini rotates 3/4 of each head)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-    dim = int(head_dim * float(partial))
+    return int(head_dim * float(partial))
+
+
+def _exponents(config: Any, rope: dict[str, Any]) -> torch.Tensor:
+    """2i / d for each rotated pair of a head's d rotated dimensions, as transformers computes them."""
+    dim = _rotated_width(config, rope)
     return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+
+def _yarn(config: Any, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, Qwen's long-context configs) as transformers computes it: the frequencies
+    that turn fewer than `beta_slow` times over the pretraining length divided by the factor, those
+    turning more than `beta_fast` times kept, a linear ramp between; cos and sin scaled by the
+    attention factor."""
+    base, dim = float(rope["rope_theta"]), _rotated_width(config, rope)
+    # As transformers settles it: a pretraining length beside the RoPE parameters comes first.
+    original = (
+        getattr(config, "original_max_position_embeddings", None)
+        or rope.get("original_max_position_embeddings")
+        or config.max_position_embeddings
+    )
+    factor = rope.get("factor") or config.max_position_embeddings / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dimension turning `rotations` times
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.get("beta_fast") or 32), correction_dim(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers avoids the division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # the share of each frequency left unscaled
+    powers = base ** _exponents(config, rope)
+    inv_freq = (1.0 / (factor * powers)) * (1 - kept) + (1.0 / powers) * kept
+    return inv_freq, float(attention)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def longrope_frequencies(config: Any, length: int | None) -> tuple[torch.Tensor, float]:

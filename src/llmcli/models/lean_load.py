@@ -4,8 +4,9 @@ call's start on a CPU; docs/benchmarks.md).
 
 It takes what it can read exactly as transformers' path would and nothing else: the
 architectures lean_model.py builds, safetensors, the plain fast tokenizers lean_tokenizer.py
-reads, llmcli's own int8/int4 or no quantization, one device, and an engine that may be the
-native one. Anything else is a reason (`LeanUnsupported`): for an architecture the native
+reads, llmcli's own int8/int4 or no quantization (gpt-oss's MXFP4 experts, dequantized on a CPU
+as transformers' path dequantizes them there), one device, and an engine that may be the native
+one. Anything else is a reason (`LeanUnsupported`): for an architecture the native
 engine runs, the caller says it in one note and loads through transformers; for others
 transformers' path is the only one, and nothing needs saying.
 """
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from llmcli.errors import LlmcliError
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, TokenizerUnsupported
-from llmcli.models.lean_model import LEAN_ARCHITECTURES
+from llmcli.models.lean_model import GPT_OSS, LEAN_ARCHITECTURES
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -124,6 +125,7 @@ def _architecture(resolved: ResolvedModel) -> str:
 def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     import torch
 
+    from llmcli.models.device import DTYPE_NAMES
     from llmcli.models.gguf_direct import is_direct
     from llmcli.models.lean_model import build, is_stand_in
     from llmcli.models.load import (
@@ -141,7 +143,15 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         raise LeanUnsupported("a folder without safetensors weights and a tokenizer.json")
     tokenizer = _lean_tokenizer(folder)  # before the weights: a refusal here costs nothing
     plan = plan_load(resolved, settings, quiet=False)
-    if plan.config.get("quantization_config"):
+    notes = [plan.context_note] if plan.context_note else []
+    stored = (plan.config.get("quantization_config") or {}).get("quant_method")
+    if stored == "mxfp4" and _architecture(resolved) == GPT_OSS and plan.device.type == "cpu":
+        # As transformers' path does here (no MXFP4 kernel on a CPU), said as it says it.
+        notes.append(
+            f"MXFP4 experts dequantized to {DTYPE_NAMES.get(plan.dtype, plan.dtype)}: llmcli has no "
+            "MXFP4 kernel on cpu, so they take 4-8x their size on disk in memory"
+        )
+    elif plan.config.get("quantization_config"):
         raise LeanUnsupported("a checkpoint that comes quantized")
     if plan.settings.quant != "none" and plan.native_quant is None:
         raise LeanUnsupported(f"--quant {plan.settings.quant} (bitsandbytes)")
@@ -187,7 +197,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         quant=quant,
         quant_backend=quant_backend,
         kv_bytes_per_token=kv_bytes_per_token(plan.config, plan.dtype.itemsize),
-        notes=(plan.context_note,) if plan.context_note else (),
+        notes=tuple(notes),
         fast=plan.settings.fast,
         engine=plan.settings.engine,
     )

@@ -24,11 +24,15 @@ from llmcli.models.tensor_file import TensorFile
 # The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
 # q/k/v biases and Qwen3's q/k norms where the checkpoint has them, Phi-3's q/k/v and gate/up
 # stored fused, Gemma 2 and 3 (their norms around the MLP; Gemma 3's RoPE table per kind of
-# layer), and the sparse mixtures Qwen3-MoE and Mixtral (a router and experts in some layers).
-GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
+# layer), the sparse mixtures Qwen3-MoE and Mixtral (a router and experts in some layers), and
+# gpt-oss (attention sinks, biased experts stored [experts, in, out], as MXFP4 blocks or not).
+GEMMA2, GEMMA3, GPT_OSS = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"
 LEAN_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
-) | {GEMMA2, GEMMA3, "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+) | {GEMMA2, GEMMA3, "Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS}
+# The norms gpt-oss keeps in fp32 in an fp16 model (transformers' `_keep_in_fp32_modules`, which
+# it applies to fp16 only).
+_FP32_NORMS = {GPT_OSS: frozenset({"input_layernorm", "post_attention_layernorm", "norm"})}
 
 
 class Norm(nn.Module):
@@ -99,13 +103,14 @@ class Tensors:
             raise DamagedCheckpoint(f"a checkpoint without the tensor {name}")
         return file
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor in the model's dtype, or in `dtype` where given (as stored: uint8)."""
         file = self._file_of(name)
         try:
             tensor = file.get(name)
         except ValueError as error:
             raise LeanUnsupported(f"its tensor {name} ({error})") from None
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def optional(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self else None
@@ -136,7 +141,7 @@ class TensorSource(Protocol):
 
     def __contains__(self, name: str) -> bool: ...
 
-    def get(self, name: str) -> torch.Tensor: ...
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
     def optional(self, name: str) -> torch.Tensor | None: ...
 
@@ -175,7 +180,7 @@ def build(
     body.layers = nn.ModuleList(
         _layer(tensors, f"model.layers.{i}", stand_ins, config) for i in range(config.num_hidden_layers)
     )
-    body.norm = Norm(tensors.get("model.norm.weight"))
+    body.norm = Norm(tensors.get("model.norm.weight", _norm_dtype(tensors, config, "norm")))
     body.rotary_emb = rotary
     head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
     if "lm_head" in stand_ins:  # the quantizer reads it from the file: never read here
@@ -186,6 +191,12 @@ def build(
         # an untied head that is absent is refused: transformers' path names the missing tensor
         lm_head = _linear(tensors.get(head_name), None)
     return LeanCausalLM(config, body, lm_head)
+
+
+def _norm_dtype(tensors: TensorSource, config: LeanConfig, name: str) -> torch.dtype | None:
+    """fp32 for a norm its family keeps so in an fp16 model; None: the model's dtype."""
+    kept = name in _FP32_NORMS.get(config.architectures[0], frozenset())
+    return torch.float32 if kept and tensors.dtype == torch.float16 else None
 
 
 def _rotary(tensors: TensorSource, config: LeanConfig, device: torch.device) -> Rotary:
@@ -235,8 +246,8 @@ def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str], config: Lea
         return _linear(weight, tensors.optional(f"{module}.bias"))
 
     layer = nn.Module()
-    layer.input_layernorm = Norm(tensors.get(f"{prefix}.input_layernorm.weight"))
-    layer.post_attention_layernorm = Norm(tensors.get(f"{prefix}.post_attention_layernorm.weight"))
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        setattr(layer, name, Norm(tensors.get(f"{prefix}.{name}.weight", _norm_dtype(tensors, config, name))))
     for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma's norms around the MLP
         weight = tensors.optional(f"{prefix}.{name}.weight")
         if weight is not None:
@@ -249,8 +260,11 @@ def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str], config: Lea
         weight = tensors.optional(f"{prefix}.self_attn.{name}.weight")
         if weight is not None:
             setattr(attention, name, Norm(weight))
+    sinks = tensors.optional(f"{prefix}.self_attn.sinks")  # gpt-oss: a logit per head
+    if sinks is not None:
+        attention.sinks = nn.Parameter(sinks, requires_grad=False)
     layer.self_attn = attention
-    experts = _experts(tensors, prefix, config)
+    experts = _gpt_oss_experts(tensors, prefix, config) or _experts(tensors, prefix, config)
     if experts is not None:
         layer.mlp = experts
         return layer
@@ -327,3 +341,45 @@ def _stacked(
     for expert in range(count):
         downs[expert] = read(expert, down, first_down.shape)
     return stacked, downs
+
+
+def _gpt_oss_experts(tensors: TensorSource, prefix: str, config: LeanConfig) -> nn.Module | None:
+    """gpt-oss's router (with a bias) and experts as transformers holds them: gate and up
+    interleaved in one [experts, hidden, 2 × intermediate] tensor, down as [experts, intermediate,
+    hidden], each with a bias; read as stored, or dequantized from MXFP4 blocks (mxfp4.py). None
+    for another family's layer."""
+    router = f"{prefix}.mlp.router.weight"
+    if config.architectures[0] != GPT_OSS or router not in tensors:
+        return None
+    routing, experts, moe = nn.Module(), nn.Module(), nn.Module()
+    routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)
+    routing.bias = nn.Parameter(tensors.get(f"{prefix}.mlp.router.bias"), requires_grad=False)
+    routing.top_k = config.num_experts_per_tok
+    experts.is_transposed = True  # [experts, in, out], as the quantizer and family read it
+    block = f"{prefix}.mlp.experts"
+    hidden = config.hidden_size
+    for name, hidden_side in (("gate_up_proj", 1), ("down_proj", 2)):
+        tensor = f"{block}.{name}"
+        weight = _mxfp4_experts(tensors, tensor) if f"{tensor}_blocks" in tensors else tensors.get(tensor)
+        if weight.dim() != 3 or weight.shape[hidden_side] != hidden:
+            raise DamagedCheckpoint(f"a checkpoint whose tensor {tensor} has the shape {list(weight.shape)}")
+        setattr(experts, name, nn.Parameter(weight, requires_grad=False))
+        setattr(experts, f"{name}_bias", nn.Parameter(tensors.get(f"{tensor}_bias"), requires_grad=False))
+    _fits_the_stream(router, routing.weight, hidden)
+    moe.router, moe.experts = routing, experts
+    return moe
+
+
+def _mxfp4_experts(tensors: TensorSource, name: str) -> torch.Tensor:
+    """`name`'s experts from its `_blocks` and `_scales`, dequantized into the model's dtype. Blocks
+    and scales that do not match are refused naming them, before the layer's tensor is made."""
+    from llmcli.models.mxfp4 import stacked_experts
+
+    blocks, scales = tensors.get(f"{name}_blocks", torch.uint8), tensors.get(f"{name}_scales", torch.uint8)
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ModelLoadError(
+            f"the checkpoint's MXFP4 tensors {name}_blocks {list(blocks.shape)} and "
+            f"{name}_scales {list(scales.shape)} do not match (16 bytes of blocks to a scale)",
+            "the checkpoint is damaged: download it again",
+        )
+    return stacked_experts(blocks, scales, tensors.dtype)

@@ -8,16 +8,18 @@ The Llama family's blocks, with what differs settled when the model is built:
 - sliding-window layers (128) alternating with full ones, as its `layer_types` say, the sliding
   layers' KV cache a ring of the window;
 - YaRN RoPE, read from transformers' own table (static for a load);
-- the norms' weights kept in fp32 beside a bf16 model (RMSNorm scales in fp32, then rounds);
+- the norms' weights kept in fp32 beside an fp16 model, as transformers keeps them there
+  (RMSNorm scales in fp32, then rounds);
 - experts with biases, gate and up interleaved in one stacked [experts, hidden, 2 × intermediate]
   tensor (transposed from Qwen3-MoE's), through a clamped SwiGLU: gate clamped above at
   `swiglu_limit`, up to ±limit, gate·σ(α·gate)·(up + 1);
 - a router with a bias, softmax over the top-k logits only.
 
-The released checkpoints store experts in MXFP4. transformers dequantizes them on load where it
-has no kernel (a CPU; `Mxfp4Config(dequantize=True)`), and the experts are then plain tensors
-this module reads; experts left packed in MXFP4 blocks are refused by `check_supported` with the
-reason, and `--engine auto` falls back to transformers.
+The released checkpoints store experts in MXFP4. On a CPU llmcli's lean loader dequantizes them
+(models/mxfp4.py), as transformers does where it has no kernel (`Mxfp4Config(dequantize=True)`),
+and the experts are then plain tensors this module reads; experts left packed in MXFP4 blocks
+(transformers' kernel, on a GPU) are refused by `check_supported` with the reason, and
+`--engine auto` falls back to transformers.
 """
 
 from __future__ import annotations
