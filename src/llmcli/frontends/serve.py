@@ -253,7 +253,9 @@ def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
 
 
 def _load(model_spec: str, settings: LoadSettings) -> tuple[Any, Any]:
-    loaded = load_with_feedback(model_spec, settings)
+    # Lean where it can (nothing the server runs needs transformers' model): a --keep-alive
+    # server is up in about the time of an in-process call, not after transformers' load.
+    loaded = load_with_feedback(model_spec, settings, lean=True)
     return loaded, engine_with_feedback(loaded)
 
 
