@@ -278,6 +278,9 @@ def table_shapes(folder: Path) -> dict[str, TensorHeader]:
     }
 
 
+_COPIED_BELOW = 1 << 20  # bytes
+
+
 class GGUFTensors:
     """The file's tensors by transformers' name, each read when asked for, in the lean model's
     dtype on its device (the same calls as lean_model.Tensors)."""
@@ -332,7 +335,10 @@ class GGUFTensors:
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         entry = self.entry(name)
-        tensor = _values(self.raw(entry), entry)
+        # A small tensor (a norm) read through the mapping maps its neighbours' pages too: the
+        # demo's 61 norms brought 38 MB of the file into the process. Those are copied instead.
+        raw = self.read(entry).reshape(-1) if entry.nbytes < _COPIED_BELOW else self.raw(entry)
+        tensor = _values(raw, entry)
         heads = self.rows_heads(name)
         if heads is not None:
             tensor = unpermute_rows(tensor, heads).contiguous()
