@@ -232,13 +232,7 @@ def _yarn(config: Any, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
     turning more than `beta_fast` times kept, a linear ramp between; cos and sin scaled by the
     attention factor."""
     base, dim = float(rope["rope_theta"]), _rotated_width(config, rope)
-    # As transformers settles it: a pretraining length beside the RoPE parameters comes first.
-    original = (
-        getattr(config, "original_max_position_embeddings", None)
-        or rope.get("original_max_position_embeddings")
-        or config.max_position_embeddings
-    )
-    factor = rope.get("factor") or config.max_position_embeddings / original
+    original, factor = _pretraining_length_and_factor(config, rope)
     attention = rope.get("attention_factor")
     if attention is None:
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -263,6 +257,18 @@ def _yarn(config: Any, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention)
 
 
+def _pretraining_length_and_factor(config: Any, rope: dict[str, Any]) -> tuple[float, float]:
+    """The pretraining length and the scaling factor of a long-context RoPE (yarn, longrope), as
+    transformers settles them: a length beside the RoPE parameters (Phi-3 keeps one) comes first,
+    and a factor left out is the context over that length."""
+    original = (
+        getattr(config, "original_max_position_embeddings", None)
+        or rope.get("original_max_position_embeddings")
+        or config.max_position_embeddings
+    )
+    return original, rope.get("factor") or config.max_position_embeddings / original
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -272,13 +278,7 @@ def longrope_frequencies(config: Any, length: int | None) -> tuple[torch.Tensor,
     `length` (Phi-3.5, Phi-4-mini): the long factors past the pretraining length, the short ones
     within it (and for None). `config`: a LeanConfig or transformers' own configuration."""
     rope = config.rope if isinstance(config, LeanConfig) else dict(config.rope_parameters)
-    # Phi-3 keeps the pretraining length beside the RoPE parameters; transformers prefers it there.
-    original = (
-        getattr(config, "original_max_position_embeddings", None)
-        or rope.get("original_max_position_embeddings")
-        or config.max_position_embeddings
-    )
-    factor = rope.get("factor") or config.max_position_embeddings / original
+    original, factor = _pretraining_length_and_factor(config, rope)
     attention = rope.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

@@ -145,7 +145,8 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     plan = plan_load(resolved, settings, quiet=False)
     notes = [plan.context_note] if plan.context_note else []
     stored = (plan.config.get("quantization_config") or {}).get("quant_method")
-    if stored == "mxfp4" and _architecture(resolved) == GPT_OSS and plan.device.type == "cpu":
+    architecture = (plan.config.get("architectures") or [""])[0]
+    if stored == "mxfp4" and architecture == GPT_OSS and plan.device.type == "cpu":
         # As transformers' path does here (no MXFP4 kernel on a CPU), said as it says it.
         notes.append(
             f"MXFP4 experts dequantized to {DTYPE_NAMES.get(plan.dtype, plan.dtype)}: llmcli has no "
