@@ -335,11 +335,12 @@ def _stacked(
     stacked = first.new_empty((count, 2 * rows, first.shape[1]))
     for expert in range(count):
         for half, name in enumerate(gate_up):
-            stacked[expert, half * rows : (half + 1) * rows] = read(expert, name, first.shape)
+            matrix = first if expert == half == 0 else read(expert, name, first.shape)
+            stacked[expert, half * rows : (half + 1) * rows] = matrix
     first_down = read(0, down, None)
     downs = first_down.new_empty((count, *first_down.shape))
     for expert in range(count):
-        downs[expert] = read(expert, down, first_down.shape)
+        downs[expert] = first_down if expert == 0 else read(expert, down, first_down.shape)
     return stacked, downs
 
 
