@@ -459,6 +459,40 @@ def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line_naming_it(
     assert "model.layers.1.mlp.down_proj.weight" in line
 
 
+IMPLIED = {  # a tensor beyond the weights that the architecture's config implies
+    "qwen2": "model.layers.1.self_attn.q_proj.bias",  # Qwen2's q/k/v always have biases
+    "gpt_oss": "model.layers.1.self_attn.sinks",
+    "qwen3_moe": "model.layers.1.self_attn.q_norm.weight",
+    "gemma3_text": "model.layers.0.post_feedforward_layernorm.weight",
+}
+
+
+@pytest.mark.parametrize("arch", IMPLIED)
+def test_a_checkpoint_without_a_tensor_its_config_implies_is_not_read_without_it(
+    arch: str, tmp_path: Path
+) -> None:
+    """A bias, a q/k norm, Gemma's norms around the MLP, gpt-oss's sinks: read where present
+    once, the lean loader ran a checkpoint missing one as a model without it. It is damaged:
+    the lean loader leaves it to transformers' path, which refuses it in one line naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig
+    from llmcli.models.lean_model import Tensors
+    from llmcli.models.lean_model import build as build_lean
+
+    folder = build_tiny_model(tmp_path / arch, arch)
+    config = LeanConfig(json.loads((folder / "config.json").read_text()))
+    build_lean(Tensors(folder, torch.float32, torch.device("cpu")), config)  # whole, it loads
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors[IMPLIED[arch]]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DamagedCheckpoint, match=IMPLIED[arch]):
+        build_lean(Tensors(folder, torch.float32, torch.device("cpu")), config)
+    if arch == "gpt_oss":
+        line = one_error_line(run_cli("generate", "-m", str(folder), "--device", "cpu", "-n", "2", "Hi"), 1)
+        assert IMPLIED[arch] in line, line
+
+
 def test_a_config_the_lean_path_cannot_read_loads_through_transformers_with_a_note(
     lean_llama: Path, tmp_path: Path
 ) -> None:

@@ -285,6 +285,10 @@ class GGUFTensors:
     """The file's tensors by transformers' name, each read when asked for, in the lean model's
     dtype on its device (the same calls as lean_model.Tensors)."""
 
+    # The config is llmcli's, written from the file's own tensors: what it implies is read where
+    # present (a Llama file with q/k/v biases and none on its output, say, as llama.cpp runs it).
+    implied_required = False
+
     def __init__(
         self, folder: Path, dtype: torch.dtype, device: torch.device, heads: tuple[int, int]
     ) -> None:

@@ -30,6 +30,13 @@ GEMMA2, GEMMA3, GPT_OSS = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCa
 LEAN_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
 ) | {GEMMA2, GEMMA3, "Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS}
+# The tensors beyond the weights that transformers' modules of each architecture have, which
+# its config implies: a checkpoint without one is damaged (transformers' path names it in one
+# line), not a model without it. Biases: Qwen2's q/k/v always; Mistral, Mixtral and Phi-3 none;
+# Llama's MLP where `mlp_bias`; the others' q/k/v/o where `attention_bias`.
+_UNBIASED = frozenset({"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"})
+_HEAD_NORMS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GEMMA3})  # q_norm, k_norm
+_MLP = frozenset({"gate_proj", "up_proj", "down_proj"})
 # The norms gpt-oss keeps in fp32 in an fp16 model (transformers' `_keep_in_fp32_modules`, which
 # it applies to fp16 only).
 _FP32_NORMS = {GPT_OSS: frozenset({"input_layernorm", "post_attention_layernorm", "norm"})}
@@ -89,6 +96,9 @@ class Tensors:
     """The checkpoint's tensors by name, across its shards, each read when asked for (nothing
     before; tensor_file.py says why not through a mapping of the files)."""
 
+    # The config is the checkpoint's own: a tensor it implies and the files lack is refused.
+    implied_required = True
+
     def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
         files = [TensorFile(path) for path in sorted(folder.glob("*.safetensors"))]
@@ -138,6 +148,9 @@ class TensorSource(Protocol):
 
     dtype: torch.dtype
     device: torch.device
+    # Whether a tensor the config implies must be there (a folder's config.json), or is read where
+    # present (a config llmcli wrote from the file's own tensors: a GGUF file).
+    implied_required: bool
 
     def __contains__(self, name: str) -> bool: ...
 
@@ -237,30 +250,51 @@ def _fits_the_stream(name: str, weight: torch.Tensor, hidden: int) -> None:
         raise DamagedCheckpoint(f"a checkpoint whose tensor {name} has the shape {list(weight.shape)}")
 
 
-def _layer(tensors: Tensors, prefix: str, stand_ins: frozenset[str], config: LeanConfig) -> nn.Module:
+def _has_bias(config: LeanConfig, projection: str) -> bool:
+    """Whether transformers' module for `projection` (q_proj, …, down_proj) has a bias."""
+    architecture = config.architectures[0]
+    if architecture in _UNBIASED:
+        return False
+    if architecture == "Qwen2ForCausalLM":
+        return projection in ("q_proj", "k_proj", "v_proj")
+    if projection in _MLP:
+        return architecture == "LlamaForCausalLM" and bool(config.mlp_bias)
+    return bool(config.attention_bias)
+
+
+def _implied(tensors: TensorSource, name: str, implied: bool) -> torch.Tensor | None:
+    """A tensor beyond the weights: required where the config implies it (and is the checkpoint's
+    own: a missing one raises DamagedCheckpoint naming it), else read where present."""
+    return tensors.get(name) if implied and tensors.implied_required else tensors.optional(name)
+
+
+def _layer(tensors: TensorSource, prefix: str, stand_ins: frozenset[str], config: LeanConfig) -> nn.Module:
+    architecture = config.architectures[0]
+
     def linear(name: str) -> nn.Linear:
         module = f"{prefix}.{name}"
         read = tensors.stand_in if module in stand_ins else tensors.get
         weight = read(f"{module}.weight")
         _fits_the_stream(f"{module}.weight", weight, config.hidden_size)
-        return _linear(weight, tensors.optional(f"{module}.bias"))
+        bias = _implied(tensors, f"{module}.bias", _has_bias(config, name.rsplit(".", 1)[-1]))
+        return _linear(weight, bias)
 
     layer = nn.Module()
     for name in ("input_layernorm", "post_attention_layernorm"):
         setattr(layer, name, Norm(tensors.get(f"{prefix}.{name}.weight", _norm_dtype(tensors, config, name))))
     for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma's norms around the MLP
-        weight = tensors.optional(f"{prefix}.{name}.weight")
+        weight = _implied(tensors, f"{prefix}.{name}.weight", architecture in (GEMMA2, GEMMA3))
         if weight is not None:
             setattr(layer, name, Norm(weight))
     attention = nn.Module()
     fused_qkv = f"{prefix}.self_attn.qkv_proj.weight" in tensors  # Phi-3
     for name in ("qkv_proj", "o_proj") if fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj"):
         setattr(attention, name, linear(f"self_attn.{name}"))
-    for name in ("q_norm", "k_norm"):  # Qwen3
-        weight = tensors.optional(f"{prefix}.self_attn.{name}.weight")
+    for name in ("q_norm", "k_norm"):  # Qwen3, Gemma 3
+        weight = _implied(tensors, f"{prefix}.self_attn.{name}.weight", architecture in _HEAD_NORMS)
         if weight is not None:
             setattr(attention, name, Norm(weight))
-    sinks = tensors.optional(f"{prefix}.self_attn.sinks")  # gpt-oss: a logit per head
+    sinks = _implied(tensors, f"{prefix}.self_attn.sinks", architecture == GPT_OSS)  # a logit per head
     if sinks is not None:
         attention.sinks = nn.Parameter(sinks, requires_grad=False)
     layer.self_attn = attention
