@@ -473,7 +473,8 @@ def test_a_checkpoint_without_a_tensor_its_config_implies_is_not_read_without_it
 ) -> None:
     """A bias, a q/k norm, Gemma's norms around the MLP, gpt-oss's sinks: read where present
     once, the lean loader ran a checkpoint missing one as a model without it. It is damaged:
-    the lean loader leaves it to transformers' path, which refuses it in one line naming it."""
+    the lean loader leaves it to transformers' path, which refuses it in one line naming it.
+    One the config does not imply is not read, as transformers leaves it unused."""
     from safetensors.torch import load_file, save_file
 
     from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig
@@ -484,13 +485,24 @@ def test_a_checkpoint_without_a_tensor_its_config_implies_is_not_read_without_it
     config = LeanConfig(json.loads((folder / "config.json").read_text()))
     build_lean(Tensors(folder, torch.float32, torch.device("cpu")), config)  # whole, it loads
     tensors = load_file(str(folder / "model.safetensors"))
-    del tensors[IMPLIED[arch]]
+    implied = tensors.pop(IMPLIED[arch])
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DamagedCheckpoint, match=IMPLIED[arch]):
         build_lean(Tensors(folder, torch.float32, torch.device("cpu")), config)
     if arch == "gpt_oss":
         line = one_error_line(run_cli("generate", "-m", str(folder), "--device", "cpu", "-n", "2", "Hi"), 1)
         assert IMPLIED[arch] in line, line
+    # A tensor its config does not imply is left unused, as transformers' modules leave it:
+    # gpt-oss has every attention bias but no q/k norms; the others no output bias here.
+    unused, size = (
+        ("model.layers.0.self_attn.q_norm.weight", config.head_dim)
+        if arch == "gpt_oss"
+        else ("model.layers.0.self_attn.o_proj.bias", config.hidden_size)
+    )
+    tensors |= {IMPLIED[arch]: implied, unused: torch.ones(size)}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    lean = build_lean(Tensors(folder, torch.float32, torch.device("cpu")), config)
+    assert unused not in dict(lean.named_parameters())
 
 
 def test_a_config_the_lean_path_cannot_read_loads_through_transformers_with_a_note(

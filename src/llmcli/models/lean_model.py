@@ -263,9 +263,13 @@ def _has_bias(config: LeanConfig, projection: str) -> bool:
 
 
 def _implied(tensors: TensorSource, name: str, implied: bool) -> torch.Tensor | None:
-    """A tensor beyond the weights: required where the config implies it (and is the checkpoint's
-    own: a missing one raises DamagedCheckpoint naming it), else read where present."""
-    return tensors.get(name) if implied and tensors.implied_required else tensors.optional(name)
+    """A tensor beyond the weights. Where the config is the checkpoint's own: read where it
+    implies one (a missing one raises DamagedCheckpoint naming it), and not where it does not,
+    as transformers' modules leave such a tensor unused. Elsewhere (a GGUF file): read where
+    present."""
+    if not tensors.implied_required:
+        return tensors.optional(name)
+    return tensors.get(name) if implied else None
 
 
 def _layer(tensors: TensorSource, prefix: str, stand_ins: frozenset[str], config: LeanConfig) -> nn.Module:
