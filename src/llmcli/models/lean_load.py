@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from llmcli.models.lean_model import TensorSource
     from llmcli.models.lean_tokenizer import LeanTokenizer
     from llmcli.models.load import LoadedModel, LoadPlan
+    from llmcli.models.quantized import ExactCodes
     from llmcli.models.resolve import ResolvedModel
 
 
@@ -78,17 +79,23 @@ def _asked_for_transformers(settings: LoadSettings) -> bool:
     return engine == "transformers" or settings.offload or bitsandbytes_only(settings.quant, engine)
 
 
-def _read_by_quantizer(resolved: ResolvedModel, plan: LoadPlan) -> frozenset[str]:
+def _file_codes(resolved: ResolvedModel, plan: LoadPlan) -> ExactCodes | None:
+    """A GGUF file's blocks as the quantizer reads them, where llmcli quantizes; read once a load
+    (the layers they replace and the quantizer both ask)."""
+    from llmcli.models.load import exact_codes_of
+
+    if resolved.source != "gguf" or plan.native_quant is None:
+        return None
+    return exact_codes_of(resolved.path)
+
+
+def _read_by_quantizer(blocks: ExactCodes | None, plan: LoadPlan) -> frozenset[str]:
     """The linear layers the quantizer reads from a GGUF file's own blocks, whose float copies are
     therefore never made: the 4-bit ones taken as they are (int4 on the blocks' group, on a CPU,
     where every width takes int4), and those int8 holds, dequantized a slice at a time (every
     quantized layer under --quant int8; otherwise the wider ones and the head)."""
     from llmcli.models.gguf_direct import GGUFCodes
-    from llmcli.models.load import exact_codes_of
 
-    if resolved.source != "gguf" or plan.native_quant is None:
-        return frozenset()
-    blocks = exact_codes_of(resolved.path)
     if not isinstance(blocks, GGUFCodes):  # an older conversion: only its 4-bit codes, beside it
         take_codes = blocks is not None and plan.native_quant == "int4" and plan.device.type == "cpu"
         return frozenset(blocks.names) if take_codes and blocks.group == plan.group else frozenset()
@@ -132,10 +139,10 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         LoadedModel,
         eos_ids,
         plan_load,
-        quantize_natively,
         read_generation_config,
     )
     from llmcli.models.memory import kv_bytes_per_token, measured_weight_bytes
+    from llmcli.models.quantized import quantize_model
 
     folder = resolved.path
     read_in_place = is_direct(folder)
@@ -162,7 +169,8 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     try:
         config = LeanConfig(plan.config)
         packed = plan.native_quant is not None and device.type == "cpu"
-        model = build(_tensors(resolved, config, plan), config, _read_by_quantizer(resolved, plan), packed)
+        exact = _file_codes(resolved, plan)
+        model = build(_tensors(resolved, config, plan), config, _read_by_quantizer(exact, plan), packed)
     except (KeyError, AttributeError, TypeError, ValueError) as error:
         # A config field missing or of another shape: transformers' path reads it, or says why.
         raise LeanUnsupported(f"its config.json as written ({type(error).__name__}: {error})") from None
@@ -173,7 +181,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     quant, quant_backend = "none", "none"
     if plan.native_quant is not None:
         tied = config.tie_word_embeddings
-        quant = quantize_natively(model, resolved, plan.native_quant, plan.group)
+        quant = quantize_model(model, plan.native_quant, plan.group, exact)
         quant_backend = "native"
         if tied:
             from llmcli.models.gguf_embedding import share_tied_head

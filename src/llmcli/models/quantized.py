@@ -135,11 +135,11 @@ def int8_codes(
     codes = torch.empty(shape, dtype=torch.int8, device=device)
     scales = torch.empty(shape[0], dtype=torch.float32, device=device)
     step = max(1, _ELEMENTS_AT_A_TIME // shape[1])
+    # At least the smallest normal value of the stored type: an all-zero row stays zero, not NaN.
+    smallest = torch.finfo(scale_dtype).tiny
     for start in range(0, shape[0], step):
         rows = slice(start, start + step)
         w = rows_of(rows).to(device=device, dtype=torch.float32)
-        # At least the smallest normal value of the stored type: an all-zero row stays zero, not NaN.
-        smallest = torch.finfo(scale_dtype).tiny
         scales[rows] = (w.abs().amax(dim=1) / 127).clamp(min=smallest).to(scale_dtype).float()
         codes[rows] = (w / scales[rows, None]).round().clamp(-127, 127).to(torch.int8)
     return codes, scales.to(scale_dtype)
@@ -270,9 +270,13 @@ def quantize_model(
         names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
     ) -> QuantizedLinear:
         coded = exact is not None and group == exact.group and all(name in exact for name in names)
-        if coded and kind == "int4" and _tinygemm_fits(weight):  # the file's own codes, the head's too
+
+        def file_codes() -> tuple[torch.Tensor, ...]:  # codes, scales, zeros of `names`, stacked
             parts = [exact.get(name) for name in names]
-            codes, scales, zeros = (torch.cat(part).to(device) for part in zip(*parts, strict=True))
+            return tuple(torch.cat(part).to(device) for part in zip(*parts, strict=True))
+
+        if coded and kind == "int4" and _tinygemm_fits(weight):  # the file's own codes, the head's too
+            codes, scales, zeros = file_codes()
             return _counted(QuantizedLinear.from_codes(codes, scales, zeros, bias, group, weight.dtype))
         if kind == "int8" or is_head or not _tinygemm_fits(weight) or any(name in wider for name in names):
             read = [exact.int8(name, weight.dtype) for name in names] if exact is not None else [None]
@@ -280,9 +284,7 @@ def quantize_model(
                 codes, scales = (torch.cat(part).to(device) for part in zip(*read, strict=True))
                 return _counted(QuantizedLinear.from_int8(codes, scales, bias, weight.dtype))
             if coded:  # the weights the codes stand for (the layer's weight is a stand-in)
-                parts = [exact.get(name) for name in names]
-                codes, scales, zeros = (torch.cat(part).to(device) for part in zip(*parts, strict=True))
-                weight = dequantize_codes(codes, scales, zeros).to(weight.dtype)
+                weight = dequantize_codes(*file_codes()).to(weight.dtype)
             return _counted(QuantizedLinear.int8(weight, bias))
         return _counted(QuantizedLinear.int4(weight, bias, group))
 
