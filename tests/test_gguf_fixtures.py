@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,108 @@ def test_bad_files_are_named_in_one_line_before_anything_is_read(tmp_path: Path)
     foreign = rewrite_gguf(source, tmp_path / "foreign.gguf", architecture="rwkv7")
     line = one_error_line(run_cli("generate", "-m", str(foreign), "hi", env=env), 1)
     assert "foreign.gguf" in line and "'rwkv7'" in line and "neither llmcli's engine nor transformers" in line
+
+
+def _tensor_info(data: bytes, name: str) -> int:
+    """Where tensor `name`'s dimension count lies in the file's table (right after its name)."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.rfind(key)  # the table comes after the metadata, whose strings could spell the same
+    assert at > 0, name
+    return at + len(key)
+
+
+def _offset_at(data: bytes, name: str) -> int:
+    """Where tensor `name`'s data offset lies in the file's table: after its dimensions and type."""
+    dims_at = _tensor_info(data, name)
+    return dims_at + 4 + 8 * struct.unpack_from("<I", data, dims_at)[0] + 4
+
+
+def _damaged(source: Path, target: Path, damage: str) -> Path:
+    """`source` with one entry of its table damaged, its bytes edited in place: what gguf's
+    writer would never write."""
+    data = bytearray(source.read_bytes())
+    q, k, o = (f"blk.0.attn_{part}.weight" for part in ("q", "k", "output"))
+    if damage == "a tensor named twice":  # k's name becomes q's (the same length)
+        name_at = _tensor_info(data, k) - len(k)
+        data[name_at : name_at + len(q)] = q.encode()
+    elif damage == "two tensors over the same bytes":  # o (q's shape and type) at q's offset
+        data[_offset_at(data, o) : _offset_at(data, o) + 8] = data[
+            _offset_at(data, q) : _offset_at(data, q) + 8
+        ]
+    elif damage == "a tensor off its alignment":
+        struct.pack_into(
+            "<Q", data, _offset_at(data, o), struct.unpack_from("<Q", data, _offset_at(data, o))[0] + 2
+        )
+    elif damage == "five dimensions":
+        struct.pack_into("<I", data, _tensor_info(data, q), 5)
+    elif damage == "a damaged dimension count":  # read on, 8 bytes a dimension through the file
+        struct.pack_into("<I", data, _tensor_info(data, q), 0xFFFFFFFF)
+    elif damage == "a key named twice":  # one key spelled as another of its length
+        import gguf
+
+        keys = [name for name in gguf.GGUFReader(str(source)).fields if not name.startswith("GGUF.")]
+        first, second = next((a, b) for a in keys for b in keys if a != b and len(a) == len(b))
+        at = data.find(struct.pack("<Q", len(second)) + second.encode())
+        data[at + 8 : at + 8 + len(second)] = first.encode()
+    target.write_bytes(bytes(data))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ("a tensor named twice", r"it has two tensors named blk\.0\.attn_q\.weight"),
+        (
+            "two tensors over the same bytes",
+            r"tensors blk\.0\.attn_(q|output)\.weight and blk\.0\.attn_(q|output)\.weight lie over the same",
+        ),
+        (
+            "a tensor off its alignment",
+            r"tensor blk\.0\.attn_output\.weight starts at byte \d+ of the data, off its alignment of 32",
+        ),
+        ("five dimensions", r"tensor blk\.0\.attn_q\.weight has 5 dimensions, where GGUF allows 4"),
+        ("a damaged dimension count", r"tensor blk\.0\.attn_q\.weight has 4294967295 dimensions"),
+        ("a key named twice", r"its metadata has the key [\w.]+ twice"),
+    ],
+)
+def test_a_table_llama_cpp_refuses_or_that_would_be_misread_is_named(
+    tmp_path: Path, damage: str, said: str
+) -> None:
+    """What llama.cpp's own reader refuses in a file's table, and what would be read wrong without a
+    word (before: two tensors over the same bytes ran, the second with the first's weights; a
+    tensor named twice was said to be missing from the cache folder; a damaged dimension count
+    walked the whole file 8 bytes at a time): one line naming the file and what is wrong."""
+    from llmcli.errors import ModelLoadError
+    from llmcli.models.gguf_table import read_table
+
+    source = fixture("Q4_0")
+    damaged = _damaged(source, tmp_path / "damaged.gguf", damage)
+    with pytest.raises(ModelLoadError) as refused:
+        read_table(damaged)
+    assert str(damaged) in str(refused.value) and re.search(said, str(refused.value)), str(refused.value)
+    assert read_table(source).tensors  # the file it was made from reads
+
+
+def test_a_file_whose_tensors_share_bytes_is_refused_not_run(tmp_path: Path) -> None:
+    """The silent one, end to end: `generate` on it used to reply, q's weights standing in for o's."""
+    damaged = _damaged(fixture("Q4_0"), tmp_path / "shared.gguf", "two tensors over the same bytes")
+    proc = run_cli(
+        "generate", "-m", str(damaged), "-n", "2", "hi", env={"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    )
+    line = one_error_line(proc, 1)
+    assert "shared.gguf is not a readable GGUF file" in line and "lie over the same bytes" in line
+    assert proc.stdout == b""
+
+
+@pytest.mark.parametrize("alignment", [24, 0, "32"])
+def test_an_alignment_that_is_not_a_power_of_two_is_named(tmp_path: Path, alignment: object) -> None:
+    """llama.cpp refuses it too; before, a text value was an unexpected error and 0 read as 32."""
+    from llmcli.errors import ModelLoadError
+    from llmcli.models.gguf_table import read_table
+
+    odd = rewrite_gguf(fixture("Q4_0"), tmp_path / "odd.gguf", metadata={"general.alignment": alignment})
+    with pytest.raises(ModelLoadError, match=rf"its general\.alignment is {alignment!r}, not a power of two"):
+        read_table(odd)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])

@@ -7,13 +7,17 @@ built once and kept beside the file's other small parts — so this reader steps
 arrays and reads only what a load needs: the scalars, and where each tensor is and what it is.
 
 What a load could trip on later is checked here, before any tensor is read: a file cut short
-(inside its metadata, or with a tensor past its end), a type GGUF does not define. Each is one
-line naming the file and the tensor or type.
+(inside its metadata, or with a tensor past its end), a type GGUF does not define, and a table
+llama.cpp's own reader refuses (a key or a tensor named twice, more than four dimensions, an
+alignment that is not a power of two) or that would be read wrong (a tensor off its alignment,
+two tensors over the same bytes: either would be read as weights without a word). Each is one
+line naming the file and the tensor, key or type.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")
 _DEFAULT_ALIGNMENT = 32  # llama.cpp's, when the file names none
+_MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses a tensor of more
 
 
 @dataclass(frozen=True)
@@ -216,18 +221,50 @@ class _Parser:
         metadata: dict[str, Any] = {}
         for _ in range(value_count):
             key = self._string()
+            if key in metadata:  # which of the two values would be meant?
+                raise _cut_short(self.path, f"its metadata has the key {key} twice")
             metadata[key] = self._value(self._unpack("<I"), key in self.whole)
-        raw = []
+        raw: dict[str, tuple[tuple[int, ...], int, int]] = {}
         for _ in range(tensor_count):
             name = self._string()
-            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
-            raw.append((name, tuple(reversed(dims)), self._unpack("<I"), self._unpack("<Q")))
-        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT)) or _DEFAULT_ALIGNMENT
+            if name in raw:
+                raise _cut_short(self.path, f"it has two tensors named {name}")
+            dims = self._unpack("<I")
+            if dims > _MAX_DIMS:  # read on, a damaged count walks the whole file 8 bytes at a time
+                raise _cut_short(
+                    self.path, f"tensor {name} has {dims} dimensions, where GGUF allows {_MAX_DIMS}"
+                )
+            shape = tuple(reversed([self._unpack("<Q") for _ in range(dims)]))
+            raw[name] = (shape, self._unpack("<I"), self._unpack("<Q"))
+        alignment = self._alignment(metadata)
         data_start = -(-self.position // alignment) * alignment
-        return GGUFTable(self.path, metadata, {e.name: e for e in (self._entry(data_start, *r) for r in raw)})
+        entries = [self._entry(data_start, alignment, name, *fields) for name, fields in raw.items()]
+        self._check_apart(entries)
+        return GGUFTable(self.path, metadata, {entry.name: entry for entry in entries})
+
+    def _alignment(self, metadata: dict[str, Any]) -> int:
+        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if (
+            isinstance(alignment, bool)
+            or not isinstance(alignment, int)
+            or alignment <= 0
+            or alignment & (alignment - 1)
+        ):
+            raise _cut_short(self.path, f"its general.alignment is {alignment!r}, not a power of two")
+        return alignment
+
+    def _check_apart(self, entries: list[TableEntry]) -> None:
+        """No two tensors over the same bytes: the second would be read as the first's weights."""
+        placed = sorted((entry for entry in entries if entry.nbytes), key=lambda entry: entry.start)
+        for before, after in itertools.pairwise(placed):
+            if after.start < before.start + before.nbytes:
+                raise _cut_short(
+                    self.path,
+                    f"tensors {before.name} and {after.name} lie over the same bytes from byte {after.start}",
+                )
 
     def _entry(
-        self, data_start: int, name: str, shape: tuple[int, ...], kind: int, offset: int
+        self, data_start: int, alignment: int, name: str, shape: tuple[int, ...], kind: int, offset: int
     ) -> TableEntry:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -244,6 +281,11 @@ class _Parser:
                 self.path, f"tensor {name} of shape {list(shape)} is not whole {type_name} blocks"
             )
         nbytes = elements // block_weights * block_bytes
+        if offset % alignment:
+            raise _cut_short(
+                self.path,
+                f"tensor {name} starts at byte {offset} of the data, off its alignment of {alignment}",
+            )
         start = data_start + offset
         if start + nbytes > self.size:
             raise _cut_short(
