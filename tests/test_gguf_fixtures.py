@@ -391,6 +391,39 @@ def test_an_alignment_that_is_not_a_power_of_two_is_named(tmp_path: Path, alignm
         read_table(odd)
 
 
+def test_a_file_read_in_place_is_listed_at_its_size_and_left_by_models_rm(tmp_path: Path) -> None:
+    """Its model takes the file on disk, not the 3.5 MB folder llmcli keeps beside it (which
+    `models list` used to show as all of it); removing the model frees that folder, and says the
+    file stays."""
+    import shutil
+
+    from llmcli.models.memory import format_bytes
+
+    file = tmp_path / "mine.gguf"
+    shutil.copy(fixture("Q4_0"), file)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    assert run_cli("models", "import", str(file), "--name", "mine", env=env).returncode == 0
+    (entry,) = (
+        e for e in json.loads(run_cli("models", "list", "--json", env=env).stdout) if e["name"] == "mine"
+    )
+    folder = Path(entry["path"])
+    kept = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert entry["gguf_file"] == str(file) and entry["cache_bytes"] == kept
+    assert entry["size_bytes"] == file.stat().st_size + kept
+    row = next(
+        line for line in run_cli("models", "list", env=env).stdout.decode().splitlines() if " mine " in line
+    )
+    assert format_bytes(file.stat().st_size + kept) in row, row
+    removed = run_cli("models", "rm", "mine", "--yes", env=env)
+    said = removed.stdout.decode()
+    assert (
+        removed.returncode == 0
+        and f"{format_bytes(kept)} freed" in said
+        and f"{file} stays where it is" in said
+    )
+    assert file.is_file() and not folder.exists()
+
+
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_a_file_reads_as_transformers_own_gguf_loader_reads_it(
     architecture: str, own_cache: Path, tmp_path: Path

@@ -255,11 +255,14 @@ def remove(
         matches = [e for e in entries_of() if e.name == model.partition("@")[0]]
         if not matches:
             raise ModelNotFoundError(f"no model named {model} in the caches", "see `llmcli models list`")
-        size = sum(e.size_bytes for e in matches)
+        size = sum(e.size_bytes if e.cache_bytes is None else e.cache_bytes for e in matches)
+        # A GGUF file read in place is the user's: removing its model frees llmcli's folder alone.
+        files = sorted({e.gguf_file for e in matches if e.gguf_file})
+        stays = f"; {', '.join(files)} stays where it is" if files else ""
         if not yes:
             if not sys.stdin.isatty():
-                raise UsageError(f"removing {model} ({_bytes(size)}) needs confirmation: pass --yes")
-            if not typer.confirm(f"Remove {model} ({_bytes(size)})?", default=False):
+                raise UsageError(f"removing {model} ({_bytes(size)}{stays}) needs confirmation: pass --yes")
+            if not typer.confirm(f"Remove {model} ({_bytes(size)}{stays})?", default=False):
                 _print("Kept.")
                 return
         from llmcli.models.resolve import DEFAULT_ALIAS
@@ -268,7 +271,7 @@ def remove(
         freed = remove_model(model)
         left = remove_leftovers()
         extra = f", and {_bytes(left)} left by killed conversions" if left else ""
-        _print(f"Removed {model}: {_bytes(freed)} freed{extra}.")
+        _print(f"Removed {model}: {_bytes(freed)} freed{extra}{stays}.")
         if shared:
             _print(
                 f"It was also the conversion of the default model ({DEFAULT_ALIAS}): "

@@ -171,7 +171,7 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
     """`target` holding the file's small parts, written now if they are not there yet (a few
     seconds, once: the tokenizer). The caller holds the conversion lock of `target`."""
     if (target / SOURCE_FILE).is_file():
-        if _source_of(target) != gguf_file:  # the same content, moved or copied: follow it
+        if recorded_source(target) != gguf_file:  # the same content, moved or copied: follow it
             write_text_atomically(target / SOURCE_FILE, f"{gguf_file}\n")
         return target
     with folder_written_atomically(target) as staging:
@@ -230,7 +230,8 @@ def _stored_kind(table: GGUFTable) -> str:
     return stored
 
 
-def _source_of(folder: Path) -> Path | None:
+def recorded_source(folder: Path) -> Path | None:
+    """The GGUF file a directly read folder was written for, as recorded (it may be gone since)."""
     with contextlib.suppress(OSError):
         return Path((folder / SOURCE_FILE).read_text().strip())
     return None
@@ -246,7 +247,7 @@ def source_of(folder: Path) -> Path:
     rewritten in place since must not be read with another file's config and tokenizer."""
     from llmcli.models.gguf import fingerprint
 
-    source = _source_of(folder)
+    source = recorded_source(folder)
     if source is None or not source.is_file():
         raise ModelLoadError(
             f"the GGUF file behind {folder.name} is gone ({source})",
