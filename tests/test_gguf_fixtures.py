@@ -312,13 +312,11 @@ def _damaged(source: Path, target: Path, damage: str) -> Path:
         name_at = _tensor_info(data, k) - len(k)
         data[name_at : name_at + len(q)] = q.encode()
     elif damage == "two tensors over the same bytes":  # o (q's shape and type) at q's offset
-        data[_offset_at(data, o) : _offset_at(data, o) + 8] = data[
-            _offset_at(data, q) : _offset_at(data, q) + 8
-        ]
+        o_at, q_at = _offset_at(data, o), _offset_at(data, q)
+        data[o_at : o_at + 8] = data[q_at : q_at + 8]
     elif damage == "a tensor off its alignment":
-        struct.pack_into(
-            "<Q", data, _offset_at(data, o), struct.unpack_from("<Q", data, _offset_at(data, o))[0] + 2
-        )
+        o_at = _offset_at(data, o)
+        struct.pack_into("<Q", data, o_at, struct.unpack_from("<Q", data, o_at)[0] + 2)
     elif damage == "five dimensions":
         struct.pack_into("<I", data, _tensor_info(data, q), 5)
     elif damage == "a damaged dimension count":  # read on, 8 bytes a dimension through the file
