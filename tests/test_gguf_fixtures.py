@@ -389,6 +389,66 @@ def test_an_alignment_that_is_not_a_power_of_two_is_named(tmp_path: Path, alignm
         read_table(odd)
 
 
+def _reshaped(source: Path, target: Path, name: str, dimension: int, size: int) -> Path:
+    """`source` with one dimension of tensor `name` (GGUF's order: the row's width first) changed."""
+    data = bytearray(source.read_bytes())
+    struct.pack_into("<Q", data, _tensor_info(data, name) + 4 + 8 * dimension, size)
+    target.write_bytes(bytes(data))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("name", "dimension", "size", "said"),
+    [
+        (
+            "blk.0.ffn_gate.weight",
+            1,
+            256,
+            r"tensor blk\.0\.ffn_gate\.weight has the shape \[256, 256\], where its metadata implies \[768,",
+        ),
+        (
+            "blk.1.attn_norm.weight",
+            0,
+            32,
+            r"tensor blk\.1\.attn_norm\.weight has the shape \[32\], where its metadata implies \[256\]",
+        ),
+        (
+            "blk.0.attn_k.weight",
+            1,
+            64,
+            r"tensor blk\.0\.attn_k\.weight has the shape \[64, 256\], where its metadata implies \[128, 256",
+        ),
+    ],
+)
+@pytest.mark.parametrize("engine", ["native", "transformers"])
+def test_a_tensor_of_another_shape_than_the_metadata_implies_is_named(
+    tmp_path: Path, name: str, dimension: int, size: int, said: str, engine: str
+) -> None:
+    """As llama.cpp checks every tensor's shape before reading: before, such a file loaded and
+    failed inside the first pass ("unexpected RuntimeError: The size of tensor a (768) must match
+    …"), or, through transformers, as "Error(s) in loading state_dict" naming llmcli's cache."""
+    wrong = _reshaped(fixture("Q4_K_M"), tmp_path / "wrong.gguf", name, dimension, size)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    line = one_error_line(
+        run_cli("generate", "--engine", engine, "-m", str(wrong), "-n", "2", "hi", env=env), 1
+    )
+    assert f"{wrong} does not match its own metadata: " in line and re.search(said, line), line
+
+
+def test_a_block_past_the_files_block_count_is_named(tmp_path: Path) -> None:
+    from llmcli.errors import ModelLoadError
+    from llmcli.models.gguf_direct import check_shapes
+    from llmcli.models.gguf_table import read_table
+
+    data = bytearray(fixture("Q4_K_M").read_bytes())
+    name_at = _tensor_info(data, "blk.1.ffn_up.weight") - len("blk.1.ffn_up.weight")
+    data[name_at : name_at + 5] = b"blk.7"
+    (tmp_path / "past.gguf").write_bytes(bytes(data))
+    check_shapes(read_table(fixture("Q4_K_M")))  # the file it was made from matches its metadata
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.7\.ffn_up\.weight is past its 2 blocks"):
+        check_shapes(read_table(tmp_path / "past.gguf"))
+
+
 def test_a_file_read_in_place_is_listed_at_its_size_and_left_by_models_rm(tmp_path: Path) -> None:
     """Its model takes the file on disk, not the 3.5 MB folder llmcli keeps beside it (which
     `models list` used to show as all of it); removing the model frees that folder, and says the

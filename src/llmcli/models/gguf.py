@@ -122,7 +122,7 @@ def converted_folder(
     """The folder in llmcli's cache that stands for `gguf_file`, written now if it does not exist
     yet: the file's small parts where it is read in place (gguf_direct.py), else its converted
     copy. `name` (from `models import --name`) is what -m will accept for it."""
-    from llmcli.models.gguf_direct import direct_folder, is_direct, reads_directly, source_of
+    from llmcli.models.gguf_direct import check_shapes, direct_folder, is_direct, reads_directly, source_of
     from llmcli.models.gguf_int4 import BLOCKS_FILE  # here: it imports numpy
     from llmcli.models.gguf_table import read_table
 
@@ -150,6 +150,7 @@ def converted_folder(
         if not _is_ready(target, table):
             _clear_leftovers(target)
         if reads_directly(table):
+            check_shapes(table)  # named now, before anything is written for it
             # Read in place: only its small parts are written (an older llmcli's whole converted
             # copy of it, if one is here, is replaced by them).
             if on_convert is not None and not is_direct(target):

@@ -142,6 +142,58 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
     return config
 
 
+def check_shapes(table: GGUFTable) -> None:
+    """Every tensor the shape its file's metadata implies, as llama.cpp checks it before reading
+    a weight: a matrix of other rows (a damaged or wrongly written file) would otherwise load and
+    fail inside the first pass, or run if its rows still fit. ModelLoadError naming the tensor."""
+    config = config_of(table)
+    hidden, inner, head = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    queries, keys = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    within = {  # a block's tensors, in torch's order ([out, in] for a matrix)
+        "attn_norm.weight": (hidden,),
+        "ffn_norm.weight": (hidden,),
+        "attn_q.weight": (queries, hidden),
+        "attn_k.weight": (keys, hidden),
+        "attn_v.weight": (keys, hidden),
+        "attn_output.weight": (hidden, queries),
+        "attn_q.bias": (queries,),
+        "attn_k.bias": (keys,),
+        "attn_v.bias": (keys,),
+        "attn_output.bias": (hidden,),
+        "attn_q_norm.weight": (head,),
+        "attn_k_norm.weight": (head,),
+        "ffn_gate.weight": (inner, hidden),
+        "ffn_up.weight": (inner, hidden),
+        "ffn_down.weight": (hidden, inner),
+    }
+    top = {
+        "token_embd.weight": (config["vocab_size"], hidden),
+        "output.weight": (config["vocab_size"], hidden),
+        "output_norm.weight": (hidden,),
+        ROPE_FACTORS: (head // 2,),
+    }
+    for entry in table.tensors.values():
+        block, _, rest = entry.name.removeprefix("blk.").partition(".")
+        if entry.name.startswith("blk.") and block.isdigit() and int(block) >= config["num_hidden_layers"]:
+            raise _wrongly_shaped(
+                table, f"tensor {entry.name} is past its {config['num_hidden_layers']} blocks"
+            )
+        expected = within.get(rest) if entry.name.startswith("blk.") else top.get(entry.name)
+        if expected is not None and entry.shape != expected:
+            raise _wrongly_shaped(
+                table,
+                f"tensor {entry.name} has the shape {list(entry.shape)}, where its metadata "
+                f"implies {list(expected)}",
+            )
+
+
+def _wrongly_shaped(table: GGUFTable, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{table.path} does not match its own metadata: {what}",
+        "the file is damaged or was written wrong: download it again, or check it with llama.cpp's gguf-dump",
+    )
+
+
 # The sampling values a file's author wrote into its metadata (llama.cpp reads them as its
 # defaults), in generation_config.json's names, which llmcli's sampling defaults read.
 _SAMPLING_KEYS = {
@@ -296,6 +348,7 @@ class GGUFTensors:
         self.dtype, self.device = dtype, device
         self.path = source_of(folder)
         self.table = read_table(self.path)
+        check_shapes(self.table)  # before any weight is read, on either load path
         self._by_name = {hf: entry for entry in self.table.tensors.values() if (hf := hf_name(entry.name))}
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
         self._file = np.memmap(self.path, dtype=np.uint8, mode="c")
