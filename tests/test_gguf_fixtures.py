@@ -488,6 +488,15 @@ def test_a_yarn_file_runs_its_yarn_not_plain_rope(tmp_path: Path, own_cache: Pat
     assert not torch.allclose(expected, plain)  # what the file ran as before
     torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
     assert model.model.rotary_emb.attention_scaling == scale
+    # The config an older llmcli kept for it (YaRN without its factor, no version stamp) is
+    # written again on the next load, not read as it stands.
+    (folder,) = [f for f in own_cache.iterdir() if not f.name.startswith(".")]
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "yarn"}}))
+    (folder / ".llmcli-config-version").unlink()
+    again = load(yarn, dtype="fp32").model
+    torch.testing.assert_close(again.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
+    assert json.loads((folder / "config.json").read_text()) == config
 
 
 @pytest.mark.parametrize(

@@ -122,7 +122,14 @@ def converted_folder(
     """The folder in llmcli's cache that stands for `gguf_file`, written now if it does not exist
     yet: the file's small parts where it is read in place (gguf_direct.py), else its converted
     copy. `name` (from `models import --name`) is what -m will accept for it."""
-    from llmcli.models.gguf_direct import check_shapes, direct_folder, is_direct, reads_directly, source_of
+    from llmcli.models.gguf_direct import (
+        check_shapes,
+        config_is_current,
+        direct_folder,
+        is_direct,
+        reads_directly,
+        source_of,
+    )
     from llmcli.models.gguf_int4 import BLOCKS_FILE  # here: it imports numpy
     from llmcli.models.gguf_table import read_table
 
@@ -130,7 +137,7 @@ def converted_folder(
     target = conversion_of(gguf_file)
     if is_direct(target) and not name:
         with contextlib.suppress(ModelLoadError):
-            if source_of(target) == gguf_file:
+            if source_of(target) == gguf_file and config_is_current(target):
                 return target  # the common case: read before, nothing to write
     elif _converted_for_transformers(target) and (target / BLOCKS_FILE).is_file() and not name:
         return target  # converted before (an architecture transformers' path alone runs)

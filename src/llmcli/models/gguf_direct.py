@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 DIRECT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SOURCE_FILE = ".llmcli-gguf"  # the GGUF file's path, in a folder read directly
 NAME_FILE = ".llmcli-name"  # as gguf.py names it: the name `models import --name` gave
+# How config_of reads a file's metadata: a folder whose config.json an older reading wrote gets it
+# written again (2: YaRN's factor and pretraining length read).
+CONFIG_VERSION, CONFIG_VERSION_FILE = 2, ".llmcli-config-version"
 EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # The block types gguf's own dequantization reads (gguf 0.19; tests hold it to this list):
@@ -191,7 +194,7 @@ def check_shapes(table: GGUFTable) -> None:
     """Every tensor the shape its file's metadata implies, and every one it implies there, as
     llama.cpp checks them before reading a weight: a matrix of other rows (a damaged or wrongly
     written file) would otherwise load and fail inside the first pass, or run if its rows still
-    fit; a missing norm or bias would run as another model. ModelLoadError naming the tensor."""
+    fit; a missing norm would run as another model. ModelLoadError naming the tensor."""
     config = config_of(table)
     blocks = config["num_hidden_layers"]
     within, top = _expected_shapes(config)
@@ -290,9 +293,11 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
     if (target / SOURCE_FILE).is_file():
         if recorded_source(target) != gguf_file:  # the same content, moved or copied: follow it
             write_text_atomically(target / SOURCE_FILE, f"{gguf_file}\n")
+        refresh_config(target, table)
         return target
     with folder_written_atomically(target) as staging:
         (staging / "config.json").write_text(json.dumps(config_of(table), indent=2) + "\n")
+        (staging / CONFIG_VERSION_FILE).write_text(f"{CONFIG_VERSION}\n")
         generation = generation_config_of(table)
         if generation:
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -305,6 +310,28 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
         if kept_name.is_file():
             shutil.copy(kept_name, staging / NAME_FILE)
     return target
+
+
+def config_is_current(folder: Path) -> bool:
+    """Whether the folder's config.json was written by config_of as it reads metadata now."""
+    with contextlib.suppress(OSError):
+        return (folder / CONFIG_VERSION_FILE).read_text().strip() == str(CONFIG_VERSION)
+    return False
+
+
+def refresh_config(folder: Path, table: GGUFTable) -> None:
+    """config.json as this llmcli writes it from the file's metadata: one an older llmcli wrote
+    is written again where it reads the metadata otherwise (before YaRN's factor was read, a YaRN
+    file's config said YaRN without it, and ran as plain RoPE)."""
+    if config_is_current(folder):
+        return
+    config = config_of(table)
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads((folder / "config.json").read_text()) == config:
+            config = None
+    if config is not None:
+        write_text_atomically(folder / "config.json", json.dumps(config, indent=2) + "\n")
+    write_text_atomically(folder / CONFIG_VERSION_FILE, f"{CONFIG_VERSION}\n")
 
 
 def _save_tokenizer(gguf_file: Path, table: GGUFTable, folder: Path) -> None:
