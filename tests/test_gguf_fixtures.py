@@ -497,6 +497,14 @@ def test_a_yarn_file_runs_its_yarn_not_plain_rope(tmp_path: Path, own_cache: Pat
     again = load(yarn, dtype="fp32").model
     torch.testing.assert_close(again.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
     assert json.loads((folder / "config.json").read_text()) == config
+    # So is one loaded by the name `models import` gave it, which resolves without the file.
+    from llmcli.models.gguf import converted_folder
+
+    named = converted_folder(yarn, name="long")
+    (named / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "yarn"}}))
+    (named / ".llmcli-config-version").unlink()
+    by_name = load(Path("long"), dtype="fp32").model
+    torch.testing.assert_close(by_name.model.rotary_emb.inv_freq, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

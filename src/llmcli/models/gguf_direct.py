@@ -326,12 +326,25 @@ def refresh_config(folder: Path, table: GGUFTable) -> None:
     if config_is_current(folder):
         return
     config = config_of(table)
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads((folder / "config.json").read_text()) == config:
-            config = None
-    if config is not None:
+    if _stored_config(folder) != config:
         write_text_atomically(folder / "config.json", json.dumps(config, indent=2) + "\n")
     write_text_atomically(folder / CONFIG_VERSION_FILE, f"{CONFIG_VERSION}\n")
+
+
+def bring_up_to_date(folder: Path) -> None:
+    """A folder read under a name (`models import --name`), which resolves without its file's
+    table: if an older llmcli wrote its config, the file is checked and the config written again,
+    as a load by the file's path does."""
+    if is_direct(folder) and not config_is_current(folder):
+        table = read_table(source_of(folder))
+        check_shapes(table)
+        refresh_config(folder, table)
+
+
+def _stored_config(folder: Path) -> dict[str, Any] | None:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((folder / "config.json").read_text())
+    return None
 
 
 def _save_tokenizer(gguf_file: Path, table: GGUFTable, folder: Path) -> None:
@@ -439,8 +452,7 @@ class GGUFTensors:
     ) -> None:
         self.dtype, self.device = dtype, device
         self.path = source_of(folder)
-        self.table = read_table(self.path)
-        check_shapes(self.table)  # before any weight is read, on either load path
+        self.table = read_table(self.path)  # checked when the folder was resolved (check_shapes)
         self._by_name = {hf: entry for entry in self.table.tensors.values() if (hf := hf_name(entry.name))}
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
         self._file = np.memmap(self.path, dtype=np.uint8, mode="c")

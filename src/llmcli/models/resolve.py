@@ -137,6 +137,9 @@ def resolve_model(
     path = Path(spec).expanduser()
     imported = find_imported(spec) if not path.exists() else None
     if imported is not None:
+        from llmcli.models.gguf_direct import bring_up_to_date
+
+        bring_up_to_date(imported)
         return ResolvedModel(name=spec, path=imported, source="gguf")
     if is_gguf_spec(spec):
         if not path.is_file():
