@@ -123,8 +123,8 @@ def converted_folder(
     yet: the file's small parts where it is read in place (gguf_direct.py), else its converted
     copy. `name` (from `models import --name`) is what -m will accept for it."""
     from llmcli.models.gguf_direct import (
+        bring_up_to_date,
         check_shapes,
-        config_is_current,
         direct_folder,
         is_direct,
         reads_directly,
@@ -136,8 +136,9 @@ def converted_folder(
     gguf_file = gguf_file.resolve()
     target = conversion_of(gguf_file)
     if is_direct(target) and not name:
-        with contextlib.suppress(ModelLoadError):
-            if source_of(target) == gguf_file and config_is_current(target):
+        with contextlib.suppress(ModelLoadError):  # named again below, with the lock held
+            if source_of(target) == gguf_file:
+                bring_up_to_date(target)  # a config an older llmcli wrote: written again
                 return target  # the common case: read before, nothing to write
     elif _converted_for_transformers(target) and (target / BLOCKS_FILE).is_file() and not name:
         return target  # converted before (an architecture transformers' path alone runs)

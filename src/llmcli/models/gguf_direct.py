@@ -332,9 +332,8 @@ def refresh_config(folder: Path, table: GGUFTable) -> None:
 
 
 def bring_up_to_date(folder: Path) -> None:
-    """A folder read under a name (`models import --name`), which resolves without its file's
-    table: if an older llmcli wrote its config, the file is checked and the config written again,
-    as a load by the file's path does."""
+    """A folder read before, by the file's path or the name `models import --name` gave it: if an
+    older llmcli wrote its config, the file is checked (check_shapes) and the config written again."""
     if is_direct(folder) and not config_is_current(folder):
         table = read_table(source_of(folder))
         check_shapes(table)
