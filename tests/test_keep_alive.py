@@ -37,6 +37,11 @@ def records(env: dict[str, str]) -> list[dict]:
     return found
 
 
+def ready(env: dict[str, str]) -> list[dict]:
+    """The records of servers that have loaded (a server's record exists from its start)."""
+    return [record for record in records(env) if record.get("state", "ready") == "ready"]
+
+
 def wait_for(condition, what: str, timeout: float = PATIENCE_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -58,7 +63,7 @@ def generate(model: Path, env: dict[str, str], *extra: str) -> dict:
 def test_a_kept_alive_model_serves_the_next_call_until_stopped(tiny_llama: Path, places: dict) -> None:
     first = generate(tiny_llama, places, "--keep-alive", "5m")
     assert first["server"] is None  # this call loaded the model itself
-    (record,) = wait_for(lambda: records(places), "the background server's record")
+    (record,) = wait_for(lambda: ready(places), "the background server's record")
     second = generate(tiny_llama, places)
     assert second["server"] == record["url"] and second["text"] == first["text"]
     listed = json.loads(run_cli("ps", "--json", env=places).stdout)
@@ -97,7 +102,7 @@ def test_a_kept_alive_server_stops_by_itself_once_idle(tiny_llama: Path, places:
         stderr=subprocess.PIPE,
     )
     try:
-        wait_for(lambda: records(places), "the server's record")
+        wait_for(lambda: ready(places), "the server's record")
         assert server.wait(timeout=PATIENCE_S) == 0  # nobody asked it anything for a second
         assert records(places) == []
         assert b"stops after 1 s without a request" in server.stderr.read()
@@ -183,6 +188,6 @@ def test_calls_made_while_a_background_server_loads_start_no_second_one(
     keep_alive_after(str(tiny_llama), load, 300, RemoteSettings())  # well before the first has loaded
     notes = capsys.readouterr().err
     assert notes.count("Keeping ") == 1 and "is still loading (pid " in notes, notes
-    wait_for(lambda: records(places), "the background server's record")
+    wait_for(lambda: ready(places), "the background server's record")
     keep_alive_after(str(tiny_llama), load, 300, RemoteSettings())  # loaded: found, nothing said
     assert capsys.readouterr().err == "" and len(records(places)) == 1

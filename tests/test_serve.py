@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -466,9 +467,11 @@ def test_a_stale_record_is_ignored_quickly(tiny_llama: Path, tmp_path: Path) -> 
     records.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = {
-        "url": "http://127.0.0.1:9", "pid": dead.pid, "model_spec": str(tiny_llama), "model": "x",
-        "model_path": str(tiny_llama), "load": {},
+    stale = {  # a record as llmcli writes one, of a process that has gone
+        "url": "http://127.0.0.1:9", "pid": dead.pid, "started": time.time(), "argv": [*LLMCLI, "serve"],
+        "instance": "0" * 32, "state": "ready", "model_spec": str(tiny_llama), "model": "x",
+        "model_path": str(tiny_llama), "model_identity": None, "load": {}, "draft_model": None,
+        "needs_key": False, "idle_exit_s": None,
     }  # fmt: skip
     (records / f"server-{dead.pid}.json").write_text(json.dumps(stale))
     proc = run_cli(
@@ -477,6 +480,7 @@ def test_a_stale_record_is_ignored_quickly(tiny_llama: Path, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr.decode()
     assert json.loads(proc.stdout)["server"] is None
     assert not (records / f"server-{dead.pid}.json").exists()
+    assert "Ignored" not in proc.stderr.decode()  # stale, not malformed: removed quietly
 
 
 def test_an_api_key_is_required_when_set(tiny_llama: Path, tmp_path: Path) -> None:

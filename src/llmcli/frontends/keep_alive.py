@@ -17,50 +17,61 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.config.declare import declarations, flag_of
 from llmcli.config.paths import state_dir
 from llmcli.config.settings import LoadSettings, RemoteSettings
 from llmcli.frontends import terminal
 
+if TYPE_CHECKING:
+    from llmcli.server.runtime import ServerRecord
+
 
 def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remote: RemoteSettings) -> None:
     """Start the background server, unless the call went to a server (named, or one running with
-    this model and these settings, which the call itself kept busy)."""
+    this model and these settings, which the call itself kept busy). Keep-alive is a convenience:
+    where its folders cannot be written, that is said once and the call still ends well."""
     if remote.url:
         return  # a server named: nothing was loaded here
     from filelock import FileLock
 
     from llmcli.models.resolve import default_model_spec
-    from llmcli.server.runtime import matching_server
+    from llmcli.server.runtime import LOADING, matching_server, runtime_dir
 
     spec = model or default_model_spec()
-    flags = load_flags(load)
-    starting = _starting_marker(spec, flags)
-    # A server writes its record only once loaded: until then the marker says one is on its way,
-    # so that calls made meanwhile do not start one each. The lock makes check-and-start one step.
-    with FileLock(f"{starting}.lock"):
-        if matching_server(spec, load) is not None:
+    try:
+        lock = FileLock(str(_lock_path(spec, load_flags(load))))
+        writable(runtime_dir())  # a server nobody could find or stop is not worth starting
+        log = log_path()
+    except OSError as error:
+        terminal.note(f"Cannot keep {spec} loaded in the background: {describe_os_error(error)}.")
+        return
+    # The lock makes check-and-start one step; the server writes its record (loading) as soon as
+    # it listens, and the lock is held until then, so no later call starts a second one.
+    with lock:
+        running = matching_server(spec, load, note=terminal.note)
+        if running is not None:
+            if running.state == LOADING:
+                terminal.note(f"A background server of {spec} is still loading (pid {running.pid}).")
             return
-        pid = _pid_in(starting)
-        if pid is not None:
-            terminal.note(f"A background server of {spec} is still loading (pid {pid}).")
+        server = _start(spec, load_flags(load), seconds, log)
+        if not _announced(server):
+            terminal.note(f"The background server of {spec} stopped as it started; its log: {log}")
             return
-        _start(spec, flags, seconds, starting)
     terminal.note(
         f"Keeping {spec} loaded in the background until {seconds:g} s pass without a request "
-        f"(`llmcli ps` lists it, `llmcli stop` stops it; its log: {log_path()})."
+        f"(`llmcli ps` lists it, `llmcli stop` stops it; its log: {log})."
     )
 
 
-def _start(spec: str, flags: list[str], seconds: float, starting: Path) -> None:
+def _start(spec: str, flags: list[str], seconds: float, log: Path) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "llmcli", "serve", "-m", spec, "--host", "127.0.0.1", "--port", "0",
         "--idle-exit", f"{seconds:g}s", "--quiet", *flags,
     ]  # fmt: skip
-    with open(log_path(), "ab") as out:
-        server = subprocess.Popen(
+    with open(log, "ab") as out:
+        return subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -68,27 +79,49 @@ def _start(spec: str, flags: list[str], seconds: float, starting: Path) -> None:
             start_new_session=True,  # not ended by the terminal's Ctrl-C or hang-up
             close_fds=True,
         )
-    starting.write_text(str(server.pid))
 
 
-def _starting_marker(spec: str, flags: list[str]) -> Path:
-    """Where a background server of this model and these settings notes its pid as it starts."""
+# A server writes its record once it listens, before it loads: a second or two of imports.
+_ANNOUNCE_PATIENCE_S = 60.0
+
+
+def _announced(server: subprocess.Popen[bytes]) -> bool:
+    """Wait until the new server's record exists (it is then listed, stoppable and found), or
+    until the server has exited (a bad flag, no memory: its log says why)."""
+    from llmcli.server.runtime import record_path
+
+    deadline = time.monotonic() + _ANNOUNCE_PATIENCE_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            return False
+        if record_path(server.pid).exists():
+            return True
+        time.sleep(0.05)
+    return server.poll() is None
+
+
+def _lock_path(spec: str, flags: list[str]) -> Path:
+    """The lock that keeps two calls from starting a server of this model and these settings."""
     folder = state_dir() / "keep-alive"
     folder.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256("\0".join([spec, *flags]).encode()).hexdigest()[:16]
-    return folder / f"starting-{key}.pid"
+    return folder / f"starting-{key}.lock"
 
 
-def _pid_in(marker: Path) -> int | None:
-    """The pid a marker names, while that process lives (a server that loaded, or gave up, and
-    exited leaves a stale marker: ignored)."""
-    from llmcli.server.runtime import is_alive
-
+def writable(folder: Path) -> None:
+    """Raises the OSError a write in `folder` would meet (full, read-only, not a folder)."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    probe = folder / f".probe-{os.getpid()}"
     try:
-        pid = int(marker.read_text())
-    except (OSError, ValueError):
-        return None
-    return pid if is_alive(pid) else None
+        probe.write_bytes(b"")
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
+def describe_os_error(error: OSError) -> str:
+    where = f"{error.filename}: " if error.filename else ""
+    return f"cannot write {where}{error.strerror or type(error).__name__}"
 
 
 def report_failures(model: str | None) -> None:
@@ -125,30 +158,28 @@ def load_flags(load: LoadSettings) -> list[str]:
     return flags
 
 
-def describe(record: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+def describe(record: ServerRecord, now: float | None = None) -> dict[str, Any]:
     """A running server as `llmcli ps` shows it: what it serves, how, its memory and idle time."""
-    now = time.time() if now is None else now
-    pid = int(record["pid"])
-    from llmcli.server.runtime import record_path
+    from llmcli.server.runtime import LOADING, printable
 
+    now = time.time() if now is None else now
     idle = None
     with contextlib.suppress(OSError):  # the record is touched as each request ends (serve.py)
-        idle = max(0.0, now - record_path(pid).stat().st_mtime)
+        idle = max(0.0, now - record.path.stat().st_mtime)
     defaults = dataclasses.asdict(LoadSettings())
     settings = {  # what differs from a plain load
-        key: value
-        for key, value in (record.get("load") or {}).items()
-        if value not in (None, defaults.get(key))
+        key: value for key, value in record.load.items() if value not in (None, defaults.get(key))
     }
     return {
-        "pid": pid,
-        "url": record.get("url"),
-        "model": record.get("model"),
-        "model_spec": record.get("model_spec"),
-        "settings": settings,
-        "rss_bytes": resident_bytes(pid),
-        "idle_s": round(idle, 1) if idle is not None else None,
-        "idle_exit_s": record.get("idle_exit_s"),
+        "pid": record.pid,
+        "url": record.url,
+        "model": record.model,
+        "model_spec": record.model_spec,
+        "state": record.state,
+        "settings": {printable(str(key), 40): printable(str(value), 80) for key, value in settings.items()},
+        "rss_bytes": resident_bytes(record.pid),
+        "idle_s": round(idle, 1) if idle is not None and record.state != LOADING else None,
+        "idle_exit_s": record.idle_exit_s,
     }
 
 
@@ -163,22 +194,23 @@ def resident_bytes(pid: int) -> int | None:
     return None
 
 
-def stop_servers(records: list[dict[str, Any]], patience_s: float = 15.0) -> list[dict[str, Any]]:
+def stop_servers(records: list[ServerRecord], patience_s: float = 15.0) -> list[ServerRecord]:
     """SIGTERM each (a graceful stop: replies in flight end, the record goes), then wait for them;
-    those still running after `patience_s` are returned."""
+    those still running after `patience_s` are returned. Each was checked to be the very server
+    its record names (pid, start time, command line, port) just before; a zombie — exited, not
+    yet reaped by whoever started it — counts as stopped."""
     import signal
 
-    from llmcli.server.runtime import is_alive
+    from llmcli.server.process_check import is_running
 
     for record in records:
-        try:
-            os.kill(int(record["pid"]), signal.SIGTERM)
-        except ProcessLookupError:
-            continue
+        if is_running(record.process):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.pid, signal.SIGTERM)
     deadline = time.monotonic() + patience_s
     waiting = list(records)
     while waiting and time.monotonic() < deadline:
-        waiting = [record for record in waiting if is_alive(int(record["pid"]))]
+        waiting = [record for record in waiting if is_running(record.process)]
         if waiting:
             time.sleep(0.1)
     return waiting
@@ -187,18 +219,20 @@ def stop_servers(records: list[dict[str, Any]], patience_s: float = 15.0) -> lis
 def table(rows: list[dict[str, Any]]) -> str:
     """`llmcli ps` for people: one line per server."""
     from llmcli.models.memory import format_bytes
+    from llmcli.server.runtime import printable
 
     header = ("PID", "URL", "MODEL", "SETTINGS", "MEMORY", "IDLE", "STOPS WHEN IDLE FOR")
     lines = [header]
     for row in rows:
         settings = ", ".join(f"{key} {value}" for key, value in row["settings"].items())
+        loading = row["state"] == "loading"
         lines.append((
             str(row["pid"]),
-            row["url"] or "?",
-            row["model"] or "?",
+            printable(row["url"]),
+            printable(row["model"] or row["model_spec"] + (" (loading)" if loading else "")),
             settings or "defaults",
             format_bytes(row["rss_bytes"]) if row["rss_bytes"] is not None else "?",
-            f"{row['idle_s']:g} s" if row["idle_s"] is not None else "?",
+            "loading" if loading else f"{row['idle_s']:g} s" if row["idle_s"] is not None else "?",
             f"{row['idle_exit_s']:g} s" if row["idle_exit_s"] else "never (stop it with `llmcli stop`)",
         ))  # fmt: skip
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
@@ -214,7 +248,7 @@ def list_servers(as_json: bool) -> None:
 
     from llmcli.server.runtime import running_servers
 
-    rows = [describe(record) for record in running_servers()]
+    rows = [describe(record) for record in running_servers(note=terminal.note)]
     if as_json:
         print(json.dumps(rows))
     elif rows:
@@ -224,11 +258,15 @@ def list_servers(as_json: bool) -> None:
 
 
 def stop_command(model: str | None) -> None:
-    """`llmcli stop [MODEL]`: each server stopped is a line on stdout."""
+    """`llmcli stop [MODEL]`: each server stopped is a line on stdout (one still loading too)."""
     from llmcli.errors import LlmcliError
-    from llmcli.server.runtime import running_servers, serves_model
+    from llmcli.server.runtime import printable, running_servers, serves_model
 
-    chosen = [record for record in running_servers() if model is None or serves_model(record, model)]
+    chosen = [
+        record
+        for record in running_servers(note=terminal.note)
+        if model is None or serves_model(record, model)
+    ]
     if not chosen:
         if model is None:
             terminal.note("No llmcli server is running.")
@@ -237,7 +275,8 @@ def stop_command(model: str | None) -> None:
     left = stop_servers(chosen)
     for record in chosen:
         if record not in left:
-            print(f"stopped {record.get('model')} (pid {record['pid']}, {record.get('url')})")
+            name = printable(record.model or record.model_spec)
+            print(f"stopped {name} (pid {record.pid}, {printable(record.url)})")
     if left:
-        pids = ", ".join(str(record["pid"]) for record in left)
+        pids = ", ".join(str(record.pid) for record in left)
         raise LlmcliError(f"the server(s) with pid {pids} did not stop within 15 s", "kill them by hand")

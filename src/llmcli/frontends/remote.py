@@ -31,6 +31,7 @@ from llmcli.server.client import OPENAI_NAMES, Client, StreamBrokenError
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
     from llmcli.engine.tools import ToolRequest
+    from llmcli.server.runtime import ServerRecord
 
 # What --json reports about how the model is loaded, as llmcli's /health gives it.
 LOAD_FACTS = (
@@ -63,36 +64,71 @@ def find_server(
         name = model or (info["model"] if info else client.first_model())
         return RemoteTarget(client, name, info)
     from llmcli.models.resolve import default_model_spec
-    from llmcli.server.runtime import matching_server, near_miss
+    from llmcli.server.runtime import matching_server, near_miss, printable
 
     spec = model or default_model_spec()
-    record = matching_server(spec, load)
+    record = matching_server(spec, load, note=terminal.note)
+    if record is not None:
+        record = _loaded(record, spec)
     if record is None:
         missed = near_miss(spec, load)
         if missed is not None:  # said once, so that a slow load here is not a mystery
             terminal.note(
-                f"The server at {missed[0]['url']} runs this model with other settings: {missed[1]}. "
-                "Loading it here (--no-server skips the check)."
+                f"The server at {printable(missed[0].url)} runs this model with other settings: "
+                f"{missed[1]}. Loading it here (--no-server skips the check)."
             )
         return None
     if not _drafts_as_asked(record, speculative):
         return None
-    if record.get("needs_key") and not remote.api_key:
+    if not record.loopback:
+        return None  # a server on another address is used only when named with --server
+    if record.needs_key and not remote.api_key:
         terminal.note(
-            f"The server at {record['url']} runs this model but needs its key: set LLMCLI_API_KEY "
+            f"The server at {record.url} runs this model but needs its key: set LLMCLI_API_KEY "
             "(or --api-key) to use it. Loading the model here (--no-server skips the check)."
         )
         return None
-    client = Client(record["url"], remote.api_key)
+    client = Client(record.url, remote.api_key)
     info = client.llmcli_health(timeout_s=1.0)
-    return RemoteTarget(client, info["model"], info) if info else None
+    # The URL answers for this very record's server: not another program that took the port.
+    if not info or info.get("instance") != record.instance:
+        return None
+    return RemoteTarget(client, info["model"], info)
 
 
-def _drafts_as_asked(record: dict[str, Any], speculative: SpeculativeSettings | None) -> bool:
+# How long a call waits for a server of its model that is still loading, rather than loading
+# the same model a second time beside it.
+LOADING_PATIENCE_S = 300.0
+
+
+def _loaded(record: ServerRecord, spec: str) -> ServerRecord | None:
+    """`record` once its server has loaded; None if it stopped, or is not done in time."""
+    from llmcli.server.process_check import is_running
+    from llmcli.server.runtime import READY, BadRecord, read_record
+
+    if record.state == READY:
+        return record
+    terminal.note(f"Waiting for the server of {spec} that is still loading (pid {record.pid}).")
+    deadline = time.monotonic() + LOADING_PATIENCE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            record = read_record(record.path)
+        except (OSError, BadRecord):
+            return None  # it stopped (or gave up): this call loads in-process
+        if not is_running(record.process):
+            return None
+        if record.state == READY:
+            return record
+    terminal.note(f"It is still loading after {LOADING_PATIENCE_S:g} s: loading the model here.")
+    return None
+
+
+def _drafts_as_asked(record: ServerRecord, speculative: SpeculativeSettings | None) -> bool:
     """Lookup is asked per request; drafting with a model needs the server to hold that model."""
     if speculative is None or speculative.method != "draft":
         return True
-    return record.get("draft_model") == speculative.draft_model
+    return record.draft_model == speculative.draft_model
 
 
 class RemoteTarget:

@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -28,6 +28,9 @@ from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
+
+if TYPE_CHECKING:
+    from llmcli.server.runtime import RecordWriter
 
 DEFAULT_PORT = 8471
 # Generations at once by default on a CPU: 4 streams decode at 2.6× one stream's aggregate on
@@ -90,10 +93,37 @@ def run(request: ServeRequest) -> int:
     sock = bind(request.host, request.port)  # before the load: a taken port fails in a second
 
     from llmcli.models.resolve import default_model_spec
-    from llmcli.server.app import Served, create_app
-    from llmcli.server.runtime import remove_record, write_record
+    from llmcli.server.runtime import RecordWriter
 
     model_spec = request.model or default_model_spec()
+    port = sock.getsockname()[1]
+    shown_host = f"[{request.host}]" if ":" in request.host else request.host
+    url = f"http://{shown_host}:{port}"
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: with this handler a
+    # SIGTERM ends in SystemExit, so the `finally` below still removes the record — during the
+    # load too (`llmcli stop` of a server still loading).
+    signal.signal(signal.SIGTERM, _exit_quietly)
+    # Announced as it starts, loading: `llmcli ps` lists it, `llmcli stop` stops it, and a call
+    # made meanwhile waits for it rather than loading the model a second time.
+    record: RecordWriter | None = None
+    try:
+        record = RecordWriter(
+            local_url(request.host, port), model_spec, request.load, terminal.note,
+            needs_key=bool(request.api_key), idle_exit_s=request.idle_exit_s,
+        )  # fmt: skip
+        return _load_and_serve(request, sock, model_spec, url, record)
+    finally:
+        if record is not None:
+            record.remove()
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+def _load_and_serve(
+    request: ServeRequest, sock: socket.socket, model_spec: str, url: str, record: RecordWriter
+) -> int:
+    from llmcli.server.app import Served, create_app
+
     # Every torch call runs on the thread that answers requests, the load included. A second
     # thread running torch's parallel ops starts a second OpenMP team; with more workers than
     # cores, libgomp's workers sleep between parallel regions instead of spinning, and a decode
@@ -122,6 +152,7 @@ def run(request: ServeRequest) -> int:
         cors=request.cors,
         max_queue=request.max_queue,
         quiet=request.quiet,
+        instance=record.instance,
     )
     speculative = request.speculative
     # Lookup costs nothing to offer, so any request may ask for it; drafting needs the model loaded.
@@ -147,9 +178,6 @@ def run(request: ServeRequest) -> int:
             "off": None,
             "lookup": speculation_with_feedback(loaded, model_spec, lookup, request.load),
         }
-    port = sock.getsockname()[1]
-    shown_host = f"[{request.host}]" if ":" in request.host else request.host
-    url = f"http://{shown_host}:{port}"
     clock = ActivityClock(create_app(served))
     config = uvicorn.Config(
         clock, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
@@ -158,32 +186,34 @@ def run(request: ServeRequest) -> int:
     # asyncio's "socket.send() raised exception." when a client left mid-stream is not ours to
     # print: the generation stops at its next token, and the access log says how it ended.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    draft_model = speculative.draft_model if speculative.method == "draft" else None
-    clock.record = write_record(
-        url, model_spec, loaded.name, str(loaded_path(model_spec)), request.load, draft_model,
-        needs_key=bool(request.api_key), idle_exit_s=request.idle_exit_s,
-    )  # fmt: skip
+    record.ready(loaded.name, speculative.draft_model if speculative.method == "draft" else None)
+    clock.record = record
     idle_exit = request.idle_exit_s
     stops = "Ctrl-C stops"
     if idle_exit is not None:
         threading.Thread(target=_stop_when_idle, args=(server, clock, idle_exit), daemon=True).start()
         stops = f"stops after {idle_exit:g} s without a request"
     terminal.note(f"Serving {loaded.name} at {url}/v1 ({stops}).")
-    # uvicorn shuts down gracefully, then re-raises the signal it caught: with this handler a
-    # SIGTERM ends in SystemExit, so the `finally` below still removes the record.
-    signal.signal(signal.SIGTERM, _exit_quietly)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # Ctrl-C: uvicorn has finished the requests in flight; leaving is the point
     finally:
-        remove_record()
         served.generations.shutdown(wait=False, cancel_futures=True)
         # Joined, not left running: a thread still in torch's code as the process ends can abort it.
         served.worker.shutdown(wait=True, cancel_futures=True)
-        with contextlib.suppress(OSError):
-            sock.close()
     return EXIT_OK
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL other llmcli calls on this machine reach the server by: a server listening on
+    every address (0.0.0.0, ::) is reached on loopback, the only kind of URL a record may send
+    prompts to."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _small_ops_alone() -> None:
@@ -297,8 +327,7 @@ class ActivityClock:
                 self.in_flight -= 1
                 self.last = time.monotonic()
             if self.record is not None:
-                with contextlib.suppress(OSError):
-                    os.utime(self.record)
+                self.record.touch()
 
     def idle_for(self) -> float:
         """Seconds since the last request ended; 0 while one is in flight."""
@@ -318,10 +347,3 @@ def _stop_when_idle(server: uvicorn.Server, clock: ActivityClock, idle_exit_s: f
 
 def _exit_quietly(signum: int, frame: object) -> None:
     raise SystemExit(EXIT_OK)
-
-
-def loaded_path(model_spec: str) -> str:
-    from pathlib import Path
-
-    path = Path(model_spec).expanduser()
-    return str(path.resolve()) if path.exists() else model_spec

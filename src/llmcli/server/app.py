@@ -67,6 +67,9 @@ class Served:
     engine: Any  # Engine
     model_id: str
     api_key: str | None = None
+    # The random id this server's runtime record holds: /health gives it, so that a call that
+    # found the record knows the URL answers for that very server, not whatever took its port.
+    instance: str = ""
     # Every forward pass, and the tokenizer's calls (engine/scheduler.py); the generations run in
     # threads of `generations`, taking turns, each on an engine of `slots`.
     worker: ComputeThread = field(default_factory=ComputeThread)
@@ -140,6 +143,7 @@ class Served:
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
             "speculative": self.speculative,
+            "instance": self.instance,
         }
 
 
