@@ -103,3 +103,37 @@ def parse_toml(text: str, where: str) -> dict[str, Any]:
         raise UsageError(f"{where}: nested too deeply to read") from None
     except tomllib.TOMLDecodeError as error:
         raise UsageError(f"{where}: {error}", "fix the file, or point LLMCLI_CONFIG elsewhere") from None
+
+
+# Text from a peer (a server's error message, a model's name) shown in one line on stderr: at
+# most this many characters, then "…". A hostile server's 5 MB message is not a "line".
+SHOWN_CHARS = 300
+# Unicode's bidirectional overrides and isolates: they reorder what follows them on screen, so
+# that a line can read differently from what it says.
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def escape_controls(text: str, keep: str = "") -> str:
+    """`text` with every control character (C0, DEL, C1, a bidi override) but those in `keep`
+    written out as an escape (ESC → \\x1b): shown on a terminal, none of them acts. An escape
+    sequence would otherwise set the window's title, clear the line or fake an `llmcli:` line."""
+    if text.isprintable():  # no control or format character at all: the common case, at C speed
+        return text
+    return "".join(_escaped(ch) if ch not in keep and _acts(ch) else ch for ch in text)
+
+
+def _acts(ch: str) -> bool:
+    code = ord(ch)
+    return code < 0x20 or 0x7F <= code < 0xA0 or ch in _BIDI
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    return _NAMED.get(ch) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def peer_text(text: str, limit: int = SHOWN_CHARS) -> str:
+    """What a peer sent, as one line of at most `limit` characters, nothing in it acting."""
+    shown = escape_controls(text)
+    return shown if len(shown) <= limit else shown[:limit] + "…"

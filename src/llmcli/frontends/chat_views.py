@@ -28,7 +28,7 @@ class TerminalView:
     def tool_call(self, text: str) -> None:
         if self._text and not self._text.endswith("\n"):
             self.console.file.write("\n")
-        self.console.print(f"→ {text}", style="cyan", markup=False, highlight=False)
+        self.console.print(f"→ {terminal.inert(text)}", style="cyan", markup=False, highlight=False)
 
     def approve(self, name: str) -> str | None:
         """Asked on the terminal; Ctrl-C or Ctrl-D is a no."""
@@ -59,13 +59,14 @@ class TerminalView:
 
     def reasoning_piece(self, text: str) -> None:
         """Thinking streams dimmed, above the answer (markdown renders the answer alone)."""
-        self.console.print(text, style="dim", markup=False, highlight=False, end="")
+        self.console.print(terminal.inert(text), style="dim", markup=False, highlight=False, end="")
         self._thinking = True
 
     def reply_piece(self, text: str) -> None:
         if self._thinking:
             self.console.print("")  # the thinking's last line ends before the answer
             self._thinking = False
+        text = terminal.inert(text)
         self._text += text
         if self._live is not None:
             from rich.markdown import Markdown
@@ -100,7 +101,7 @@ class PlainView:
     """Scripted chat: each reply on stdout, followed by a newline; everything else on stderr."""
 
     def tool_call(self, text: str) -> None:
-        terminal.note(f"→ {text}")
+        terminal.note(f"→ {terminal.inert(text)}")
 
     def approve(self, name: str) -> str | None:
         return None  # stdin holds the messages: nobody can be asked (--yes runs every call)
@@ -116,7 +117,7 @@ class PlainView:
 
     def reply_piece(self, text: str) -> None:
         self._thinking.end()
-        sys.stdout.write(text)
+        sys.stdout.write(terminal.inert(text) if terminal.stdout_is_terminal() else text)
         sys.stdout.flush()
 
     def reply_end(self, outcome: Outcome, turn: TurnReport) -> None:

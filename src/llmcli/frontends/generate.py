@@ -146,10 +146,12 @@ def run(request: GenerateRequest) -> int:
 
 
 class StdoutSink:
-    """Writes to stdout at once; a reader that went away is not an error but a reason to stop."""
+    """Writes to stdout at once; a reader that went away is not an error but a reason to stop.
+    On a terminal, no control character in the text acts (terminal.inert); a pipe gets it as is."""
 
     def __init__(self) -> None:
         self.closed = False
+        self._inert = terminal.stdout_is_terminal()
 
     def write(self, text: str) -> bool:
         if self.closed:
@@ -158,7 +160,7 @@ class StdoutSink:
             self.closed = True
             return False
         try:
-            sys.stdout.write(text)
+            sys.stdout.write(terminal.inert(text) if self._inert else text)
             sys.stdout.flush()
         except OSError as error:
             self.closed = True

@@ -10,6 +10,7 @@ reports only its `usage`, not llmcli's timings, drafts or the sampling values it
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from llmcli.engine.tools import CHOICES, ToolCall
 from llmcli.errors import UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.target import Ask, Outcome
+from llmcli.reading import peer_text
 from llmcli.server.client import OPENAI_NAMES, Client, StreamBrokenError
 
 if TYPE_CHECKING:
@@ -44,6 +46,17 @@ LOAD_FACTS = (
     "kv_bytes_per_token",
     "context_length",
 )
+# The most tokens a reply through a server may have when neither -n nor the server's context
+# bounds it: far above any model's longest reply, so that only a stream that never ends meets it.
+REPLY_TOKENS_CEILING = 2**18
+
+
+def most_pieces(max_tokens: int | None, context_length: int) -> int:
+    """How many pieces of a streamed reply (text, thinking, call parts) are read at most. A server
+    may ignore max_tokens, so the client counts too: every piece is at least one token, and the
+    margin is for a server that sends one token in two pieces (where thinking turns to text)."""
+    limit = max_tokens or context_length or REPLY_TOKENS_CEILING
+    return limit + limit // 4 + 16
 
 
 def find_server(
@@ -134,12 +147,14 @@ def _drafts_as_asked(record: ServerRecord, speculative: SpeculativeSettings | No
 class RemoteTarget:
     def __init__(self, client: Client, model: str, info: dict[str, Any] | None) -> None:
         self.client = client
-        self.name = model  # the name to send
+        self.model_id = model  # the name to send
+        self.name = peer_text(model)  # the name to show: a server's name may carry escape sequences
         self.info = info  # llmcli's /health; None for another kind of server
         self.where = client.url
-        self.dtype_name = (info or {}).get("dtype") or "remote"
-        self.context_length = int((info or {}).get("context_length") or 0)
-        self.engine_name = (info or {}).get("engine") or "remote"
+        info = info or {}
+        self.dtype_name = peer_text(str(info.get("dtype") or "remote"))
+        self.context_length = _count(info.get("context_length")) or 0
+        self.engine_name = peer_text(str(info.get("engine") or "remote"))
 
     @property
     def is_llmcli(self) -> bool:
@@ -176,15 +191,16 @@ class RemoteTarget:
         if ask.speculative != "off":
             self.speculation(ask.speculative)  # another kind of server drafts as it was started
         body = self.request_body(ask.sampling, ask.speculative, ask.output)
+        most = most_pieces(ask.sampling.max_new_tokens, self.context_length)
         if ask.raw:
             body["prompt"] = "\n\n".join(m["content"] for m in ask.messages)
-            return RemoteReply(self.client, "completions", body, ask.output)
+            return RemoteReply(self.client, "completions", body, ask.output, most)
         body["messages"] = ask.messages
         if ask.think_off:  # as vLLM and llmcli's server read it
             body["chat_template_kwargs"] = {"enable_thinking": False}
         if ask.tools is not None:
             body |= tools_fields(ask.tools)
-        return RemoteReply(self.client, "chat/completions", body, ask.output)
+        return RemoteReply(self.client, "chat/completions", body, ask.output, most)
 
     def request_body(
         self, sampling: SamplingSettings, speculative: str | None, output: OutputFormat | None
@@ -197,7 +213,7 @@ class RemoteTarget:
             body["speculative"] = speculative
         if output is not None:
             body["response_format"] = response_format(output)
-        return {"model": self.name, **body, "stream_options": {"include_usage": True}}
+        return {"model": self.model_id, **body, "stream_options": {"include_usage": True}}
 
     def chat(self, system: str | None) -> RemoteHistory:
         return RemoteHistory(self, system)
@@ -230,14 +246,19 @@ def tools_fields(tools: ToolRequest) -> dict[str, Any]:
 
 
 class RemoteReply:
-    """A streamed reply; leaving the stream early is a disconnect, and the server stops."""
+    """A streamed reply; leaving the stream early is a disconnect, and the server stops. What the
+    server sends is checked as it comes: a piece that is not text is a broken reply, and one
+    more piece than `most` ends it as cut by the length, however long the server goes on."""
 
     def __init__(
-        self, client: Client, endpoint: str, body: dict[str, Any], output: OutputFormat | None
+        self, client: Client, endpoint: str, body: dict[str, Any], output: OutputFormat | None, most: int
     ) -> None:
+        self._url = client.url
         self._events = client.stream(endpoint, body)
         self._chat = endpoint == "chat/completions"
         self._output = output
+        self._most = most
+        self._read = 0  # pieces read: each is at least one token
         self._pieces: list[str] = []
         self._thinking: list[str] = []  # delta.reasoning_content, as llmcli, vLLM and llama.cpp send it
         self._calls: dict[int, dict[str, str]] = {}  # delta.tool_calls by index: id, name, arguments
@@ -251,37 +272,68 @@ class RemoteReply:
     def __iter__(self) -> Iterator[tuple[str, str]]:
         try:
             for event in self._events:
-                for choice in event.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    thought = delta.get("reasoning_content") if self._chat else None
-                    if thought:
-                        self._first_at = self._first_at or time.perf_counter()
-                        self._thinking.append(thought)
-                        yield REASONING, thought
-                    for part in delta.get("tool_calls") or () if self._chat else ():
-                        self._take_call_part(part)
-                    piece = delta.get("content") if self._chat else choice.get("text")
-                    if piece:
-                        self._first_at = self._first_at or time.perf_counter()
-                        self._pieces.append(piece)
-                        yield CONTENT, piece
-                    self._finish = choice.get("finish_reason") or self._finish
-                self._usage = event.get("usage") or self._usage
-                self._timings = event.get("timings") or self._timings
-                self._sampling = event.get("sampling") or self._sampling
+                for choice in self._items(event.get("choices")):
+                    yield from self._take_choice(choice)
+                    if self._read > self._most:  # the server went on past the limit: stop reading
+                        self._finish = "length"
+                        return
+                self._usage = self._mapping(event.get("usage")) or self._usage
+                self._timings = self._mapping(event.get("timings")) or self._timings
+                self._sampling = self._mapping(event.get("sampling")) or self._sampling
         except StreamBrokenError:
             self._finish = "error"  # what came is kept; the caller says what happened
             raise
         finally:
             self._events.close()  # a stream left early is a disconnect: the server stops generating
 
+    def _take_choice(self, choice: dict[str, Any]) -> Iterator[tuple[str, str]]:
+        delta = self._mapping(choice.get("delta"))
+        thought = self._text(delta.get("reasoning_content")) if self._chat else ""
+        if thought:
+            self._first_at = self._first_at or time.perf_counter()
+            self._read += 1
+            self._thinking.append(thought)
+            yield REASONING, thought
+        for part in self._items(delta.get("tool_calls")) if self._chat else ():
+            self._read += 1
+            self._take_call_part(part)
+        piece = self._text(delta.get("content") if self._chat else choice.get("text"))
+        if piece:
+            self._first_at = self._first_at or time.perf_counter()
+            self._read += 1
+            self._pieces.append(piece)
+            yield CONTENT, piece
+        finish = self._text(choice.get("finish_reason"))
+        self._finish = peer_text(finish) if finish else self._finish
+
     def _take_call_part(self, part: dict[str, Any]) -> None:
         """A streamed call: its id and name first, then its arguments in pieces (OpenAI's shape)."""
-        call = self._calls.setdefault(int(part.get("index", 0)), {"id": "", "name": "", "arguments": ""})
-        function = part.get("function") or {}
-        call["id"] = part.get("id") or call["id"]
-        call["name"] = function.get("name") or call["name"]
-        call["arguments"] += function.get("arguments") or ""
+        index = part.get("index", 0)
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise self._malformed("a tool call's index")
+        call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
+        function = self._mapping(part.get("function"))
+        call["id"] = self._text(part.get("id")) or call["id"]
+        call["name"] = self._text(function.get("name")) or call["name"]
+        call["arguments"] += self._text(function.get("arguments"))
+
+    def _text(self, value: Any) -> str:
+        if value is None or isinstance(value, str):
+            return value or ""
+        raise self._malformed("a piece of text")
+
+    def _mapping(self, value: Any) -> dict[str, Any]:
+        if value is None or isinstance(value, dict):
+            return value or {}
+        raise self._malformed("an object")
+
+    def _items(self, value: Any) -> list[dict[str, Any]]:
+        if value is None or (isinstance(value, list) and all(isinstance(item, dict) for item in value)):
+            return value or []
+        raise self._malformed("a list of objects")
+
+    def _malformed(self, what: str) -> StreamBrokenError:
+        return StreamBrokenError(f"{self._url} sent a chunk not in OpenAI's shape: where {what} goes")
 
     def interrupt(self) -> None:
         self._finish = "interrupted"
@@ -291,9 +343,12 @@ class RemoteReply:
         import json
 
         text, usage, timings = "".join(self._pieces), self._usage, self._timings
-        prompt_tokens = usage.get("prompt_tokens")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        prefilled = timings.get("prefilled_tokens")
+        prompt_tokens = _count(usage.get("prompt_tokens"))
+        cached = _count(_in(usage, "prompt_tokens_details", "cached_tokens"))
+        prefilled = _count(timings.get("prefilled_tokens"))
+        completion_tokens = _count(usage.get("completion_tokens"))
+        if completion_tokens is None and self._pieces:  # no usage (another server, a reply cut)
+            completion_tokens = len(self._pieces)
         if prefilled is None and prompt_tokens is not None:
             prefilled = prompt_tokens - (cached or 0)
         complete = None
@@ -307,22 +362,55 @@ class RemoteReply:
             text=text,
             finish_reason=self._finish,
             prompt_tokens=prompt_tokens,
-            completion_tokens=usage.get("completion_tokens", len(self._pieces) if self._pieces else None),
+            completion_tokens=completion_tokens,
             prefilled_tokens=prefilled,
             cached_tokens=cached,
-            ttft_s=timings.get("ttft_s", (self._first_at or self._started) - self._started),
-            prefill_tok_s=timings.get("prefill_tok_s"),
-            decode_tok_s=timings.get("decode_tok_s"),
-            speculative=timings.get("speculative"),
-            sampling=self._sampling,
+            ttft_s=_seconds(timings.get("ttft_s"), (self._first_at or self._started) - self._started),
+            prefill_tok_s=_seconds(timings.get("prefill_tok_s")),
+            decode_tok_s=_seconds(timings.get("decode_tok_s")),
+            speculative=_speculative(timings.get("speculative")),
+            sampling=_sampling(self._sampling),
             value_complete=complete,
             reasoning="".join(self._thinking) if self._thinking else None,
-            reasoning_tokens=(usage.get("completion_tokens_details") or {}).get("reasoning_tokens"),
+            reasoning_tokens=_count(_in(usage, "completion_tokens_details", "reasoning_tokens")),
             tool_calls=[
                 ToolCall(call["id"], call["name"], call["arguments"] or "{}")
                 for _, call in sorted(self._calls.items())
             ],
         )
+
+
+def _count(value: Any) -> int | None:
+    """A token count a server reported, or None where it is not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _seconds(value: Any, default: float | None = None) -> float | None:
+    """A time or a rate a server reported (a finite number ≥ 0), else `default`."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if number and value >= 0 else default
+
+
+def _in(record: dict[str, Any], key: str, inner: str) -> Any:
+    value = record.get(key)
+    return value.get(inner) if isinstance(value, dict) else None
+
+
+def _speculative(value: Any) -> dict[str, Any] | None:
+    """llmcli's drafting figures, when whole: the --stats line divides them."""
+    if not isinstance(value, dict) or not isinstance(value.get("method"), str):
+        return None
+    drafted, accepted = _count(value.get("drafted")), _count(value.get("accepted"))
+    if drafted is None or accepted is None:
+        return None
+    return {"method": peer_text(value["method"], 40), "drafted": drafted, "accepted": accepted}
+
+
+def _sampling(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The sampling values llmcli's server used (shown in --json); a limit a message quotes is a count."""
+    if value is None or "max_new_tokens" not in value:
+        return value
+    return {**value, "max_new_tokens": _count(value["max_new_tokens"])}
 
 
 class RemoteHistory:

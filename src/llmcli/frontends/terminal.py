@@ -15,6 +15,8 @@ from functools import cache
 from rich.console import Console
 from rich.markup import escape
 
+from llmcli.reading import escape_controls
+
 
 @cache
 def stderr_console() -> Console:
@@ -27,6 +29,18 @@ def stderr_is_terminal() -> bool:
 
 def stdin_is_terminal() -> bool:
     return sys.stdin is not None and sys.stdin.isatty()
+
+
+def stdout_is_terminal() -> bool:
+    return sys.stdout is not None and sys.stdout.isatty()
+
+
+def inert(text: str) -> str:
+    """A model's text as a terminal shows it: lines and tabs as they are, every other control
+    character written out (ESC → \\x1b), so that no escape sequence in a reply (from a model, or
+    a server's stream) sets the window's title, moves the cursor or fakes a line of llmcli's. A
+    pipe gets the text as it is: only what reaches a terminal is made inert."""
+    return escape_controls(text, keep="\n\t")
 
 
 def detach_stdout() -> None:
@@ -66,7 +80,9 @@ class Thinking:
 
     def write(self, text: str) -> None:
         if self.shown:
-            stderr_console().print(text, style="dim", markup=False, highlight=False, end="")
+            console = stderr_console()
+            shown = inert(text) if console.is_terminal else text
+            console.print(shown, style="dim", markup=False, highlight=False, end="")
             self._open = True
 
     def end(self) -> None:
