@@ -21,6 +21,8 @@ import torch
 from llmcli.config.settings import LoadSettings, SamplingParams
 from llmcli.engine.conversation import build_messages, prompt_ids
 from llmcli.engine.loop import Engine
+from llmcli.frontends.chat_session import TurnReport
+from llmcli.frontends.target import Outcome
 from llmcli.models.load import load_model
 from llmcli.models.resolve import ResolvedModel, demo_gguf_path
 
@@ -427,6 +429,38 @@ def test_chat_through_the_server_equals_chat_in_process(server: Server, tiny_lla
     assert remote_turns[0]["reply"] == local_turns[0]["reply"]
     assert len(remote_turns) == len(local_turns) == 3
     assert remote_turns[1]["cached_tokens"] > 0  # the second turn re-sent the first: the server reused it
+
+
+def test_ctrl_c_through_the_server_leaves_out_the_figures_it_does_not_know(server: Server) -> None:
+    """A reply cut by Ctrl-C gets no usage or timings from the server: the --stats line says what
+    is known (the tokens that came, the time to the first) and leaves out the rest, never 0."""
+    args = [
+        "generate",
+        "--server",
+        server.url,
+        "-m",
+        "tiny",
+        "-t",
+        "0",
+        "-n",
+        "900",
+        "--stats",
+        "A long story",
+    ]
+    proc = subprocess.Popen([*LLMCLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert os.read(proc.stdout.fileno(), 1)  # the reply has begun
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=PATIENCE_S)
+    assert proc.returncode == 130, err.decode()
+    (line,) = err.decode().splitlines()
+    assert "interrupted" in line and re.search(r"\d+ completion tok · TTFT [0-9.]+ s · interrupted", line), (
+        line
+    )
+    assert "tok/s" not in line and "?" not in line and "prompt tok" not in line
+    # The chat's line the same way: the turn's figures the server did not send are not 0.
+    turn = TurnReport.of(Outcome("Once", "interrupted", completion_tokens=1, ttft_s=0.5), 1, 2048, 0)
+    assert turn.line() == "TTFT 0.50 s · context 1/2048 · interrupted"
+    assert turn.prefilled_tokens is turn.cached_tokens is turn.decode_tok_s is None  # null in --json
 
 
 def test_chat_stats_through_the_server_total_the_drafts(server: Server, tiny_llama: Path) -> None:

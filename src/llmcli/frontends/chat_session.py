@@ -22,7 +22,7 @@ from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends.formats import format_command, unfinished_value
 from llmcli.frontends.functions import describe_call
-from llmcli.frontends.target import Outcome
+from llmcli.frontends.target import Outcome, known
 from llmcli.frontends.tools import call_record
 from llmcli.frontends.transcript import TRANSCRIPT_VERSION, read_transcript, write_transcript
 from llmcli.server.client import StreamBrokenError
@@ -96,12 +96,12 @@ class TurnReport:
 
     reply: str
     prompt_tokens: int
-    prefilled_tokens: int
-    cached_tokens: int
+    prefilled_tokens: int | None  # None (null in --json): not known (a reply through a server cut
+    cached_tokens: int | None  # by Ctrl-C gets no usage; another server reports no timings)
     completion_tokens: int
     ttft_s: float
-    prefill_tok_s: float
-    decode_tok_s: float
+    prefill_tok_s: float | None
+    decode_tok_s: float | None
     finish_reason: str
     context_used: int
     context_length: int
@@ -113,20 +113,19 @@ class TurnReport:
 
     @classmethod
     def of(cls, outcome: Outcome, context_used: int, context_length: int, dropped: int) -> TurnReport:
-        prompt_tokens = outcome.prompt_tokens or 0
-        cached = outcome.cached_tokens or 0
-        prefilled = (
-            outcome.prefilled_tokens if outcome.prefilled_tokens is not None else prompt_tokens - cached
-        )
+        prompt_tokens, cached = outcome.prompt_tokens, outcome.cached_tokens
+        prefilled = outcome.prefilled_tokens
+        if prefilled is None and prompt_tokens is not None:
+            prefilled = prompt_tokens - (cached or 0)
         return cls(
             reply=outcome.text,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=prompt_tokens or 0,
             prefilled_tokens=prefilled,
             cached_tokens=cached,
             completion_tokens=outcome.completion_tokens or 0,
             ttft_s=round(outcome.ttft_s or 0.0, 6),
-            prefill_tok_s=round(outcome.prefill_tok_s or 0.0, 3),
-            decode_tok_s=round(outcome.decode_tok_s or 0.0, 3),
+            prefill_tok_s=_rounded(outcome.prefill_tok_s),
+            decode_tok_s=_rounded(outcome.decode_tok_s),
             finish_reason=outcome.finish_reason,
             context_used=context_used,
             context_length=context_length,
@@ -145,11 +144,18 @@ class TurnReport:
             "error": " · cut short",
             "length": f" · {LENGTH_CUT}",
         }.get(self.finish_reason, "")
-        return (
-            f"TTFT {self.ttft_s:.2f} s · {self.decode_tok_s:.1f} tok/s · prefilled {self.prefilled_tokens} · "
-            f"reused {self.cached_tokens} · context {self.context_used}/{self.context_length}"
-            f"{speculative_note(self.speculative)}{interrupted}"
-        )
+        figures = [
+            f"TTFT {self.ttft_s:.2f} s",
+            *known("{:.1f} tok/s", self.decode_tok_s),  # what is not known is left out, not 0
+            *known("prefilled {}", self.prefilled_tokens),
+            *known("reused {}", self.cached_tokens),
+            f"context {self.context_used}/{self.context_length}",
+        ]
+        return " · ".join(figures) + f"{speculative_note(self.speculative)}{interrupted}"
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def shown(value: Any) -> str:
@@ -183,8 +189,8 @@ class SessionTotals:
 
     def add(self, report: TurnReport) -> None:
         self.turns += 1
-        self.prefilled_tokens += report.prefilled_tokens
-        self.cached_tokens += report.cached_tokens
+        self.prefilled_tokens += report.prefilled_tokens or 0
+        self.cached_tokens += report.cached_tokens or 0
         self.completion_tokens += report.completion_tokens
         self.drafted += (report.speculative or {}).get("drafted", 0)
         self.accepted += (report.speculative or {}).get("accepted", 0)
@@ -193,9 +199,16 @@ class SessionTotals:
         """/stats: the last reply's timings, then the session's totals."""
         text = (
             f"last reply: {plural(last.completion_tokens, 'token')} ({last.finish_reason}) · "
-            f"TTFT {last.ttft_s:.3f} s · prefill {plural(last.prefilled_tokens, 'token')} "
-            f"at {last.prefill_tok_s:.1f} tok/s · "
-            f"reused {last.cached_tokens} · decode {last.decode_tok_s:.1f} tok/s\n"
+            + " · ".join(
+                [
+                    f"TTFT {last.ttft_s:.3f} s",
+                    *known(f"prefill {plural(last.prefilled_tokens or 0, 'token')}", last.prefilled_tokens),
+                    *known("prefill at {:.1f} tok/s", last.prefill_tok_s),
+                    *known("reused {}", last.cached_tokens),
+                    *known("decode {:.1f} tok/s", last.decode_tok_s),
+                ]
+            )
+            + "\n"
             f"session: {plural(self.turns, 'reply', 'replies')} · prefilled {self.prefilled_tokens} · "
             f"reused {self.cached_tokens} · generated {plural(self.completion_tokens, 'token')}"
         )

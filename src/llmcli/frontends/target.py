@@ -45,11 +45,19 @@ class Outcome:
 
     def stats_summary(self) -> str:
         """The figures of a --stats line."""
-        text = (
-            f"{_count(self.prompt_tokens)} prompt tok, {_count(self.completion_tokens)} completion tok · "
-            f"TTFT {self.ttft_s or 0:.3f} s · prefill {self.prefill_tok_s or 0:.1f} tok/s · "
-            f"decode {self.decode_tok_s or 0:.1f} tok/s"
-        )
+        # A figure not known is left out, not shown as 0: a reply through a server that Ctrl-C
+        # cut gets no usage or timings, another kind of server reports no timings at all.
+        counts = [
+            *known("{} prompt tok", self.prompt_tokens),
+            *known("{} completion tok", self.completion_tokens),
+        ]
+        figures = [
+            *([", ".join(counts)] if counts else []),
+            *known("TTFT {:.3f} s", self.ttft_s),
+            *known("prefill {:.1f} tok/s", self.prefill_tok_s),
+            *known("decode {:.1f} tok/s", self.decode_tok_s),
+        ]
+        text = " · ".join(figures)
         spec = self.speculative
         if spec:
             rate = f"{spec['accepted'] / spec['drafted']:.0%}" if spec["drafted"] else "0%"
@@ -59,8 +67,9 @@ class Outcome:
         return text
 
 
-def _count(value: int | None) -> str:
-    return "?" if value is None else str(value)
+def known(form: str, value: float | None) -> list[str]:
+    """A figure for a stats line, or nothing where it is not known."""
+    return [] if value is None else [form.format(value)]
 
 
 @dataclass(frozen=True)
