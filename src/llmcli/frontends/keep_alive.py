@@ -160,7 +160,8 @@ def load_flags(load: LoadSettings) -> list[str]:
 
 def describe(record: ServerRecord, now: float | None = None) -> dict[str, Any]:
     """A running server as `llmcli ps` shows it: what it serves, how, its memory and idle time."""
-    from llmcli.server.runtime import LOADING, printable
+    from llmcli.reading import peer_text
+    from llmcli.server.runtime import LOADING
 
     now = time.time() if now is None else now
     idle = None
@@ -176,7 +177,7 @@ def describe(record: ServerRecord, now: float | None = None) -> dict[str, Any]:
         "model": record.model,
         "model_spec": record.model_spec,
         "state": record.state,
-        "settings": {printable(str(key), 40): printable(str(value), 80) for key, value in settings.items()},
+        "settings": {peer_text(str(key), 40): peer_text(str(value), 80) for key, value in settings.items()},
         "rss_bytes": resident_bytes(record.pid),
         "idle_s": round(idle, 1) if idle is not None and record.state != LOADING else None,
         "idle_exit_s": record.idle_exit_s,
@@ -219,7 +220,7 @@ def stop_servers(records: list[ServerRecord], patience_s: float = 15.0) -> list[
 def table(rows: list[dict[str, Any]]) -> str:
     """`llmcli ps` for people: one line per server."""
     from llmcli.models.memory import format_bytes
-    from llmcli.server.runtime import printable
+    from llmcli.reading import peer_text
 
     header = ("PID", "URL", "MODEL", "SETTINGS", "MEMORY", "IDLE", "STOPS WHEN IDLE FOR")
     lines = [header]
@@ -228,8 +229,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         loading = row["state"] == "loading"
         lines.append((
             str(row["pid"]),
-            printable(row["url"]),
-            printable(row["model"] or row["model_spec"] + (" (loading)" if loading else "")),
+            peer_text(row["url"]),
+            peer_text(row["model"] or row["model_spec"] + (" (loading)" if loading else "")),
             settings or "defaults",
             format_bytes(row["rss_bytes"]) if row["rss_bytes"] is not None else "?",
             "loading" if loading else f"{row['idle_s']:g} s" if row["idle_s"] is not None else "?",
@@ -260,7 +261,8 @@ def list_servers(as_json: bool) -> None:
 def stop_command(model: str | None) -> None:
     """`llmcli stop [MODEL]`: each server stopped is a line on stdout (one still loading too)."""
     from llmcli.errors import LlmcliError
-    from llmcli.server.runtime import printable, running_servers, serves_model
+    from llmcli.reading import peer_text
+    from llmcli.server.runtime import running_servers, serves_model
 
     chosen = [
         record
@@ -275,8 +277,8 @@ def stop_command(model: str | None) -> None:
     left = stop_servers(chosen)
     for record in chosen:
         if record not in left:
-            name = printable(record.model or record.model_spec)
-            print(f"stopped {name} (pid {record.pid}, {printable(record.url)})")
+            name = peer_text(record.model or record.model_spec)
+            print(f"stopped {name} (pid {record.pid}, {peer_text(record.url)})")
     if left:
         pids = ", ".join(str(record.pid) for record in left)
         raise LlmcliError(f"the server(s) with pid {pids} did not stop within 15 s", "kill them by hand")

@@ -77,7 +77,7 @@ def find_server(
         name = model or (info["model"] if info else client.first_model())
         return RemoteTarget(client, name, info)
     from llmcli.models.resolve import default_model_spec
-    from llmcli.server.runtime import matching_server, near_miss, printable
+    from llmcli.server.runtime import matching_server, near_miss
 
     spec = model or default_model_spec()
     record = matching_server(spec, load, note=terminal.note)
@@ -87,7 +87,7 @@ def find_server(
         missed = near_miss(spec, load)
         if missed is not None:  # said once, so that a slow load here is not a mystery
             terminal.note(
-                f"The server at {printable(missed[0].url)} runs this model with other settings: "
+                f"The server at {peer_text(missed[0].url)} runs this model with other settings: "
                 f"{missed[1]}. Loading it here (--no-server skips the check)."
             )
         return None

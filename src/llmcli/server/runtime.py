@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from llmcli.config.paths import state_dir
 from llmcli.config.settings import LoadSettings
+from llmcli.reading import peer_text
 from llmcli.server import process_check
 from llmcli.server.process_check import ProcessIdentity
 
@@ -168,7 +169,7 @@ def take_failures(model_spec: str) -> list[str]:
             continue
         if not isinstance(failure, dict) or failure.get("model_spec") != model_spec:
             continue
-        reasons.append(printable(str(failure.get("error") or "unknown")))
+        reasons.append(peer_text(str(failure.get("error") or "unknown")))
         with contextlib.suppress(OSError):
             path.unlink()
     return reasons
@@ -186,7 +187,7 @@ def running_servers(note: Note | None = None, loading: bool = True) -> list[Serv
             continue  # removed as we looked: its server stopped
         except (OSError, BadRecord) as error:
             if note is not None:
-                note(f"Ignored and removed {path}: {printable(str(error))} — not a record llmcli wrote.")
+                note(f"Ignored and removed {path}: {peer_text(str(error))} — not a record llmcli wrote.")
             _remove(path)
             continue
         if not _is_this_server(record):
@@ -207,7 +208,7 @@ def read_record(path: Path) -> ServerRecord:
         raise BadRecord("not a JSON object")
     pid = data.get("pid")
     if not process_check.is_pid(pid):
-        raise BadRecord(f"pid {printable(json.dumps(pid))[:40]} is not a process id")
+        raise BadRecord(f"pid {peer_text(json.dumps(pid))[:40]} is not a process id")
     argv = data.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(arg, str) for arg in argv):
         raise BadRecord("no command line")
@@ -218,7 +219,7 @@ def read_record(path: Path) -> ServerRecord:
     port, loopback = _port(url)
     state = _text(data, "state")
     if state not in (LOADING, READY):
-        raise BadRecord(f"state {printable(state)[:20]!r}")
+        raise BadRecord(f"state {peer_text(state)[:20]!r}")
     identity = data.get("model_identity")
     if identity is not None and not isinstance(identity, dict):
         raise BadRecord("model_identity is not an object")
@@ -284,7 +285,7 @@ def near_miss(model_spec: str, load: LoadSettings) -> tuple[ServerRecord, str] |
     for record in running_servers(loading=False):
         if serves_model(record, model_spec) and record.load != wanted:
             differ = [
-                f"{name} {printable(str(record.load.get(name)))} (here {wanted[name]})"
+                f"{name} {peer_text(str(record.load.get(name)))} (here {wanted[name]})"
                 for name in _MATCHING_SETTINGS
                 if record.load.get(name) != wanted[name]
             ]
@@ -327,13 +328,6 @@ def loaded_path(model_spec: str) -> str:
     return model_spec
 
 
-def printable(text: str, limit: int = 300) -> str:
-    """Text from a file or a peer, fit for one terminal line: control characters escaped (no
-    escape sequence of theirs reaches the terminal), and cut at `limit` characters."""
-    shown = "".join(char if char.isprintable() else repr(char)[1:-1] for char in text[: limit + 1])
-    return shown if len(shown) <= limit else shown[:limit] + "…"
-
-
 def _text(data: dict[str, Any], key: str, optional: bool = False) -> Any:
     value = data.get(key)
     if (value is None and optional) or isinstance(value, str):
@@ -350,7 +344,7 @@ def _port(url: str) -> tuple[int, bool]:
     except ValueError:
         raise BadRecord("its url is not a URL") from None
     if parts.scheme != "http" or port is None:
-        raise BadRecord(f"its url {printable(url)[:80]} is not an http URL with a port")
+        raise BadRecord(f"its url {peer_text(url)[:80]} is not an http URL with a port")
     loopback = host == "localhost"
     with contextlib.suppress(ValueError):
         loopback = loopback or ipaddress.ip_address(host).is_loopback
