@@ -661,6 +661,19 @@ def test_metrics_count_requests_and_tokens(server: Server) -> None:
     assert metric(server, "llmcli_time_to_first_token_seconds_count") >= 1
 
 
+def test_metrics_count_each_protocol_under_its_own_route(server: Server) -> None:
+    ask = [{"role": "user", "content": "hi"}]
+    asked = {
+        "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+        "/v1/messages": {"messages": ask, "max_tokens": 1},
+        "/api/chat": {"messages": ask, "stream": False, "options": {"num_predict": 1}},
+        "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 1}},
+    }
+    for route, body in asked.items():
+        assert server.raw("POST", route, json.dumps({"model": "tiny", **body}).encode())[0] == 200, route
+        assert metric(server, f'llmcli_requests_total{{route="{route}",status="200"}}') >= 1, route
+
+
 @pytest.mark.demo
 @pytest.mark.parametrize("parallel", [1, 2])
 def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Path, parallel: int) -> None:

@@ -17,12 +17,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-ROUTES = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/models",
-    "/health",
-    "/metrics",
+# Every route is its own label; any other path (a 404, a model's own URL) is "other", so that a
+# client cannot grow the label set without bound.
+ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+    | {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+    | {"/api/chat", "/api/generate", "/api/show", "/api/tags", "/api/ps", "/api/version"}
 )
 
 
