@@ -61,6 +61,22 @@ def assert_access_log_only(stderr: bytes) -> None:
         assert ACCESS_LINE.fullmatch(line), line
 
 
+def assert_error_shape(path: str, answer: object) -> None:
+    """An error answer in the shape of the protocol `path` speaks: Ollama's under /api/,
+    Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if path.startswith("/api/"):
+        assert isinstance(answer, dict) and set(answer) == {"error"}, answer
+        assert isinstance(answer["error"], str) and answer["error"], answer
+    elif path.startswith("/v1/messages"):
+        assert isinstance(answer, dict) and set(answer) == {"type", "error"} and answer["type"] == "error"
+        assert set(answer["error"]) == {"type", "message"} and answer["error"]["message"], answer
+    else:
+        assert isinstance(answer, dict) and set(answer) == {"error"}, answer
+        error = answer["error"]
+        assert isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error), answer
+        assert isinstance(error["message"], str) and error["message"], answer
+
+
 def start_server(model: Path, runtime: Path, *extra: str) -> Server:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     process = subprocess.Popen(
@@ -521,6 +537,16 @@ def test_an_api_key_is_required_when_set(tiny_llama: Path, tmp_path: Path) -> No
     keyed = start_server(tiny_llama, tmp_path, "--api-key", "sesame")
     try:
         assert keyed.raw("GET", "/v1/models")[0] == 401
+        for path in ("/health", "/metrics"):  # they name the model and the device
+            status, answer = keyed.raw("GET", path, headers={})
+            assert status == 401, path
+            assert_error_shape(path, answer)
+        assert keyed.raw("GET", "/health", headers={"Authorization": "Bearer sesame"})[0] == 200
+        body = json.dumps({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        for path in ("/api/chat", "/api/generate", "/api/tags", "/v1/messages", "/v1/responses"):
+            status, answer = keyed.raw("POST", path, body.encode())
+            assert status == 401, path
+            assert_error_shape(path, answer)
         models = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="sesame", max_retries=0).models.list()
         assert [m.id for m in models.data] == [str(tiny_llama)]
         proc = run_cli("generate", "--server", keyed.url, "--api-key", "sesame", "-t", "0", "-n", "4", "Hi")
@@ -594,6 +620,36 @@ def test_a_page_elsewhere_cannot_reach_the_server(server: Server) -> None:
         assert status == 403 and answer["error"]["code"] == "forbidden", headers
     for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "localhost"):
         assert server.raw("POST", "/v1/chat/completions", body, {**json_type, "Host": host})[0] == 200
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/v1/messages", "/v1/chat/completions", "/v1/responses"])
+def test_a_refusal_before_any_route_comes_in_the_routes_shape(server: Server, path: str) -> None:
+    asked = {"input": "hi", "max_output_tokens": 1} if path == "/v1/responses" else {"max_tokens": 1}
+    if path != "/v1/responses":
+        asked["messages"] = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "stream": False, **asked}
+    if path == "/api/chat":
+        body = {
+            "model": "tiny",
+            "stream": False,
+            "messages": asked["messages"],
+            "options": {"num_predict": 1},
+        }
+    sent = json.dumps(body).encode()
+    status, answer = server.raw(
+        "POST", path, sent, {"Content-Type": "application/json", "Host": "evil.example"}
+    )
+    assert status == 403
+    assert_error_shape(path, answer)
+    status, answer = server.raw("POST", path, json.dumps(body | {"model": "m" * (9 << 20)}).encode())
+    assert status == 413
+    assert_error_shape(path, answer)
+    for kind in ("application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "text/plain"):
+        # a JSON body all the same: what a web page can post without asking first
+        status, answer = server.raw("POST", path, sent, {"Content-Type": kind})
+        assert status == 400 and "application/json" in str(answer), kind
+        assert_error_shape(path, answer)
+    assert server.raw("POST", path, sent, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
 
 
 def test_cors_and_allowed_hosts_open_exactly_what_they_name(tiny_llama: Path, tmp_path: Path) -> None:

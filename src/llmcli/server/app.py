@@ -41,11 +41,11 @@ from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import KVMemoryFull, LlmcliError
 from llmcli.server.anthropic import install_anthropic
-from llmcli.server.guard import HostGuard, KeyGuard
+from llmcli.server.guard import HostGuard, JsonOnly, KeyGuard
 from llmcli.server.logprobs import chat_logprobs, completion_logprobs, score_prompt
 from llmcli.server.metrics import Metrics, Observed
 from llmcli.server.ollama import install_ollama
-from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body
+from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling, error_body, error_for
 from llmcli.server.responses import install_responses
 
 if TYPE_CHECKING:
@@ -232,7 +232,7 @@ def create_app(served: Served) -> ASGIApp:
     install_anthropic(app, served)
     install_responses(app, served)
 
-    guarded: ASGIApp = KeyGuard(app, served.api_key)
+    guarded: ASGIApp = KeyGuard(JsonOnly(app), served.api_key)
     if served.cors:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -766,13 +766,10 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {
-        401: "authentication_error",
-        404: "not_found_error",
-        413: "invalid_request_error",
-    }.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+def _error(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_for(path, status, message, param, code), status_code=status)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -819,19 +816,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _answer(
     request: Request, status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    """An error in the shape of the protocol the request spoke: Ollama's {"error": "…"} under
-    /api/, Anthropic's under /v1/messages, OpenAI's error object elsewhere."""
-    path = request.url.path
-    if path.startswith("/api/"):
-        return JSONResponse({"error": message}, status_code=status)
-    if path.startswith("/v1/messages"):  # Anthropic's shape
-        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
-            status, "invalid_request_error" if status < 500 else "api_error"
-        )
-        return JSONResponse(
-            {"type": "error", "error": {"type": kind, "message": message}}, status_code=status
-        )
-    return _error(status, message, param, code)
+    """An error in the shape of the protocol the request spoke (protocol.error_for)."""
+    return _error(request.url.path, status, message, param, code)
 
 
 def _release(request: Request) -> None:
@@ -854,7 +840,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
+            await self._too_large(scope, receive, send)
             return
         seen, started, too_large = 0, False, False
 
@@ -881,6 +867,10 @@ class BodyLimit:
             await self.app(scope, counting_receive, tracking_send)
         except Exception as error:  # answered already by the handlers: no traceback on stderr
             if not started and not too_large:
-                await _error(500, _describe(error))(scope, receive, send)
+                await _error(scope["path"], 500, _describe(error))(scope, receive, send)
         if too_large and not started:
-            await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is over {self.limit} bytes"
+        await _error(scope["path"], 413, message)(scope, receive, send)

@@ -5,7 +5,9 @@ name, re-pointed at 127.0.0.1, so the browser sends `Host: evil.example`) and by
 request (the browser sends its `Origin`). So a request whose Host is not an address the server
 answers on, `localhost` or a name given with --allowed-hosts, and one that carries an Origin
 not given with --cors, is a 403 before it reaches any route. With --cors the allowed origins get
-CORS headers (Starlette's CORSMiddleware); without it there are none.
+CORS headers (Starlette's CORSMiddleware); without it there are none. A body that is not
+declared JSON (a form, a multipart upload, text/plain: what a page can post without asking) is
+refused too. Each refusal comes in the shape of the protocol its path speaks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmcli.server.protocol import error_for
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 
@@ -39,12 +43,12 @@ class HostGuard:
             why = (
                 f"Host {host!r} is not an address this server answers on (start it with --allowed-hosts NAME)"
             )
-            await _forbidden(why, send)
+            await _forbidden(scope, why, send)
             return
         if origin is not None and origin.decode("latin-1").rstrip("/") not in self.origins:
             page = origin.decode("latin-1")
             why = f"requests from web pages at {page!r} are refused (start the server with --cors ORIGIN)"
-            await _forbidden(why, send)
+            await _forbidden(scope, why, send)
             return
         await self.app(scope, receive, send)
 
@@ -67,34 +71,54 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return None
 
 
-async def _forbidden(message: str, send: Send) -> None:
-    await _refuse(403, message, "permission_error", "forbidden", send)
+async def _forbidden(scope: Scope, message: str, send: Send) -> None:
+    await refuse(scope, 403, message, "forbidden", send)
 
 
-async def _refuse(status: int, message: str, kind: str, code: str, send: Send) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+async def refuse(scope: Scope, status: int, message: str, code: str, send: Send) -> None:
+    """An answer before any route: in the shape of the protocol the path speaks."""
+    body = json.dumps(error_for(scope.get("path", ""), status, message, code=code))
     headers = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body.encode()})
 
 
 class KeyGuard:
-    """401 for an API request (/v1/, /api/) without the server's key: `Authorization: Bearer
-    KEY`, or Anthropic's `x-api-key: KEY`. Pure ASGI: Starlette's BaseHTTPMiddleware holds
-    streamed responses back at shutdown."""
+    """401 for any request without the server's key: `Authorization: Bearer KEY`, or
+    Anthropic's `x-api-key: KEY` — /health and /metrics too, which name the model and the device.
+    Pure ASGI: Starlette's BaseHTTPMiddleware holds streamed responses back at shutdown."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = (
-            self.key is not None and scope["type"] == "http" and scope["path"].startswith(("/v1/", "/api/"))
-        )
+        guarded = self.key is not None and scope["type"] == "http"
         headers = dict(scope.get("headers", ())) if guarded else {}
         given = (headers.get(b"authorization", b""), headers.get(b"x-api-key", b""))
         if guarded and b"Bearer " + self.key not in given and self.key not in given:
             message = "a valid API key is required (Authorization: Bearer …)"
-            await _refuse(401, message, "authentication_error", "invalid_api_key", send)
+            await refuse(scope, 401, message, "invalid_api_key", send)
             return
+        await self.app(scope, receive, send)
+
+
+class JsonOnly:
+    """400 for a body whose Content-Type is not JSON: every route reads JSON, and a form,
+    multipart or text/plain body is what a web page can post to any address without asking
+    first. A body without a Content-Type is read as JSON, as FastAPI does."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
+            declared = dict(scope.get("headers", ())).get(b"content-type")
+            kind = (declared or b"").split(b";")[0].strip().lower().decode("latin-1")
+            if declared is not None and kind != "application/json" and not kind.endswith("+json"):
+                message = (
+                    f"the request body is {kind or 'untyped'}: send JSON, with Content-Type: application/json"
+                )
+                await refuse(scope, 400, message, "invalid_content_type", send)
+                return
         await self.app(scope, receive, send)

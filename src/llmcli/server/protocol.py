@@ -306,3 +306,22 @@ class CompletionRequest(_Sampling):
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+OPENAI_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+ANTHROPIC_KINDS = OPENAI_KINDS | {413: "request_too_large", 429: "rate_limit_error"}
+
+
+def error_for(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """An error in the shape of the protocol the request's path speaks: Ollama's {"error": "…"}
+    under /api/, Anthropic's under /v1/messages, OpenAI's error object elsewhere. Every answer
+    that is not a route's own (the guards, the body's checks) is shaped here too."""
+    if path.startswith("/api/"):
+        return {"error": message}
+    if path.startswith("/v1/messages"):
+        kind = ANTHROPIC_KINDS.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    kind = OPENAI_KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return error_body(message, kind, param, code)
