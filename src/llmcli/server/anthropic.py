@@ -15,23 +15,17 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from llmcli.errors import LlmcliError
-from llmcli.server.translate import chunk_of, read_json, validated
+from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.app import Served
 
-# The fields taken; metadata, service_tier and cache_control change nothing here (the KV cache is
-# reused by prefix on its own). Any other field is refused, never ignored.
-FIELDS = frozenset(
-    {"model", "max_tokens", "messages", "system", "stream", "temperature", "top_p", "top_k", "stop_sequences"}
-    | {"tools", "tool_choice", "thinking", "metadata", "service_tier", "cache_control"}
-)
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -40,12 +34,74 @@ class AnthropicError(LlmcliError):
     """A request the Messages API cannot take here: a 400 in Anthropic's error shape."""
 
 
+class Block(Part):
+    """A content block: text, tool_use, tool_result (its content text or blocks), thinking; the
+    adapter refuses the other kinds (image, document)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+
+
+class Message(Body):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(Body):
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, …) are not run here
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(Body):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(Body):
+    """The fields taken; metadata, service_tier and cache_control change nothing here (the KV
+    cache is reused by prefix on its own). Any other field is refused, never ignored."""
+
+    model: str | None = None
+    max_tokens: int
+    messages: list[Message]
+    system: str | list[Block] | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class CountRequest(MessagesRequest):
+    max_tokens: int = 1  # a count generates nothing
+
+
 def install_anthropic(app: FastAPI, served: Served) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
         from llmcli.server import app as openai
 
-        body = await read_json(request, AnthropicError)
+        body = await read_body(request, MessagesRequest, AnthropicError)
         answered = await openai.chat_response(served, request, _chat_request(body))
         model = body.get("model") or served.model_id
         if isinstance(answered, StreamingResponse):
@@ -57,7 +113,7 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     async def count_tokens(request: Request) -> dict[str, Any]:
         from llmcli.server import app as openai
 
-        body = await read_json(request, AnthropicError)
+        body = await read_body(request, CountRequest, AnthropicError)
         ids, _ = await openai.chat_prompt(served, _chat_request(body | {"max_tokens": 1}))
         return {"input_tokens": len(ids)}
 
@@ -66,11 +122,6 @@ def _chat_request(body: dict[str, Any]) -> Any:
     """The Messages request as an OpenAI chat request (validated: a bad value is a 400)."""
     from llmcli.server.protocol import ChatRequest
 
-    if "max_tokens" not in body:
-        raise AnthropicError("max_tokens: a required field")
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise AnthropicError(f"{unknown[0]} is not supported here")
     messages = _system(body.get("system"))
     for position, message in enumerate(body.get("messages") or []):
         messages += _turn(message, f"messages.{position}")
@@ -128,7 +179,7 @@ def _turn(message: Any, where: str) -> list[dict[str, Any]]:
     for block in content or []:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            text += block.get("text", "")
+            text += block.get("text") or ""
         elif kind == "tool_use":
             arguments = json.dumps(block.get("input") or {})
             calls.append(
@@ -154,7 +205,7 @@ def _turn(message: Any, where: str) -> list[dict[str, Any]]:
 def _text_of(block: Any, where: str) -> str:
     if not isinstance(block, dict) or block.get("type") != "text":
         raise AnthropicError(f"{where}: only text blocks are supported here")
-    return str(block.get("text", ""))
+    return block.get("text") or ""
 
 
 def _tool(tool: Any) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.engine.tools.reader import CallArguments, CallStart
 from llmcli.errors import KVMemoryFull, LlmcliError
 from llmcli.server.anthropic import install_anthropic
-from llmcli.server.guard import HostGuard, JsonOnly, KeyGuard
+from llmcli.server.guard import HostGuard, JsonOnly, KeyGuard, NestingLimit
 from llmcli.server.logprobs import chat_logprobs, completion_logprobs, score_prompt
 from llmcli.server.metrics import Metrics, Observed
 from llmcli.server.ollama import install_ollama
@@ -232,7 +232,7 @@ def create_app(served: Served) -> ASGIApp:
     install_anthropic(app, served)
     install_responses(app, served)
 
-    guarded: ASGIApp = KeyGuard(JsonOnly(app), served.api_key)
+    guarded: ASGIApp = KeyGuard(JsonOnly(NestingLimit(app)), served.api_key)
     if served.cors:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -7,20 +7,31 @@ answers on, `localhost` or a name given with --allowed-hosts, and one that carri
 not given with --cors, is a 403 before it reaches any route. With --cors the allowed origins get
 CORS headers (Starlette's CORSMiddleware); without it there are none. A body that is not
 declared JSON (a form, a multipart upload, text/plain: what a page can post without asking) is
-refused too. Each refusal comes in the shape of the protocol its path speaks.
+refused too, and so is one nested deeper than any request needs (a parser, a validator or a
+template recursing through it would run out of stack). Each refusal comes in the shape of the
+protocol its path speaks.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Iterable
+from itertools import accumulate
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmcli.server.protocol import error_for
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
+# Arrays and objects inside each other, at most: a tool's JSON schema nests a few levels per
+# level of its value; Python's recursion (a parser, pydantic, a template) gives out near 1,000.
+MAX_DEPTH = 64
+STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a bracket inside a string is text
+NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
 
 class HostGuard:
@@ -122,3 +133,47 @@ class JsonOnly:
                 await refuse(scope, 400, message, "invalid_content_type", send)
                 return
         await self.app(scope, receive, send)
+
+
+def nesting(raw: bytes) -> int:
+    """How deep a JSON text's arrays and objects go, without parsing it (a parser would
+    recurse): its strings taken out, then its brackets counted, in C loops."""
+    brackets = STRINGS.sub(b"", raw).translate(None, NOT_BRACKETS)
+    return max(accumulate(map(STEP.__getitem__, brackets)), default=0)
+
+
+class NestingLimit:
+    """400 for a body nested over MAX_DEPTH, checked before any route parses it. The body is
+    read whole (BodyLimit, outside, bounds it) and handed on as it came."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        pieces = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left, or BodyLimit cut the body off
+                return
+            pieces.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(pieces)
+        depth = nesting(raw)
+        if depth > MAX_DEPTH:
+            message = f"the request body is nested {depth} levels deep: at most {MAX_DEPTH} here"
+            await refuse(scope, 400, message, "nested_too_deep", send)
+            return
+        handed = False
+
+        async def replay() -> Any:
+            nonlocal handed
+            if handed:
+                return await receive()  # after the body: a disconnect, when it comes
+            handed = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -15,13 +15,13 @@ import json
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from llmcli.errors import LlmcliError
-from llmcli.server.translate import chunk_of, read_json, validated
+from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.app import Served
@@ -40,14 +40,70 @@ OPTIONS = {
     "frequency_penalty": "frequency_penalty",
 }
 REFUSED_FIELDS = ("suffix", "template", "context")  # generate's: fill-in-the-middle, templates, old context
-# The fields each route takes; any other is refused, never ignored.
-COMMON_FIELDS = frozenset({"model", "stream", "format", "options", "think", "keep_alive"})
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
-GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw", "images", *REFUSED_FIELDS}
 
 
 class OllamaError(LlmcliError):
     """A request Ollama's API cannot take here: a 400 in Ollama's error shape."""
+
+
+class Options(Part):
+    """The options read (OPTIONS and num_ctx), typed; any other is refused by name below."""
+
+    num_ctx: int | None = None
+    num_predict: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class CalledFunction(Part):
+    name: str
+    arguments: dict[str, Any] | None = None
+
+
+class Call(Part):
+    function: CalledFunction
+
+
+class Message(Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[Call] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None  # an earlier turn's: not shown to the model again
+
+
+class Common(Body):
+    """The fields each route takes; any other is refused, never ignored."""
+
+    model: str | None = None
+    stream: bool | None = None
+    format: str | dict[str, Any] | None = None  # "json" or a schema: said below
+    options: Options | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
+    keep_alive: int | float | str | None = None
+
+
+class ChatBody(Common):
+    messages: list[Message] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(Common):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool | None = None
+    images: list[str] | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
 
 
 def install_ollama(app: FastAPI, served: Served) -> None:
@@ -83,19 +139,16 @@ def install_ollama(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Any:
-        body = _checked(await read_json(request, OllamaError), CHAT_FIELDS)
+        body = _checked(await read_body(request, ChatBody, OllamaError))
         return await _answer(served, request, body, _chat_request(served, body), shape="chat")
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Any:
-        body = _checked(await read_json(request, OllamaError), GENERATE_FIELDS)
+        body = _checked(await read_body(request, GenerateBody, OllamaError))
         return await _answer(served, request, body, _generate_request(served, body), shape="generate")
 
 
-def _checked(body: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise OllamaError(f"{unknown[0]} is not supported here")
+def _checked(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("keep_alive") in (0, "0", "0s", "0m"):  # unload now: never done here
         raise OllamaError("keep_alive 0 would unload the model: llmcli serve keeps it loaded while it runs")
     return body

@@ -114,7 +114,7 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     @classmethod
     def _bias_in_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):  # "²" and "٣" are digits to Python
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values are in -100…100, got {bias} for token {token}")

@@ -17,27 +17,96 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from pydantic import Field
 
 from llmcli.errors import LlmcliError
-from llmcli.server.translate import chunk_of, read_json, validated
+from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.app import Served
 
 KEPT = 256  # stored responses, newest first out of the door last
-FIELDS = frozenset(
-    {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools"}
-    | {"tool_choice", "parallel_tool_calls", "reasoning", "stream", "previous_response_id", "store"}
-    | {"metadata", "user", "truncation", "service_tier", "prompt_cache_key"}
-)
 
 
 class ResponsesError(LlmcliError):
     """A request the Responses API cannot take here: a 400."""
+
+
+class ContentPart(Part):
+    type: str  # input_text, output_text (or text) are read; the others (images, files) refused
+    text: str | None = None
+
+
+class Item(Part):
+    """An input item: a message, a function_call, a function_call_output or earlier reasoning;
+    the adapter refuses the other kinds."""
+
+    type: str | None = None  # a message when absent
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class Format(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(Body):
+    format: Format | None = None
+
+
+class Reasoning(Body):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class Tool(Part):
+    type: str  # function tools only: the adapter refuses the others
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedTool(Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(Body):
+    """The fields taken; metadata, user, service_tier and prompt_cache_key change nothing here.
+    Any other field is refused, never ignored."""
+
+    model: str | None = None
+    input: str | list[Item] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: TextOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Reasoning | None = None
+    stream: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class Stored(OrderedDict[str, list[dict[str, Any]]]):
@@ -56,7 +125,7 @@ def install_responses(app: FastAPI, served: Served) -> None:
     async def responses(request: Request) -> Any:
         from llmcli.server import app as openai
 
-        body = _checked(await read_json(request, ResponsesError))
+        body = _checked(await read_body(request, ResponsesRequest, ResponsesError))
         history = _history(stored, body.get("previous_response_id"))
         messages = history + _input(body)
         asked = _chat_request(body, messages)
@@ -75,9 +144,6 @@ def install_responses(app: FastAPI, served: Served) -> None:
 
 
 def _checked(body: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise ResponsesError(f"{unknown[0]} is not supported here")
     if body.get("truncation") not in (None, "disabled"):
         raise ResponsesError("truncation auto is not supported: a request over the context is refused")
     return body
@@ -118,7 +184,7 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))}
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output") or ""}
             )
         elif kind == "reasoning":
             continue  # earlier thinking is not shown to the model again
@@ -135,7 +201,7 @@ def _text(content: Any, position: int) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
             raise ResponsesError(f"input[{position}]: {kind} parts are not supported here (a text model)")
-        text += part.get("text", "")
+        text += part.get("text") or ""
     return text
 
 

@@ -1,6 +1,6 @@
-"""What every protocol adapter shares: reading the body, building the OpenAI request it
-becomes (a bad value is a 400 in the adapter's own error class), and reading back the chunks of
-the OpenAI stream it translates."""
+"""What every protocol adapter shares: reading the body and checking it against the protocol's
+request model (a bad value is a 400 in the adapter's own error class, naming the field), building
+the OpenAI request it becomes, and reading back the chunks of the OpenAI stream it translates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmcli.errors import LlmcliError
 
@@ -23,6 +23,27 @@ async def read_json(request: Request, error: type[LlmcliError]) -> dict[str, Any
     return body
 
 
+class Body(BaseModel):
+    """A protocol's request body, as its adapter reads it: every field typed (a JSON `true` is a
+    boolean, never the text "false"), and a field not declared refused, never ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class Part(BaseModel):
+    """A block or item whose kinds carry fields of their own: the fields read here typed, the
+    others left for the adapter, which refuses the kinds it does not take."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+async def read_body(request: Request, model: type[BaseModel], error: type[LlmcliError]) -> dict[str, Any]:
+    """The request's JSON object, checked against the protocol's `model` before any of it is used."""
+    body = await read_json(request, error)
+    validated(model, body, error)
+    return body
+
+
 def validated(model: type[BaseModel], asked: dict[str, Any], error: type[LlmcliError]) -> Any:
     """The OpenAI request `asked` translates to; its first problem, named, as `error`."""
     try:
@@ -30,6 +51,8 @@ def validated(model: type[BaseModel], asked: dict[str, Any], error: type[LlmcliE
     except ValidationError as problem:
         first = problem.errors()[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "body"
+        if first.get("type") == "extra_forbidden":
+            raise error(f"{where} is not supported here") from None
         raise error(f"{where}: {first.get('msg', 'invalid value')}") from None
 
 
