@@ -378,6 +378,27 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     assert server.raw("GET", "/health")[0] == 200
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"modalities": ["text", "audio"]},
+        {"audio": {"voice": "alloy"}},
+        {"web_search_options": {}},
+        {"foo_bar": 1},
+    ],
+)
+def test_a_field_this_server_does_not_honour_is_refused_by_name(server: Server, extra: dict) -> None:
+    asked = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    status, answer = server.raw("POST", "/v1/chat/completions", json.dumps(asked | extra).encode())
+    (name,) = extra
+    assert status == 400 and answer["error"]["param"].startswith(name), answer
+    assert name in answer["error"]["message"]
+    completion = {"model": "tiny", "prompt": "hi", "max_tokens": 1} | extra
+    assert server.raw("POST", "/v1/completions", json.dumps(completion).encode())[0] == 400
+    harmless = {"user": "u1", "metadata": {"k": "v"}, "modalities": ["text"], "logprobs": False}
+    assert server.raw("POST", "/v1/chat/completions", json.dumps(asked | harmless).encode())[0] == 200
+
+
 def test_a_chunked_body_over_the_limit_is_a_413_and_an_unknown_route_a_404(server: Server) -> None:
     def pieces() -> Iterator[bytes]:
         yield b'{"messages": [{"role": "user", "content": "'

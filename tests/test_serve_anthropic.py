@@ -94,6 +94,13 @@ def test_tool_use_blocks_validate_and_a_tool_result_is_read(server: Server) -> N
         ),
         ({"max_tokens": 5, "messages": ASK, "temperature": "hot"}, "temperature"),
         ({"max_tokens": 5, "messages": ASK, "container": "x"}, "container is not supported"),
+        # values that were taken and then ignored
+        (
+            {"max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 0}},
+            "budget_tokens",
+        ),
+        ({"max_tokens": 5, "messages": ASK, "thinking": "on"}, "thinking"),
+        ({"max_tokens": 5, "messages": ASK, "tool_choice": "any"}, "tool_choice"),
     ],
 )
 def test_bad_messages_are_400s_in_anthropics_shape(server: Server, body: dict, words: str) -> None:

@@ -84,6 +84,9 @@ def test_format_json_holds_the_reply_to_json(server: Server) -> None:
         ({"format": "yaml"}, "format is"),
         ({"options": {"temperature": -1}}, "temperature"),
         ({"keep_alive": 0}, "keep_alive 0"),
+        ({"keep_alive": "-0s"}, "keep_alive 0"),
+        ({"keep_alive": "abc"}, "keep_alive 'abc' is not a duration"),
+        ({"options": {"num_ctx": -5}}, "num_ctx"),
         ({"template": "{{ .Prompt }}"}, "template is not supported"),
     ],
 )
@@ -101,6 +104,25 @@ def test_what_cannot_be_honoured_is_refused_in_ollamas_error_shape(
         generate = {"model": "tiny", "prompt": "x", "stream": False, **refused_generate}
         status, _ = server.raw("POST", "/api/generate", json.dumps(generate).encode())
         assert status == 400
+
+
+@pytest.mark.parametrize(
+    ("path", "asked", "words"),
+    [
+        ("/api/chat", {"keep_alive": []}, "keep_alive"),
+        ("/api/chat", {"keep_alive": {}}, "keep_alive"),
+        ("/api/generate", {"raw": "false"}, "raw"),  # a text, not a boolean: it turned raw mode on
+        ("/api/generate", {"raw": 0}, "raw"),
+    ],
+)
+def test_a_value_no_ollama_client_sends_is_refused_not_guessed(
+    server: Server, path: str, asked: dict, words: str
+) -> None:
+    body = {"model": "tiny", "prompt": "x", "stream": False, **asked}
+    if path == "/api/chat":
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False, **asked}
+    status, answer = server.raw("POST", path, json.dumps(body).encode())
+    assert status == 400 and set(answer) == {"error"} and words in answer["error"], answer
 
 
 def test_a_tool_call_and_its_result_round_trip(server: Server) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from pydantic import Field, model_validator
 
 from llmcli.errors import LlmcliError
 from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
@@ -68,7 +69,13 @@ class ToolChoice(Body):
 
 class Thinking(Body):
     type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> Thinking:
+        if self.type == "disabled" and self.budget_tokens is not None:
+            raise ValueError("budget_tokens is for thinking enabled: thinking disabled has no budget")
+        return self
 
 
 class MessagesRequest(Body):
@@ -154,7 +161,7 @@ def _chat_request(body: dict[str, Any]) -> Any:
     if isinstance(thinking, dict):
         if thinking.get("type") == "disabled":
             asked["chat_template_kwargs"] = {"enable_thinking": False}
-        elif thinking.get("type") == "enabled" and thinking.get("budget_tokens"):
+        elif thinking.get("type") == "enabled" and thinking.get("budget_tokens") is not None:
             asked["think_budget"] = thinking["budget_tokens"]
     return validated(ChatRequest, asked, AnthropicError)
 

@@ -780,6 +780,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return _answer(request, 400, "the request body is not valid JSON", code="invalid_json")
         where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        if first.get("type") == "extra_forbidden":
+            return _answer(request, 400, f"{where} is not supported here", where, "unknown_parameter")
         # 400, as OpenAI answers a bad value (FastAPI's own would be 422), naming the parameter.
         return _answer(
             request, 400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where, "invalid_value"

@@ -12,6 +12,8 @@ accepted (the model stays loaded for the server's life), except 0, which would u
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from pydantic import Field
 
 from llmcli.errors import LlmcliError
 from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
@@ -39,6 +42,8 @@ OPTIONS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
+UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+DURATION = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")  # Go's time.ParseDuration
 REFUSED_FIELDS = ("suffix", "template", "context")  # generate's: fill-in-the-middle, templates, old context
 
 
@@ -49,7 +54,7 @@ class OllamaError(LlmcliError):
 class Options(Part):
     """The options read (OPTIONS and num_ctx), typed; any other is refused by name below."""
 
-    num_ctx: int | None = None
+    num_ctx: int | None = Field(default=None, ge=1)
     num_predict: int | None = None
     temperature: float | None = None
     top_k: int | None = None
@@ -149,9 +154,26 @@ def install_ollama(app: FastAPI, served: Served) -> None:
 
 
 def _checked(body: dict[str, Any]) -> dict[str, Any]:
-    if body.get("keep_alive") in (0, "0", "0s", "0m"):  # unload now: never done here
+    keep_alive = body.get("keep_alive")
+    if keep_alive is not None and _seconds(keep_alive) == 0:  # unload now: never done here
         raise OllamaError("keep_alive 0 would unload the model: llmcli serve keeps it loaded while it runs")
     return body
+
+
+def _seconds(keep_alive: float | str) -> float:
+    """keep_alive as Ollama reads it: seconds, or a Go duration ("5m", "1h30m", "-1s": negative
+    is for ever); anything else is refused, never taken for "keep it loaded"."""
+    if not isinstance(keep_alive, str):
+        if not math.isfinite(keep_alive):
+            raise OllamaError(f'keep_alive {keep_alive} is not a duration: seconds, or e.g. "5m"')
+        return float(keep_alive)
+    if keep_alive in ("0", "+0", "-0"):
+        return 0.0
+    if not DURATION.fullmatch(keep_alive):
+        raise OllamaError(f'keep_alive {keep_alive!r} is not a duration: seconds, or e.g. "5m", "1h30m"')
+    pieces = re.findall(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)", keep_alive)
+    seconds = sum(float(number) * UNIT_SECONDS[unit] for number, unit in pieces)
+    return -seconds if keep_alive.startswith("-") else seconds
 
 
 def _sampling(served: Served, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The OpenAI request bodies llmcli accepts, and its error objects.
 
-Unknown fields are ignored (clients send `user`, `logprobs: false`, …); known fields of the wrong
-type or out of range are a 400 naming the field. llmcli's own sampling controls (top_k, min_p,
-repetition_penalty) ride along as extra fields, as vLLM and llama.cpp's server accept them.
+A field not declared here is a 400 that names it (`audio`, `modalities` beyond text,
+`web_search_options`, a typo), never ignored; those that change nothing for a served model
+(`user`, `metadata`, …) are declared. Known fields of the wrong type or out of range are a 400
+naming the field. llmcli's own sampling controls (top_k, min_p, repetition_penalty) ride along as
+extra fields, as vLLM and llama.cpp's server accept them. Inside a message, fields a client echoes
+back from an earlier reply (`refusal`, `annotations`, …) are ignored: they are not instructions.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ class StreamOptions(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str | None = None
+    description: str | None = None
     schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
     strict: bool | None = None  # always strict here: the grammar allows nothing else
 
@@ -37,7 +41,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text, any JSON object, or JSON valid under a schema."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -76,7 +80,7 @@ def _sampling_fields() -> dict[str, Any]:
 
 
 _SamplingFields: type[BaseModel] = create_model(  # type: ignore[call-overload]
-    "_SamplingFields", __config__=ConfigDict(extra="ignore"), **_sampling_fields()
+    "_SamplingFields", __config__=ConfigDict(extra="forbid"), **_sampling_fields()
 )
 
 
@@ -89,6 +93,13 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     logit_bias: dict[str, float] | None = None  # token id (as text) → added to its logit, -100…100
     stream: bool = False
     stream_options: StreamOptions | None = None
+    modalities: list[Literal["text"]] | None = None  # audio out is not generated here
+    # What a client may send that changes nothing for a served model: taken, not acted on.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the KV cache is reused by prefix on its own
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="after")
     def _text_only(self) -> _Sampling:
