@@ -145,6 +145,7 @@ HOSTILE = [
     ("/api/chat", {"messages": [{"role": "user", "content": 5}]}),
     ("/api/chat", {"messages": HI, "options": {"temperature": "hot"}}),
     ("/api/generate", {"prompt": 5}),
+    ("/api/show", {"model": ["tiny"]}),
     ("/api/generate", {"prompt": "hi", "images": "AAAA"}),
     ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": DEEP}),
     ("/v1/chat/completions", {"messages": HI, "logit_bias": {"²": 1}}),

@@ -101,6 +101,12 @@ class ChatBody(Common):
     tools: list[dict[str, Any]] | None = None
 
 
+class ShowBody(Body):
+    model: str | None = None
+    name: str | None = None  # older clients' name for model
+    verbose: bool | None = None
+
+
 class GenerateBody(Common):
     prompt: str | None = None
     system: str | None = None
@@ -129,6 +135,7 @@ def install_ollama(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
+        await read_body(request, ShowBody, OllamaError)  # one model here, whichever it names
         loaded = served.loaded
         return {
             "modelfile": "",
