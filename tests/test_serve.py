@@ -1071,3 +1071,42 @@ def test_kv_memory_with_one_generation_at_a_time_is_refused(tiny_llama: Path) ->
     )
     assert proc.returncode == 2
     assert "--kv-memory bounds the caches of generations run at once" in proc.stderr.decode()
+
+
+@pytest.mark.parametrize("change", ["truncated", "overwritten"])
+def test_a_gguf_file_changed_under_a_server_changes_nothing_it_serves(change: str, tmp_path: Path) -> None:
+    """The server keeps its own copy of what it read: a file truncated under it (SIGBUS, through
+    a mapping) or overwritten in place (other replies) changes nothing it answers, and it says
+    so once."""
+    from llmcli.models.gguf_table import read_table
+    from test_gguf_fixtures import fixture
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(fixture("Q4_1").read_bytes())  # its embedding is untied: 4-bit blocks
+    embedding = read_table(model).tensors["token_embd.weight"]
+    running = start_server(model, tmp_path / "runtime")
+    client = running.client()
+
+    def reply() -> str | None:
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        answer = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        return answer.choices[0].message.content
+
+    try:
+        before = reply()
+        if change == "truncated":
+            os.truncate(model, embedding.start)  # every tensor's bytes gone
+        else:
+            with model.open("r+b") as handle:  # the embedding's blocks zeroed, size kept
+                handle.seek(embedding.start)
+                handle.write(bytes(embedding.nbytes))
+        assert reply() == before
+        assert reply() == before
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        code = running.process.wait(timeout=PATIENCE_S)
+    stderr = running.process.stderr.read().decode()
+    assert code == 0, stderr
+    changed = f"{model} changed on disk after it was loaded; this server keeps serving the copy it loaded"
+    assert stderr.count(changed) == 1, stderr
+    assert not list((tmp_path / "runtime" / "llmcli").glob("server-*.json"))

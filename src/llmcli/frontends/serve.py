@@ -16,9 +16,11 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 
@@ -37,6 +39,7 @@ DEFAULT_PORT = 8471
 # the demo (2 cores), and more add less (the step alone: 8 at 3.5×, 4 at 2.8×) while each waits
 # longer per token.
 DEFAULT_PARALLEL = 4
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def _load_and_serve(
     ).result()
     if speculative.method == "draft":
         speculations["draft"] = worker.submit(
-            speculation_with_feedback, loaded, model_spec, speculative, request.load
+            _privately, speculation_with_feedback, loaded, model_spec, speculative, request.load
         ).result()
     served.speculative = speculative.method
     served.slots = Slots(engine, parallel, worker, kv_memory if parallel > 1 else None)
@@ -178,7 +181,8 @@ def _load_and_serve(
             "off": None,
             "lookup": speculation_with_feedback(loaded, model_spec, lookup, request.load),
         }
-    clock = ActivityClock(create_app(served))
+    app = create_app(served)
+    clock = ActivityClock(app if loaded.weights_file is None else WatchedFile(app, loaded.weights_file))
     config = uvicorn.Config(
         clock, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
     )
@@ -285,8 +289,49 @@ def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
 def _load(model_spec: str, settings: LoadSettings) -> tuple[Any, Any]:
     # Lean where it can (nothing the server runs needs transformers' model): a --keep-alive
     # server is up in about the time of an in-process call, not after transformers' load.
-    loaded = load_with_feedback(model_spec, settings, lean=True)
+    loaded = _privately(load_with_feedback, model_spec, settings, lean=True)
     return loaded, engine_with_feedback(loaded)
+
+
+def _privately(load: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`load`, keeping nothing of a GGUF file mapped: a server outlives its load, and a file
+    truncated under a mapping would kill it with SIGBUS at its next request, one overwritten in
+    place would change its replies. The copies cost nothing on the demo (its tied head and
+    embedding are int4 codes already) and a quantized embedding's or a float model's size
+    elsewhere."""
+    from llmcli.models.gguf_direct import private_copies
+
+    with private_copies():
+        return load(*args, **kwargs)
+
+
+def _file_identity(path: Path) -> tuple[int, ...] | None:
+    try:
+        stat = path.stat()
+    except OSError:  # gone, or no longer readable: a change as well
+        return None
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+class WatchedFile:
+    """The app, noticing before each request that the GGUF file the model was read from has
+    changed on disk since, said once. The server keeps serving what it loaded (_privately: it
+    holds its own copy) rather than stopping: its clients keep getting the model they were
+    getting, and a restart is the user's call, named in the line."""
+
+    def __init__(self, app: Any, path: Path) -> None:
+        self.app, self.path = app, path
+        self.loaded = _file_identity(path)
+        self.said = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if not self.said and scope["type"] == "http" and _file_identity(self.path) != self.loaded:
+            self.said = True
+            terminal.warning(
+                f"{self.path} changed on disk after it was loaded; this server keeps serving the "
+                "copy it loaded — restart it to load the new file"
+            )
+        await self.app(scope, receive, send)
 
 
 class StoppingServer(uvicorn.Server):

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -436,6 +438,22 @@ def table_shapes(folder: Path) -> dict[str, TensorHeader]:
 
 
 _COPIED_BELOW = 1 << 20  # bytes
+_PRIVATE_COPIES: ContextVar[bool] = ContextVar("llmcli_gguf_private_copies", default=False)
+
+
+@contextlib.contextmanager
+def private_copies() -> Iterator[None]:
+    """The loads inside it keep nothing mapped to a GGUF file: every tensor is a copy read from
+    it. For a process that lives on after its load (a server): a mapped page of a file truncated
+    since kills the process with SIGBUS at its next use, and one overwritten in place changes what
+    the model computes. A call that ends with its reply keeps the mapping (a quantized
+    embedding's rows are read only where used; a float model's pages stay shared with the other
+    processes that read the file)."""
+    token = _PRIVATE_COPIES.set(True)
+    try:
+        yield
+    finally:
+        _PRIVATE_COPIES.reset(token)
 
 
 class GGUFTensors:
@@ -454,7 +472,8 @@ class GGUFTensors:
         self.table = read_table(self.path)  # checked when the folder was resolved (check_shapes)
         self._by_name = {hf: entry for entry in self.table.tensors.values() if (hf := hf_name(entry.name))}
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
-        self._file = np.memmap(self.path, dtype=np.uint8, mode="c")
+        # None: every tensor is a copy (private_copies).
+        self._file = None if _PRIVATE_COPIES.get() else np.memmap(self.path, dtype=np.uint8, mode="c")
         self._permuted = self.table.architecture in _PERMUTED_ARCHITECTURES
         self._heads = {"q_proj": heads[0], "k_proj": heads[1]}
 
@@ -470,6 +489,9 @@ class GGUFTensors:
         return entry
 
     def raw(self, entry: TableEntry) -> np.ndarray:
+        """The tensor's bytes: a view of the file's mapping, or a copy under private_copies."""
+        if self._file is None:
+            return self.read(entry).reshape(-1)
         return self._file[entry.start : entry.start + entry.nbytes]
 
     def read(self, entry: TableEntry, rows: slice = slice(None)) -> np.ndarray:

@@ -6,10 +6,11 @@ import torch
 
 
 class BlockEmbedding(torch.nn.Module):
-    """The embedding as the file stores it (a view of the file: nothing copied), each looked-up
-    row dequantized by gguf (20 µs for one row of the demo's Q8_0 table, measured). The dense
-    bf16 table it replaces holds 2 bytes a weight: 57 MB of the demo's 98. The native engine
-    reads it through `rows` (engine/native/families/base.py's RowLookup)."""
+    """The embedding as the file stores it (a view of the file; a copy in a server, which
+    outlives its load: gguf_direct.private_copies), each looked-up row dequantized by gguf
+    (20 µs for one row of the demo's Q8_0 table, measured). The dense bf16 table it replaces
+    holds 2 bytes a weight: 57 MB of the demo's 98. The native engine reads it through `rows`
+    (engine/native/families/base.py's RowLookup)."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype) -> None:
         super().__init__()

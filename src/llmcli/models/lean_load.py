@@ -133,7 +133,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     import torch
 
     from llmcli.models.device import DTYPE_NAMES
-    from llmcli.models.gguf_direct import is_direct
+    from llmcli.models.gguf_direct import is_direct, recorded_source
     from llmcli.models.lean_model import build, is_stand_in
     from llmcli.models.load import (
         LoadedModel,
@@ -209,4 +209,5 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         notes=tuple(notes),
         fast=plan.settings.fast,
         engine=plan.settings.engine,
+        weights_file=recorded_source(folder),
     )

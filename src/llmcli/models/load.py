@@ -65,6 +65,7 @@ class LoadedModel:
     notes: tuple[str, ...] = ()  # things the user should hear about (a context lowered to fit)
     fast: bool | None = None  # --fast/--no-fast as asked; the engine decides what it means for it
     engine: str = "auto"  # --engine as asked: auto, native or transformers
+    weights_file: Path | None = None  # the GGUF file read in place, which a server watches for changes
 
     @property
     def has_chat_template(self) -> bool:
@@ -362,7 +363,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
         lean_note, keep_tokenizer = outcome.note, outcome.keep_tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.models.gguf_direct import gguf_transformers_model, is_direct
+    from llmcli.models.gguf_direct import gguf_transformers_model, is_direct, recorded_source
 
     plan = plan_load(resolved, settings)
     folder, config, device, dtype = resolved.path, plan.config, plan.device, plan.dtype
@@ -440,6 +441,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
         notes=tuple(notes),
         fast=settings.fast,
         engine=settings.engine,
+        weights_file=recorded_source(folder),
     )
 
 
