@@ -21,8 +21,8 @@ def rewrite_gguf(
     keep: Callable[[str], bool] = lambda name: True,
 ) -> Path:
     """`source` written again to `target`: its metadata under `architecture` (keys renamed from
-    the old one) updated with `metadata` (scalars, typed as the file typed them, else as the
-    writer does), its tensors
+    the old one) updated with `metadata` (scalars, keyed by their new names, typed as the file
+    typed them, else as the writer does), its tensors
     kept by `keep`, `add`ed ones (fp32) after them, and `retype`d ones (name → (GGML type, raw
     bytes)) stored as that type."""
     import gguf
@@ -32,9 +32,9 @@ def rewrite_gguf(
     new = architecture or old
     writer = gguf.GGUFWriter(str(target), new)
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in (metadata or {}):
-            continue
         key = new + name[len(old) :] if name.startswith(old + ".") else name
+        if name.startswith("GGUF.") or name == "general.architecture" or key in (metadata or {}):
+            continue
         kind = field.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
             writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])

