@@ -230,6 +230,32 @@ def test_the_files_sampling_values_are_its_defaults(own_cache: Path) -> None:
     assert SamplingSettings(temperature=0.2).resolve(loaded.generation_config).temperature == 0.2
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("general.sampling.temp", float("nan"), "its general.sampling.temp must be a number ≥ 0"),
+        ("general.sampling.min_p", "low", "its general.sampling.min_p must be a number in [0, 1]"),
+        ("general.sampling.top_k", -3, "its general.sampling.top_k must be an integer ≥ 0"),
+        ("general.sampling.top_p", 1.5, "its general.sampling.top_p must be a number in (0, 1]"),
+        ("tokenizer.ggml.bos_token_id", 99999, "its BOS token id (tokenizer.ggml.bos_token_id = 99999)"),
+        ("tokenizer.ggml.eos_token_id", 4098, "its EOS token id (tokenizer.ggml.eos_token_id = 4098)"),
+    ],
+)
+def test_a_files_own_sampling_values_and_special_ids_are_checked_at_load(
+    key: str, value: object, says: str, tmp_path: Path
+) -> None:
+    """The file's sampling defaults are held to the bounds the same settings have in a config
+    file, and its BOS and EOS ids to its vocabulary: one line naming the file and the key, not a
+    crash in sampling after the load ("unexpected"), a BOS dropped from every prompt, or an EOS
+    that never ends a reply."""
+    damaged = rewrite_gguf(fixture("F16"), tmp_path / "damaged.gguf", metadata={key: value})
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    line = one_error_line(run_cli("generate", "-m", str(damaged), "-n", "4", "hi", env=env), 1)
+    assert f"{damaged}: {says}" in line, line
+    if "token id" in says:
+        assert "is outside its vocabulary of 4098 tokens" in line
+
+
 def test_transformers_path_reads_the_file_in_place_too(own_cache: Path) -> None:
     """--engine transformers (and beam search) builds transformers' model from the same tensors:
     its logits are llama.cpp's too, and nothing is converted."""

@@ -124,6 +124,7 @@ def converted_folder(
     copy. `name` (from `models import --name`) is what -m will accept for it."""
     from llmcli.models.gguf_direct import (
         bring_up_to_date,
+        check_metadata,
         check_shapes,
         direct_folder,
         is_direct,
@@ -155,6 +156,7 @@ def converted_folder(
     # conversion instead of each making (and replacing) their own under each other's feet.
     try:
         table = read_table(gguf_file)  # the whole header: a damaged file is named now, in one line
+        check_metadata(table)
         if not _is_ready(target, table):
             _clear_leftovers(target)
         if reads_directly(table):

@@ -47,8 +47,9 @@ DIRECT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"
 SOURCE_FILE = ".llmcli-gguf"  # the GGUF file's path, in a folder read directly
 NAME_FILE = ".llmcli-name"  # as gguf.py names it: the name `models import --name` gave
 # How config_of reads a file's metadata: a folder whose config.json an older reading wrote gets it
-# written again (2: YaRN's factor and pretraining length read).
-CONFIG_VERSION, CONFIG_VERSION_FILE = 2, ".llmcli-config-version"
+# written again (2: YaRN's factor and pretraining length read; 3: its sampling defaults and
+# special token ids checked, check_metadata).
+CONFIG_VERSION, CONFIG_VERSION_FILE = 3, ".llmcli-config-version"
 EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # The block types gguf's own dequantization reads (gguf 0.19; tests hold it to this list):
@@ -275,13 +276,55 @@ _SAMPLING_KEYS = {
 }
 
 
+# The special tokens a reply starts and ends with: an id past the vocabulary would be dropped
+# from every prompt, or never end a reply.
+_SPECIAL_TOKEN_KEYS = {"BOS": "tokenizer.ggml.bos_token_id", "EOS": "tokenizer.ggml.eos_token_id"}
+_METADATA_HINT = (
+    "its metadata is damaged: download the file again, or fix the key with gguf's gguf_set_metadata"
+)
+
+
+def check_metadata(table: GGUFTable) -> None:
+    """The file's sampling defaults within the bounds the same settings have in a config file,
+    and its BOS and EOS ids within its vocabulary: ModelLoadError naming the file and the key,
+    at its first read rather than as a crash in sampling or an empty reply after the load."""
+    from llmcli.config.declare import declarations, field_types
+    from llmcli.config.settings import SamplingSettings
+
+    meta, declared, types = table.metadata, declarations(SamplingSettings), field_types(SamplingSettings)
+    for key, name in _SAMPLING_KEYS.items():
+        value = meta.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        whole = isinstance(value, int) or types[name] is float
+        bounds = declared[name].bounds
+        if not (number and whole) or (bounds is not None and not bounds.holds(value)):
+            kind = "an integer" if types[name] is int else "a number"
+            rule = f"{kind} {bounds.rule()}" if bounds is not None else kind
+            raise ModelLoadError(f"{table.path}: its {key} must be {rule}, got {value!r}", _METADATA_HINT)
+    tokens = meta.get("tokenizer.ggml.tokens")  # read as its count
+    vocabulary = len(tokens) if isinstance(tokens, list) else tokens
+    if not isinstance(vocabulary, int):
+        return  # no vocabulary: the tokenizer's reading says so
+    for which, key in _SPECIAL_TOKEN_KEYS.items():
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, int) and 0 <= value < vocabulary):
+            raise ModelLoadError(
+                f"{table.path}: its {which} token id ({key} = {value!r}) is outside its vocabulary "
+                f"of {vocabulary} tokens",
+                _METADATA_HINT,
+            )
+
+
 def generation_config_of(table: GGUFTable) -> dict[str, Any]:
-    """generation_config.json for the file: its end-of-sequence token and sampling defaults."""
+    """generation_config.json for the file: its end-of-sequence token and sampling defaults
+    (checked by check_metadata)."""
     meta = table.metadata
     generation: dict[str, Any] = {}
     for key, name in _SAMPLING_KEYS.items():
         value = meta.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if value is not None:
             # Stored as float32: 0.9 comes back as 0.8999999761581421, written as the 0.9 meant.
             generation[name] = float(f"{value:.7g}") if isinstance(value, float) else value
     if meta.get("tokenizer.ggml.eos_token_id") is not None:
@@ -339,6 +382,7 @@ def bring_up_to_date(folder: Path) -> None:
     if is_direct(folder) and not config_is_current(folder):
         table = read_table(source_of(folder))
         check_shapes(table)
+        check_metadata(table)
         refresh_config(folder, table)
 
 
