@@ -892,3 +892,25 @@ def test_an_architecture_transformers_has_no_mapping_for_is_named_in_one_line(
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     line = one_error_line(run_cli("generate", "-m", str(foreign), "hi", env=env), 1)
     assert f"its architecture {architecture!r} is one neither llmcli's engine nor transformers runs" in line
+
+
+@pytest.mark.parametrize("sampling", [["-t", "0"], ["-t", "0.8", "--seed", "1"]])
+def test_a_model_that_computes_nan_stops_with_one_line_not_an_empty_reply(
+    sampling: list[str], tmp_path: Path
+) -> None:
+    """A NaN in a norm makes every score NaN: greedy decoding picked token 0 at every step (an
+    empty reply, exit 0), sampling failed inside torch ("unexpected"). The first step's scores
+    are checked: one line saying what the model computed."""
+    norm = np.full(256, np.nan, dtype=np.float32)
+    damaged = rewrite_gguf(
+        fixture("F16"), tmp_path / "nan.gguf", keep=lambda name: name != "output_norm.weight",
+        add={"output_norm.weight": norm},
+    )  # fmt: skip
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = run_cli("generate", "-m", str(damaged), "-n", "4", "--json", *sampling, "hi", env=env)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "unexpected" not in err, err
+    assert json.loads(proc.stdout)["finish_reason"] == "error"  # --json's record of a failed reply
+    line = err.strip().splitlines()[-1]  # after the note of the file's first read
+    assert line.startswith("llmcli: error: the model computed NaN for the prompt's next token"), err
+    assert "its weights may be damaged" in line

@@ -50,6 +50,11 @@ class ModelLoadError(LlmcliError):
     """Files were found but the model or tokenizer could not be built from them."""
 
 
+class NonFiniteLogits(LlmcliError):
+    """The model computed NaN (or +inf) where a token's scores should be: its weights are damaged,
+    or its dtype overflowed."""
+
+
 class ContextOverflowError(LlmcliError):
     """The prompt does not fit in the model's context window."""
 

@@ -34,7 +34,7 @@ from llmcli.engine.reasoning import keeps_special_tokens, think_tracker
 from llmcli.engine.sampling import make_generator
 from llmcli.engine.speculative import Speculation, SpeculativeStats
 from llmcli.engine.stats import GenerationStats
-from llmcli.errors import ContextOverflowError
+from llmcli.errors import ContextOverflowError, NonFiniteLogits
 
 if TYPE_CHECKING:
     from llmcli.engine.backend import Backend
@@ -329,6 +329,7 @@ class Generation:
             reused = engine.reuse_prefix(self._prompt_ids)
         stats.prefilled_tokens = len(self._prompt_ids) - reused
         logits = engine.prefill(self._prompt_ids[reused:])
+        _check_finite(logits)
         self.prefill_logits = logits
         generator = make_generator(params.seed, engine.device) if not params.greedy else None
         choose = Chooser(params, generator, engine.device, list(self._prompt_ids), self._constraint)
@@ -375,3 +376,16 @@ class Generation:
         if len(self.token_ids) == self._budget:
             return piece, "length"
         return piece, None
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """A NaN (or +inf) score of the first step stops the reply: a NaN weight or norm makes every
+    score NaN, and greedy decoding then picks token 0 at every step (an empty reply, exit 0)
+    while sampling fails inside torch. Once a reply, one reduction over the vocabulary; -inf is a
+    score a model may give (a token ruled out)."""
+    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
+        raise NonFiniteLogits(
+            "the model computed NaN for the prompt's next token: its weights may be damaged",
+            "download them again (llama.cpp's gguf-dump lists a GGUF file's tensors); "
+            "a model run in fp16 may overflow where --dtype fp32 does not",
+        )
