@@ -103,6 +103,48 @@ def test_a_tool_result_turn_is_answered(server: Server) -> None:
     assert reply.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were read
 
 
+def test_a_call_the_length_limit_cuts_is_text_once_on_every_protocol_streamed_or_not(server: Server) -> None:
+    client = server.client()
+    asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    made = client.chat.completions.create(**asked, max_tokens=200, parallel_tool_calls=False)
+    limit = made.usage.completion_tokens - 8  # inside the call's arguments
+    whole = client.chat.completions.create(**asked, max_tokens=limit, parallel_tool_calls=False)
+    cut = whole.choices[0]
+    assert cut.finish_reason == "length" and not cut.message.tool_calls
+    assert cut.message.content.startswith("<tool_call>")  # given back as the text it was
+    chunks = list(
+        client.chat.completions.create(**asked, max_tokens=limit, parallel_tool_calls=False, stream=True)
+    )
+    deltas = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    assert not any(choice.delta.tool_calls for choice in deltas)  # no call, and then the text again
+    assert "".join(choice.delta.content or "" for choice in deltas) == cut.message.content
+    assert deltas[-1].finish_reason == "length"
+    # Ollama's stream (its client, with tools and num_predict) ends with its done line.
+    ollama = pytest.importorskip("ollama").Client(host=server.url)
+    options = {"temperature": 0, "num_predict": 200}
+    called = ollama.chat(model="tiny", messages=ASK, tools=TOOLS, options=options)
+    assert called.message.tool_calls, "the greedy reply calls a tool"
+    options["num_predict"] = called.eval_count - 8
+    alone = ollama.chat(model="tiny", messages=ASK, tools=TOOLS, options=options)
+    assert not alone.message.tool_calls and alone.done_reason == "length"
+    lines = list(ollama.chat(model="tiny", messages=ASK, tools=TOOLS, options=options, stream=True))
+    assert lines[-1].done and lines[-1].done_reason == "length" and not lines[-1].message.tool_calls
+    assert "".join(line.message.content for line in lines) == alone.message.content
+    # Anthropic's: text blocks only, the same text streamed or not.
+    anthropic = pytest.importorskip("anthropic").Anthropic(base_url=server.url, api_key="-", max_retries=0)
+    tools = [{"name": name, "input_schema": schema} for name, schema in SCHEMAS.items()]
+    message_asked = dict(
+        model="tiny", messages=ASK, tools=tools, tool_choice={"type": "any"}, max_tokens=limit,
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    message = anthropic.messages.create(**message_asked)
+    with anthropic.messages.stream(**message_asked) as stream:
+        streamed = stream.get_final_message()
+    for reply in (message, streamed):
+        assert [block.type for block in reply.content] == ["text"] and reply.stop_reason == "max_tokens"
+    assert streamed.content[0].text == message.content[0].text
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
