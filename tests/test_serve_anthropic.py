@@ -58,6 +58,41 @@ def test_a_message_answers_as_the_openai_route_does_streamed_and_not(server: Ser
     assert counted.input_tokens == openai_reply.usage.prompt_tokens
 
 
+def test_a_stop_sequence_is_named_and_a_stream_starts_with_the_prompts_tokens(server: Server) -> None:
+    greedy = {"extra_body": {"temperature": 0}}
+    whole = client(server).messages.create(model="tiny", messages=ASK, max_tokens=12, **greedy)
+    text = whole.content[0].text
+    stop = text[5:7]
+    asked = dict(model="tiny", messages=ASK, max_tokens=12, stop_sequences=["never there", stop], **greedy)
+    stopped = client(server).messages.create(**asked)
+    with client(server).messages.stream(**asked) as stream:
+        streamed = stream.get_final_message()
+    for message in (stopped, streamed):
+        assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+        assert message.content[0].text == text[: text.find(stop)]
+    events = client(server).messages.create(model="tiny", messages=ASK, max_tokens=3, stream=True, **greedy)
+    start = next(iter(events))
+    assert start.type == "message_start" and start.message.usage.input_tokens == whole.usage.input_tokens
+    events.close()
+
+
+def test_a_final_assistant_message_is_continued_not_answered_afresh(server: Server) -> None:
+    reply = server.client(api_key="sekrit").chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=12, temperature=0, logprobs=True
+    )
+    first, *_ = [entry.token for entry in reply.choices[0].logprobs.content]
+    assert first.isprintable() and "\ufffd" not in first, first  # a whole token's text, to send back
+    prefilled = [*ASK, {"role": "assistant", "content": first}]
+    greedy = {"extra_body": {"temperature": 0}}
+    continued = client(server).messages.create(model="tiny", messages=prefilled, max_tokens=8, **greedy)
+    text = continued.content[0].text
+    assert text and reply.choices[0].message.content.removeprefix(first).startswith(text)  # its next tokens
+    with client(server).messages.stream(model="tiny", messages=prefilled, max_tokens=8, **greedy) as stream:
+        assert stream.get_final_message().content[0].text == text
+    counted = client(server).messages.count_tokens(model="tiny", messages=prefilled)
+    assert counted.input_tokens == continued.usage.input_tokens
+
+
 def test_tool_use_blocks_validate_and_a_tool_result_is_read(server: Server) -> None:
     asked = dict(
         model="tiny", messages=ASK, max_tokens=200, extra_body={"temperature": 0}, tools=[TOOL],

@@ -119,18 +119,25 @@ def render_prompt(
     add_generation_prompt: bool = True,
     think_off: bool = False,
     options: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> Prompt:
     """The prompt, with the control tokens' text that the messages (or tools) carry kept apart
-    from the template's markup, so that it is encoded as text (see `control_text`)."""
+    from the template's markup, so that it is encoded as text (see `control_text`).
+    `continue_final`: the last message is the assistant's, left open for the reply to go on
+    (a prefill), not closed and answered afresh."""
     guard = guard_of(tokenizer)
     messages = mark(messages, guard)
+    add_generation_prompt = add_generation_prompt and not continue_final
     if not has_chat_template(tokenizer):
-        return parse(render_plain(tokenizer, messages, add_generation_prompt), guard)
+        text = render_plain(tokenizer, messages, add_generation_prompt)
+        return parse(_left_open(text, messages[-1]) if continue_final else text, guard)
     thinking = thinking_of(tokenizer) if think_off else None
     options = mark(dict(options or {}), guard)  # the template's own keywords (chat_template_kwargs)
     if thinking and thinking.switchable:
         options["enable_thinking"] = False
     text = render_chat(tokenizer, messages, add_generation_prompt, **options)
+    if continue_final:
+        return parse(_left_open(text, messages[-1]), guard)
     if (
         thinking
         and add_generation_prompt
@@ -138,6 +145,18 @@ def render_prompt(
     ):
         text += closing_text(text, thinking.format)
     return parse(text, guard)
+
+
+def _left_open(rendered: str, final: Message) -> str:
+    """The rendering cut right after the final message's text, as transformers'
+    `continue_final_message` cuts it: the markup that closes the message goes."""
+    content = _text_of(final)
+    at = rendered.rfind(content) if content else -1
+    if at < 0:
+        raise LlmcliError(
+            "the model's chat template rewrites the final assistant message, so it cannot be continued"
+        )
+    return rendered[: at + len(content)]
 
 
 def prompt_ids(
@@ -148,10 +167,12 @@ def prompt_ids(
     think_off: bool = False,
     options: dict[str, Any] | None = None,
     context_length: int | None = None,
+    continue_final: bool = False,
 ) -> list[int]:
     """Token ids for a one-shot prompt: the chat template when the model has one, unless `raw`.
     Only `raw` lets the text's `<|…|>` become control tokens. With `context_length`, text that
-    cannot fit is refused before it is tokenized."""
+    cannot fit is refused before it is tokenized. `continue_final`: see `render_prompt` (plain
+    text ends with the last message anyway)."""
     if context_length is not None:
         refuse_unfittable(tokenizer, [_text_of(m) for m in messages], context_length)
     if raw:
@@ -164,7 +185,10 @@ def prompt_ids(
             return list(tokenizer(prompt.text, add_special_tokens=True)["input_ids"])
         head, tail = _added_around(tokenizer)
         return head + prompt.encode(tokenizer) + tail
-    return render_prompt(tokenizer, messages, think_off=think_off, options=options).encode(tokenizer)
+    prompt = render_prompt(
+        tokenizer, messages, think_off=think_off, options=options, continue_final=continue_final
+    )
+    return prompt.encode(tokenizer)
 
 
 def _text_of(message: Message) -> str:

@@ -73,17 +73,19 @@ class StopMatcher:
         self._stops = tuple(s for s in stop_strings if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (the first in it)
 
     def feed(self, piece: str) -> str:
         """Text that is safe to show now. Sets `stopped` when a stop string completes."""
         if not self._stops:
             return piece
         text = self._held + piece
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        hits = [(at, stop) for stop in self._stops if (at := text.find(stop)) >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._held = ""
-            return text[: min(hits)]
+            return text[:at]
         keep = self._longest_partial_stop(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

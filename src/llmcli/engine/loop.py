@@ -50,6 +50,7 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
     value_complete: bool | None = None  # with a constraint: whether the JSON value was finished
     logprobs: list[TokenLogprob] | None = None  # asked for: one per token in token_ids
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 class Engine:
@@ -276,6 +277,7 @@ class Generation:
             stats=self.stats,
             value_complete=None if self._constraint is None else self._constraint.complete,
             logprobs=self.recorded_logprobs,
+            stop_sequence=self._stop.matched,
         )
 
     @property

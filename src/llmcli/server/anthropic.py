@@ -5,9 +5,10 @@
 (thinking, text, tool_use), or Anthropic's event stream (`message_start`, `content_block_start`,
 `content_block_delta` with `text_delta` / `thinking_delta` / `input_json_delta`,
 `content_block_stop`, `message_delta` with the stop reason and usage, `message_stop`).
-`POST /v1/messages/count_tokens` renders the prompt and counts it. Errors come in Anthropic's
-shape. Image and document blocks are refused (a text model); earlier `thinking` blocks are not
-shown to the model again (as Anthropic's API drops them from earlier turns).
+`POST /v1/messages/count_tokens` renders the prompt and counts it. A final assistant message
+is a prefill: the reply continues its text. Errors come in Anthropic's shape. Image and
+document blocks are refused (a text model); earlier `thinking` blocks are not shown to the
+model again (as Anthropic's API drops them from earlier turns).
 """
 
 from __future__ import annotations
@@ -109,10 +110,11 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
         from llmcli.server import app as openai
 
         body = await read_body(request, MessagesRequest, AnthropicError)
-        answered = await openai.chat_response(served, request, _chat_request(body))
+        asked, prefill = _chat_request(body)
+        answered = await openai.chat_response(served, request, asked, continue_final=prefill)
         model = body.get("model") or served.model_id
         if isinstance(answered, StreamingResponse):
-            events = _events(answered.body_iterator, model)
+            events = _events(answered.body_iterator, model, request.state.prompt_tokens)
             return StreamingResponse(events, media_type="text/event-stream")
         return _message(answered, model)
 
@@ -121,17 +123,20 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
         from llmcli.server import app as openai
 
         body = await read_body(request, CountRequest, AnthropicError)
-        ids, _ = await openai.chat_prompt(served, _chat_request(body | {"max_tokens": 1}))
+        asked, prefill = _chat_request(body | {"max_tokens": 1})
+        ids, _ = await openai.chat_prompt(served, asked, prefill)
         return {"input_tokens": len(ids)}
 
 
-def _chat_request(body: dict[str, Any]) -> Any:
-    """The Messages request as an OpenAI chat request (validated: a bad value is a 400)."""
+def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:
+    """The Messages request as an OpenAI chat request (validated: a bad value is a 400), and
+    whether its final assistant message is a prefill for the reply to continue."""
     from llmcli.server.protocol import ChatRequest
 
     messages = _system(body.get("system"))
     for position, message in enumerate(body.get("messages") or []):
         messages += _turn(message, f"messages.{position}")
+    prefill = _prefill(messages)
     asked: dict[str, Any] = {
         "messages": messages,
         "max_tokens": body["max_tokens"],
@@ -163,7 +168,22 @@ def _chat_request(body: dict[str, Any]) -> Any:
             asked["chat_template_kwargs"] = {"enable_thinking": False}
         elif thinking.get("type") == "enabled" and thinking.get("budget_tokens") is not None:
             asked["think_budget"] = thinking["budget_tokens"]
-    return validated(ChatRequest, asked, AnthropicError)
+    return validated(ChatRequest, asked, AnthropicError), prefill
+
+
+def _prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last message is the assistant's text for the reply to continue. An empty one
+    only asks for the reply (it is dropped); trailing blanks are refused, as Anthropic refuses
+    them (a template may trim them, and the reply would not continue the text sent)."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return False
+    if not last["content"]:
+        messages.pop()
+        return False
+    if last["content"] != last["content"].rstrip():
+        raise AnthropicError("messages: the final assistant content cannot end with trailing whitespace")
+    return True
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -251,10 +271,16 @@ def _message(answer: dict[str, Any], model: str) -> dict[str, Any]:
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": STOP_REASONS.get(choice["finish_reason"], "end_turn"),
-        "stop_sequence": None,
+        **_stop(choice["finish_reason"], choice.get("stop_reason")),
         "usage": _usage(usage),
     }
+
+
+def _stop(finish: str, stop_sequence: str | None) -> dict[str, Any]:
+    """Why the reply ended, Anthropic's way: a stop sequence is named."""
+    if stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    return {"stop_reason": STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
@@ -270,13 +296,14 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
-async def _events(chunks: AsyncIterator[Any], model: str) -> AsyncIterator[str]:
+async def _events(chunks: AsyncIterator[Any], model: str, prompt_tokens: int) -> AsyncIterator[str]:
     """OpenAI's server-sent chunks as Anthropic's event stream: a block per kind of content,
     opened when its first piece comes and closed when another kind starts."""
     start = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model}
-    start |= {"content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage({})}
+    usage = _usage({"prompt_tokens": prompt_tokens})
+    start |= {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield _event("message_start", {"message": start})
-    index, open_kind, finish = -1, None, "stop"
+    index, open_kind, finish, stop_sequence = -1, None, "stop", None
     async for raw in chunks:
         chunk = chunk_of(raw)
         if chunk is None:
@@ -286,6 +313,7 @@ async def _events(chunks: AsyncIterator[Any], model: str) -> AsyncIterator[str]:
             return
         for choice in chunk.get("choices") or ():
             finish = choice.get("finish_reason") or finish
+            stop_sequence = choice.get("stop_reason") or stop_sequence
             delta = choice.get("delta") or {}
             pieces = []
             if delta.get("reasoning_content"):
@@ -322,6 +350,6 @@ async def _events(chunks: AsyncIterator[Any], model: str) -> AsyncIterator[str]:
         if chunk.get("usage"):
             if open_kind is not None:
                 yield _event("content_block_stop", {"index": index})
-            reason = {"stop_reason": STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
+            reason = _stop(finish, stop_sequence)
             yield _event("message_delta", {"delta": reason, "usage": _usage(chunk["usage"])})
             yield _event("message_stop", {})

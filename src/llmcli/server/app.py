@@ -175,6 +175,7 @@ class Outcome:
     prompt_ids: list[int] = field(default_factory=list)  # with echo: the prompt, scored
     prompt_logprobs: list[Any] | None = None
     token_ids: list[int] = field(default_factory=list)
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
 
 class RequestError(Exception):
@@ -243,17 +244,24 @@ def create_app(served: Served) -> ASGIApp:
     return Observed(limited, served.metrics, served.quiet)
 
 
-async def chat_response(served: Served, request: Request, body: ChatRequest) -> Any:
+async def chat_response(
+    served: Served, request: Request, body: ChatRequest, continue_final: bool = False
+) -> Any:
     """A chat request answered, in OpenAI's shape (a dict, or a stream of server-sent events):
-    what every protocol's chat route translates to and from."""
+    what every protocol's chat route translates to and from. `request.state.prompt_tokens`
+    says how long the prompt is, for a stream that reports it as it starts (Anthropic's)."""
     request.state.ticket = ticket = served.admit()  # given back by the worker or the error handler
-    ids, turn = await chat_prompt(served, body)
+    ids, turn = await chat_prompt(served, body, continue_final)
+    request.state.prompt_tokens = len(ids)
     return await _respond(served, request, body, [ids], ticket, chat=True, tools=turn)
 
 
-async def chat_prompt(served: Served, body: ChatRequest) -> tuple[list[int], ToolTurn]:
+async def chat_prompt(
+    served: Served, body: ChatRequest, continue_final: bool = False
+) -> tuple[list[int], ToolTurn]:
     """The prompt's token ids as the template renders the request (its tools too); every
-    request the template or the tools refuse is a 400 that says why."""
+    request the template or the tools refuse is a 400 that says why. `continue_final`: the
+    last message is the assistant's, for the reply to continue (Anthropic's prefill)."""
     from llmcli.engine.conversation import prompt_ids
     from llmcli.engine.tools.turn import tool_turn
 
@@ -285,6 +293,7 @@ async def chat_prompt(served: Served, body: ChatRequest) -> tuple[list[int], Too
                 think_off=body.think_off,
                 options=options | turn.options,
                 context_length=loaded.context_length,
+                continue_final=continue_final,
             )
         except LlmcliError as error:  # a template that refuses them, a tool result that answers no call
             raise RequestError(400, error.message, "messages") from None
@@ -577,6 +586,7 @@ def _generate_on(
         text, result.finish_reason, result.stats, params.as_dict(), reasoning, reasoning_tokens, calls
     )
     outcome.logprobs, outcome.token_ids = result.logprobs, result.token_ids
+    outcome.stop_sequence = result.stop_sequence
     if job.echo:
         outcome.prompt_ids, outcome.prompt_logprobs = job.ids, prompt_logprobs
     return outcome
@@ -627,6 +637,7 @@ async def _stream(
                 return
             outcomes[index] = outcome
             final = chunks[index]({} if chat else "", _finish_reason(outcome))
+            final["choices"][0] |= _stop_reason(outcome)
             final["timings"], final["sampling"] = _timings(outcome), outcome.sampling
             yield _sse(final)
         finished = [outcomes[index] for index in range(len(jobs))]
@@ -709,11 +720,13 @@ def _choice(served: Served, index: int, outcome: Outcome, chat: bool) -> dict[st
         if outcome.reasoning_tokens is not None:  # a model that thinks: its thinking, apart
             message["reasoning_content"] = outcome.reasoning
         choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+        choice |= _stop_reason(outcome)
         if outcome.logprobs is not None:
             choice["logprobs"] = chat_logprobs(tokenizer, outcome.logprobs)
         return choice
     prompt_text = tokenizer.decode(outcome.prompt_ids) if outcome.prompt_logprobs is not None else ""
     choice = {"index": index, "text": prompt_text + outcome.text, "finish_reason": finish, "logprobs": None}
+    choice |= _stop_reason(outcome)
     if outcome.logprobs is not None or outcome.prompt_logprobs is not None:
         ids = outcome.prompt_ids + outcome.token_ids[: len(outcome.logprobs or [])]
         entries = [*(outcome.prompt_logprobs or []), *(outcome.logprobs or [])]
@@ -725,6 +738,12 @@ def _finish_reason(outcome: Outcome) -> str:
     if outcome.finish_reason == "length":
         return "length"
     return "tool_calls" if outcome.tool_calls else "stop"
+
+
+def _stop_reason(outcome: Outcome) -> dict[str, Any]:
+    """The stop string that ended a choice, as vLLM names it (`stop_reason`): Anthropic's
+    `stop_sequence` is read from it. Nothing when none did."""
+    return {} if outcome.stop_sequence is None else {"stop_reason": outcome.stop_sequence}
 
 
 def _usage(outcomes: list[Outcome]) -> dict[str, Any]:
