@@ -34,6 +34,28 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert_access_log_only(running.process.stderr.read())
 
 
+@pytest.fixture(scope="module")
+def eager_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A model that writes nothing but <tool_call> when it may: a residual dimension every
+    embedding holds large, read by <tool_call>'s row of the output layer alone."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-eager-caller"
+    build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
+    opener = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<tool_call>")
+    weights = load_file(folder / "model.safetensors")
+    weights["model.embed_tokens.weight"][:, 0] = 50.0
+    weights["lm_head.weight"][:, 0] = 0.0
+    weights["lm_head.weight"][opener, 0] = 4.0
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    running = start_server(folder, tmp_path_factory.mktemp("runtime"))
+    yield running
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=PATIENCE_S) == 0
+    assert_access_log_only(running.process.stderr.read())
+
+
 def valid(call) -> bool:
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     return call.type == "function" and call.id.startswith("call_")
@@ -143,6 +165,40 @@ def test_a_call_the_length_limit_cuts_is_text_once_on_every_protocol_streamed_or
     for reply in (message, streamed):
         assert [block.type for block in reply.content] == ["text"] and reply.stop_reason == "max_tokens"
     assert streamed.content[0].text == message.content[0].text
+
+
+def test_none_lets_no_call_out_in_any_form_on_every_protocol(eager_server: Server) -> None:
+    client = eager_server.client()
+    free = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, temperature=0)
+    assert free.choices[0].message.content == "<tool_call>" * 4  # what this model writes unheld
+    asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=30)
+    texts = []
+    for seed in range(2):
+        whole = client.chat.completions.create(**asked, seed=seed)
+        assert not whole.choices[0].message.tool_calls and whole.choices[0].finish_reason == "length"
+        chunks = list(client.chat.completions.create(**asked, seed=seed, stream=True))
+        assert not any(chunk.choices and chunk.choices[0].delta.tool_calls for chunk in chunks)
+        texts += [
+            whole.choices[0].message.content,
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+        ]
+    function = TOOLS[0]["function"]
+    tool = {"type": "function", "name": function["name"], "parameters": function["parameters"]}
+    response = client.responses.create(
+        model="tiny", input=ASK[0]["content"], tools=[tool], tool_choice="none", max_output_tokens=30
+    )
+    assert all(item.type == "message" for item in response.output)
+    texts.append(response.output_text)
+    anthropic = pytest.importorskip("anthropic").Anthropic(
+        base_url=eager_server.url, api_key="-", max_retries=0
+    )
+    message = anthropic.messages.create(
+        model="tiny", messages=ASK, max_tokens=30, tool_choice={"type": "none"},
+        tools=[{"name": function["name"], "input_schema": function["parameters"]}],
+    )  # fmt: skip
+    assert [block.type for block in message.content] == ["text"] and message.stop_reason == "max_tokens"
+    texts.append(message.content[0].text)
+    assert all(text and "<tool_call>" not in text for text in texts), texts
 
 
 @pytest.mark.parametrize(

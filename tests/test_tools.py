@@ -140,6 +140,37 @@ def test_auto_never_yields_a_malformed_call_and_none_never_a_call(tool_model, fa
         assert calls == []
 
 
+def none_accepts(tokenizer, loaded_sizes, text: str) -> bool:
+    """Whether the grammar of tool_choice "none" lets a reply write `text`."""
+    vocab_size, eos = loaded_sizes
+    turn = tool_turn(tokenizer, ASK, ToolRequest(parse_tools(TOOLS, "tools"), "none"), vocab_size, eos)
+    assert turn.reader() is None  # no call is read out of such a reply
+    constraint = Constraint(turn.output, tokenizer, vocab_size, eos)
+    try:
+        for token_id in tokenizer(text, add_special_tokens=False)["input_ids"]:
+            constraint.advance(token_id)
+    except LlmcliError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_none_keeps_the_model_from_starting_a_call(tool_model, tiny_llama, family: str) -> None:
+    from transformers import AutoTokenizer
+
+    loaded = tool_model[0]
+    tokenizers = [loaded.tokenizer]
+    if family == "generic":  # also a tokenizer where the opener is plain text, not an added token
+        tokenizers.append(AutoTokenizer.from_pretrained(tiny_llama))
+    fmt = FAMILIES[family][1]
+    call = LEAD[family] + fmt.write([("get_weather", {"city": "Paris"})])
+    for tokenizer in tokenizers:
+        tokenizer.chat_template = FAMILIES[family][0]
+        sizes = (loaded.vocab_size, loaded.eos_token_ids)
+        assert none_accepts(tokenizer, sizes, PLAIN[family])
+        assert not none_accepts(tokenizer, sizes, call), call
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_tool_result_turn_round_trips_through_the_template(tool_model, family: str) -> None:
     tools = parse_tools(TOOLS, "tools")

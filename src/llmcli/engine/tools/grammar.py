@@ -40,13 +40,13 @@ def call_schema(tools: tuple[Tool, ...], arguments_key: str) -> dict[str, Any]:
     }
 
 
-def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance: Any) -> OutputFormat | None:
-    """The reply's grammar; None when no call is possible (`none`): the reply is free text.
+def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance: Any) -> OutputFormat:
+    """The reply's grammar: with `none`, text that never opens a call (see `_no_call_grammar`).
     `guidance`: llguidance's view of the tokenizer, which says which tokens are special."""
     tools = request.callable
-    if not tools:
-        return None
     specials = _special_tokens(tokenizer, guidance)
+    if not tools:
+        return _no_call_grammar(fmt, specials)
     if fmt.header_end:
         return _harmony_grammar(request, fmt, specials)
     body = "%json " + json.dumps(call_schema(tools, fmt.arguments_key))
@@ -69,6 +69,40 @@ def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance
     lark = "\n".join(["%llguidance {}", start, *rules, ""])
     names = ", ".join(tool.name for tool in tools)
     return OutputFormat({}, f"tool calls ({names})", lark=lark)
+
+
+def _no_call_grammar(fmt: ToolFormat, specials: dict[str, int]) -> OutputFormat:
+    """tool_choice "none": a model trained to call tools may still start a call on its own, and
+    its call syntax would then come out as text. The text may never hold the family's trigger:
+    a special token is outside free text anyway; a plain-text trigger is excluded by a regex
+    (llguidance's `&` and `~`); a reply-start format's reply may not open with "{"; harmony's
+    answer is the final channel."""
+    if fmt.header_end:
+        final = _literal("<|channel|>final<|message|>", specials)
+        lark = "\n".join([
+            "%llguidance {}",
+            f"start: analysis? opening? {final} TEXT",
+            f"analysis: {_literal('<|channel|>analysis<|message|>', specials)}",
+            f"opening: {_literal('<|start|>assistant', specials)}",
+            r"TEXT: /(.|\n)*/",
+            "",
+        ])  # fmt: skip
+    elif fmt.at_reply_start:
+        lark = "%llguidance {}\nstart: TEXT?\n" + r"TEXT: /\s*[^{\s](.|\n)*/" + "\n"
+    elif fmt.trigger in specials:
+        lark = "%llguidance {}\nstart: TEXT\n" + r"TEXT: /(.|\n)*/" + "\n"
+    else:
+        trigger = _regex_literal(fmt.trigger)
+        lark = f"%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{trigger}(.|\\n)*/\n"
+    return OutputFormat({}, "text without tool calls (tool_choice none)", lark=lark)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally inside a Lark /regex/: each sign in a class of its own (`\\<`
+    would be a word boundary in Rust's regex)."""
+    return "".join(
+        char if char.isalnum() else "[" + ("\\" + char if char in "\\]^-[" else char) + "]" for char in text
+    )
 
 
 def _harmony_grammar(request: ToolRequest, fmt: ToolFormat, specials: dict[str, int]) -> OutputFormat:

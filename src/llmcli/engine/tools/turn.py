@@ -20,10 +20,11 @@ class ToolTurn:
     fmt: ToolFormat
     messages: list[Message]  # in the template's shape
     options: dict[str, Any]  # keywords for the template (`tools`)
-    output: OutputFormat | None  # None: no call can be made (tool_choice "none")
+    output: OutputFormat | None  # the reply's grammar (None: no tools offered)
+    calls: bool = False  # a call may be made (not with tool_choice "none")
 
     def reader(self) -> ToolCallReader | None:
-        return ToolCallReader(self.fmt) if self.output is not None else None
+        return ToolCallReader(self.fmt) if self.calls else None
 
 
 def tool_turn(
@@ -39,8 +40,8 @@ def tool_turn(
 
     fmt = tool_format_of(tokenizer)
     shaped, options = template_messages(messages, request, fmt)
-    output = None
-    if request is not None and request.callable:
-        guidance = guidance_tokenizer(tokenizer, vocab_size, eos_token_ids)
-        output = call_grammar(request, fmt, tokenizer, guidance)
-    return ToolTurn(fmt, shaped, options, output)
+    if request is None or not request.tools:
+        return ToolTurn(fmt, shaped, options, None)
+    guidance = guidance_tokenizer(tokenizer, vocab_size, eos_token_ids)
+    output = call_grammar(request, fmt, tokenizer, guidance)  # with "none": no call can start
+    return ToolTurn(fmt, shaped, options, output, calls=bool(request.callable))
