@@ -58,6 +58,14 @@ def test_a_message_answers_as_the_openai_route_does_streamed_and_not(server: Ser
     assert counted.input_tokens == openai_reply.usage.prompt_tokens
 
 
+def test_a_message_names_the_model_served_not_the_one_asked_for(server: Server) -> None:
+    served = server.client(api_key="sekrit").models.list().data[0].id
+    asked = dict(model="claude-elsewhere", messages=ASK, max_tokens=2)
+    assert client(server).messages.create(**asked).model == served
+    with client(server).messages.stream(**asked) as stream:
+        assert stream.get_final_message().model == served
+
+
 def test_a_stop_sequence_is_named_and_a_stream_starts_with_the_prompts_tokens(server: Server) -> None:
     greedy = {"extra_body": {"temperature": 0}}
     whole = client(server).messages.create(model="tiny", messages=ASK, max_tokens=12, **greedy)

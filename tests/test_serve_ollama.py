@@ -64,6 +64,20 @@ def test_chat_and_generate_answer_as_the_openai_routes_do(server: Server) -> Non
     assert raw.response == text.choices[0].text
 
 
+def test_replies_name_the_model_served_not_the_one_asked_for(server: Server) -> None:
+    served = server.client().models.list().data[0].id
+    assert served != "another-model"
+    messages = [{"role": "user", "content": "Hello there"}]
+    asked = dict(model="another-model", options=GREEDY)
+    replies = [
+        client(server).chat(messages=messages, **asked),
+        *client(server).chat(messages=messages, stream=True, **asked),
+        client(server).generate(prompt="Hello there", **asked),
+        *client(server).generate(prompt="Hello there", stream=True, **asked),
+    ]
+    assert {reply.model for reply in replies} == {served}
+
+
 def test_format_json_holds_the_reply_to_json(server: Server) -> None:
     reply = client(server).chat(
         model="tiny", messages=[{"role": "user", "content": "JSON please"}], format="json",

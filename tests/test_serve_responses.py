@@ -48,6 +48,15 @@ def test_a_response_is_the_chat_reply_streamed_and_not(server: Server) -> None:
     assert kinds[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in kinds
 
 
+def test_a_response_names_the_model_served_not_the_one_asked_for(server: Server) -> None:
+    client = server.client()
+    served = client.models.list().data[0].id
+    asked = dict(model="gpt-elsewhere", input="Hello there", max_output_tokens=2)
+    assert client.responses.create(**asked).model == served
+    with client.responses.stream(**asked) as stream:
+        assert stream.get_final_response().model == served
+
+
 def test_function_calls_validate_and_a_conversation_continues(server: Server) -> None:
     client = server.client()
     asked = dict(

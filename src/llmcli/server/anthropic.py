@@ -112,7 +112,7 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
         body = await read_body(request, MessagesRequest, AnthropicError)
         asked, prefill = _chat_request(body)
         answered = await openai.chat_response(served, request, asked, continue_final=prefill)
-        model = body.get("model") or served.model_id
+        model = served.model_id  # the model that answered, as the OpenAI route names it
         if isinstance(answered, StreamingResponse):
             events = _events(answered.body_iterator, model, request.state.prompt_tokens)
             return StreamingResponse(events, media_type="text/event-stream")

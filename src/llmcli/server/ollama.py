@@ -276,7 +276,7 @@ async def _answer(
         answered = await openai.chat_response(served, request, parsed)
     else:
         answered = await openai.completion_response(served, request, parsed)
-    model = body.get("model") or served.model_id
+    model = served.model_id  # the model that answered, as the OpenAI route names it
     if isinstance(answered, StreamingResponse):
         lines = _lines(answered.body_iterator, model, shape == "chat", time.perf_counter())
         return StreamingResponse(lines, media_type="application/x-ndjson")

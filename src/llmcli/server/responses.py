@@ -256,7 +256,7 @@ def _shell(body: dict[str, Any], model: str) -> dict[str, Any]:
         "object": "response",
         "created_at": int(time.time()),
         "status": "in_progress",
-        "model": body.get("model") or model,
+        "model": model,  # the model that answers, as the OpenAI route names it
         "output": [],
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
