@@ -1110,3 +1110,24 @@ def test_a_gguf_file_changed_under_a_server_changes_nothing_it_serves(change: st
     changed = f"{model} changed on disk after it was loaded; this server keeps serving the copy it loaded"
     assert stderr.count(changed) == 1, stderr
     assert not list((tmp_path / "runtime" / "llmcli").glob("server-*.json"))
+
+
+def test_a_stream_whose_client_left_gets_its_access_log_line(tiny_llama: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    never_ends = {str(AutoTokenizer.from_pretrained(tiny_llama).eos_token_id): -100}
+    running = start_server(tiny_llama, tmp_path)
+    try:
+        stream = running.client().chat.completions.create(
+            model="tiny", messages=build_messages("A long story please"), max_tokens=900,
+            logit_bias=never_ends, stream=True,
+        )  # fmt: skip
+        next(iter(stream))
+        stream.close()  # the client leaves mid-reply
+        left = 'llmcli_requests_total{route="/v1/chat/completions",status="499"}'
+        wait_for(lambda: metric(running, left) == 1, "the stream whose client left to be counted")
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(timeout=PATIENCE_S) == 0
+    lines = running.process.stderr.read().decode().splitlines()
+    assert any(re.fullmatch(r"llmcli: POST /v1/chat/completions 499 · \d+ ms", line) for line in lines), lines

@@ -4,8 +4,8 @@
 by route and status, prompt / completion / cached tokens, time to first token and decode speed
 as histograms, the sequences each decode step ran for, requests waiting for the worker, and
 requests whose client left before the end.
-The access log is one line per request on stderr (method, route, status, tokens, ms); `serve
---quiet` turns it off.
+The access log is one line per request on stderr (method, route, status, tokens, ms), a
+request whose client left included (status 499, as nginx logs it); `serve --quiet` turns it off.
 """
 
 from __future__ import annotations
@@ -89,17 +89,28 @@ class Observed:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status, answered, left = 500, False, False
+
+        async def observing_receive() -> Message:
+            nonlocal left
+            message = await receive()
+            left = left or message["type"] == "http.disconnect"
+            return message
 
         async def observing_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
                 self._done(scope, status, start)
 
-        await self.app(scope, receive, observing_send)
+        try:
+            await self.app(scope, observing_receive, observing_send)
+        finally:
+            if not answered:  # a stream its client left is cancelled unfinished: 499, as nginx logs it
+                self._done(scope, 499 if left else status, start)
 
     def _done(self, scope: Scope, status: int, start: float) -> None:
         path = scope.get("path", "")
