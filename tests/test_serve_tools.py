@@ -201,6 +201,18 @@ def test_none_lets_no_call_out_in_any_form_on_every_protocol(eager_server: Serve
     assert all(text and "<tool_call>" not in text for text in texts), texts
 
 
+def test_no_limit_is_512_tokens_and_ollamas_minus_one_is_the_contexts_room(eager_server: Server) -> None:
+    ollama = pytest.importorskip("ollama").Client(host=eager_server.url)
+    context = eager_server.raw("GET", "/health")[1]["context_length"]
+    plain = eager_server.client().chat.completions.create(model="tiny", messages=ASK)  # no max_tokens
+    assert plain.usage.completion_tokens == 512 and plain.choices[0].finish_reason == "length"
+    for predict in (-1, -2):
+        whole = ollama.chat(model="tiny", messages=ASK, options={"num_predict": predict})
+        assert whole.done_reason == "length" and whole.prompt_eval_count + whole.eval_count == context
+    last = list(ollama.chat(model="tiny", messages=ASK, options={"num_predict": -1}, stream=True))[-1]
+    assert last.done and last.prompt_eval_count + last.eval_count == context
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [

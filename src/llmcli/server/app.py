@@ -359,8 +359,14 @@ async def _respond(
     tools: ToolTurn | None = None,
 ) -> Any:
     """One choice per prompt and per `n`: generated together where the server runs several
-    generations at once, streamed or not."""
+    generations at once, streamed or not. A request that sets no limit gets the model's
+    generation_config.json's, else the built-in 512 tokens, as the CLI does: each generation
+    reserves the KV memory its limit may fill, so "up to the context" is asked for, never a
+    default (`request.state.to_context_end`: Ollama's num_predict -1)."""
     sampling = _checked_sampling(body)
+    if sampling.max_new_tokens is None and getattr(request.state, "to_context_end", False):
+        room = served.loaded.context_length - max(len(ids) for ids in prompts)
+        sampling = replace(sampling, max_new_tokens=max(room, 1))  # a prompt with no room: refused below
     method = body.speculative or served.speculative
     if method not in served.speculations:
         raise RequestError(400, "this server has no draft model: start it with --draft-model", "speculative")

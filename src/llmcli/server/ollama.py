@@ -200,7 +200,7 @@ def _sampling(served: Served, body: dict[str, Any]) -> dict[str, Any]:
             known = ", ".join([*OPTIONS, "num_ctx"])
             raise OllamaError(f"option {name} is not supported here (these are: {known})")
         if name == "num_predict" and isinstance(value, int) and value < 0:
-            continue  # -1 (-2): until the end of the context, as with no limit
+            continue  # -1 (-2): until the end of the context (_answer asks for it)
         fields[OPTIONS[name]] = value
     form = body.get("format")
     if form == "json":
@@ -272,6 +272,9 @@ async def _answer(
     from llmcli.server.protocol import ChatRequest, CompletionRequest
 
     parsed = validated(ChatRequest if "messages" in asked else CompletionRequest, asked, OllamaError)
+    predict = (body.get("options") or {}).get("num_predict")
+    if isinstance(predict, int) and not isinstance(predict, bool) and predict < 0:  # "no limit"
+        request.state.to_context_end = True  # as Ollama means it, not the server's default
     if isinstance(parsed, ChatRequest):
         answered = await openai.chat_response(served, request, parsed)
     else:
