@@ -165,6 +165,18 @@ def test_a_call_the_length_limit_cuts_is_text_once_on_every_protocol_streamed_or
     for reply in (message, streamed):
         assert [block.type for block in reply.content] == ["text"] and reply.stop_reason == "max_tokens"
     assert streamed.content[0].text == message.content[0].text
+    # The Responses API's: a message item only, the same text streamed or not.
+    flat = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    response_asked = dict(
+        model="tiny", input=ASK[0]["content"], tools=flat, tool_choice="required", temperature=0,
+        max_output_tokens=limit, parallel_tool_calls=False,
+    )  # fmt: skip
+    response = client.responses.create(**response_asked)
+    with client.responses.stream(**response_asked) as stream:
+        final = stream.get_final_response()
+    for reply in (response, final):
+        assert [item.type for item in reply.output] == ["message"] and reply.status == "incomplete"
+        assert reply.output_text == cut.message.content
 
 
 def test_none_lets_no_call_out_in_any_form_on_every_protocol(eager_server: Server) -> None:
