@@ -71,3 +71,63 @@ def test_the_plain_producer_cropped_after_an_interrupted_step(loaded_tiny) -> No
         next(produced)
     assert engine.cached_ids == [*prompt] and first not in engine.cached_ids[len(prompt) :]
     assert engine.backend.length == len(prompt)
+
+
+@pytest.fixture(scope="module")
+def recurrent(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Qwen3.5 (a gated DeltaNet layer, then attention), which only transformers runs: its
+    recurrent state cannot be cropped back."""
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    from tiny_models import build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", "qwen3_5")
+    return load_model(resolve_model(str(folder)), LoadSettings(device="cpu", threads=1))
+
+
+def test_rejected_drafts_on_a_cache_that_cannot_go_back_are_run_again(recurrent, loaded_tiny) -> None:
+    """Cropping a rejected draft empties the cache instead; the producer runs again what it must
+    hold, so the reply is the plain one, token for token."""
+    prompt = recurrent.tokenizer(REPEATING)["input_ids"]
+
+    def produced(speculation: Speculation | None) -> tuple[list[int], SpeculativeStats]:
+        engine = engine_for(recurrent, frozenset())
+        logits = engine.prefill(prompt)
+        choose = Chooser(GREEDY, None, engine.device, list(prompt))
+        stats = SpeculativeStats("draft")
+        if speculation is None:
+            return list(islice(producers.plain(engine, logits, choose), 30)), stats
+        speculation.drafter.start(prompt)
+        return list(islice(producers.speculative(engine, logits, choose, speculation, 40, stats), 30)), stats
+
+    # Another model drafts (the tiny Llama or Qwen2, same vocabulary): most drafts are rejected.
+    drafter = ModelDrafter(engine_for(loaded_tiny, frozenset()), "other")
+    speculative, stats = produced(Speculation(drafter, DraftLength(4)))
+    assert speculative == produced(None)[0]
+    assert stats.drafted > stats.accepted
+
+
+def test_a_step_cut_short_on_a_recurrent_state_empties_the_cache(recurrent) -> None:
+    """The interrupted step has moved the state by a token nobody kept: the cache holds nothing
+    (and says so), and the next reply, prefilled whole, is the one a fresh engine gives."""
+    engine = engine_for(recurrent, frozenset())
+    prompt = recurrent.tokenizer(REPEATING)["input_ids"]
+    choose = Chooser(GREEDY, None, engine.device, list(prompt))
+    produced = producers.plain(engine, engine.prefill(prompt), choose)
+    next(produced)
+    step = engine.backend._decode
+
+    def interrupted(*args):
+        step(*args)  # the step ran and moved the state…
+        raise KeyboardInterrupt  # …but the call never returned
+
+    engine.backend._decode = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        next(produced)
+    engine.backend._decode = step
+    assert engine.cached_ids == [] and engine.backend.length == 0
+    again = engine.complete(prompt, GREEDY)
+    assert again.stats.cached_tokens == 0
+    assert again.token_ids == engine_for(recurrent, frozenset()).complete(prompt, GREEDY).token_ids

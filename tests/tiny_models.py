@@ -83,6 +83,42 @@ def train_tokenizer(
     return tokenizer
 
 
+_LINEAR_ATTENTION = {  # Qwen3.5 and Qwen3-Next: a gated DeltaNet layer, then a full-attention one
+    "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"],
+}  # fmt: skip
+_SMALL_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# Families only transformers runs (none is in NATIVE_FAMILIES), each with a cache layer whose
+# state cannot be cropped back: a recurrent or convolution state, KV shared from another layer,
+# a sliding window. Their config class, model class and what a 2-layer model of them needs.
+FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR_ATTENTION),
+    "qwen3_next": (
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 32},
+    ),
+    "lfm2": (  # a short convolution layer, then an attention one
+        "Lfm2Config", "Lfm2ForCausalLM",
+        {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
+    ),
+    "nemotron_h": (  # a Mamba-2 layer, then an attention one
+        "NemotronHConfig", "NemotronHForCausalLM",
+        {"layers_block_type": ["mamba", "attention"], "head_dim": 16, "mamba_num_heads": 4,
+         "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16},
+    ),
+    "granitemoehybrid": (  # Granite 4: a Mamba-2 layer, then an attention one, both with experts
+        "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+        {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
+         "mamba_chunk_size": 16, "num_local_experts": 4, "shared_intermediate_size": 64},
+    ),
+    "gemma4_text": (  # a sliding layer (window 8) and a full one, and two more reading their KV
+        "Gemma4TextConfig", "Gemma4ForCausalLM",
+        {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
+         "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8},
+    ),
+}  # fmt: skip
+
+
 def build_tiny_model(
     folder: Path,
     arch: str,
@@ -93,7 +129,8 @@ def build_tiny_model(
     special: tuple[str, ...] = (),
     tokenizer_style: str = "bytelevel",
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text") model with
+    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", or one of
+    FALLBACK_FAMILIES) model with
     random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
     `chat_template` as its template when it is text."""
     import torch
@@ -149,14 +186,23 @@ def build_tiny_model(
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
         }
-    config_class, model_class = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "phi3": (Phi3Config, Phi3ForCausalLM),
-        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
-        "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
-    }[arch]
+    if arch in FALLBACK_FAMILIES:
+        import transformers
+
+        config_name, model_name, extra = FALLBACK_FAMILIES[arch]
+        shape |= extra
+        if "hidden_size_per_layer_input" in extra:  # Gemma's per-layer embeddings: the whole vocabulary
+            shape["vocab_size_per_layer_input"] = shape["vocab_size"]
+        config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
+    else:
+        config_class, model_class = {
+            "llama": (LlamaConfig, LlamaForCausalLM),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "phi3": (Phi3Config, Phi3ForCausalLM),
+            "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+            "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+            "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+        }[arch]
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.
     model = model_class(config_class(**shape, initializer_range=0.2))

@@ -6,6 +6,11 @@ StaticCache preallocated for the whole context, whose fixed shapes let `torch.co
 reduce-overhead mode capture the decode step as a CUDA graph (`compile_decode`, opt-in).
 Cropping a static cache moves each layer's write position back: what lies past it is never
 attended to (the causal mask stops at the current position) and is overwritten.
+
+Not every layer's state can go back: a recurrent state (Mamba, gated DeltaNet) or a short
+convolution's (LFM2) folds in every token it has seen. Where a crop needs one of those, the
+whole cache is emptied (`length` says what was kept: nothing), and the loop prefills the prompt
+again: the fallback costs a prefill, never a wrong or failed reply.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class TransformersBackend:
         self.static_cache = static_cache or compile_decode  # graphs need fixed shapes
         self.cache: Any = None
         self._length = 0
+        # True while a forward pass runs: one cut short (Ctrl-C) has moved a recurrent state
+        # by an unknown number of tokens.
+        self._in_pass = False
         self.compiled = compile_decode
         self._decode = _compiled(self._decode_eager) if compile_decode else self._decode_eager
 
@@ -69,6 +77,7 @@ class TransformersBackend:
         if self.cache is None:
             self.cache = self._new_cache()
         start = self._length
+        self._in_pass = True
         out = self.model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
             **with_cache(self.model, self.cache),
@@ -76,13 +85,16 @@ class TransformersBackend:
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
+        self._in_pass = False
         self._length = start + len(ids)
         return out.logits
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         position = torch.tensor([self._length], device=self.device)
+        self._in_pass = True
         logits = self._decode(token.view(1, 1), position)
+        self._in_pass = False
         self._length += 1
         return logits
 
@@ -95,22 +107,45 @@ class TransformersBackend:
     @torch.inference_mode()  # the cache's tensors were made in inference mode
     def crop(self, length: int) -> None:
         """Layer by layer, because a forward pass interrupted by Ctrl-C may have appended to some
-        layers and not to others: after this, every layer holds exactly `length` positions."""
-        self._length = min(self._length, length)
+        layers and not to others: after this, every layer holds exactly `length` positions, or
+        none at all where a layer cannot give back what it would have to."""
+        held, self._length = self._length, min(self._length, length)
         if self.cache is None:
             return
+        if not all(self._can_keep(layer, held, self._length) for layer in self.cache.layers):
+            self._empty()
+            return
         for layer in self.cache.layers:
+            if not hasattr(layer, "get_seq_length") or _has_state(layer):
+                continue  # KV shared from another layer; a state that stays as it is
             if self.static_cache:
                 # transformers ≥ 5.2 keeps each static layer's write position in a tensor; older
                 # versions write where cache_position says, which we always pass.
                 position = getattr(layer, "cumulative_length", None)
                 if isinstance(position, torch.Tensor):
-                    position.fill_(length)
+                    position.fill_(self._length)
                 continue
-            extra = layer.get_seq_length() - length
+            extra = int(layer.get_seq_length()) - self._length
             if extra > 0:
                 # A negative count removes that many tokens, in transformers 4.5x and 5.x alike.
                 layer.crop(-extra)
+
+    def _can_keep(self, layer: Any, held: int, length: int) -> bool:
+        """Whether `layer` can be brought back to its first `length` positions (the cache
+        holds `held`, as far as complete passes go)."""
+        if _has_state(layer):
+            # Every token seen is folded into it: it can stay as it is, never go back.
+            return not self._in_pass and length >= held
+        return True  # positions, or nothing of its own (its keys and values another layer's)
+
+    def _empty(self) -> None:
+        """Nothing cached: a static cache keeps its memory (a CUDA graph replays on its addresses)."""
+        if self.static_cache:
+            self.cache.reset()
+        else:
+            self.cache = None
+        self._length = 0
+        self._in_pass = False
 
     def save(self) -> None:
         """Not offered: transformers' caches keep state of their own per layer type (sliding
@@ -123,10 +158,9 @@ class TransformersBackend:
     def reset(self) -> None:
         """A static cache keeps its memory: a CUDA graph replays on those very addresses."""
         if self.static_cache:
-            self.crop(0)
+            self.crop(0)  # positions moved back where it can, else its state zeroed
         else:
-            self.cache = None
-        self._length = 0
+            self._empty()
 
     @property
     def captures_graphs(self) -> bool:
@@ -140,6 +174,12 @@ class TransformersBackend:
             token = self.decode(token).argmax(dim=-1)
         self.reset()
         return time.perf_counter() - start
+
+
+def _has_state(layer: Any) -> bool:
+    """A layer with a recurrent state (Mamba, gated DeltaNet) or a convolution's (LFM2): a
+    summary of every token so far rather than one entry per position."""
+    return hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
 
 
 def _compiled(step: Callable[..., Any]) -> Callable[..., Any]:

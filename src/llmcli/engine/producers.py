@@ -170,6 +170,11 @@ def speculative(
                 yield token_id
             if len(engine.cached_ids) != keep:
                 engine.crop_to(keep)  # the rejected drafts
+                if len(engine.cached_ids) < keep:
+                    # A cache that cannot go back (a recurrent state, a full sliding window)
+                    # was emptied instead: run again what it must hold, or the next pass would
+                    # start at position 0.
+                    engine.prefill(choose.context[len(engine.cached_ids) : keep])
             base = keep
             proposal, draft = _draft(speculation, choose, budget - taken - 1)
             round_start = time.perf_counter()
