@@ -1,8 +1,9 @@
 """Families only transformers runs, whose cache layers cannot all be cropped back: a recurrent
 state (Qwen3.5's gated DeltaNet, Nemotron-H's Mamba-2), a short convolution's (LFM2), KV shared
-from other layers (Gemma 4). generate, a chat and a server reply exactly what transformers' own
-`generate` does, greedy in fp32; where a new prompt would need the cache cropped back, it starts
-empty and says so (0 cached tokens), never a crash or a 500."""
+from other layers (Gemma 4), a sliding window shorter than the prompt (OLMo 3). generate, a chat
+and a server reply exactly what transformers' own `generate` does, greedy in fp32; where a new
+prompt would need the cache cropped back, it starts empty and says so (0 cached tokens), never a
+crash or a 500."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ from test_serve import Server, assert_access_log_only, start_server
 from tiny_models import TINY_CONTEXT, build_tiny_model
 
 REPLY_TOKENS = 10
-# The second not extending the first.
+# Each longer than OLMo 3's window (4 positions), the second not extending the first.
 PROMPTS = ["Hello there, how are you today?", "What is the capital of France?"]
 GREEDY = ["--device", "cpu", "-t", "0", "-n", str(REPLY_TOKENS), "--json"]
 
 
 # State that cannot be cropped back: a recurrent one, a convolution's, KV shared with other layers.
 STATEFUL = ["qwen3_5", "lfm2", "nemotron_h", "gemma4_text"]
+# A window full: a crop needs the positions it has let go. A one-shot reply never crops.
+WINDOWED = ["olmo3"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ def test_generate_prints_the_reply_and_its_record(family: Path, reference: Refer
     assert record["text"] == reference.answer(PROMPTS[0]) and record["text"]
 
 
-@pytest.mark.parametrize("family", STATEFUL, indirect=True)
+@pytest.mark.parametrize("family", STATEFUL + WINDOWED, indirect=True)
 def test_a_chat_reuses_what_it_can_and_starts_over_elsewhere(family: Path, reference: Reference) -> None:
     """The second turn extends the first: its cache is reused as it is, a state included. /undo
     takes the cache back before that second turn: what cannot go back starts empty."""
@@ -122,7 +125,7 @@ def ask(server: Server, prompt: str) -> Any:
     )
 
 
-@pytest.mark.parametrize("family", STATEFUL, indirect=True)
+@pytest.mark.parametrize("family", STATEFUL + WINDOWED, indirect=True)
 def test_a_server_answers_prompts_that_do_not_extend_the_last(server: Server, reference: Reference) -> None:
     for prompt in [*PROMPTS, PROMPTS[0]]:
         reply = ask(server, prompt)

@@ -116,6 +116,10 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
          "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8},
     ),
+    "olmo3": (  # a sliding layer with a window of 4, shorter than any prompt, and a full one
+        "Olmo3Config", "Olmo3ForCausalLM",
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
 }  # fmt: skip
 
 

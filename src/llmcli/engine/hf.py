@@ -8,8 +8,9 @@ Cropping a static cache moves each layer's write position back: what lies past i
 attended to (the causal mask stops at the current position) and is overwritten.
 
 Not every layer's state can go back: a recurrent state (Mamba, gated DeltaNet) or a short
-convolution's (LFM2) folds in every token it has seen. Where a crop needs one of those, the
-whole cache is emptied (`length` says what was kept: nothing), and the loop prefills the prompt
+convolution's (LFM2) folds in every token it has seen, and a sliding window that has let a
+position go no longer has it (transformers refuses that crop). Where a crop needs one of those,
+the whole cache is emptied (`length` says what was kept: nothing), and the loop prefills the prompt
 again: the fallback costs a prefill, never a wrong or failed reply.
 """
 
@@ -124,6 +125,8 @@ class TransformersBackend:
                 position = getattr(layer, "cumulative_length", None)
                 if isinstance(position, torch.Tensor):
                     position.fill_(self._length)
+                if hasattr(layer, "cumulative_length_int"):  # a static sliding layer's own count
+                    layer.cumulative_length_int = self._length
                 continue
             extra = int(layer.get_seq_length()) - self._length
             if extra > 0:
@@ -136,7 +139,12 @@ class TransformersBackend:
         if _has_state(layer):
             # Every token seen is folded into it: it can stay as it is, never go back.
             return not self._in_pass and length >= held
-        return True  # positions, or nothing of its own (its keys and values another layer's)
+        if not hasattr(layer, "get_seq_length"):
+            return True  # holds nothing of its own: its keys and values are another layer's
+        positions = int(layer.get_seq_length())
+        if positions <= length or not getattr(layer, "is_sliding", False):
+            return True
+        return positions < layer.get_max_length()  # a window that has let no position go yet
 
     def _empty(self) -> None:
         """Nothing cached: a static cache keeps its memory (a CUDA graph replays on its addresses)."""
