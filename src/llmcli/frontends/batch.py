@@ -96,7 +96,10 @@ def run(request: BatchRequest) -> int:
     items = read_items(request.path, request.system, request.output)
     if request.num_beams > 1 and any(item.output for item in items):
         raise UsageError("--num-beams and a schema do not combine: beams are not constrained")
-    loaded = load_with_feedback(request.model, request.load)
+    # Loaded as generate loads it: the same weights give the same text. A GGUF file loaded
+    # through transformers keeps its embedding table whole, where the lean load reads it from the
+    # int8 head it is tied to, and greedy replies part after a few dozen tokens.
+    loaded = load_with_feedback(request.model, request.load, lean=request.num_beams == 1)
     from llmcli.engine.conversation import build_messages, prompt_ids
 
     params = request.sampling.resolve(loaded.generation_config)

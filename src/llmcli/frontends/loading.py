@@ -25,7 +25,7 @@ def announce_conversion(path: Path, read_in_place: bool) -> None:
 
 def load_with_feedback(model_spec: str | None, settings: LoadSettings, lean: bool = False) -> LoadedModel:
     """`lean`: the caller needs only what the native engine runs (no transformers model: no
-    beam search, no batches), so a Llama-family folder may load without transformers."""
+    beam search), so a Llama-family folder may load without transformers."""
     from llmcli.models.busy_cores import open_window
 
     open_window()  # how busy the machine is, measured over the load rather than slept through
