@@ -20,7 +20,7 @@ from llmcli.engine.conversation import Conversation, build_messages, prompt_ids
 
 from cli_helpers import PATIENCE_S, run_cli
 from test_serve import Server, assert_access_log_only, start_server
-from tiny_models import TINY_CONTEXT, build_tiny_model
+from tiny_models import FALLBACK_FAMILIES, TINY_CONTEXT, build_tiny_model
 
 REPLY_TOKENS = 10
 # Each longer than OLMo 3's window (4 positions), the second not extending the first.
@@ -28,8 +28,9 @@ PROMPTS = ["Hello there, how are you today?", "What is the capital of France?"]
 GREEDY = ["--device", "cpu", "-t", "0", "-n", str(REPLY_TOKENS), "--json"]
 
 
-# State that cannot be cropped back: a recurrent one, a convolution's, KV shared with other layers.
-STATEFUL = ["qwen3_5", "lfm2", "nemotron_h", "gemma4_text"]
+# State that cannot be cropped back, one family of each kind through the commands (each costs
+# processes; the last test checks every family in process): gated DeltaNet, Mamba-2, shared KV.
+STATEFUL = ["qwen3_5", "nemotron_h", "gemma4_text"]
 # A window full: a crop needs the positions it has let go. A one-shot reply never crops.
 WINDOWED = ["olmo3"]
 
@@ -132,3 +133,27 @@ def test_a_server_answers_prompts_that_do_not_extend_the_last(server: Server, re
         assert reply.choices[0].message.content == reference.answer(prompt)
         # Each shares the chat template's first tokens with the last, and none can be kept.
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("arch", sorted(FALLBACK_FAMILIES))
+def test_every_fallback_family_replies_as_transformers_does_prompt_after_prompt(
+    arch: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """In process, so every family is cheap to check: one engine, prompts that do not extend one
+    another, each reply transformers' own and none reusing a cache that cannot go back."""
+    from llmcli.config.settings import LoadSettings, SamplingParams
+    from llmcli.engine.loop import Engine
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("models") / arch, arch)
+    loaded = load_model(resolve_model(str(folder)), LoadSettings(device="cpu", dtype="fp32", threads=1))
+    engine, reference = Engine.for_loaded(loaded), Reference(folder)
+    assert engine.name == "transformers"
+    for prompt in [*PROMPTS, PROMPTS[0]]:
+        ids = prompt_ids(loaded.tokenizer, build_messages(prompt))
+        result = engine.complete(
+            ids, SamplingParams(temperature=0.0, max_new_tokens=REPLY_TOKENS), loaded.tokenizer
+        )
+        assert result.text == reference.answer(prompt)
+        assert result.stats.cached_tokens == 0

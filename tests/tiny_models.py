@@ -116,6 +116,13 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
          "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8},
     ),
+    "gemma3n_text": (  # Gemma 3n: the same layout, with AltUp and Laurel blocks besides
+        "Gemma3nTextConfig", "Gemma3nForCausalLM",
+        {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
+         "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8,
+         "intermediate_size": [128] * 4, "activation_sparsity_pattern": [0.0] * 4, "laurel_rank": 8,
+         "altup_num_inputs": 2},
+    ),
     "olmo3": (  # a sliding layer with a window of 4, shorter than any prompt, and a full one
         "Olmo3Config", "Olmo3ForCausalLM",
         {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
