@@ -359,6 +359,9 @@ class ChatSession:
         functions = self.functions
         assert functions is not None
         self.view.tool_call(describe_call(call))
+        if not functions.offers(call.name):  # never asked about, never run: not a tool offered
+            self.view.tool_result(f"not run ({call.name} is not one of the functions offered)")
+            return functions.refusal(call.name)
         answer = "y" if functions.approved_without_asking(call) else self.view.approve(call.name)
         if answer == "a":
             functions.always.add(call.name)

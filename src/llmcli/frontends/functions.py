@@ -4,6 +4,11 @@ The file is read, not run, to describe its tools: its top-level public functions
 hints and docstrings become OpenAI tool objects (ast, no import). The file runs the first time
 a call is approved (or with --yes), and each approved call runs its function with the call's
 arguments; its result, or the exception's text, is what the model reads next.
+
+A reply names what it likes (a server given with --server, or a model that invents a name): only
+a function offered, and at run time still the plain function the file itself defines under that
+name, ever runs. Whatever else the file's namespace holds (`from os import system`, a private
+helper, a class, an alias of an imported callable) is refused, as an unknown tool is.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import runpy
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,19 +154,46 @@ class Functions:
     def approved_without_asking(self, call: ToolCall) -> bool:
         return self.run_all or call.name in self.always
 
+    def offers(self, name: str) -> bool:
+        """Whether a reply's call names one of the functions sent as tools (and so may be asked
+        about at all): anything else in the file, or not in it, is an unknown tool."""
+        return any(tool.name == name for tool in self.tools)
+
+    def refusal(self, name: str) -> str:
+        """What the model reads about a call to a name it was not offered."""
+        offered = ", ".join(tool.name for tool in self.tools)
+        return f"error: {name} is not one of the functions offered ({offered}); it was not run"
+
     def run(self, call: ToolCall) -> str:
         """Run an approved call; its result as the model reads it (an exception's text too)."""
+        if not self.offers(call.name):  # checked before the file runs: an unknown name runs nothing
+            return self.refusal(call.name)
+        filename = str(Path(self.path).expanduser())
         if self._module is None:
-            self._module = runpy.run_path(str(Path(self.path).expanduser()), run_name="llmcli_functions")
+            self._module = runpy.run_path(filename, run_name="llmcli_functions")
         function = self._module.get(call.name)
-        if not callable(function):
-            return f"error: {call.name} is not a function in {self.path}"
+        if not _defined_here(function, call.name, filename):
+            return (
+                f"error: {call.name} in {self.path} is no longer the function the file defines "
+                "(rebound to something else when the file ran); it was not run"
+            )
         try:
             result = function(**json.loads(call.arguments))
         except Exception as error:  # the model reads what went wrong, and the chat goes on
             return f"error: {type(error).__name__}: {error}"
         text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
         return text if len(text) <= RESULT_CHARS else text[:RESULT_CHARS] + " …(cut)"
+
+
+def _defined_here(function: Any, name: str, filename: str) -> bool:
+    """The file's own top-level `def name`, as it stands once the file ran: the tools were read
+    from its source, and a later `name = system` or `name = lambda ...` must not stand in for
+    it. A plain function (not a class, builtin or other callable) whose code is the file's."""
+    return (
+        isinstance(function, types.FunctionType)
+        and function.__qualname__ == name
+        and function.__code__.co_filename == filename
+    )
 
 
 def describe_call(call: ToolCall) -> str:
