@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import pexpect
 import pytest
 
 from llmcli.config.settings import LoadSettings, SamplingSettings
@@ -171,6 +172,28 @@ def test_the_repl_asks_before_each_call_and_always_means_this_session(
     assert index == 1
     repl.child.expect(">>>")
     assert repl.quit() == 0
+
+
+def test_ctrl_c_at_the_approval_ends_the_round_and_ctrl_d_the_chat(
+    hermes_model: Path, functions_file
+) -> None:
+    path, marker = functions_file
+    flags = ("--tool-choice", "get_weather", "-t", "0", "-n", "60")
+    repl = Repl("-m", str(hermes_model), "--functions", str(path), *flags)
+    repl.child.sendline("Weather in Paris?")
+    repl.child.expect(r"Run get_weather\?")
+    repl.child.sendcontrol("c")  # not a "no": the model is not asked again this turn
+    assert repl.child.expect([r"not run \(Ctrl-C: no more calls this turn\)", r"not run \(\w+\)"]) == 0
+    repl.child.expect(">>>")
+    assert "Run get_weather?" not in repl.child.before and "interrupted" in ANSI.sub("", repl.child.before)
+    repl.child.sendline("And in Rome?")  # the chat goes on
+    repl.child.expect(r"Run get_weather\?")
+    repl.child.sendcontrol("d")  # as at the chat's own prompt: the chat ends
+    assert repl.child.expect([r"not run \(Ctrl-D: the chat ends\)", r"not run \(\w+\)"]) == 0
+    repl.child.expect(pexpect.EOF)
+    assert "Run get_weather?" not in repl.child.before
+    repl.child.close()
+    assert repl.child.exitstatus == 0 and not marker.exists()
 
 
 def test_a_tool_exchange_leaves_the_cache_exact(hermes_model: Path, functions_file) -> None:

@@ -36,6 +36,10 @@ if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads i
 LENGTH_CUT = "cut by the token limit (/set max_new_tokens N for longer replies)"
 CUT = ("interrupted", "error")  # replies kept as far as they came: Ctrl-C, a server that stopped
 MOST_TOOL_ROUNDS = 8  # replies that call tools, in one exchange, before one must answer
+# What ChatView.approve answers for Ctrl-C and Ctrl-D: not a "no" (the model would be asked again,
+# and may call again, prompt after prompt), but a way out: of this round of calls, or of the chat.
+STOP_ROUND = "stop"
+END_CHAT = "end"
 # What /set may change: every sampling setting.
 SETTABLE = tuple(declarations(SamplingSettings))
 HELP = f"""\
@@ -77,7 +81,8 @@ ALIASES = {"/quit": "/exit", "/?": "/help", "/clear": "/reset"}
 class ChatView(Protocol):
     def tool_call(self, text: str) -> None: ...
     def approve(self, name: str) -> str | None:
-        """y, n or a (always this function, this session); None where nobody can be asked."""
+        """y, n or a (always this function, this session); STOP_ROUND (Ctrl-C) or END_CHAT
+        (Ctrl-D); None where nobody can be asked."""
         ...
 
     def tool_result(self, text: str) -> None: ...
@@ -262,6 +267,7 @@ class ChatSession:
         self.last_turn: TurnReport | None = None
         self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
+        self.ended = False  # Ctrl-D at a call's approval: the chat ends after this turn
         if target.caveat:
             view.notice(target.caveat)
 
@@ -284,6 +290,12 @@ class ChatSession:
             outcome, dropped = asked
             if not outcome.tool_calls or outcome.finish_reason in CUT:
                 break
+            try:
+                results = [self._run_call(call) for call in outcome.tool_calls]
+            except _RoundStopped as stop:  # kept as a reply cut by Ctrl-C: no call of it answered
+                self.ended = stop.end_chat
+                outcome.finish_reason = "interrupted"
+                break
             history.step(outcome)
             steps.append(
                 {
@@ -292,7 +304,6 @@ class ChatSession:
                     "tool_calls": [c.openai() for c in outcome.tool_calls],
                 }
             )
-            results = [self._run_call(call) for call in outcome.tool_calls]
             steps += [
                 {"role": "tool", "tool_call_id": c.id, "content": r}
                 for c, r in zip(outcome.tool_calls, results, strict=True)
@@ -363,6 +374,13 @@ class ChatSession:
             self.view.tool_result(f"not run ({call.name} is not one of the functions offered)")
             return functions.refusal(call.name)
         answer = "y" if functions.approved_without_asking(call) else self.view.approve(call.name)
+        if answer in (STOP_ROUND, END_CHAT):
+            self.view.tool_result(
+                "not run (Ctrl-D: the chat ends)"
+                if answer == END_CHAT
+                else "not run (Ctrl-C: no more calls this turn)"
+            )
+            raise _RoundStopped(end_chat=answer == END_CHAT)
         if answer == "a":
             functions.always.add(call.name)
         if answer not in ("y", "a"):
@@ -522,6 +540,14 @@ class ChatSession:
         self.view.info(f"loaded {len(messages)} messages from {path}{note}")
         if changes:
             self.view.notice(f"{path} brought its own settings: {changes}")
+
+
+class _RoundStopped(Exception):
+    """Ctrl-C at a call's approval ends this round of calls and the turn; Ctrl-D the chat too."""
+
+    def __init__(self, end_chat: bool) -> None:
+        super().__init__()
+        self.end_chat = end_chat
 
 
 def settings_changed(before: dict[str, Any], after: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from llmcli.frontends import terminal
 
 if TYPE_CHECKING:
     from llmcli.frontends.target import Outcome
-from llmcli.frontends.chat_session import LENGTH_CUT, TurnReport
+from llmcli.frontends.chat_session import END_CHAT, LENGTH_CUT, STOP_ROUND, TurnReport
 
 
 class TerminalView:
@@ -31,14 +31,17 @@ class TerminalView:
         self.console.print(f"→ {terminal.inert(text)}", style="cyan", markup=False, highlight=False)
 
     def approve(self, name: str) -> str | None:
-        """Asked on the terminal; Ctrl-C or Ctrl-D is a no."""
+        """Asked on the terminal; Ctrl-C stops this round of calls, Ctrl-D ends the chat (as at
+        the chat's own prompt)."""
         from prompt_toolkit import prompt
 
         while True:
             try:
                 answer = prompt(f"Run {name}? [y]es / [n]o / [a]lways this session: ").strip().lower()
-            except (KeyboardInterrupt, EOFError):
-                return "n"
+            except KeyboardInterrupt:
+                return STOP_ROUND
+            except EOFError:
+                return END_CHAT
             if answer[:1] in ("y", "n", "a"):
                 return answer[:1]
 

@@ -143,6 +143,8 @@ def run_interactive(session: ChatSession, console: Console) -> int:
                         return EXIT_OK
                 else:
                     session.turn(text)
+            if session.ended:  # Ctrl-D at a call's approval
+                return EXIT_OK
         except KeyboardInterrupt:
             continue  # landed between two steps of printing: nothing to undo
 
