@@ -277,9 +277,78 @@ def test_generate_tools_prints_each_call_as_a_json_line_in_process_and_through_t
     ]
 
 
+NODE = {"type": "string", "maxLength": 6}
+RECURSIVE = [  # trees: one through the tool's own $defs, one through its root ("#")
+    {
+        "type": "function",
+        "function": {
+            "name": "plant",
+            "parameters": {
+                "type": "object",
+                "properties": {"root": {"$ref": "#/$defs/node"}},
+                "required": ["root"],
+                "additionalProperties": False,
+                "$defs": {
+                    "node": {
+                        "type": "object",
+                        "properties": {
+                            "label": NODE,
+                            "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                        },
+                        "required": ["label"],
+                        "additionalProperties": False,
+                    }
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "graft",
+            "parameters": {
+                "type": "object",
+                "properties": {"label": NODE, "kid": {"$ref": "#"}},
+                "required": ["label"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("name", ["plant", "graft"])
+def test_recursive_tool_schemas_are_held_to_their_own_definitions(
+    server: Server, tmp_path: Path, name: str
+) -> None:
+    """A tool's references are to its own schema: inside the calls' grammar they still are
+    (they pointed at the grammar's root: nowhere, or at a whole call)."""
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(RECURSIVE))
+    schema = next(t["function"]["parameters"] for t in RECURSIVE if t["function"]["name"] == name)
+    env = {"XDG_RUNTIME_DIR": str(server.runtime)}
+    local = run_cli(
+        "generate", "-m", str(server.model), "--no-server", "--device", "cpu", "--dtype", "fp32", "-t", "0",
+        "-n", "200", "--tools", str(tools_file), "--tool-choice", name, "--json", "Grow a tree.", env=env,
+    )  # fmt: skip
+    assert local.returncode == 0, local.stderr.decode()
+    record = json.loads(local.stdout)
+    assert record["finish_reason"] == "tool_calls", record
+    for call in record["tool_calls"]:
+        jsonschema.validate(call["arguments"], schema)
+    whole = server.client().chat.completions.create(
+        model="tiny", messages=ASK, tools=RECURSIVE, temperature=0, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": name}},
+    )  # fmt: skip
+    assert whole.choices[0].finish_reason == "tool_calls"
+    for call in whole.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
+        (["--tools", "CYCLE"], "nests in itself with no way out"),
         (["--tools", "missing.json"], "no such file"),
         (["--tool-choice", "required"], "--tool-choice needs --tools"),
         (["--tools", "TOOLS", "--tool-choice", "nowhere"], "--tool-choice names 'nowhere'"),
@@ -293,7 +362,12 @@ def test_generate_tools_bad_input_is_one_line_before_loading(
 ) -> None:
     (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
     (tmp_path / "bad.json").write_text("[{")
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
+    parameters = {"type": "object", "properties": {"n": {"$ref": "#/$defs/node"}}, "$defs": {"node": node}}
+    cycle = [{"type": "function", "function": {"name": "f", "parameters": {**parameters, "required": ["n"]}}}]
+    (tmp_path / "cycle.json").write_text(json.dumps(cycle))
     files = {"TOOLS": str(tmp_path / "tools.json"), "NOT_JSON": str(tmp_path / "bad.json")}
+    files["CYCLE"] = str(tmp_path / "cycle.json")
     result = run_cli("generate", "-m", "nowhere/never", *[files.get(f, f) for f in flags], "hi")
     lines = result.stderr.decode().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and words in lines[0], lines

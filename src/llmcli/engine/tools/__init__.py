@@ -104,6 +104,10 @@ def parse_tools(objects: object, where: str) -> tuple[Tool, ...]:
             raise UsageError(f"{label}: parameters must be a JSON schema of type object")
         check_format(OutputFormat(parameters, f"{label} parameters"))
         tools.append(Tool(name, description, parameters))
+    if tools:  # as the calls' grammar holds them: what fails there fails here, before any load
+        from llmcli.engine.tools.grammar import call_schema
+
+        check_format(OutputFormat(call_schema(tuple(tools), "arguments"), f"{where}: the tools together"))
     return tuple(tools)
 
 

@@ -31,13 +31,45 @@ def call_schema(tools: tuple[Tool, ...], arguments_key: str) -> dict[str, Any]:
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+                "properties": {
+                    "name": {"const": tool.name},
+                    arguments_key: rooted(tool.parameters, f"/anyOf/{index}/properties/{arguments_key}"),
+                },
                 "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
-            for tool in tools
+            for index, tool in enumerate(tools)
         ],
     }
+
+
+# Keywords whose values are JSON data, not schemas: a {"$ref": …} inside one is a value to match.
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names of the schema's own choosing (never keywords) to schemas.
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rooted(schema: Any, pointer: str) -> Any:
+    """A tool's parameters placed at `pointer` inside the call schema. Their local references
+    ("#", "#/$defs/node") are to their own root; left as they are, they would point at the call
+    schema's root instead: a recursive tree's child would have to be a whole call, and a
+    reference into the tool's own $defs would point nowhere (a grammar that fails to compile
+    once the model is loaded). Each one now says where that root is."""
+    if isinstance(schema, list):
+        return [rooted(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = "#" + pointer + value[1:]
+        elif key in DATA_KEYWORDS:
+            moved[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):
+            moved[key] = {name: rooted(child, pointer) for name, child in value.items()}
+        else:
+            moved[key] = rooted(value, pointer)
+    return moved
 
 
 def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance: Any) -> OutputFormat:
