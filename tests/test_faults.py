@@ -278,3 +278,22 @@ def test_every_command_stops_quietly_when_its_reader_is_gone(args: list[str]) ->
     finally:
         os.close(write_end)
     assert result.returncode == 0 and result.stderr == b"", result.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--server", "http://127.0.0.1:9", "-m", "any", "hi"],
+        ["chat", "--server", "http://127.0.0.1:9", "-m", "any"],
+        ["serve", "-m", "/nonexistent/model", "--port", "0"],
+    ],
+)
+@pytest.mark.parametrize(
+    "key", ["sekrit-4242\r\nX-Injected: 1", "sekrit-4242\n", "sekrit 4242", "sekrit-4242\x1b[2J"]
+)
+def test_an_api_key_that_cannot_be_a_header_is_refused_unshown(args: list[str], key: str) -> None:
+    line = one_error_line(run_cli(*args, env={"LLMCLI_API_KEY": key}), 2)
+    assert line.startswith("llmcli: error: LLMCLI_API_KEY holds a character an API key cannot")
+    assert "sekrit" not in line
+    flag = one_error_line(run_cli(*args, "--api-key", key), 2)
+    assert flag.startswith("llmcli: error: --api-key holds") and "sekrit" not in flag

@@ -470,10 +470,31 @@ class RemoteSettings:
         show_default=False,
     )
 
+    def __post_init__(self) -> None:
+        check_api_key(self.api_key)
+
     @property
     def url(self) -> str | None:
         """The server named, unless --no-server says to load here."""
         return None if self.no_server else self.server
+
+
+API_KEY_VARIABLE = "LLMCLI_API_KEY"
+
+
+def check_api_key(key: str | None) -> None:
+    """An API key travels as an HTTP bearer token: printable ASCII without spaces. A control
+    character (a CRLF pasted with it) made the HTTP library fail in a message that echoed the
+    whole key; a space or non-ASCII letter would be lost or refused on the way. Refused here,
+    naming where the key came from and never showing it."""
+    if key is None or all("!" <= character <= "~" for character in key):
+        return
+    where = API_KEY_VARIABLE if os.environ.get(API_KEY_VARIABLE) == key else "--api-key"
+    raise UsageError(
+        f"{where} holds a character an API key cannot (a control character such as a line break, "
+        "a space, or a letter outside ASCII); the key is not shown",
+        f"set {where} to the key alone",
+    )
 
 
 @dataclass(frozen=True)

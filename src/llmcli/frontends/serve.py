@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 
-from llmcli.config.settings import LoadSettings, SpeculativeSettings
+from llmcli.config.settings import LoadSettings, SpeculativeSettings, check_api_key
 from llmcli.engine.kept import KeptConversations
 from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
@@ -92,6 +92,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(request: ServeRequest) -> int:
+    check_api_key(request.api_key)  # no client could send it: every request would be a 401
     check_exposure(request.host, request.api_key)
     sock = bind(request.host, request.port)  # before the load: a taken port fails in a second
 
