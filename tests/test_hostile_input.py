@@ -158,6 +158,8 @@ HOSTILE_TEMPLATES = {
     "{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
     "a huge format width": "{{ '%0999999999d' % 1 }}",
     "a huge output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "a range over the sandbox's bound": "{% for i in range(100001) %}{% endfor %}",
+    "a macro that calls itself": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
 }
 
 
@@ -175,12 +177,13 @@ def test_a_template_that_would_not_stop_or_fill_memory_is_refused(name: str) -> 
     assert "--raw" in refused.value.one_line()
 
 
-def test_generate_refuses_a_hostile_template_in_one_line(tiny_llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["a huge string", "a range over the sandbox's bound"])
+def test_generate_refuses_a_hostile_template_in_one_line(tiny_llama: Path, tmp_path: Path, name: str) -> None:
     folder = model_copy(tiny_llama, tmp_path / "hostile")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    (folder / "chat_template.jinja").write_text(HOSTILE_TEMPLATES["a huge string"])
+    (folder / "chat_template.jinja").write_text(HOSTILE_TEMPLATES[name])
     proc = run_cli("generate", "-m", str(folder), "--device", "cpu", "-n", "1", "hi")
     assert "chat template was stopped" in one_error_line(proc, 1)
 

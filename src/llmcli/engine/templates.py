@@ -30,7 +30,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 MAX_SECONDS = 5.0  # a long chat renders in milliseconds
@@ -150,6 +150,17 @@ def _tojson(
     return _made(text)
 
 
+def _bounded_range(*args: int) -> range:
+    """jinja's sandbox range, whose bound it enforces with an OverflowError (which no caller takes
+    for a template's limit): over the bound, a limit as the others are."""
+    numbers = range(*args)
+    if len(numbers) > MAX_RANGE:
+        raise TemplateLimitError(
+            f"it asked for a range of {len(numbers)} numbers, over the bound of {MAX_RANGE}"
+        )
+    return numbers
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -228,6 +239,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             center=_bounded_center, indent=_bounded_indent, format=_bounded_format, tojson=_tojson
         )
         self.globals.update(
+            range=_bounded_range,
             raise_exception=_raise_exception,
             strftime_now=_strftime_now,
             dict=_TemplateDict(),
@@ -261,11 +273,14 @@ def render_template(source: str, **context: Any) -> str:
     pieces: list[str] = []
     length = 0
     with _time_limit(MAX_SECONDS):
-        for piece in template.generate(**context):
-            length += len(piece)
-            if length > MAX_TEXT:
-                raise TemplateLimitError(f"its output went over {MAX_TEXT} characters")
-            pieces.append(piece)
+        try:
+            for piece in template.generate(**context):
+                length += len(piece)
+                if length > MAX_TEXT:
+                    raise TemplateLimitError(f"its output went over {MAX_TEXT} characters")
+                pieces.append(piece)
+        except RecursionError:  # a macro that calls itself: Python's own bound on depth
+            raise TemplateLimitError("it nested calls deeper than Python allows") from None
     return "".join(pieces)
 
 
