@@ -135,6 +135,59 @@ def test_type_ahead_and_ctrl_d_during_a_reply_reach_the_next_prompt(loaded_demo)
     assert "CPR" not in output and "WARNING" not in output
 
 
+# `llmcli` in a process that stops at the start of each prompt (before prompt-toolkit has the
+# terminal), says which mode the terminal is in there, and goes on when the gate file is written.
+PAUSING_AT_PROMPTS = """
+import runpy, sys, termios
+import llmcli.frontends.repl as repl
+
+gate, read_message = sys.argv.pop(1), repl.read_message
+
+
+def paused(*args):
+    cooked = termios.tcgetattr(0)[3] & termios.ICANON
+    print("<<prompt:" + ("cooked" if cooked else "kept") + ">>", flush=True)
+    with open(gate) as waiting:
+        waiting.read(1)
+    return read_message(*args)
+
+
+repl.read_message = paused
+sys.argv[0] = "llmcli"
+runpy.run_module("llmcli", run_name="__main__")
+"""
+
+
+def test_a_ctrl_d_typed_as_the_stats_line_appears_ends_the_chat(tiny_llama: Path, tmp_path: Path) -> None:
+    """Between a reply's stats line and the next prompt the terminal was back in cooked mode for a
+    few milliseconds, and there the line discipline turns Ctrl-D into an end-of-file that
+    prompt-toolkit never sees. Held at that instant, the terminal keeps what is typed."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+
+    def go_on() -> None:
+        with gate.open("w") as opened:
+            opened.write("x")
+
+    env = {**os.environ, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    args = ["-c", PAUSING_AT_PROMPTS, str(gate), "chat", "-m", str(tiny_llama), "-t", "0", "-n", "8"]
+    child = pexpect.spawn(
+        sys.executable, args, env=env, timeout=PATIENCE_S, encoding="utf-8", dimensions=(50, 200)
+    )
+    child.expect(r"<<prompt:(\w+)>>")
+    go_on()
+    child.expect(">>>")
+    child.sendline("Hello there")
+    child.expect(STATS_LINE)
+    child.expect(r"<<prompt:(\w+)>>")  # the reply has ended; the next prompt has not started
+    assert child.match.group(1) == "kept"  # not cooked: what is typed now stays as typed
+    child.sendcontrol("d")
+    go_on()
+    child.expect(pexpect.EOF)  # the prompt read the Ctrl-D and the chat ended
+    child.close()
+    assert child.exitstatus == 0
+
+
 def test_show_and_stats_read_as_text_not_python(tiny_llama: Path, tmp_path: Path) -> None:
     saved = tmp_path / "chat.json"
     lines = f"Hi\n/show\n/stats\n/set temperature 0.3\n/save {saved}\n/set temperature 0.9\n/load {saved}\n"

@@ -56,6 +56,13 @@ def run(request: ChatRequest) -> int:
         view = TerminalView(console, markdown=request.markdown)
     else:
         view = JsonView() if request.json else PlainView()
+    if interactive:  # keys typed ahead, from the load to the end of the chat, reach the prompt
+        with terminal.keeping_type_ahead():
+            return _run(request, view, interactive, console)
+    return _run(request, view, interactive, console)
+
+
+def _run(request: ChatRequest, view: ChatView, interactive: bool, console: Console) -> int:
     # A thinking budget runs on the loaded model itself: the OpenAI API has no field for it.
     in_process = request.think_budget is not None
     target = open_target(request.model, request.load, request.remote, request.speculative, in_process)
@@ -137,12 +144,11 @@ def run_interactive(session: ChatSession, console: Console) -> int:
         if not text.strip():
             continue
         try:
-            with terminal.keeping_type_ahead():
-                if text.lstrip().startswith("/") and "\n" not in text.strip():
-                    if not session.command(text.strip()):
-                        return EXIT_OK
-                else:
-                    session.turn(text)
+            if text.lstrip().startswith("/") and "\n" not in text.strip():
+                if not session.command(text.strip()):
+                    return EXIT_OK
+            else:
+                session.turn(text)
             if session.ended:  # Ctrl-D at a call's approval
                 return EXIT_OK
         except KeyboardInterrupt:

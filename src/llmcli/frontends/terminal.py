@@ -112,12 +112,16 @@ def _labelled(label: str, style: str, message: str) -> None:
 
 @contextlib.contextmanager
 def keeping_type_ahead() -> Iterator[None]:
-    """While a reply prints, keep what the user types for the next prompt, Ctrl-D included.
+    """For a whole interactive chat, keep what the user types between prompts for the next one,
+    Ctrl-D included: while the model loads, while a reply prints, and in the instant between a
+    reply's stats line and the next prompt.
 
-    Between prompts the terminal is in cooked mode: the line discipline echoes keys over the
-    reply and turns Ctrl-D into an end-of-file that prompt-toolkit never sees. With line editing
-    and echo off (signals stay on, so Ctrl-C still stops the reply) every key stays in the input
-    queue as a byte, and the next prompt reads it. TCSANOW: switching back keeps that queue.
+    In cooked mode the line discipline echoes keys over the reply and turns Ctrl-D into an
+    end-of-file that prompt-toolkit never sees. With line editing and echo off (signals stay on,
+    so Ctrl-C still stops the reply) every key stays in the input queue as a byte, and the next
+    prompt reads it. prompt-toolkit puts back the mode it found when each prompt ends, so the
+    terminal is never in cooked mode until the chat is over; entered per reply, it was, between
+    the two, for a few milliseconds. TCSANOW: switching back keeps that queue.
     """
     try:
         import termios
