@@ -323,6 +323,6 @@ def test_only_the_functions_offered_run_whatever_a_reply_names(naming_server: st
     # file's own functions still run.
     calls = chat_naming(naming_server, path, marker, f"get_time {touch}", 'get_weather {"city": "Paris"}')
     refused = calls[0]["result"]
-    assert refused.startswith("error: get_time in ") and "no longer the function" in refused
+    assert refused.startswith("error: get_time in ") and "no longer the plain function" in refused
     assert calls[1]["result"] == "sunny in Paris"
     assert marker.exists() and not pwned.exists()

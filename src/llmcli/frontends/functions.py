@@ -174,8 +174,8 @@ class Functions:
         function = self._module.get(call.name)
         if not _defined_here(function, call.name, filename):
             return (
-                f"error: {call.name} in {self.path} is no longer the function the file defines "
-                "(rebound to something else when the file ran); it was not run"
+                f"error: {call.name} in {self.path} is no longer the plain function the file "
+                "defines (rebound or wrapped when the file ran); it was not run"
             )
         try:
             result = function(**json.loads(call.arguments))
