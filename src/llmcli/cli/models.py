@@ -354,6 +354,12 @@ def show_config(
             # --draft-model alone turns drafting on: the method then comes from where the model did.
             default = effective.sources.get("draft_model", "built-in") if key == "speculative" else "built-in"
             rows.append((key, value, effective.sources.get(key, default)))
+        for key, value, unset in (
+            ("think", effective.think, "built-in (show on a terminal, hide in a pipe)"),
+            ("think_budget", effective.think_budget, "built-in (none)"),
+            ("keep_alive", effective.keep_alive, "built-in (off)"),
+        ):
+            rows.append((key, value, effective.sources.get(key, unset)))
         if json_output:
             _print(
                 json.dumps({key: {"value": value, "source": source} for key, value, source in rows}, indent=2)

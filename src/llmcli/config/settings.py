@@ -513,6 +513,7 @@ class Effective:
     think: str | None = None  # show, hide, off; None: the front end's choice (terminal or pipe)
     think_budget: int | None = None
     keep_alive_s: float | None = None  # a server of this model stays this long after an in-process call
+    keep_alive: str | None = None  # the same, as written (`config show` prints it so)
 
 
 LAYERED_GROUPS = (SamplingSettings, PromptSettings, LoadSettings, SpeculativeSettings, RemoteSettings)
@@ -561,7 +562,7 @@ def effective_settings(
     expand: Callable[[str], str] | None = None,
     names: Callable[[str | None], list[str]] | None = None,
 ) -> Effective:
-    """flag > environment > the model's config section > config [defaults] (the model's
+    """flag > environment > the model's config section > config [defaults] or top level (the model's
     generation_config.json and the built-ins come after, when the model is loaded). `expand`
     turns a built-in alias into what it names, and `names` lists every name a model goes by
     (None: the default model), which the model's section may use (the model layer knows them,
@@ -585,6 +586,7 @@ def effective_settings(
         ("env", env_settings()),
         (f'config [models."{section}"]', config.for_model(section) if section else {}),
         ("config [defaults]", config.defaults),
+        ("config top level", config.top_level),  # never the same key as [defaults]
     ]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -618,4 +620,5 @@ def effective_settings(
         think=values.get("think"),
         think_budget=values.get("think_budget"),
         keep_alive_s=keep_alive_seconds(values.get("keep_alive"), sources.get("keep_alive", "flag")),
+        keep_alive=values.get("keep_alive"),
     )

@@ -2,6 +2,7 @@
 
     # ~/.config/llmcli/config.toml  ($XDG_CONFIG_HOME/llmcli, or the file $LLMCLI_CONFIG names)
     model = "smollm2"                    # the default model: an alias, Hub id, folder or .gguf
+    keep_alive = "10m"                   # a setting above every table: as if in [defaults]
 
     [defaults]                           # for every model
     temperature = 0.7
@@ -16,7 +17,7 @@
     ctx = 2048
 
 Precedence, highest first: flag > environment (LLMCLI_MODEL, LLMCLI_TEMPERATURE, …) > the
-model's section > [defaults] > the model's generation_config.json > built-in.
+model's section > [defaults] (or the top level) > the model's generation_config.json > built-in.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class UserConfig:
     path: Path
     model: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
+    top_level: dict[str, Any] = field(default_factory=dict)  # settings written above every table
     aliases: dict[str, str] = field(default_factory=dict)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -101,10 +103,11 @@ def load_user_config(path: Path | None = None) -> UserConfig:
     from llmcli.reading import CONFIG_BYTES, parse_toml, read_text
 
     data = parse_toml(read_text(path, CONFIG_BYTES, str(path)), str(path))
-    unknown = set(data) - TOP_LEVEL
+    unknown = set(data) - TOP_LEVEL - set(setting_types())
     if unknown:
         raise UsageError(
-            f"{path}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(TOP_LEVEL))})"
+            f"{path}: unknown key {sorted(unknown)[0]!r} "
+            f"(known: {', '.join(sorted(TOP_LEVEL))}, and any setting [defaults] may hold)"
         )
     model = data.get("model")
     if model is not None and not isinstance(model, str):
@@ -115,10 +118,17 @@ def load_user_config(path: Path | None = None) -> UserConfig:
     models = data.get("models", {})
     if not isinstance(models, dict):
         raise UsageError(f"{path}: [models] must hold one table per model")
+    # A setting above every table (`keep_alive = "10m"` as the README writes it) holds for every
+    # model, as [defaults] does; the same key in both places would leave the winner to guess.
+    top_level = _checked_settings(path, "top-level", {k: v for k, v in data.items() if k not in TOP_LEVEL})
+    defaults = _checked_settings(path, "[defaults]", data.get("defaults", {}))
+    if twice := sorted(set(top_level) & set(defaults)):
+        raise UsageError(f"{path}: {twice[0]!r} is set both at the top level and in [defaults]", "keep one")
     return UserConfig(
         path=path,
         model=model,
-        defaults=_checked_settings(path, "[defaults]", data.get("defaults", {})),
+        defaults=defaults,
+        top_level=top_level,
         aliases=dict(aliases),
         models={name: _checked_settings(path, f'[models."{name}"]', table) for name, table in models.items()},
     )
