@@ -58,6 +58,10 @@ class BenchReport:
     generate_achieved_gb_s: float | None = None
     speedup_vs_generate: float | None = None
     compiled_decode_tok_s: float | None = None  # transformers' compiled static-cache generate
+    # The weights as transformers' model holds them (loaded for model.generate): more than
+    # `generate` holds where its lean load shares what transformers keeps twice (a tied
+    # embedding table beside the quantized output layer).
+    transformers_model: bool = False
     speedup_vs_compiled: float | None = None
     ceiling_tok_s: float | None = None  # the linear layers alone, one GEMV each, one graph
     ceiling_pct: float | None = None
@@ -171,9 +175,11 @@ def weight_bytes_read(model: Any, weight_bytes: int) -> float:
     sparse MoE's experts the k a token is routed to (counting every expert made its achieved
     bandwidth exceed the device's)."""
     read = float(weight_bytes)
-    embedding = model.get_input_embeddings().weight
+    # A lean GGUF load's tied table is the int8 head's own rows (HeadRows, no weight of its
+    # own): the head reads it whole, nothing to take off.
+    embedding = getattr(model.get_input_embeddings(), "weight", None)
     head = model.get_output_embeddings()
-    if getattr(head, "weight", None) is not embedding:  # an int8 head has codes, not a weight
+    if embedding is not None and getattr(head, "weight", None) is not embedding:  # an int8 head: codes
         read -= embedding.numel() * embedding.element_size() * (1 - 1 / embedding.shape[0])
     sparse = experts_read_per_token(model)
     if sparse is None:
@@ -272,6 +278,7 @@ def run_bench(
         weight_bytes=loaded.weight_bytes,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
         runs=runs,
+        transformers_model=not type(loaded.model).__module__.startswith("llmcli."),
         new_tokens=new_tokens,
         bandwidth_gb_s=measure_bandwidth(device),
     )

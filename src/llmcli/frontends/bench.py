@@ -41,7 +41,7 @@ def run(request: BenchRequest) -> int:
         with terminal.status(f"Building {request.config} with random weights…"):
             loaded = load_random(request.config, request.load)
     else:
-        loaded = load_with_feedback(request.model, request.load)
+        loaded = load_with_feedback(request.model, request.load, lean=_lean(request))
     engine = engine_with_feedback(loaded)
     if request.speculative.method != "off":
         return _run_speculative(request, loaded, engine)
@@ -63,6 +63,21 @@ def run(request: BenchRequest) -> int:
         )
     sys.stdout.write((json.dumps(report.as_dict()) if request.json else render_table(report)) + "\n")
     return EXIT_OK
+
+
+def _lean(request: BenchRequest) -> bool:
+    """Whether the model may load as `generate` loads it (lean: what the native engine runs, and
+    the weights figure `generate --json` gives), not through transformers: only when no contender
+    needs transformers' model (model.generate, its compiled path, batches, a draft)."""
+    if request.with_generate or request.with_compiled or request.concurrency is not None:
+        return False
+    if request.speculative.method != "off":
+        return False
+    if request.with_compiled is None:  # the default: compiled on CUDA
+        from llmcli.models.device import choose_device
+
+        return choose_device(request.load.device).type != "cuda"
+    return True
 
 
 def _run_speculative(request: BenchRequest, loaded: LoadedModel, plain) -> int:

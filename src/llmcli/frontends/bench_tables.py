@@ -69,7 +69,7 @@ def render_table(report: BenchReport) -> str:
     head = (
         f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
         f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
-        f"weights {format_bytes(report.weight_bytes)} · "
+        f"weights {format_bytes(report.weight_bytes)}{_whose(report)} · "
         f"bandwidth {report.bandwidth_gb_s:.1f} GB/s (measured) · "
         f"{report.new_tokens} new tokens · median (lowest–highest) of {report.runs} runs"
     )
@@ -185,3 +185,10 @@ def render_concurrency_table(report: ConcurrencyReport) -> str:
         "buckets (a power of two ≥ 256 tokens), so KV held is what they reserve.",
     ]
     return "\n".join(lines)
+
+
+def _whose(report: BenchReport) -> str:
+    """Why the weights may differ from `generate --json`'s figure: this load is transformers'."""
+    if not report.transformers_model:
+        return ""
+    return " (as transformers' model holds them, for model.generate; --no-generate loads as generate does)"
