@@ -64,7 +64,7 @@ def test_each_type_is_read_in_place_and_matches_llama_cpp(kind: str, own_cache: 
     puts an exact reader within 0.002 nats of llama.cpp; bf16 activations and int8 for the
     types wider than 4 bits add a little (docs/benchmarks.md has the table)."""
     from llmcli.models.gguf import folder_size
-    from llmcli.models.load import default_load
+    from llmcli.models.load_plan import default_load
 
     path = fixture(kind)
     reference = np.load(path.with_name(f"fixture-{kind}.reference.npz"))
@@ -667,7 +667,7 @@ def test_a_tied_table_is_held_once_and_read_from_its_int8_head(
     loader's (fp32) within the noise of int8 and bf16."""
     from transformers import AutoModelForCausalLM
 
-    from llmcli.models.load import default_load
+    from llmcli.models.load_plan import default_load
     from llmcli.models.resolve import resolve_model
 
     source = fixture(kind)

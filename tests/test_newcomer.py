@@ -11,7 +11,7 @@ import pytest
 
 from llmcli.models.resolve import demo_gguf_path
 
-from cli_helpers import run_cli
+from cli_helpers import run_cli, run_reporting_imports
 
 needs_demo = pytest.mark.skipif(demo_gguf_path() is None, reason="the demo model is not installed")
 LETTER = ["generate", "-t", "0", "-n", "40", "--json", "Write a short letter to a friend."]
@@ -105,6 +105,19 @@ def test_a_plain_models_size_figure_agrees_with_what_loads(tiny_llama: Path) -> 
     shown, loaded = size_figures(str(tiny_llama))
     assert shown["in_memory"]["dtype"] == loaded["dtype"] == "fp32"
     assert abs(shown["in_memory"]["weight_bytes"] - loaded["weight_bytes"]) <= 0.03 * loaded["weight_bytes"]
+
+
+def test_models_show_answers_without_torch(tiny_llama: Path) -> None:
+    """`models show` reads files: torch (a second to import) is imported only where --device
+    auto needs it to know the GPU, never on a machine without a GPU driver."""
+    from llmcli.models.load_plan import surely_cpu
+
+    models = [str(tiny_llama), *(["smollm2"] if demo_gguf_path() is not None else [])]
+    for model in models:
+        shown = run_reporting_imports("models", "show", model)
+        assert "exit 0 imported -" in shown.stderr, shown.stderr
+        assert ("torch not imported" in shown.stderr) == surely_cpu(), shown.stderr
+        assert "as it loads here by default" in shown.stdout
 
 
 def test_help_reads_as_help() -> None:

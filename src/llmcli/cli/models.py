@@ -110,7 +110,7 @@ def show(
         from llmcli.models.catalog import model_summary
         from llmcli.models.gguf import gguf_type
         from llmcli.models.gguf_direct import is_direct
-        from llmcli.models.load import default_load
+        from llmcli.models.load_plan import default_load
         from llmcli.models.resolve import default_model_spec, is_gguf_spec
 
         spec = model or default_model_spec()

@@ -119,7 +119,7 @@ def _tensors(resolved: ResolvedModel, config: LeanConfig, plan: LoadPlan) -> Ten
 
 def _architecture(resolved: ResolvedModel) -> str:
     from llmcli.errors import ModelLoadError
-    from llmcli.models.load import read_config
+    from llmcli.models.load_plan import read_config
 
     try:
         config = read_config(resolved.path)

@@ -3,7 +3,6 @@ threads are chosen in device.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import re
@@ -18,6 +17,7 @@ import torch
 from llmcli.config.settings import LoadSettings
 from llmcli.errors import LlmcliError, ModelLoadError, UsageError
 from llmcli.models.device import DTYPE_NAMES, choose_device, choose_dtype, configure_cpu_threads
+from llmcli.models.load_plan import plan_quantization, read_config
 from llmcli.models.memory import (
     FitRequest,
     available_host_memory,
@@ -33,12 +33,10 @@ from llmcli.models.memory import (
     weight_shapes,
 )
 from llmcli.models.quant import (
-    auto_quant,
     bitsandbytes_config,
     bitsandbytes_request,
     check_quant_request,
     gguf_refusal,
-    native_quant_kind,
     quant_label,
     silence_bitsandbytes,
 )
@@ -124,13 +122,6 @@ def eos_ids(*sources: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def read_config(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {error}") from error
-
-
 def quantization(settings: LoadSettings, dtype: torch.dtype) -> dict[str, Any]:
     """from_pretrained's quantization_config, only when bitsandbytes quantizes on load: passing
     None would switch off the quantization a pre-quantized checkpoint's config asks for."""
@@ -196,46 +187,6 @@ def plan_context(
             budget=budget,
         )
     )
-
-
-def plan_quantization(
-    settings: LoadSettings, config: dict[str, Any], device: torch.device, source: str, folder: Path | None
-) -> tuple[LoadSettings, str | None, int | None]:
-    """The settings with --quant made concrete (auto resolved: never bitsandbytes), and, when
-    llmcli quantizes with its own formats, the kind (int8 or int4) and int4's group size."""
-    requested, group = auto_quant(settings.quant, source, folder)
-    native = native_quant_kind(requested, settings.engine, settings.offload, device.type, config)
-    if settings.quant == "auto" and native is None:
-        requested = "none"
-    return dataclasses.replace(settings, quant=requested), native, group
-
-
-def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, str, str, int]:
-    """How `-m` with `--quant quant` and no other flags would load this model here, without
-    loading it: (device, dtype, quant label, estimated weight bytes) — the figures `models show`
-    gives for this machine."""
-    from llmcli.models.memory import estimate_weight_bytes, native_mode, weight_shapes
-
-    config = read_config(folder)
-    device = choose_device("auto")
-    planned, native, group = plan_quantization(LoadSettings(quant=quant), config, device, source, folder)
-    dtype = torch.bfloat16 if native else choose_dtype("auto", device)
-    if source == "gguf" and not native:  # as plan_load settles it
-        dtype = _gguf_float_dtype(folder, device) or dtype
-    shapes = weight_shapes(folder)
-    stored = (config.get("quantization_config") or {}).get("quant_method")
-    if native:
-        mode = native_mode(native, group, shapes)
-    elif planned.quant in ("none", "auto"):
-        mode = "stored" if stored else "none"
-    else:  # bitsandbytes
-        mode = planned.quant
-    if native:
-        label = mode.removeprefix("native-")
-    else:
-        label = (stored or "none") if mode in ("none", "stored") else mode
-    weight_bytes = estimate_weight_bytes(shapes, dtype.itemsize, mode, device_type=device.type)
-    return device.type, DTYPE_NAMES[dtype], label, weight_bytes
 
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
@@ -307,7 +258,7 @@ _GGUF_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 _NATIVE_HALF_CAPABILITIES = frozenset({"AVX512", "AVX512_BF16", "AMX"})
 
 
-def _gguf_float_dtype(folder: Path, device: torch.device) -> torch.dtype | None:
+def gguf_float_dtype(folder: Path, device: torch.device) -> torch.dtype | None:
     from llmcli.models.gguf import gguf_type
 
     if device.type != "cpu" or torch.backends.cpu.get_cpu_capability() not in _NATIVE_HALF_CAPABILITIES:
@@ -338,10 +289,10 @@ def plan_load(resolved: ResolvedModel, settings: LoadSettings, quiet: bool = Tru
         names |= set(read_safetensors_header(file))  # a damaged file is named now, not crashed on later
     _check_every_expert_stored(folder, config, names)
     device = choose_device(settings.device)
-    settings, native_quant, group = plan_quantization(settings, config, device, resolved.source, folder)
+    settings, native_quant, group = plan_quantization(settings, config, device.type, resolved.source, folder)
     dtype = prepare_device(settings, device, native_quant=native_quant is not None, quiet=quiet)
     if resolved.source == "gguf" and settings.dtype == "auto" and native_quant is None:
-        dtype = _gguf_float_dtype(folder, device) or dtype
+        dtype = gguf_float_dtype(folder, device) or dtype
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(
         resolved, settings, config, device, dtype, (native_quant, group) if native_quant else None
@@ -497,7 +448,7 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     config_file = _config_file(config_spec)
     config = json.loads(config_file.read_text())
     device = choose_device(settings.device)
-    settings, native_quant, _ = plan_quantization(settings, config, device, "random", None)
+    settings, native_quant, _ = plan_quantization(settings, config, device.type, "random", None)
     if settings.quant != "none" and native_quant is None:
         raise UsageError(
             f"--quant {settings.quant} with --random-weights needs a model the native engine runs",
