@@ -6,6 +6,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,20 @@ def pytest_configure(config: pytest.Config) -> None:
     # A handled signal is reset to the default across exec, so the children get Python's own.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Tests skipped for want of llama.cpp's GGUF fixtures are counted in one line that says
+    where they were looked for, not only as `s`s among the dots."""
+    from gguf_fixtures_dir import FIXTURES, MISSING
+
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if MISSING in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(
+            f"{len(skipped)} tests skipped: llama.cpp's GGUF fixtures are not at {FIXTURES} "
+            "(README.md, Development, says where they come from)",
+            yellow=True,
+        )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

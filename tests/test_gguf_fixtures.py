@@ -15,23 +15,16 @@ import pytest
 import torch
 
 from gguf_files import rewrite_gguf
+from gguf_fixtures_dir import fixture
 from llama_cpp_reference import kl_and_top1, perplexity
 
 from cli_helpers import one_error_line, run_cli
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures"
 NATIVE_HALF = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
 TYPES = (
     "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q5_1", "Q4_K_M", "Q4_K_S", "Q4_0", "Q4_1",
     "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS",
 )  # fmt: skip
-
-
-def fixture(name: str) -> Path:
-    path = FIXTURES / f"fixture-{name}.gguf"
-    if not path.is_file():
-        pytest.skip(f"llama.cpp's GGUF fixtures are not beside the checkout ({FIXTURES})")
-    return path
 
 
 @pytest.fixture

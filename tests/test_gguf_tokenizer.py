@@ -9,23 +9,16 @@ from pathlib import Path
 import pytest
 
 from gguf_files import rewrite_gguf
+from gguf_fixtures_dir import FIXTURES, MISSING, fixture
 
 from cli_helpers import run_cli, run_reporting_imports
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures"
 TEXTS = (
     "In the winter of 1887, a storm broke the windows.",
     "  two leading spaces, café, naïve, 東京, emoji 🙂 and tabs\there\n\nnew lines",
     "<|im_start|>user\nhi<|im_end|> <think>inside</think> 12345 don't I'll",
     "",
 )
-
-
-def fixture(name: str) -> Path:
-    path = FIXTURES / f"fixture-{name}.gguf"
-    if not path.is_file():
-        pytest.skip(f"llama.cpp's GGUF fixtures are not beside the checkout ({FIXTURES})")
-    return path
 
 
 def demo_file() -> Path:
@@ -102,7 +95,7 @@ def test_the_built_tokenizer_gives_llama_cpps_own_ids(tmp_path: Path) -> None:
     """llama.cpp tokenized the fixtures' text itself (their manifest): the same ids, BOS first."""
     manifest = json.loads((FIXTURES / "manifest.json").read_text()) if FIXTURES.is_dir() else None
     if manifest is None:
-        pytest.skip(f"llama.cpp's GGUF fixtures are not beside the checkout ({FIXTURES})")
+        pytest.skip(MISSING)
     from llmcli.models.lean_tokenizer import LeanTokenizer
 
     tokenizer = LeanTokenizer(built(fixture("Q4_0"), tmp_path / "ours"))

@@ -335,9 +335,10 @@ def test_a_bad_transcript_is_one_line_and_the_chat_goes_on(tiny_llama: Path, tmp
 def small_gguf() -> Path:
     """A GGUF file made by llama.cpp: the shared fixture beside the checkout where there is one
     (7 MB), else the demo model's file (installed with the tests)."""
+    from gguf_fixtures_dir import FIXTURES
     from llmcli.models.resolve import demo_gguf_path
 
-    shared = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures" / "fixture-F16.gguf"
+    shared = FIXTURES / "fixture-F16.gguf"
     found = shared if shared.is_file() else demo_gguf_path()
     if found is None:
         pytest.skip("no GGUF file here: the demo model is not installed")

@@ -4,6 +4,7 @@ the default model's name, size figures that agree, and help that reads as help."
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -172,3 +173,22 @@ def test_a_setting_above_every_table_counts_as_defaults(tmp_path: Path) -> None:
     config.write_text('keep_alive = "soon"\n')
     bad = run_cli("generate", "hi", env=env)
     assert bad.returncode == 2 and "keep_alive" in bad.stderr.decode() and "soon" in bad.stderr.decode()
+
+
+def test_a_clone_without_the_gguf_fixtures_is_told_what_skips(tmp_path: Path) -> None:
+    """Without ../shared/gguf-fixtures (a user's clone), the fixture tests skip saying where the
+    files were looked for and where they come from, and the run counts them in one line."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-fixtures"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+         str(Path(__file__).parent / "test_gguf_fixtures.py"), "-k", "each_type_is_read_in_place and Q4_0"],
+        capture_output=True, text=True, env={**os.environ, "LLMCLI_GGUF_FIXTURES": str(missing)}, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0 and "1 skipped" in run.stdout, run.stdout + run.stderr
+    assert f"not at {missing}: they are not in the repository (see README.md, Development" in run.stdout
+    assert f"1 tests skipped: llama.cpp's GGUF fixtures are not at {missing}" in run.stdout
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "`../shared/gguf-fixtures/`" in readme.split("## Development", 1)[1]
