@@ -192,3 +192,33 @@ def test_a_clone_without_the_gguf_fixtures_is_told_what_skips(tmp_path: Path) ->
     assert f"1 tests skipped: llama.cpp's GGUF fixtures are not at {missing}" in run.stdout
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "`../shared/gguf-fixtures/`" in readme.split("## Development", 1)[1]
+
+
+@pytest.mark.demo
+@needs_demo
+@pytest.mark.parametrize("seed", ["1", "2"])
+def test_the_readmes_json_examples_run_as_shown_on_the_demo(seed: str, tmp_path: Path) -> None:
+    """Each line of the README's JSON block, run by a shell as written (sampled, as a user runs
+    it; the seed only makes the run repeatable), gives the demo's useful answer, not `{}` or an
+    unfinished value."""
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("## JSON output a program can trust", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    shell = f'llmcli() {{ "{sys.executable}" -m llmcli "$@"; }}\n'
+    values = []
+    for line in block.splitlines():
+        if "llmcli chat" in line:
+            continue  # interactive
+        proc = subprocess.run(
+            ["bash", "-c", shell + line], cwd=tmp_path, capture_output=True, text=True,
+            env={**os.environ, "LLMCLI_SEED": seed}, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0 and "llmcli: error" not in proc.stderr, (line, proc.stderr)
+        if "llmcli generate" in line:
+            values.append(json.loads(proc.stdout))
+    person, extracted, review = values
+    assert person["name"] == "Alice" and {"age", "city"} & set(person), person
+    assert extracted["name"] == "Marie Curie" and isinstance(extracted["born"], int), extracted
+    assert review == {"sentiment": "positive"}

@@ -185,8 +185,11 @@ def test_batch_lines_may_bring_their_own_schema(tiny_llama: Path, tmp_path: Path
     ]
     batch = tmp_path / "batch.jsonl"
     batch.write_text("\n".join(lines) + "\n")
+    # The command line's format, for the line without its own: an object, its string bounded (a
+    # random model's free string ends only by chance: --format json finished here by luck).
+    given = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
     proc = run_cli("generate", "-m", str(tiny_llama), "--device", "cpu", "--batch", str(batch), "--json",
-                   "--format", "json", "-n", "300", "--seed", "1")  # fmt: skip
+                   "--json-schema", json.dumps(given), "-n", "300", "--seed", "1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr.decode()
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     jsonschema.validate(records[0]["value"], colors)
@@ -214,3 +217,37 @@ def test_properties_come_in_the_schemas_order(loaded_tiny) -> None:
     }
     result = constrained(loaded_tiny, schema, seed=0)
     assert list(json.loads(result.text)) == ["zeta", "alpha", "mid"]
+
+
+def test_items_are_separated_as_json_is_usually_written(loaded_tiny) -> None:
+    """ ", " and ": " between items, as models saw JSON written (compact separators put the demo
+    off: docs/benchmarks.md), and no other whitespace."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "array", "items": {"type": "boolean"}}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        text = constrained(loaded_tiny, schema, seed=seed).text
+        assert text == json.dumps(json.loads(text)), text  # Python's separators are ", " and ": "
+
+
+def test_a_value_cut_while_the_model_loops_is_said_so_not_more_tokens() -> None:
+    """A value cut by the limit: when the model was repeating itself, the line says so and
+    what helps (a prompt, a closed schema, a bigger model), not only to raise the limit."""
+    from llmcli.engine.structured import ANY_OBJECT
+    from llmcli.frontends.formats import unfinished_value
+
+    any_object = OutputFormat(ANY_OBJECT, "--format json")
+    cut = ("length", 512, 512, "--max-new-tokens")
+    looping = unfinished_value(any_object, *cut, '{"population": ' + "1" * 500)
+    assert looping.startswith("the reply is not a complete JSON value (--format json): --max-new-tokens 512")
+    assert 'the model was repeating "1"' in looping and "more tokens would only repeat it" in looping
+    assert "prompt that names the keys" in looping and "bigger model" in looping
+    open_schema = OutputFormat({"type": "object", "properties": {"a": {"type": "string"}}}, "--json-schema x")
+    adding = unfinished_value(open_schema, *cut, '{"a": "x", "b": {"c": "Paris is')
+    assert "had not finished it" in adding and '"additionalProperties": false' in adding
+    assert "raise the limit only if the value is that long" in adding
+    stopped = unfinished_value(any_object, "stop", 9, 512, "--max-new-tokens", '{"a": "b')
+    assert "a stop string cut it; give one that the value cannot contain" in stopped

@@ -145,7 +145,9 @@ def run(request: BatchRequest) -> int:
             if output is not None and not result.value_complete:
                 failed = True
                 tokens, limit = result.stats.completion_tokens, params.max_new_tokens
-                why = unfinished_value(output, result.finish_reason, tokens, limit, "--max-new-tokens")
+                why = unfinished_value(
+                    output, result.finish_reason, tokens, limit, "--max-new-tokens", result.text
+                )
                 terminal.error(f"prompt {index}: {why}")
     seconds = time.perf_counter() - start
     rate = total_tokens / seconds if seconds else 0.0

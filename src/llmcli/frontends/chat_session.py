@@ -313,7 +313,8 @@ class ChatSession:
         report = self._report(outcome, dropped, [])
         if self.output is not None and outcome.finish_reason not in CUT and not outcome.value_complete:
             limit = (outcome.sampling or {}).get("max_new_tokens") or self.sampling.max_new_tokens
-            self._fail(unfinished_value(self.output, outcome.finish_reason, outcome.completion_tokens, limit))
+            tokens = outcome.completion_tokens
+            self._fail(unfinished_value(self.output, outcome.finish_reason, tokens, limit, text=outcome.text))
         return report
 
     def _reply(

@@ -135,7 +135,9 @@ def run(request: GenerateRequest) -> int:
 
         limit = (outcome.sampling or {}).get("max_new_tokens")
         tokens = outcome.completion_tokens
-        terminal.error(unfinished_value(output, outcome.finish_reason, tokens, limit, "--max-new-tokens"))
+        terminal.error(
+            unfinished_value(output, outcome.finish_reason, tokens, limit, "--max-new-tokens", outcome.text)
+        )
         exit_code = EXIT_FAILURE
     if request.stats:
         summary = f"{outcome.stats_summary()} · {outcome.finish_reason} · {target.summary()}"
