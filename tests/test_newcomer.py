@@ -194,31 +194,41 @@ def test_a_clone_without_the_gguf_fixtures_is_told_what_skips(tmp_path: Path) ->
     assert "`../shared/gguf-fixtures/`" in readme.split("## Development", 1)[1]
 
 
-@pytest.mark.demo
-@needs_demo
-@pytest.mark.parametrize("seed", ["1", "2"])
-def test_the_readmes_json_examples_run_as_shown_on_the_demo(seed: str, tmp_path: Path) -> None:
-    """Each line of the README's JSON block, run by a shell as written (sampled, as a user runs
-    it; the seed only makes the run repeatable), gives the demo's useful answer, not `{}` or an
-    unfinished value."""
+def run_readme_block(heading: str, seed: str, folder: Path) -> list[str]:
+    """The stdout of each line of the first `sh` block under README's `heading` (but `llmcli
+    chat`, which is interactive), run by bash in `folder` as written, `llmcli` being this
+    checkout's; LLMCLI_SEED makes the sampled runs repeatable."""
     import subprocess
     import sys
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    block = readme.split("## JSON output a program can trust", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    block = readme.split(heading, 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
     shell = f'llmcli() {{ "{sys.executable}" -m llmcli "$@"; }}\n'
-    values = []
+    outputs = []
     for line in block.splitlines():
         if "llmcli chat" in line:
-            continue  # interactive
+            continue
         proc = subprocess.run(
-            ["bash", "-c", shell + line], cwd=tmp_path, capture_output=True, text=True,
+            ["bash", "-c", shell + line], cwd=folder, capture_output=True, text=True,
             env={**os.environ, "LLMCLI_SEED": seed}, timeout=600,
         )  # fmt: skip
         assert proc.returncode == 0 and "llmcli: error" not in proc.stderr, (line, proc.stderr)
-        if "llmcli generate" in line:
-            values.append(json.loads(proc.stdout))
-    person, extracted, review = values
+        outputs.append(proc.stdout)
+    return outputs
+
+
+@pytest.mark.demo
+@needs_demo
+@pytest.mark.parametrize("seed", ["1", "2"])
+def test_the_readmes_json_and_tool_examples_run_as_shown_on_the_demo(seed: str, tmp_path: Path) -> None:
+    """The README's JSON and tool-call blocks, run as written (sampled, as a user runs them),
+    give the demo's useful answers, not `{}`, an unfinished value or a pile of calls."""
+    outputs = run_readme_block("## JSON output a program can trust", seed, tmp_path)
+    person, _, extracted, review = (json.loads(out) if out else None for out in outputs)  # _: person.json
     assert person["name"] == "Alice" and {"age", "city"} & set(person), person
     assert extracted["name"] == "Marie Curie" and isinstance(extracted["born"], int), extracted
     assert review == {"sentiment": "positive"}
+    _, printed, piped = run_readme_block("## Tool calls:", seed, tmp_path)
+    call = json.loads(printed)  # one line: one call
+    assert (call["name"], call["arguments"]) == ("get_weather", {"city": "Paris"})
+    assert [(c["name"], c["arguments"]) for c in json.loads(piped)] == [("get_weather", {"city": "Tokyo"})]
