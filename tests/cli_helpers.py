@@ -37,24 +37,28 @@ def one_error_line(proc, code: int) -> str:
 
 
 # llmcli's command line in a process that ends its stderr with "exit CODE imported NAMES": which
-# of transformers and accelerate the call left imported ("-" for neither); then a line "torch
-# imported" or "torch not imported".
+# of transformers and accelerate the call left imported ("-" for neither).
 _REPORTING_IMPORTS = (
     "import sys\n"
     "from llmcli.cli.entry import run_command_line\n"
     "code = run_command_line(sys.argv[1:])\n"
     "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'accelerate'})\n"
     "print('\\nexit', code, 'imported', ','.join(loaded) or '-', file=sys.stderr)\n"
+)
+# The same, then a last line "torch imported" or "torch not imported".
+_REPORTING_TORCH = _REPORTING_IMPORTS + (
     "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)\n"
 )
 
 
-def run_reporting_imports(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_reporting_imports(
+    *args: str, env: dict[str, str] | None = None, torch: bool = False
+) -> subprocess.CompletedProcess[str]:
     """`llmcli ARGS`, in-process as the console script runs it, its stderr ending with which of
-    transformers and accelerate it imported (`exit 0 imported -`: neither), then whether torch
-    was (`torch not imported`)."""
+    transformers and accelerate it imported (`exit 0 imported -`: neither); with `torch`, then a
+    line saying whether torch was (`torch not imported`)."""
     return subprocess.run(
-        [sys.executable, "-c", _REPORTING_IMPORTS, *args],
+        [sys.executable, "-c", _REPORTING_TORCH if torch else _REPORTING_IMPORTS, *args],
         capture_output=True,
         text=True,
         timeout=PATIENCE_S,

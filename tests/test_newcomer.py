@@ -115,7 +115,7 @@ def test_models_show_answers_without_torch(tiny_llama: Path) -> None:
 
     models = [str(tiny_llama), *(["smollm2"] if demo_gguf_path() is not None else [])]
     for model in models:
-        shown = run_reporting_imports("models", "show", model)
+        shown = run_reporting_imports("models", "show", model, torch=True)
         assert "exit 0 imported -" in shown.stderr, shown.stderr
         assert ("torch not imported" in shown.stderr) == surely_cpu(), shown.stderr
         assert "as it loads here by default" in shown.stdout
