@@ -167,6 +167,10 @@ def test_a_setting_above_every_table_counts_as_defaults(tmp_path: Path) -> None:
     shown = json.loads(proc.stdout)
     assert shown["keep_alive"] == {"value": "10m", "source": "config top level"}
     assert shown["think"]["value"] == "hide" and shown["temperature"]["value"] == 0.5
+    from llmcli.config.settings import effective_settings
+    from llmcli.config.user_config import load_user_config
+
+    assert effective_settings(None, {}, load_user_config(config)).keep_alive_s == 600  # what generate uses
     config.write_text('keep_alive = "10m"\n\n[defaults]\nkeep_alive = "5m"\n')
     twice = run_cli("config", "show", env=env)
     assert twice.returncode == 2 and "'keep_alive' is set both" in twice.stderr.decode()
