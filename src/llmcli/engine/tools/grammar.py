@@ -17,10 +17,9 @@ import json
 from typing import Any
 
 from llmcli.engine.structured import OutputFormat
+from llmcli.engine.structured.grammar import COMPILE_OPTIONS as SEPARATORS  # as --json-schema writes
 from llmcli.engine.tools import Tool, ToolRequest
 from llmcli.engine.tools.formats import ToolFormat
-
-SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def call_schema(tools: tuple[Tool, ...], arguments_key: str) -> dict[str, Any]:
