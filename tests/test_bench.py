@@ -39,6 +39,7 @@ REPORT_FIELDS = (
     "ceiling_pct",
     "context_fill",
     "decode_tok_s_at_fill",
+    "transformers_model",
 )
 # 24 new tokens: decode speed is T(24) - T(1), which must stay well above the noise of a busy machine.
 QUICK = ["--runs", "3", "-n", "24", "--prompt-lengths", "16,32", "--device", "cpu"]
@@ -85,6 +86,7 @@ def test_bench_on_random_weights_reports_every_field(tiny_llama: Path, engine: s
         assert report[name] > 0, name
     assert report["itl_p99_ms"] >= report["itl_p50_ms"] > 0
     assert report["model"].endswith("(random weights)")
+    assert report["transformers_model"] is True  # model.generate timed: transformers' model loaded
 
 
 def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
