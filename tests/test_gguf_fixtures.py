@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gguf_files import rewrite_gguf
-from gguf_fixtures_dir import fixture
+from gguf_fixtures_dir import FIXTURES, fixture
 from llama_cpp_reference import kl_and_top1, perplexity
 
 from cli_helpers import one_error_line, run_cli
