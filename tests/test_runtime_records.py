@@ -121,8 +121,13 @@ def start_server(model: Path, env: dict[str, str], cwd: Path | None = None) -> s
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_for(lambda: ready(env) or server.poll() is not None, "the server's record")
-    assert server.poll() is None, "the server stopped as it started"
+    try:
+        wait_for(lambda: ready(env) or server.poll() is not None, "the server's record")
+        assert server.poll() is None, "the server stopped as it started"
+    except BaseException:
+        server.kill()  # never left running past its test
+        server.wait()
+        raise
     return server
 
 
