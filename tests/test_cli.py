@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -55,15 +54,12 @@ def heavy_modules_imported(stderr: bytes) -> set[str]:
     ids=["help", "generate-help", "chat-help", "models-help", "usage-error", "ps", "stop"],
 )
 def test_help_and_usage_errors_import_no_heavy_modules(args: list[str]) -> None:
-    started = time.perf_counter()
     proc = subprocess.run(
         [*LLMCLI[:1], "-X", "importtime", *LLMCLI[1:], *args], capture_output=True, timeout=PATIENCE_S
     )
-    elapsed = time.perf_counter() - started
     assert proc.returncode in (0, EXIT_USAGE)
     assert "import time:" in proc.stderr.decode()  # the probe itself works
-    assert heavy_modules_imported(proc.stderr) == set()
-    assert elapsed < 3, f"{args} took {elapsed:.1f} s"
+    assert heavy_modules_imported(proc.stderr) == set()  # what keeps it fast; timed in a benchmark
 
 
 def test_help_carries_examples() -> None:
@@ -236,13 +232,10 @@ def test_ctrl_c_exits_130_without_traceback(tiny_llama: Path) -> None:
 
 
 def test_unknown_model_fails_fast_with_one_line() -> None:
-    started = time.perf_counter()
     proc = run_cli("generate", "-m", "no-such-org/no-such-model", "hi")
-    elapsed = time.perf_counter() - started
     err = proc.stderr.decode()
     assert proc.returncode == EXIT_FAILURE
     assert err.count("\n") == 1 and "no-such-org/no-such-model" in err and "HF_HUB_OFFLINE" in err
-    assert elapsed < 5
 
 
 def test_missing_gguf_file_is_named() -> None:

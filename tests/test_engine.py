@@ -151,7 +151,7 @@ def test_stats_are_measured(loaded_tiny) -> None:
     stats = generation.result.stats
     assert stats.prompt_tokens == len(ids) == stats.prefilled_tokens
     assert stats.completion_tokens == 10
-    assert 0 < stats.ttft_s < 10
+    assert stats.ttft_s > 0
     assert stats.decode_s > 0 and stats.decode_tok_s == pytest.approx(9 / stats.decode_s)
     assert stats.prefill_tok_s == pytest.approx(len(ids) / stats.ttft_s)
 

@@ -177,7 +177,8 @@ def test_a_background_server_that_cannot_start_is_said_once_and_the_call_goes_on
 def test_calls_made_while_a_background_server_loads_start_no_second_one(
     tiny_llama: Path, places: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """Its record is written once it has loaded: a call in the meantime finds it starting."""
+    """Its record says it is loading from the moment it listens: a call in the meantime finds it
+    loading and starts none."""
     from llmcli.config.settings import LoadSettings, RemoteSettings
     from llmcli.frontends.keep_alive import keep_alive_after
 
