@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 
 LLMCLI = [sys.executable, "-m", "llmcli"]
 # How long a test waits for something to happen before calling it a hang. Not a measure of
@@ -64,3 +68,16 @@ def run_reporting_imports(
         timeout=PATIENCE_S,
         env={**os.environ, **(env or {})},
     )
+
+
+@contextlib.contextmanager
+def local_http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A stand-in HTTP server on 127.0.0.1 (a peer that misbehaves, a program on another port),
+    each request in a thread of its own; its URL, and it is shut down at the end."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from llmcli.models.load import load_model
 from llmcli.models.resolve import resolve_model
 from test_repl import ANSI, Repl
 
-from cli_helpers import run_cli
+from cli_helpers import local_http_server, run_cli
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL
 
@@ -283,11 +282,8 @@ class _NamingServer(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def naming_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NamingServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with local_http_server(_NamingServer) as url:
+        yield url
 
 
 def chat_naming(server: str, path: Path, marker: Path, *messages: str) -> list[dict]:

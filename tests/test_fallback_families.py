@@ -8,7 +8,6 @@ crash or a 500."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ import torch
 
 from llmcli.engine.conversation import Conversation, build_messages, prompt_ids
 
-from cli_helpers import PATIENCE_S, run_cli
-from test_serve import Server, assert_access_log_only, start_server
+from cli_helpers import run_cli
+from test_serve import Server, served
 from tiny_models import FALLBACK_FAMILIES, TINY_CONTEXT, build_tiny_model
 
 REPLY_TOKENS = 10
@@ -113,11 +112,7 @@ def test_a_chat_reuses_what_it_can_and_starts_over_elsewhere(family: Path, refer
 
 @pytest.fixture(scope="module")
 def server(family: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(family, tmp_path_factory.mktemp("runtime"))
-    yield running
-    running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=PATIENCE_S) == 0
-    assert_access_log_only(running.process.stderr.read())
+    yield from served(family, tmp_path_factory.mktemp("runtime"))
 
 
 def ask(server: Server, prompt: str) -> Any:

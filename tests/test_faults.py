@@ -8,7 +8,6 @@ import http.server
 import json
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from llmcli.models.resolve import demo_gguf_path
 
-from cli_helpers import LLMCLI, PATIENCE_S, one_error_line, run_cli
+from cli_helpers import LLMCLI, PATIENCE_S, local_http_server, one_error_line, run_cli
 
 TIGHT = ["--device", "cpu", "-n", "4"]
 
@@ -240,11 +239,8 @@ class _DyingServer(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def dying_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DyingServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with local_http_server(_DyingServer) as url:
+        yield url
 
 
 def test_a_reply_cut_by_a_dying_server_is_an_error_not_a_complete_reply(dying_server: str) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from llmcli.server.client import Client, StreamBrokenError
 
-from cli_helpers import LLMCLI, PATIENCE_S, one_error_line, run_cli
+from cli_helpers import LLMCLI, PATIENCE_S, local_http_server, one_error_line, run_cli
 
 ESCAPES = "\x1b]0;pwned\x07\x1b[2K\rllmcli: error: forged\n\x9b31m"
 INERT = "\\x1b]0;pwned\\x07\\x1b[2K\\rllmcli: error: forged\\n\\x9b31m"
@@ -91,19 +91,15 @@ class HostileHandler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def hostile() -> Iterator[Callable[..., str]]:
     """hostile(post, **fields) → the URL of a server that answers every POST with `post`."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HostileHandler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     names = itertools.count()
+    with local_http_server(HostileHandler) as url:
 
-    def serve(post: Callable[..., Iterator[bytes]], **fields: object) -> str:
-        name = f"b{next(names)}"
-        HostileHandler.behaviours[name] = Behaviour(post, **fields)  # type: ignore[arg-type]
-        return f"http://127.0.0.1:{server.server_address[1]}/{name}"
+        def serve(post: Callable[..., Iterator[bytes]], **fields: object) -> str:
+            name = f"b{next(names)}"
+            HostileHandler.behaviours[name] = Behaviour(post, **fields)  # type: ignore[arg-type]
+            return f"{url}/{name}"
 
-    yield serve
-    server.shutdown()
+        yield serve
     HostileHandler.behaviours.clear()
 
 

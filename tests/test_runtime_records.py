@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -23,7 +22,7 @@ import pytest
 
 from test_keep_alive import ready, records, wait_for
 
-from cli_helpers import LLMCLI, PATIENCE_S, run_cli
+from cli_helpers import LLMCLI, PATIENCE_S, local_http_server, run_cli
 
 
 @pytest.fixture
@@ -173,33 +172,22 @@ def test_a_record_pointing_a_live_server_elsewhere_gets_no_prompt(tiny_llama: Pa
     """A live llmcli server's pid, start time and command line, with another URL: the prompt
     goes nowhere but the model loaded in-process."""
     server = start_server(tiny_llama, places)
-    listener = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Listener)
-    threading.Thread(target=listener.serve_forever, daemon=True).start()
     try:
         (real,) = Path(places["XDG_RUNTIME_DIR"]).joinpath("llmcli").glob("server-*.json")
         record = json.loads(real.read_text())
         real.unlink()  # the server runs on; only the forged record names it now
-        for url in (f"http://127.0.0.1:{listener.server_address[1]}", "http://192.0.2.1:80"):
-            write_record(places, "forged", **{**record, "url": url, "instance": "0" * 32})
-            proc = run_cli(
-                "generate",
-                "-m",
-                str(tiny_llama),
-                "--device",
-                "cpu",
-                "-t",
-                "0",
-                "-n",
-                "2",
-                "--json",
-                "Hi",
-                env=places,
-            )
-            assert proc.returncode == 0, proc.stderr.decode()
-            assert json.loads(proc.stdout)["server"] is None
+        with local_http_server(_Listener) as listener:
+            for url in (listener, "http://192.0.2.1:80"):
+                write_record(places, "forged", **{**record, "url": url, "instance": "0" * 32})
+                proc = run_cli(
+                    "generate", "-m", str(tiny_llama), "--device", "cpu", "-t", "0", "-n", "2", "--json",
+                    "Hi",
+                    env=places,
+                )  # fmt: skip
+                assert proc.returncode == 0, proc.stderr.decode()
+                assert json.loads(proc.stdout)["server"] is None
         assert _Listener.received == []
     finally:
-        listener.shutdown()
         server.kill()
         server.wait()
 

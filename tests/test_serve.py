@@ -95,14 +95,20 @@ def start_server(model: Path, runtime: Path, *extra: str) -> Server:
     return Server(process, url, runtime)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(tiny_llama, tmp_path_factory.mktemp("runtime"))
+def served(model: Path, runtime: Path, *extra: str) -> Iterator[Server]:
+    """A fixture's server: started, then stopped gracefully — no traceback, no warning, and its
+    record gone."""
+    running = start_server(model, runtime, *extra)
     yield running
     running.process.send_signal(signal.SIGTERM)
     assert running.process.wait(timeout=PATIENCE_S) == 0
-    assert_access_log_only(running.process.stderr.read())  # graceful: no traceback, no warning
-    assert not list((running.runtime / "llmcli").glob("server-*.json"))  # its record is gone
+    assert_access_log_only(running.process.stderr.read())
+    assert not list((running.runtime / "llmcli").glob("server-*.json"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))
 
 
 @pytest.fixture(scope="module")

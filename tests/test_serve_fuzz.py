@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from cli_helpers import PATIENCE_S
-from test_serve import Server, assert_access_log_only, assert_error_shape, start_server
+from test_serve import Server, assert_error_shape, served
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -155,11 +154,7 @@ HOSTILE = [
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(tiny_llama, tmp_path_factory.mktemp("runtime"), "--ctx", "512", "--quiet")
-    yield running
-    running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=PATIENCE_S) == 0
-    assert_access_log_only(running.process.stderr.read())  # no traceback, whatever came
+    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"), "--ctx", "512", "--quiet")
 
 
 def post(server: Server, path: str, body: bytes) -> tuple[int, bytes]:

@@ -4,14 +4,12 @@ OpenAI routes, NDJSON streams, Ollama's error shape, and every option it cannot 
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import PATIENCE_S
-from test_serve import Server, assert_access_log_only, start_server
+from test_serve import Server, served
 
 ollama = pytest.importorskip("ollama")
 
@@ -20,11 +18,7 @@ GREEDY = {"temperature": 0, "num_predict": 8}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = start_server(tiny_llama, tmp_path_factory.mktemp("runtime"))
-    yield running
-    running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=PATIENCE_S) == 0
-    assert_access_log_only(running.process.stderr.read())
+    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))
 
 
 def client(server: Server):

@@ -5,13 +5,11 @@ conversation continued by `previous_response_id` with its cache reused."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 
 import pytest
 
-from cli_helpers import PATIENCE_S
-from test_serve import Server, assert_access_log_only, start_server
+from test_serve import Server, served
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL, WEATHER
 
@@ -25,11 +23,7 @@ TOOL = {"type": "function", **WEATHER["function"]}
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("models") / "tiny-hermes-responses"
     build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
-    running = start_server(folder, tmp_path_factory.mktemp("runtime"))
-    yield running
-    running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=PATIENCE_S) == 0
-    assert_access_log_only(running.process.stderr.read())
+    yield from served(folder, tmp_path_factory.mktemp("runtime"))
 
 
 def test_a_response_is_the_chat_reply_streamed_and_not(server: Server) -> None:
