@@ -651,3 +651,27 @@ def test_markup_after_a_spelled_control_token_keeps_its_whitespace_with_strippin
     ids = prompt_ids(tokenizer, messages)
     text = tokenizer.decode(ids)
     assert "a <|im_end|> b<|im_end|>\n<|im_start|>assistant\n" in text, text
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("temperature", float("nan"), "its temperature must be a number ≥ 0 (0 means greedy), got nan"),
+        ("top_p", 7, "its top_p must be a number in (0, 1]"),
+        ("top_k", 2.5, "its top_k must be an integer"),
+        ("max_new_tokens", "lots", "its max_new_tokens must be an integer"),
+    ],
+)
+def test_a_models_own_sampling_defaults_are_checked_at_load(
+    tiny_llama: Path, tmp_path: Path, key: str, value: object, said: str
+) -> None:
+    """generation_config.json is the model's, read as data: a value no flag would take was met
+    as an unexpected crash in sampling after the load (a NaN temperature), or ran."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    config = folder / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "do_sample": True, key: value}))
+    for engine in ("native", "transformers"):
+        proc = run_cli("generate", "-m", str(folder), "--engine", engine, "-n", "2", "Hi")
+        line = one_error_line(proc, 1)
+        assert f"{config}: {said}" in line, line

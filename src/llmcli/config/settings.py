@@ -11,7 +11,15 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from llmcli.config.declare import Bounds, check_bounds, declarations, key_of, setting, setting_name
+from llmcli.config.declare import (
+    Bounds,
+    check_bounds,
+    declarations,
+    field_types,
+    key_of,
+    setting,
+    setting_name,
+)
 from llmcli.config.units import parse_duration, parse_size
 from llmcli.errors import UsageError
 
@@ -190,6 +198,23 @@ class SamplingParams:
 
     def with_(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
+
+
+def model_default_problem(name: str, value: Any) -> str | None:
+    """Why a sampling default a model's files give (generation_config.json, a GGUF file's
+    general.sampling.*) is one no setting of that name would take — "an integer ≥ 0, got nan" —
+    or None. Checked at the load, not met as a crash in sampling after it."""
+    declared, kind = declarations(SamplingSettings)[name], field_types(SamplingSettings)[name]
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if (
+        number
+        and (isinstance(value, int) or kind is float)
+        and (declared.bounds is None or declared.bounds.holds(value))
+    ):
+        return None
+    wanted = "an integer" if kind is int else "a number"
+    rule = f"{wanted} {declared.bounds.rule()}" if declared.bounds is not None else wanted
+    return f"must be {rule}, got {value!r}"
 
 
 def _sampling_from_generation_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -288,21 +288,14 @@ def check_metadata(table: GGUFTable) -> None:
     """The file's sampling defaults within the bounds the same settings have in a config file,
     and its BOS and EOS ids within its vocabulary: ModelLoadError naming the file and the key,
     at its first read rather than as a crash in sampling or an empty reply after the load."""
-    from llmcli.config.declare import declarations, field_types
-    from llmcli.config.settings import SamplingSettings
+    from llmcli.config.settings import model_default_problem
 
-    meta, declared, types = table.metadata, declarations(SamplingSettings), field_types(SamplingSettings)
+    meta = table.metadata
     for key, name in _SAMPLING_KEYS.items():
         value = meta.get(key)
-        if value is None:
-            continue
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        whole = isinstance(value, int) or types[name] is float
-        bounds = declared[name].bounds
-        if not (number and whole) or (bounds is not None and not bounds.holds(value)):
-            kind = "an integer" if types[name] is int else "a number"
-            rule = f"{kind} {bounds.rule()}" if bounds is not None else kind
-            raise ModelLoadError(f"{table.path}: its {key} must be {rule}, got {value!r}", _METADATA_HINT)
+        problem = model_default_problem(name, value) if value is not None else None
+        if problem is not None:
+            raise ModelLoadError(f"{table.path}: its {key} {problem}", _METADATA_HINT)
     tokens = meta.get("tokenizer.ggml.tokens")  # read as its count
     vocabulary = len(tokens) if isinstance(tokens, list) else tokens
     if not isinstance(vocabulary, int):

@@ -103,11 +103,27 @@ def quiet_libraries() -> None:
 
 
 def read_generation_config(folder: Path) -> dict[str, Any]:
+    """The model's generation_config.json, its sampling defaults checked as a config file's
+    values are: a NaN temperature or a top_p of 7 is one line naming the file, not a crash in
+    sampling after the load."""
+    from llmcli.config.settings import BUILTIN_SAMPLING, model_default_problem
+
     path = folder / "generation_config.json"
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError, RecursionError):
+        return {}  # transformers' own reading of the folder says what is wrong with it
+    if not isinstance(config, dict):
         return {}
+    for name in BUILTIN_SAMPLING:
+        value = config.get(name)
+        problem = model_default_problem(name, value) if value is not None else None
+        if problem is not None:
+            raise ModelLoadError(
+                f"{path}: its {name} {problem}",
+                "fix the file, or remove the key (llmcli's own default then applies)",
+            )
+    return config
 
 
 def eos_ids(*sources: Any) -> frozenset[int]:
@@ -320,6 +336,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
     folder, config, device, dtype = resolved.path, plan.config, plan.device, plan.dtype
     settings, native_quant, group = plan.settings, plan.native_quant, plan.group
     context, context_note = plan.context, plan.context_note
+    generation_config = read_generation_config(folder)  # checked before transformers reads it
     common = {"trust_remote_code": settings.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)
@@ -369,7 +386,6 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
             f"on {device.type} here, so they take 4-8x their size on disk in memory"
         )
         quant, quant_backend = "none", "none"
-    generation_config = read_generation_config(folder)
     dtype_bytes = dtype.itemsize
     return LoadedModel(
         model=model,
