@@ -39,9 +39,9 @@ def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remo
     from llmcli.models.resolve import default_model_spec
     from llmcli.server.runtime import LOADING, matching_server, runtime_dir
 
-    spec = model or default_model_spec()
+    spec, flags = model or default_model_spec(), load_flags(load)
     try:
-        lock = FileLock(str(_lock_path(spec, load_flags(load))))
+        lock = FileLock(str(_lock_path(spec, flags)))
         writable(runtime_dir())  # a server nobody could find or stop is not worth starting
         log = log_path()
     except OSError as error:
@@ -55,7 +55,7 @@ def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remo
             if running.state == LOADING:
                 terminal.note(f"A background server of {spec} is still loading (pid {running.pid}).")
             return
-        server = _start(spec, load_flags(load), seconds, log)
+        server = _start(spec, flags, seconds, log)
         if not _announced(server):
             terminal.note(f"The background server of {spec} stopped as it started; its log: {log}")
             return

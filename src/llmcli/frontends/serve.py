@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -30,9 +30,7 @@ from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
-
-if TYPE_CHECKING:
-    from llmcli.server.runtime import RecordWriter
+from llmcli.server.runtime import RecordWriter, model_identity
 
 DEFAULT_PORT = 8471
 # Generations at once by default on a CPU: 4 streams decode at 2.6× one stream's aggregate on
@@ -97,7 +95,6 @@ def run(request: ServeRequest) -> int:
     sock = bind(request.host, request.port)  # before the load: a taken port fails in a second
 
     from llmcli.models.resolve import default_model_spec
-    from llmcli.server.runtime import RecordWriter
 
     model_spec = request.model or default_model_spec()
     port = sock.getsockname()[1]
@@ -306,14 +303,6 @@ def _privately(load: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return load(*args, **kwargs)
 
 
-def _file_identity(path: Path) -> tuple[int, ...] | None:
-    try:
-        stat = path.stat()
-    except OSError:  # gone, or no longer readable: a change as well
-        return None
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
 class WatchedFile:
     """The app, noticing before each request that the GGUF file the model was read from has
     changed on disk since, said once. The server keeps serving what it loaded (_privately: it
@@ -322,11 +311,11 @@ class WatchedFile:
 
     def __init__(self, app: Any, path: Path) -> None:
         self.app, self.path = app, path
-        self.loaded = _file_identity(path)
+        self.loaded = model_identity(str(path))
         self.said = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if not self.said and scope["type"] == "http" and _file_identity(self.path) != self.loaded:
+        if not self.said and scope["type"] == "http" and model_identity(str(self.path)) != self.loaded:
             self.said = True
             terminal.warning(
                 f"{self.path} changed on disk after it was loaded; this server keeps serving the "

@@ -9,7 +9,6 @@ started it) is not running: it has already let go of its socket and its record.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -52,12 +51,6 @@ def is_running(identity: ProcessIdentity) -> bool:
             return tuple(process.cmdline()) == identity.argv
     except (psutil.Error, OSError, ValueError):
         return False  # gone, or not ours to look at: not a process to signal either
-
-
-def is_zombie(pid: int) -> bool:
-    with contextlib.suppress(psutil.Error, OSError, ValueError):
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    return False
 
 
 def listens_on(pid: int, port: int) -> bool | None:

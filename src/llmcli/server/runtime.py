@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmcli.atomic import write_text_atomically
 from llmcli.config.paths import state_dir
 from llmcli.config.settings import LoadSettings
 from llmcli.reading import peer_text
@@ -125,17 +126,13 @@ class RecordWriter:
             self.path.unlink()
 
     def _write(self) -> None:
-        """Atomic, so a reader sees all of it or nothing."""
+        """Atomic, so a reader sees all of it or nothing (and no staging file is left)."""
         if self.broken is not None:
             return
-        staging = self.path.with_name(f".{self.path.name}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            staging.write_text(json.dumps(self._record))
-            os.replace(staging, self.path)
+            write_text_atomically(self.path, json.dumps(self._record))
         except OSError as error:
-            with contextlib.suppress(OSError):
-                staging.unlink()
             self.broken = error.strerror or type(error).__name__
             self._note(
                 f"Cannot write this server's record in {self.path.parent} ({self.broken}): it serves, "
@@ -152,7 +149,12 @@ def write_failure(model_spec: str, error: BaseException) -> Path | None:
     path = runtime_dir() / f"failed-{os.getpid()}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.write_text(json.dumps({"model_spec": model_spec, "error": first_line}))
+        failure = {
+            "model_spec": model_spec,
+            "model_identity": model_identity(model_spec),
+            "error": first_line,
+        }
+        path.write_text(json.dumps(failure))
     except OSError:
         return None  # nowhere to leave it: the next call loads in-process without the reason
     return path
@@ -167,7 +169,9 @@ def take_failures(model_spec: str) -> list[str]:
             failure = json.loads(_read_small(path))
         except (OSError, ValueError, RecursionError):
             continue
-        if not isinstance(failure, dict) or failure.get("model_spec") != model_spec:
+        if not isinstance(failure, dict):
+            continue
+        if not _names(model_spec, failure.get("model_identity"), (failure.get("model_spec"),)):
             continue
         reasons.append(peer_text(str(failure.get("error") or "unknown")))
         with contextlib.suppress(OSError):
@@ -297,10 +301,16 @@ def serves_model(record: ServerRecord, spec: str) -> bool:
     """Whether a running server's record is of the model `spec` names. A spec that names a file
     or folder here is matched by that file's identity (where it is, its size and time), never by
     its spelling: `-m m.gguf` in another folder is another model."""
+    return _names(spec, record.model_identity, (record.model_spec, record.model))
+
+
+def _names(spec: str, identity: Any, names: tuple[Any, ...]) -> bool:
+    """Whether what was recorded of a model (the identity of its file or folder, else the names
+    it went by) is the model `spec` names here."""
     wanted = model_identity(spec)
     if wanted is not None:
-        return record.model_identity == wanted
-    return record.model_identity is None and spec in {record.model_spec, record.model}
+        return identity == wanted
+    return identity is None and spec in names
 
 
 def model_identity(spec: str) -> dict[str, Any] | None:
