@@ -167,7 +167,7 @@ def test_a_setting_above_every_table_counts_as_defaults(tmp_path: Path) -> None:
     shown = json.loads(proc.stdout)
     assert shown["keep_alive"] == {"value": "10m", "source": "config top level"}
     assert shown["think"]["value"] == "hide" and shown["temperature"]["value"] == 0.5
-    from llmcli.config.settings import effective_settings
+    from llmcli.config.effective import effective_settings
     from llmcli.config.user_config import load_user_config
 
     assert effective_settings(None, {}, load_user_config(config)).keep_alive_s == 600  # what generate uses

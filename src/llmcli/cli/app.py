@@ -17,10 +17,10 @@ import typer
 from llmcli.cli.examples import BENCH_EPILOG, CHAT_EPILOG, GENERATE_EPILOG, SERVE_EPILOG
 from llmcli.cli.models import config_app, models_app
 from llmcli.cli.options import Only, with_settings
+from llmcli.config.effective import Effective, effective_settings
 from llmcli.config.settings import (
     MOST_BEAMS,
     SAMPLING,
-    Effective,
     LoadSettings,
     OutputSettings,
     PromptSettings,
@@ -29,7 +29,6 @@ from llmcli.config.settings import (
     SpeculativeSettings,
     ToolSettings,
     bytes_of_size,
-    effective_settings,
     flag_values,
     seconds_of,
 )

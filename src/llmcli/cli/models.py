@@ -319,7 +319,7 @@ def show_config(
 ) -> None:
     """The settings in effect, and where each came from."""
     with handled_errors():
-        from llmcli.config.settings import effective_settings
+        from llmcli.config.effective import effective_settings
         from llmcli.config.user_config import load_user_config
         from llmcli.frontends.config_check import warn_about_unmatched_sections
         from llmcli.models.resolve import expand_default_alias, names_of

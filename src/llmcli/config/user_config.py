@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmcli.config.declare import layered_types
+from llmcli.config.settings import LAYERED_GROUPS
 from llmcli.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -40,9 +42,6 @@ else:  # pragma: no cover - Python 3.10
 def setting_types() -> dict[str, type]:
     """Every key a [defaults] or [models."…"] section (or LLMCLI_<KEY>) may set, and its type:
     the settings declared layered (config/settings.py)."""
-    from llmcli.config.declare import layered_types
-    from llmcli.config.settings import LAYERED_GROUPS
-
     return layered_types(*LAYERED_GROUPS)
 
 
