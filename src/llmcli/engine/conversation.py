@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmcli.engine.control_text import Prompt, guard_of, mark, parse
+from llmcli.engine.detok import decode_exact
 from llmcli.engine.prompt_bounds import refuse_unfittable
 from llmcli.engine.reasoning import closing_text, opens_thinking, thinking_of
 from llmcli.errors import ContextOverflowError, LlmcliError
@@ -204,11 +205,6 @@ def _added_around(tokenizer: Any) -> tuple[list[int], list[int]]:
         if full[at : at + len(bare)] == bare:
             return full[:at], full[at + len(bare) :]
     return [], []
-
-
-def decode_exact(tokenizer: Any, ids: list[int]) -> str:
-    """Text of `ids` with special tokens and spacing exactly as the template writes them."""
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def ids_for_text(tokenizer: Any, held: list[int], prompt: Prompt | str) -> list[int]:

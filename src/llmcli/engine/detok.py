@@ -17,6 +17,11 @@ _INCOMPLETE = "\ufffd"
 _CONTEXT_TOKENS = 4
 
 
+def decode_exact(tokenizer: Any, ids: list[int]) -> str:
+    """Text of `ids` with special tokens and spacing exactly as the template writes them."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer

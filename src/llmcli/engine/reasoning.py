@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from llmcli.engine.detok import decode_exact
+
 REASONING = "reasoning"
 CONTENT = "content"
 
@@ -98,8 +100,6 @@ def prompt_thinking(tokenizer: Any, prompt_ids: list[int]) -> PromptThinking | N
     thinking = thinking_of(tokenizer) if tokenizer is not None else None
     if thinking is None:
         return None
-    from llmcli.engine.conversation import decode_exact
-
     think = thinking.format
     tail = decode_exact(tokenizer, prompt_ids[-64:])
     inside = opens_thinking(tail, think)
@@ -298,9 +298,7 @@ class ThinkingStream:
         splitter = self.splitter
         if splitter is None:
             return text, None, None
-        from llmcli.engine.conversation import decode_exact
-
-        splitter.flush()
+            splitter.flush()
         decode = functools.partial(decode_exact, self.tokenizer)
         tokens = reasoning_tokens(decode, token_ids, splitter.think, splitter.started_inside)
         return splitter.text(CONTENT), splitter.text(REASONING) if splitter.thought else None, tokens

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from llmcli.engine.native.pool import SlotPool
+from llmcli.engine.native.pool import SlotPool, position_bytes
 
 MIN_BUCKET = 256
 # Every cache's tensors get a version no other cache's ever had: a graph captured on one cache's
@@ -57,11 +55,6 @@ class SavedCache:
 
     def nbytes(self) -> int:
         return bytes_of([*self.keys, *self.values])
-
-
-def position_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """One position's keys and values in one layer."""
-    return 2 * kv_heads * head_dim * dtype.itemsize
 
 
 def bytes_of(tensors: list[torch.Tensor]) -> int:

@@ -23,14 +23,20 @@ whatever the text's length, and its layers attend per sequence.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from llmcli.engine.native.kvcache import position_bytes
 
-if TYPE_CHECKING:
-    from llmcli.engine.native.kvcache import KVCache
+class PooledCache(Protocol):
+    """A sequence's cache holding views of its slot (kvcache.KVCache): told when the pool moved."""
+
+    def bind_pool(self) -> None: ...
+
+
+def position_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """One position's keys and values in one layer."""
+    return 2 * kv_heads * head_dim * dtype.itemsize
 
 
 class SlotPool:
@@ -51,9 +57,9 @@ class SlotPool:
         self.capacity = 0
         self.keys: list[torch.Tensor | None] = [self._empty(0, 0) if p else None for p in pooled]
         self.values: list[torch.Tensor | None] = [self._empty(0, 0) if p else None for p in pooled]
-        self.caches: list[KVCache] = []  # attached, their slot their index
+        self.caches: list[PooledCache] = []  # attached, their slot their index
 
-    def attach(self, cache: KVCache) -> int:
+    def attach(self, cache: PooledCache) -> int:
         self.caches.append(cache)
         return len(self.caches) - 1
 
