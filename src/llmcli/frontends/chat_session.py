@@ -25,6 +25,7 @@ from llmcli.frontends.functions import describe_call
 from llmcli.frontends.target import Outcome, known
 from llmcli.frontends.tools import call_record
 from llmcli.frontends.transcript import TRANSCRIPT_VERSION, read_transcript, write_transcript
+from llmcli.frontends.wording import plural
 from llmcli.server.client import StreamBrokenError
 
 if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads it
@@ -174,11 +175,6 @@ def shown(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
-
-
-def plural(count: int, noun: str, nouns: str | None = None) -> str:
-    """ "1 reply", "2 replies", "0 tokens": numbers as a person writes them."""
-    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 @dataclass

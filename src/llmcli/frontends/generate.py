@@ -18,7 +18,9 @@ from llmcli.engine.reasoning import REASONING
 from llmcli.engine.reply import TOOL_CALL
 from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
-from llmcli.frontends.target import Ask, json_record, open_target
+from llmcli.frontends.json_record import json_record
+from llmcli.frontends.opening import open_target
+from llmcli.frontends.target import Ask
 from llmcli.frontends.tools import call_record
 
 if TYPE_CHECKING:

@@ -380,7 +380,7 @@ class LocalHistory:
         return f" ({needed} tokens in context, {prefilled} prefilled now)"
 
     def describe(self) -> str:
-        from llmcli.frontends.chat_session import plural
+        from llmcli.frontends.wording import plural
 
         return (
             f"context {len(self.conversation.ids)}/{self.target.context_length} tokens · "

@@ -503,7 +503,7 @@ class RemoteHistory:
         return ""
 
     def describe(self) -> str:
-        from llmcli.frontends.chat_session import plural
+        from llmcli.frontends.wording import plural
 
         context = self.target.context_length or "unknown"
         from llmcli.engine.conversation import exchange_starts

@@ -21,7 +21,7 @@ from llmcli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from llmcli.frontends import terminal
 from llmcli.frontends.chat_session import COMMANDS, ChatSession, ChatView
 from llmcli.frontends.chat_views import JsonView, PlainView, TerminalView
-from llmcli.frontends.target import open_target
+from llmcli.frontends.opening import open_target
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
