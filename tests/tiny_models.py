@@ -88,7 +88,7 @@ _LINEAR_ATTENTION = {  # Qwen3.5 and Qwen3-Next: a gated DeltaNet layer, then a 
     "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"],
 }  # fmt: skip
 _SMALL_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-# Families only transformers runs (none is in NATIVE_FAMILIES), each with a cache layer whose
+# Families only transformers runs (none is in models/families.py), each with a cache layer whose
 # state cannot be cropped back: a recurrent or convolution state, KV shared from another layer,
 # a sliding window. Their config class, model class and what a 2-layer model of them needs.
 FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {

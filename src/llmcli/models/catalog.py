@@ -233,9 +233,9 @@ def model_summary(folder: Path, name: str) -> dict[str, Any]:
 def _quant_mode(config: dict[str, Any], folder: Path, shapes: dict[str, Any], kind: str) -> str:
     """How `--quant KIND` would store this model: llmcli's own formats for what the native engine
     runs (int4 in GGUF's blocks of 32 for a GGUF conversion), bitsandbytes' for the rest."""
+    from llmcli.models.families import family_of_config
     from llmcli.models.gguf import GGUF_INT4_GROUP, is_conversion
-    from llmcli.models.quant import SUPPORTED_ARCHITECTURES
 
-    if (config.get("architectures") or [None])[0] not in SUPPORTED_ARCHITECTURES:
+    if family_of_config(config) is None:
         return kind
     return native_mode(kind, GGUF_INT4_GROUP if is_conversion(folder) else None, shapes)

@@ -208,21 +208,20 @@ def _check_transformers_reads(table: GGUFTable) -> None:
     """A file of an architecture llmcli does not read in place is converted by transformers:
     one it has no mapping for is refused now, before the conversion starts."""
     _require_gguf()
-    from llmcli.models.gguf_direct import DIRECT_ARCHITECTURES
+    from llmcli.models.families import BY_GGUF
 
     if not transformers_reads(table.architecture):
         raise ModelLoadError(
             f"{table.path}: its architecture {table.architecture!r} is one neither llmcli's engine "
             "nor transformers runs",
-            f"llmcli reads {', '.join(sorted(DIRECT_ARCHITECTURES))} GGUF files itself, "
-            "and the others transformers reads",
+            f"llmcli reads {', '.join(sorted(BY_GGUF))} GGUF files itself, and the others transformers reads",
         )
 
 
 def _converted_for_transformers(folder: Path) -> bool:
     """A whole conversion of a file llmcli does not read in place. (An older llmcli converted
     every file: one it now reads in place is read again, and its copy replaced.)"""
-    from llmcli.models.gguf_direct import DIRECT_ARCHITECTURES
+    from llmcli.models.families import BY_GGUF
 
     if not (folder / _DONE_MARKER).is_file():
         return False
@@ -230,7 +229,7 @@ def _converted_for_transformers(folder: Path) -> bool:
         architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):
         return False
-    return not set(architectures) & set(DIRECT_ARCHITECTURES.values())
+    return not set(architectures) & {row.architecture for row in BY_GGUF.values()}
 
 
 def _is_ready(target: Path, table: GGUFTable) -> bool:

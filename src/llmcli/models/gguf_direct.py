@@ -34,6 +34,7 @@ import numpy as np
 
 from llmcli.atomic import folder_written_atomically, write_text_atomically
 from llmcli.errors import ModelLoadError
+from llmcli.models.families import by_gguf
 from llmcli.models.gguf_int4 import unpermute_rows
 from llmcli.models.gguf_table import GGUFTable, TableEntry, read_table
 
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 
     from llmcli.models.memory import TensorHeader
 
-# llama.cpp's architecture name → the transformers class the lean model stands in for.
-DIRECT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SOURCE_FILE = ".llmcli-gguf"  # the GGUF file's path, in a folder read directly
 NAME_FILE = ".llmcli-name"  # as gguf.py names it: the name `models import --name` gave
 # How config_of reads a file's metadata: a folder whose config.json an older reading wrote gets it
@@ -60,10 +59,6 @@ DEQUANTIZED_TYPES = (
     "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4",
 )  # fmt: skip
 READABLE_TYPES = (*sorted(FLOAT_TYPES), *sorted(EXACT_INT4_TYPES), *DEQUANTIZED_TYPES)
-# llama.cpp's converter interleaves the two rotary halves of each q and k head of a `llama` file
-# (its RoPE pairs neighbours); transformers' layout pairs halves, so those rows are put back.
-_PERMUTED_ARCHITECTURES = frozenset({"llama"})
-
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -100,7 +95,7 @@ def reads_directly(table: GGUFTable) -> bool:
     """Whether the file is read in place: an architecture the lean model builds, every tensor
     one it has a place for (a Mixtral file is `llama` with experts: transformers' path takes
     it, as before), and of a type read here (one that is not is refused now, naming it)."""
-    if table.architecture not in DIRECT_ARCHITECTURES:
+    if by_gguf(table.architecture) is None:
         return False
     if any(hf_name(name) is None and name != ROPE_FACTORS for name in table.tensors):
         return False
@@ -129,7 +124,7 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
     embed = table.tensors.get("token_embd.weight")
     vocab = int(key("vocab_size") or (embed.shape[0] if embed else meta.get("tokenizer.ggml.tokens", 0)))
     config: dict[str, Any] = {
-        "architectures": [DIRECT_ARCHITECTURES[arch]],
+        "architectures": [by_gguf(arch).architecture],
         "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
@@ -213,7 +208,8 @@ def check_shapes(table: GGUFTable) -> None:
                 f"tensor {entry.name} has the shape {list(entry.shape)}, where its metadata "
                 f"implies {list(expected)}",
             )
-    required = _REQUIRED_IN_A_BLOCK | _REQUIRED_BY_ARCHITECTURE.get(table.architecture, frozenset())
+    row = by_gguf(table.architecture)
+    required = _REQUIRED_IN_A_BLOCK | (row.gguf_required if row is not None else frozenset())
     names = ["token_embd.weight", "output_norm.weight"]
     for name in names + [f"blk.{i}.{part}" for i in range(blocks) for part in sorted(required)]:
         if name not in table.tensors:
@@ -255,10 +251,6 @@ _REQUIRED_IN_A_BLOCK = frozenset({
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
     "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
 })  # fmt: skip
-
-# What llama.cpp's loader requires of these architectures beyond a Llama block (it loads a
-# `qwen2` file without its q/k/v biases, and runs it so, as llmcli does).
-_REQUIRED_BY_ARCHITECTURE = {"qwen3": frozenset({"attn_q_norm.weight", "attn_k_norm.weight"})}
 
 
 def _wrongly_shaped(table: GGUFTable, what: str) -> ModelLoadError:
@@ -511,7 +503,8 @@ class GGUFTensors:
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
         # None: every tensor is a copy (private_copies).
         self._file = None if _PRIVATE_COPIES.get() else np.memmap(self.path, dtype=np.uint8, mode="c")
-        self._permuted = self.table.architecture in _PERMUTED_ARCHITECTURES
+        row = by_gguf(self.table.architecture)
+        self._permuted = row is not None and row.gguf_permuted
         self._heads = {"q_proj": heads[0], "k_proj": heads[1]}
 
     def __contains__(self, name: str) -> bool:

@@ -1,6 +1,6 @@
 """config.json as the native engine reads it, without transformers' configuration classes: the
 values it names, and transformers' defaults for the fields it leaves out (the Llama family's,
-and where Phi-3, Gemma 2/3, Qwen3-MoE and Mixtral differ).
+and where its family's row in families.py says otherwise).
 
 Also the RoPE frequencies, computed as transformers computes them for the RoPE types the lean
 path takes (default, linear, llama3, longrope, yarn); others are refused (`LeanUnsupported`) and
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from llmcli.errors import LlmcliError
+from llmcli.models.families import Family, family
 
 # What transformers' Llama, Mistral and Qwen2/3 configurations fill in where config.json is silent.
 DEFAULTS: dict[str, Any] = {
@@ -35,72 +36,6 @@ DEFAULTS: dict[str, Any] = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
-# What Gemma2Config and Gemma3TextConfig both fill in.
-_GEMMA: dict[str, Any] = {
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "use_bidirectional_attention": None,
-}
-# Where an architecture's configuration class fills in otherwise (transformers' Phi3Config,
-# Gemma2Config and Gemma3TextConfig).
-ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "Gemma2ForCausalLM": _GEMMA
-    | {"max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-    "Gemma3ForCausalLM": _GEMMA
-    | {
-        "max_position_embeddings": 131_072,
-        "sliding_window_pattern": 6,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-        "use_bidirectional_attention": False,
-    },
-    # Qwen's configs carry a window they use only where `use_sliding_window` says so (default off).
-    "Qwen2ForCausalLM": {"use_sliding_window": False},
-    "Qwen3ForCausalLM": {"use_sliding_window": False, "head_dim": 128},
-    "Qwen3MoeForCausalLM": {
-        "max_position_embeddings": 32768,
-        "norm_topk_prob": False,
-        "use_sliding_window": False,
-    },
-    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
-    "GptOssForCausalLM": {
-        "num_local_experts": 128,
-        "num_experts_per_tok": 4,
-        "head_dim": 64,
-        "sliding_window": 128,
-        "max_position_embeddings": 131_072,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 150_000.0,
-        "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0,
-        "attention_bias": True,
-    },
-    "Phi3ForCausalLM": {
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
-        "original_max_position_embeddings": 4096,
-        "bos_token_id": 1,
-        "eos_token_id": 32000,
-        "pad_token_id": 32000,
-    },
-}
-# GptOssConfig's RoPE where config.json names none: YaRN from 4096 positions, 32 times over.
-_GPT_OSS_ROPE = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
-}
-# Sliding and full layers in turn, the first sliding, where config.json names no layer types.
-_ALTERNATING = frozenset({"Gemma2ForCausalLM", "GptOssForCausalLM"})
 LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3", "longrope", "yarn"})
 
 
@@ -123,18 +58,26 @@ class LeanConfig:
     transformers' configs), with the family defaults above."""
 
     def __init__(self, values: dict[str, Any]) -> None:
-        architecture = (values.get("architectures") or [""])[0]
-        self._values = {**DEFAULTS, **ARCHITECTURE_DEFAULTS.get(architecture, {}), **values}
+        row = family((values.get("architectures") or [""])[0])
+        defaults = row.config_defaults if row is not None else {}
+        self._values = {**DEFAULTS, **defaults, **values}
         if self._values.get("num_key_value_heads") is None:
             self._values["num_key_value_heads"] = self._values.get("num_attention_heads")
-        if architecture == "Gemma3ForCausalLM":
+        if row is None:
+            return
+        if row.layer_types == "gemma3":
             self._gemma3()
-        elif architecture in _ALTERNATING and self._values.get("layer_types") is None:
+        elif row.layer_types == "alternating" and self._values.get("layer_types") is None:
             layers = range(self._values["num_hidden_layers"])  # sliding and global in turn
             self._values["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in layers]
         rope_given = values.get("rope_parameters") or values.get("rope_scaling")
-        if architecture == "GptOssForCausalLM" and not rope_given:
-            self._values["rope_parameters"] = dict(_GPT_OSS_ROPE)
+        if row.default_rope is not None and not rope_given:
+            self._values["rope_parameters"] = dict(row.default_rope)
+
+    @property
+    def family(self) -> Family | None:
+        """Its architecture's row in the families table (families.py)."""
+        return family((self._values.get("architectures") or [""])[0])
 
     def _gemma3(self) -> None:
         """Gemma 3's layer kinds and a RoPE table for each, as Gemma3TextConfig settles them from
@@ -188,7 +131,8 @@ class LeanConfig:
         rope = dict(found) if isinstance(found, dict) else {}
         rope.setdefault("rope_theta", self._values.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        if rope["rope_type"] in ("su", "yarn") and self._values.get("architectures") == ["Phi3ForCausalLM"]:
+        row = self.family
+        if rope["rope_type"] in ("su", "yarn") and row is not None and row.longrope_aliases:
             rope["rope_type"] = "longrope"  # Phi-3's older names for it, as transformers reads them
         return rope
 

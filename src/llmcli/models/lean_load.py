@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmcli.errors import LlmcliError
+from llmcli.models.families import family
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, TokenizerUnsupported
-from llmcli.models.lean_model import GPT_OSS, LEAN_ARCHITECTURES
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,7 +45,7 @@ def lean_load(resolved: ResolvedModel, settings: LoadSettings) -> LeanOutcome:
         architecture = _architecture(resolved)
     except LeanUnsupported:
         return LeanOutcome(None)
-    if architecture not in LEAN_ARCHITECTURES or _asked_for_transformers(settings):
+    if family(architecture) is None or _asked_for_transformers(settings):
         return LeanOutcome(None)
     try:
         return LeanOutcome(_load(resolved, settings))
@@ -152,8 +152,8 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     plan = plan_load(resolved, settings, quiet=False)
     notes = [plan.context_note] if plan.context_note else []
     stored = (plan.config.get("quantization_config") or {}).get("quant_method")
-    architecture = (plan.config.get("architectures") or [""])[0]
-    if stored == "mxfp4" and architecture == GPT_OSS and plan.device.type == "cpu":
+    row = family((plan.config.get("architectures") or [""])[0])
+    if stored == "mxfp4" and row is not None and row.mxfp4_on_cpu and plan.device.type == "cpu":
         # As transformers' path does here (no MXFP4 kernel on a CPU), said as it says it.
         notes.append(
             f"MXFP4 experts dequantized to {DTYPE_NAMES.get(plan.dtype, plan.dtype)}: llmcli has no "

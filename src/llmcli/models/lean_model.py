@@ -18,28 +18,15 @@ import torch
 from torch import nn
 
 from llmcli.errors import ModelLoadError
+from llmcli.models.families import Family
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, rope_frequencies
 from llmcli.models.tensor_file import TensorFile
 
-# The architectures whose checkpoints this module reads: the Llama family's layout, with Qwen2's
-# q/k/v biases and Qwen3's q/k norms where the checkpoint has them, Phi-3's q/k/v and gate/up
-# stored fused, Gemma 2 and 3 (their norms around the MLP; Gemma 3's RoPE table per kind of
-# layer), the sparse mixtures Qwen3-MoE and Mixtral (a router and experts in some layers), and
-# gpt-oss (attention sinks, biased experts stored [experts, in, out], as MXFP4 blocks or not).
-GEMMA2, GEMMA3, GPT_OSS = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"
-LEAN_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
-) | {GEMMA2, GEMMA3, "Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS}
-# The tensors beyond the weights that transformers' modules of each architecture have, which
-# its config implies: a checkpoint without one is damaged (transformers' path names it in one
-# line), not a model without it. Biases: Qwen2's q/k/v always; Mistral, Mixtral and Phi-3 none;
-# Llama's MLP where `mlp_bias`; the others' q/k/v/o where `attention_bias`.
-_UNBIASED = frozenset({"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"})
-_HEAD_NORMS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GEMMA3})  # q_norm, k_norm
+# The architectures whose checkpoints this module reads are the rows of families.py: the Llama
+# family's layout, with what each row says its config implies beyond the weights (biases, q/k
+# norms, Gemma's norms around the MLP, sinks, experts). A checkpoint without a tensor its config
+# implies is damaged (transformers' path names it in one line), not a model without it.
 _MLP = frozenset({"gate_proj", "up_proj", "down_proj"})
-# The norms gpt-oss keeps in fp32 in an fp16 model (transformers' `_keep_in_fp32_modules`, which
-# it applies to fp16 only).
-_FP32_NORMS = {GPT_OSS: frozenset({"input_layernorm", "post_attention_layernorm", "norm"})}
 
 
 class Norm(nn.Module):
@@ -176,24 +163,24 @@ def build(
     file's blocks (its 4-bit codes as they are, the others into int8): they get stand-ins of
     their shape (`is_stand_in`), which the quantizer replaces. `packed`: the quantizer will run,
     on a CPU (TensorSource.embedding)."""
-    architecture = config.architectures[0]
-    if architecture not in LEAN_ARCHITECTURES:
-        raise LeanUnsupported(f"its architecture {architecture}")
-    gemma = architecture in (GEMMA2, GEMMA3)
-    activation = config.hidden_activation if gemma else config.hidden_act
-    if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+    row = config.family
+    if row is None:
+        raise LeanUnsupported(f"its architecture {config.architectures[0]}")
+    field, expected = row.activation
+    activation = getattr(config, field)
+    if activation != expected:
         raise LeanUnsupported(f"its activation {activation!r}")
     device = tensors.device
-    rotary = _gemma_rotary(config, device) if architecture == GEMMA3 else _rotary(tensors, config, device)
+    rotary = _gemma_rotary(config, device) if row.rope_per_kind else _rotary(tensors, config, device)
     embed_name = "model.embed_tokens.weight"
     body = nn.Module()
     body.embed_tokens = tensors.embedding(embed_name, packed)
-    if gemma:  # what transformers' scaled embedding says it multiplies its rows by
+    if row.embed_scale:  # what transformers' scaled embedding says it multiplies its rows by
         body.embed_tokens.scalar_embed_scale = config.hidden_size**0.5
     body.layers = nn.ModuleList(
-        _layer(tensors, f"model.layers.{i}", stand_ins, config) for i in range(config.num_hidden_layers)
+        _layer(tensors, f"model.layers.{i}", stand_ins, config, row) for i in range(config.num_hidden_layers)
     )
-    body.norm = Norm(tensors.get("model.norm.weight", _norm_dtype(tensors, config, "norm")))
+    body.norm = Norm(tensors.get("model.norm.weight", _norm_dtype(tensors, row, "norm")))
     body.rotary_emb = rotary
     head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
     if "lm_head" in stand_ins:  # the quantizer reads it from the file: never read here
@@ -206,9 +193,9 @@ def build(
     return LeanCausalLM(config, body, lm_head)
 
 
-def _norm_dtype(tensors: TensorSource, config: LeanConfig, name: str) -> torch.dtype | None:
+def _norm_dtype(tensors: TensorSource, row: Family, name: str) -> torch.dtype | None:
     """fp32 for a norm its family keeps so in an fp16 model; None: the model's dtype."""
-    kept = name in _FP32_NORMS.get(config.architectures[0], frozenset())
+    kept = name in row.fp32_norms
     return torch.float32 if kept and tensors.dtype == torch.float16 else None
 
 
@@ -250,15 +237,14 @@ def _fits_the_stream(name: str, weight: torch.Tensor, hidden: int) -> None:
         raise DamagedCheckpoint(f"a checkpoint whose tensor {name} has the shape {list(weight.shape)}")
 
 
-def _has_bias(config: LeanConfig, projection: str) -> bool:
+def _has_bias(config: LeanConfig, row: Family, projection: str) -> bool:
     """Whether transformers' module for `projection` (q_proj, …, down_proj) has a bias."""
-    architecture = config.architectures[0]
-    if architecture in _UNBIASED:
+    if row.biases == "none":
         return False
-    if architecture == "Qwen2ForCausalLM":
+    if row.biases == "qkv":
         return projection in ("q_proj", "k_proj", "v_proj")
     if projection in _MLP:
-        return architecture == "LlamaForCausalLM" and bool(config.mlp_bias)
+        return row.biases == "attention+mlp" and bool(config.mlp_bias)
     return bool(config.attention_bias)
 
 
@@ -272,22 +258,22 @@ def _implied(tensors: TensorSource, name: str, implied: bool) -> torch.Tensor | 
     return tensors.get(name) if implied else None
 
 
-def _layer(tensors: TensorSource, prefix: str, stand_ins: frozenset[str], config: LeanConfig) -> nn.Module:
-    architecture = config.architectures[0]
-
+def _layer(
+    tensors: TensorSource, prefix: str, stand_ins: frozenset[str], config: LeanConfig, row: Family
+) -> nn.Module:
     def linear(name: str) -> nn.Linear:
         module = f"{prefix}.{name}"
         read = tensors.stand_in if module in stand_ins else tensors.get
         weight = read(f"{module}.weight")
         _fits_the_stream(f"{module}.weight", weight, config.hidden_size)
-        bias = _implied(tensors, f"{module}.bias", _has_bias(config, name.rsplit(".", 1)[-1]))
+        bias = _implied(tensors, f"{module}.bias", _has_bias(config, row, name.rsplit(".", 1)[-1]))
         return _linear(weight, bias)
 
     layer = nn.Module()
     for name in ("input_layernorm", "post_attention_layernorm"):
-        setattr(layer, name, Norm(tensors.get(f"{prefix}.{name}.weight", _norm_dtype(tensors, config, name))))
+        setattr(layer, name, Norm(tensors.get(f"{prefix}.{name}.weight", _norm_dtype(tensors, row, name))))
     for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma's norms around the MLP
-        weight = _implied(tensors, f"{prefix}.{name}.weight", architecture in (GEMMA2, GEMMA3))
+        weight = _implied(tensors, f"{prefix}.{name}.weight", row.ffn_norms)
         if weight is not None:
             setattr(layer, name, Norm(weight))
     attention = nn.Module()
@@ -295,14 +281,14 @@ def _layer(tensors: TensorSource, prefix: str, stand_ins: frozenset[str], config
     for name in ("qkv_proj", "o_proj") if fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj"):
         setattr(attention, name, linear(f"self_attn.{name}"))
     for name in ("q_norm", "k_norm"):  # Qwen3, Gemma 3
-        weight = _implied(tensors, f"{prefix}.self_attn.{name}.weight", architecture in _HEAD_NORMS)
+        weight = _implied(tensors, f"{prefix}.self_attn.{name}.weight", row.head_norms)
         if weight is not None:
             setattr(attention, name, Norm(weight))
-    sinks = _implied(tensors, f"{prefix}.self_attn.sinks", architecture == GPT_OSS)  # a logit per head
+    sinks = _implied(tensors, f"{prefix}.self_attn.sinks", row.sinks)  # a logit per head
     if sinks is not None:
         attention.sinks = nn.Parameter(sinks, requires_grad=False)
     layer.self_attn = attention
-    experts = _gpt_oss_experts(tensors, prefix, config) or _experts(tensors, prefix, config)
+    experts = _gpt_oss_experts(tensors, prefix, config, row) or _experts(tensors, prefix, config, row)
     if experts is not None:
         layer.mlp = experts
         return layer
@@ -314,38 +300,33 @@ def _layer(tensors: TensorSource, prefix: str, stand_ins: frozenset[str], config
     return layer
 
 
-# Where a sparse layer keeps its experts, and their gate, up and down matrices' names.
-_EXPERT_LAYOUTS = (
-    ("mlp", ("gate_proj", "up_proj", "down_proj")),  # Qwen3-MoE
-    ("block_sparse_moe", ("w1", "w3", "w2")),  # Mixtral
-)
-
-
-def _experts(tensors: Tensors, prefix: str, config: LeanConfig) -> nn.Module | None:
+def _experts(tensors: Tensors, prefix: str, config: LeanConfig, row: Family) -> nn.Module | None:
     """A sparse layer's router and experts as transformers 5 holds them (which the native MoE
     family and the quantizer read): gate and up stacked as [experts, 2 × intermediate, hidden],
     down as [experts, hidden, intermediate] — restacked from the checkpoint's one tensor per
-    expert, as transformers' loader restacks them; None for a dense layer (no router)."""
-    for place, (gate, up, down) in _EXPERT_LAYOUTS:
-        router = f"{prefix}.{place}.gate.weight"
-        if router not in tensors:
-            continue
-        block = f"{prefix}.{place}.experts"
-        moe, routing, experts = nn.Module(), nn.Module(), nn.Module()
-        routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)
-        routing.top_k = config.num_experts_per_tok
-        gate_up, downs = _stacked(tensors, block, routing.weight.shape[0], (gate, up), down)
-        for name, weight in (
-            (f"{block}.gate_up_proj", gate_up),
-            (f"{block}.down_proj", downs),
-            (router, routing.weight),
-        ):
-            _fits_the_stream(name, weight, config.hidden_size)
-        experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-        experts.down_proj = nn.Parameter(downs, requires_grad=False)
-        moe.gate, moe.experts = routing, experts
-        return moe
-    return None
+    expert, as transformers' loader restacks them, from where the family's row says they are;
+    None for a dense layer (no router) or a family without such experts."""
+    if row.expert_layout is None:
+        return None
+    place, (gate, up, down) = row.expert_layout
+    router = f"{prefix}.{place}.gate.weight"
+    if router not in tensors:
+        return None
+    block = f"{prefix}.{place}.experts"
+    moe, routing, experts = nn.Module(), nn.Module(), nn.Module()
+    routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)
+    routing.top_k = config.num_experts_per_tok
+    gate_up, downs = _stacked(tensors, block, routing.weight.shape[0], (gate, up), down)
+    for name, weight in (
+        (f"{block}.gate_up_proj", gate_up),
+        (f"{block}.down_proj", downs),
+        (router, routing.weight),
+    ):
+        _fits_the_stream(name, weight, config.hidden_size)
+    experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+    experts.down_proj = nn.Parameter(downs, requires_grad=False)
+    moe.gate, moe.experts = routing, experts
+    return moe
 
 
 def _stacked(
@@ -382,13 +363,13 @@ def _stacked(
     return stacked, downs
 
 
-def _gpt_oss_experts(tensors: TensorSource, prefix: str, config: LeanConfig) -> nn.Module | None:
+def _gpt_oss_experts(tensors: TensorSource, prefix: str, config: LeanConfig, row: Family) -> nn.Module | None:
     """gpt-oss's router (with a bias) and experts as transformers holds them: gate and up
     interleaved in one [experts, hidden, 2 × intermediate] tensor, down as [experts, intermediate,
     hidden], each with a bias; read as stored, or dequantized from MXFP4 blocks (mxfp4.py). None
     for another family's layer."""
     router = f"{prefix}.mlp.router.weight"
-    if config.architectures[0] != GPT_OSS or router not in tensors:
+    if row.experts != "stacked" or router not in tensors:
         return None
     routing, experts, moe = nn.Module(), nn.Module(), nn.Module()
     routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)

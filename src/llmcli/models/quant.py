@@ -16,28 +16,9 @@ import logging
 from typing import Any
 
 from llmcli.errors import LlmcliError, UsageError
+from llmcli.models.families import family_of_config
 
 NATIVE_QUANTS = ("int8", "int4")
-# What the native engine runs: architecture → its family (engine/native/families/); here so
-# that torch-free code can ask.
-NATIVE_FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "moe",
-    "MixtralForCausalLM": "moe",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma2ForCausalLM": "gemma3",
-    "GptOssForCausalLM": "gpt_oss",
-}
-# What llmcli's int8/int4 kernels quantize: every linear layer of these, and a mixture's stacked
-# experts one by one — on a CPU only (a GPU decode step gathers its experts by index on the
-# device, which needs a gathered int8/int4 kernel not written yet).
-EXPERT_FAMILIES = frozenset({"moe", "gpt_oss"})
-SUPPORTED_ARCHITECTURES = frozenset(NATIVE_FAMILIES)
-EXPERTS_ARCHITECTURES = frozenset(a for a, family in NATIVE_FAMILIES.items() if family in EXPERT_FAMILIES)
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 
 
@@ -78,10 +59,10 @@ def native_quant_kind(
         return None
     if device_type not in ("cpu", "cuda"):
         return None
-    architectures = config.get("architectures") or []
-    if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
+    row = family_of_config(config)
+    if row is None:
         return None
-    if architectures[0] in EXPERTS_ARCHITECTURES and device_type != "cpu":
+    if row.experts is not None and device_type != "cpu":  # quantized on a CPU only (families.py)
         raise UsageError(
             f"--quant {quant}: a mixture of experts' experts are quantized for a CPU only so far (on a "
             "GPU they are gathered by index, which needs an int8/int4 kernel not written yet)",
@@ -112,7 +93,8 @@ def check_quant_request(
         )
     if native:
         return  # torch's own kernels: nothing more to check
-    if (config.get("architectures") or [None])[0] in EXPERTS_ARCHITECTURES:
+    row = family_of_config(config)
+    if row is not None and row.experts is not None:
         raise UsageError(
             f"--quant {quant}: this mixture of experts keeps its experts in stacked tensors, which "
             "bitsandbytes does not quantize (the experts would stay unquantized)",

@@ -1,0 +1,206 @@
+"""The model families the native engine runs: one row per architecture, holding everything the
+loader needs to know about it, torch-free (so `models show`, the quantizer's checks and the
+GGUF reader can ask before anything heavy is imported).
+
+A row names its engine module (engine/native/families/<runtime>.py, which holds only the
+runtime blocks), the defaults transformers' configuration class fills in for it, the tensors
+its config implies beyond the weights, how its layers' kinds and RoPE are settled, its experts,
+and how llama.cpp names its GGUF files. Adding a family is a row here and, for a new kind of
+block, a module there; tests/test_family_table.py holds the two to each other and the defaults
+to transformers' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# The engine's family modules, in the order its refusal lists them, each as it names them there.
+RUNTIMES: dict[str, str] = {
+    "llama": "Llama",
+    "phi3": "Phi-3",
+    "gemma3": "Gemma 2 and 3",
+    "gpt_oss": "gpt-oss",
+    "moe": "a sparse MoE",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # transformers' class name, as config.json's `architectures` gives it
+    runtime: str  # its engine module: a key of RUNTIMES
+    # What its configuration class fills in where config.json is silent, over the Llama
+    # family's (lean_config.DEFAULTS).
+    config_defaults: Mapping[str, Any]
+    # How its layers' kinds are settled where config.json names none: "alternating": sliding
+    # and full in turn, the first sliding; "gemma3": as Gemma3TextConfig settles them (every
+    # `sliding_window_pattern`-th layer full, a RoPE table per kind of layer, an embedding
+    # model's bidirectional attention refused).
+    layer_types: Literal["alternating", "gemma3"] | None = None
+    default_rope: Mapping[str, Any] | None = None  # its RoPE where config.json names none
+    # RoPE "su" and "yarn" are this family's older names for "longrope" (Phi-3).
+    longrope_aliases: bool = False
+    activation: tuple[str, str] = ("hidden_act", "silu")  # the config field, and the one value read
+    # Which projections have a bias: "none"; "qkv" (always); "attention" (q/k/v/o where
+    # `attention_bias`); "attention+mlp" (and the MLP's where `mlp_bias`).
+    biases: Literal["none", "qkv", "attention", "attention+mlp"] = "attention"
+    head_norms: bool = False  # q_norm and k_norm in each attention
+    ffn_norms: bool = False  # norms before and after the MLP (Gemma's)
+    sinks: bool = False  # an attention sink logit per head
+    embed_scale: bool = False  # embeddings multiplied by √hidden_size
+    # Norms kept in fp32 in an fp16 model (transformers' `_keep_in_fp32_modules`).
+    fp32_norms: frozenset[str] = frozenset()
+    # A sparse family's experts: "per-expert" (one tensor per expert, restacked on load, where
+    # `expert_layout` says) or "stacked" (gpt-oss's, as stored). llmcli's int8/int4 quantize
+    # them on a CPU only (a GPU decode step gathers experts by index, which needs a gathered
+    # kernel not written yet), and bitsandbytes not at all.
+    experts: Literal["per-expert", "stacked"] | None = None
+    expert_layout: tuple[str, tuple[str, str, str]] | None = None  # where, and gate/up/down's names
+    mxfp4_on_cpu: bool = False  # MXFP4 experts dequantized on a CPU, as transformers' path does
+    # llama.cpp's architecture names for files of this family that llmcli reads in place.
+    gguf: tuple[str, ...] = ()
+    # llama.cpp's converter interleaved the rotary halves of each q and k head (its RoPE pairs
+    # neighbours); transformers' layout pairs halves, so those rows are put back.
+    gguf_permuted: bool = False
+    # What llama.cpp's loader requires of a block beyond a Llama one (it loads a `qwen2` file
+    # without its q/k/v biases, and runs it so, as llmcli does).
+    gguf_required: frozenset[str] = frozenset()
+
+    @property
+    def rope_per_kind(self) -> bool:
+        """A RoPE table per kind of layer (Gemma 3's local and global ones)."""
+        return self.layer_types == "gemma3"
+
+
+# What Gemma2Config and Gemma3TextConfig both fill in.
+_GEMMA: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "use_bidirectional_attention": None,
+}
+_GEMMA_SHAPE: dict[str, Any] = {
+    "runtime": "gemma3",
+    "activation": ("hidden_activation", "gelu_pytorch_tanh"),
+    "ffn_norms": True,
+    "embed_scale": True,
+}
+_ROWS = (
+    Family("LlamaForCausalLM", "llama", {}, biases="attention+mlp", gguf=("llama",), gguf_permuted=True),
+    Family("MistralForCausalLM", "llama", {}, biases="none"),
+    # Qwen's configs carry a window they use only where `use_sliding_window` says so (default off).
+    Family("Qwen2ForCausalLM", "llama", {"use_sliding_window": False}, biases="qkv", gguf=("qwen2",)),
+    Family(
+        "Qwen3ForCausalLM",
+        "llama",
+        {"use_sliding_window": False, "head_dim": 128},
+        head_norms=True,
+        gguf=("qwen3",),
+        gguf_required=frozenset({"attn_q_norm.weight", "attn_k_norm.weight"}),
+    ),
+    Family(
+        "Qwen3MoeForCausalLM",
+        "moe",
+        {"max_position_embeddings": 32768, "norm_topk_prob": False, "use_sliding_window": False},
+        head_norms=True,
+        experts="per-expert",
+        expert_layout=("mlp", ("gate_proj", "up_proj", "down_proj")),
+    ),
+    Family(
+        "MixtralForCausalLM",
+        "moe",
+        {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
+        biases="none",
+        experts="per-expert",
+        expert_layout=("block_sparse_moe", ("w1", "w3", "w2")),
+    ),
+    Family(
+        "Phi3ForCausalLM",
+        "phi3",
+        {
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 4096,
+            "bos_token_id": 1,
+            "eos_token_id": 32000,
+            "pad_token_id": 32000,
+        },
+        biases="none",
+        longrope_aliases=True,
+    ),
+    Family(
+        "Gemma3ForCausalLM",
+        config_defaults=_GEMMA
+        | {
+            "max_position_embeddings": 131_072,
+            "sliding_window_pattern": 6,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "use_bidirectional_attention": False,
+        },
+        layer_types="gemma3",
+        head_norms=True,
+        **_GEMMA_SHAPE,
+    ),
+    Family(
+        "Gemma2ForCausalLM",
+        config_defaults=_GEMMA
+        | {"max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+        layer_types="alternating",
+        **_GEMMA_SHAPE,
+    ),
+    Family(
+        "GptOssForCausalLM",
+        "gpt_oss",
+        {
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "head_dim": 64,
+            "sliding_window": 128,
+            "max_position_embeddings": 131_072,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 150_000.0,
+            "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0,
+            "attention_bias": True,
+        },
+        layer_types="alternating",
+        # GptOssConfig's RoPE where config.json names none: YaRN from 4096 positions, 32 times over.
+        default_rope={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        sinks=True,
+        fp32_norms=frozenset({"input_layernorm", "post_attention_layernorm", "norm"}),
+        experts="stacked",
+        mxfp4_on_cpu=True,
+    ),
+)
+FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}
+BY_GGUF: dict[str, Family] = {name: row for row in _ROWS for name in row.gguf}
+
+
+def family(architecture: str | None) -> Family | None:
+    """The row of `architecture`; None: the native engine does not run it."""
+    return FAMILIES.get(architecture) if architecture is not None else None
+
+
+def family_of_config(config: Mapping[str, Any]) -> Family | None:
+    """The row of the architecture config.json names first."""
+    return family((config.get("architectures") or [None])[0])
+
+
+def by_gguf(name: str) -> Family | None:
+    """The row whose GGUF files llama.cpp names `name` (`llama`, `qwen2`, …); None: llmcli does
+    not read such a file in place."""
+    return BY_GGUF.get(name)
