@@ -6,6 +6,7 @@ against the order."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import llmcli
@@ -189,3 +190,24 @@ def test_the_check_sees_a_circle_and_a_submodule(tmp_path: Path) -> None:
     ]
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [frozenset({"a", "b", "c"})]
+
+
+def architecture_section() -> str:
+    """README.md's "## Architecture" section, up to the next section."""
+    readme = (PACKAGE.parents[1] / "README.md").read_text(encoding="utf-8")
+    return readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_architecture_map_names_every_module() -> None:
+    """A newcomer finds every module in the README's map: by its file name (`kept.py` or
+    `kept`), or by its folder (`native/`) for a package's __init__.py."""
+    section = architecture_section()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            named = f"{path.parent.name}/" in section
+        else:
+            named = re.search(rf"\b{re.escape(path.stem)}\b", section) is not None
+        if not named:
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, "modules README.md's architecture map does not name:\n" + "\n".join(missing)
