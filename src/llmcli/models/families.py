@@ -28,6 +28,9 @@ RUNTIMES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Family:
+    """One architecture the native engine runs, as the loader, the quantizer's checks and the GGUF
+    reader need to know it; what is not said here is the Llama family's way."""
+
     architecture: str  # transformers' class name, as config.json's `architectures` gives it
     runtime: str  # its engine module: a key of RUNTIMES
     # What its configuration class fills in where config.json is silent, over the Llama
