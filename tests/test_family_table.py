@@ -10,6 +10,7 @@ import pytest
 
 from llmcli.engine.native.families import FAMILIES as ENGINE_FAMILIES
 from llmcli.models.families import BY_GGUF, FAMILIES, RUNTIMES, Family, by_gguf, family
+from llmcli.models.lean_config import DEFAULTS
 
 ROWS = list(FAMILIES.values())
 
@@ -32,8 +33,12 @@ def test_gguf_names_map_back_to_their_row() -> None:
     assert sorted(BY_GGUF) == ["llama", "qwen2", "qwen3"]
 
 
-def test_expert_fields_agree() -> None:
+def test_a_rows_fields_agree() -> None:
+    """A row's defaults give the activation it reads; only per-expert experts have a layout; only
+    experts may come as MXFP4."""
     for row in ROWS:
+        field, value = row.activation
+        assert {**DEFAULTS, **row.config_defaults}[field] == value, row.architecture
         assert (row.expert_layout is not None) == (row.experts == "per-expert"), row.architecture
         assert not row.mxfp4_on_cpu or row.experts == "stacked", row.architecture
 
