@@ -107,7 +107,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
     ),
     _circle("server", "anthropic", "app", "ollama", "responses"),
     _circle("engine", "loop", "producers", "speculative", "speculative.drafters", "stats"),
-    _circle("engine.tools", "__init__", "formats", "grammar"),
 }  # fmt: skip
 
 

@@ -14,8 +14,9 @@ from llmcli.engine.loop import Engine
 from llmcli.engine.reasoning import REASONING
 from llmcli.engine.reply import TOOL_CALL, ReplyStream
 from llmcli.engine.structured.constraint import Constraint
-from llmcli.engine.tools import ToolRequest, parse_choice, parse_tools
+from llmcli.engine.tools import ToolRequest
 from llmcli.engine.tools.formats import GENERIC, HARMONY_TOOLS, HERMES, LLAMA3, MISTRAL, tool_format_of
+from llmcli.engine.tools.offered import parse_choice, parse_tools
 from llmcli.engine.tools.reader import CallArguments, CallStart, read_calls
 from llmcli.engine.tools.turn import tool_turn
 from llmcli.errors import LlmcliError, UsageError

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any, BinaryIO
 
-from llmcli.engine.tools import CHOICES, Tool, ToolCall, ToolRequest, parse_choice, parse_tools
+from llmcli.engine.tools import CHOICES, Tool, ToolCall, ToolRequest
+from llmcli.engine.tools.offered import parse_choice, parse_tools
 from llmcli.errors import UsageError
 
 

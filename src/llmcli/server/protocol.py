@@ -200,7 +200,7 @@ class ChatRequest(_Sampling):
     # Keywords for the chat template, as vLLM takes them: {"enable_thinking": false} above all.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # for templates that read it
-    # Checked by engine/tools (parse_tools, parse_choice): its messages name the tool at fault.
+    # Checked by engine/tools/offered.py (parse_tools, parse_choice): its messages name the tool at fault.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -213,7 +213,8 @@ class ChatRequest(_Sampling):
 
     def tool_request(self) -> ToolRequest | None:
         """The tools on offer; None when none are (a tool_choice without tools is refused)."""
-        from llmcli.engine.tools import ToolRequest, parse_choice, parse_tools
+        from llmcli.engine.tools import ToolRequest
+        from llmcli.engine.tools.offered import parse_choice, parse_tools
 
         if self.functions is not None or self.function_call is not None:
             raise UsageError(
