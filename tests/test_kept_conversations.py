@@ -1,15 +1,15 @@
 """A server's one KV cache shared by conversations whose turns interleave: what another request
 would crop is set aside in host memory and brought back when its conversation returns
-(engine/kept.py) — exactly, with sliding-window rings too, within a memory budget."""
+(engine/prefix.py) — exactly, with sliding-window rings too, within a memory budget."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmcli.engine.kept import KeptConversations
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
+from llmcli.engine.prefix import PrefixStore as KeptConversations
 from test_native import CASES, CONTEXT, build, prompt
 
 SHARED = 40  # a system prompt all three conversations start with
@@ -47,7 +47,7 @@ def test_interleaved_conversations_are_brought_back_exactly(case: str) -> None:
     model = build(*CASES[case])
     shared = NativeBackend(model, CONTEXT)
     engine = Engine(shared, frozenset(), CONTEXT)
-    engine.kept = KeptConversations(1 << 30)
+    engine.prefixes = KeptConversations(1 << 30)
     alone = [Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT) for _ in range(3)]
     histories = conversations(seed=10)
     for round_number in range(3):
@@ -64,8 +64,8 @@ def test_interleaved_conversations_are_brought_back_exactly(case: str) -> None:
             for i, row in enumerate(rows):
                 torch.testing.assert_close(row, reference[len(ids) - 1 + i], rtol=0, atol=1e-4)
             histories[n] = ids + reply
-    assert engine.kept.restored == 6  # rounds two and three, each conversation brought back
-    assert len(engine.kept.entries) == 2  # the other two; the third is the cache's own text
+    assert engine.prefixes.restored == 6  # rounds two and three, each conversation brought back
+    assert len(engine.prefixes.entries) == 2  # the other two; the third is the cache's own text
 
 
 @torch.inference_mode()
@@ -76,18 +76,18 @@ def test_the_least_recently_used_copy_goes_when_the_budget_is_full() -> None:
     assert len({first[SHARED], second[SHARED], third[SHARED]}) == 3  # they part right after it
     one_copy = NativeBackend(model, CONTEXT)
     one_copy.prefill(first + [0] * REPLY)  # a turn leaves its reply in the cache too
-    engine.kept = KeptConversations(one_copy.save().nbytes() + 1)  # room for one copy
+    engine.prefixes = KeptConversations(one_copy.save().nbytes() + 1)  # room for one copy
     for ids in (first, second, third):
         turn(engine, ids)
-    assert [entry.ids[: len(second)] for entry in engine.kept.entries] == [second]  # first dropped
-    assert engine.kept.nbytes <= engine.kept.budget_bytes
+    assert [entry.ids[: len(second)] for entry in engine.prefixes.entries] == [second]  # first dropped
+    assert engine.prefixes.nbytes <= engine.prefixes.budget_bytes
     reused, _, _ = turn(engine, first)
     assert reused == SHARED  # only what the cache (the third) shares with it
     # Setting the third aside made room by dropping the second, now the least recently used.
-    assert [entry.ids[: len(third)] for entry in engine.kept.entries] == [third]
+    assert [entry.ids[: len(third)] for entry in engine.prefixes.entries] == [third]
     reused, _, _ = turn(engine, third + prompt(TURN, seed=21))
     assert reused >= len(third)  # brought back
-    assert engine.kept.restored == 1
+    assert engine.prefixes.restored == 1
 
 
 @torch.inference_mode()
@@ -96,19 +96,19 @@ def test_a_short_loss_is_not_set_aside_and_transformers_engine_keeps_nothing(loa
 
     model = build(*CASES["llama-gqa2"])
     engine = Engine(NativeBackend(model, CONTEXT), frozenset(), CONTEXT)
-    engine.kept = KeptConversations(1 << 30)
+    engine.prefixes = KeptConversations(1 << 30)
     ids = prompt(120, seed=30)
     turn(engine, ids)
     turn(engine, ids[:100])  # 28 tokens lost (a retry of a reply): not worth a copy
-    assert engine.kept.entries == []
+    assert engine.prefixes.entries == []
 
     hf = engine_for(loaded_tiny, backend="transformers")
-    hf.kept = KeptConversations(1 << 30)
+    hf.prefixes = KeptConversations(1 << 30)
     vocab = len(loaded_tiny.tokenizer)
     first, second = ([(7 * i + s) % vocab for i in range(150)] for s in (1, 2))
     turn(hf, first)
     reused, _, _ = turn(hf, second)
-    assert reused == 0 and hf.kept.entries == []  # transformers' cache is not copied: cropped as before
+    assert reused == 0 and hf.prefixes.entries == []  # transformers' cache is not copied: cropped as before
     reused, _, _ = turn(hf, first)
     assert reused == 0
 

@@ -318,7 +318,7 @@ def test_a_request_copies_the_system_prompt_a_running_one_holds(
     prefilling it, and its reply is the one it gets alone."""
     from transformers import AutoTokenizer
 
-    from llmcli.engine.kept import common_prefix_length
+    from llmcli.engine.prefix import common_prefix_length
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     rules = " ".join(f"Rule {i}: answer kindly and briefly." for i in range(20))

@@ -22,13 +22,7 @@ import torch
 from llmcli.config.settings import SamplingParams
 from llmcli.engine import producers
 from llmcli.engine.detok import IncrementalDetokenizer, StopMatcher
-from llmcli.engine.kept import (
-    MIN_RESTORED_GAIN,
-    MIN_SET_ASIDE_TOKENS,
-    KeptConversations,
-    SetAside,
-    common_prefix_length,
-)
+from llmcli.engine.prefix import PrefixStore
 from llmcli.engine.producers import Chooser, TokenLogprob
 from llmcli.engine.reasoning import keeps_special_tokens, think_tracker
 from llmcli.engine.sampling import make_generator
@@ -63,9 +57,10 @@ class Engine:
         self.context_length = context_length
         self.cached_ids: list[int] = []  # exactly the tokens whose keys/values the backend holds
         self.speculation: Speculation | None = None  # drafts checked several tokens per pass
-        # A server's: what other conversations left in the cache, set aside (kept.py). None: a
-        # new prompt simply crops the cache (one conversation per process: generate, chat).
-        self.kept: KeptConversations | None = None
+        # Which cached state a prompt starts from (prefix.py). This one keeps no host copies and
+        # knows no other slot: a new prompt crops the cache (generate, chat, a draft model). A
+        # server's slots share one with a budget for copies.
+        self.prefixes = PrefixStore()
 
     @classmethod
     def for_loaded(cls, loaded: LoadedModel) -> Engine:
@@ -107,50 +102,26 @@ class Engine:
             torch.cuda.empty_cache()
 
     def reuse_prefix(self, ids: list[int]) -> int:
-        """Crop the cache to its longest common prefix with `ids`; return how many tokens it keeps.
+        """Start `ids` from the longest prefix a cached state holds (this cache's, a host copy's,
+        another slot's: prefix.py); return how many tokens the cache holds of it.
 
         At least one token of `ids` is left to run, since the next token's logits come from it.
         """
-        return self._keep_common_prefix(ids, at_most=len(ids) - 1)
+        return self.prefixes.start(self, ids, at_most=len(ids) - 1)
 
     def start_over(self) -> None:
         """Empty the cache for a prompt that must run whole (a seeded draw, a prompt scored)."""
-        self._set_aside_for([])
-        self.crop_to(0)
+        self.prefixes.start_over(self)
 
-    def _keep_common_prefix(self, ids: list[int], at_most: int) -> int:
-        if self.kept is not None:
-            returning = self._returning(ids)  # out of the store first: setting aside evicts
-            self._set_aside_for(ids)
-            if returning is not None:
-                self.backend.restore(returning.saved)
-                self.cached_ids = list(returning.ids)
-        self.crop_to(min(common_prefix_length(self.cached_ids, ids), at_most))
-        return len(self.cached_ids)
-
-    def _set_aside_for(self, ids: list[int]) -> None:
-        """Copy what the cache holds aside when `ids` would crop enough of it to be worth it."""
-        kept = self.kept
-        lost = len(self.cached_ids) - common_prefix_length(self.cached_ids, ids)
-        if kept is None or lost < MIN_SET_ASIDE_TOKENS:
-            return
-        saved = self.backend.save()
-        if saved is not None:
-            kept.add(self.cached_ids, saved)
-
-    def _returning(self, ids: list[int]) -> SetAside | None:
-        """The set-aside text that shares the most with `ids`, taken from the store, when it
-        shares more than the cache does."""
-        assert self.kept is not None
-        length, entry = self.kept.best_for(ids)
-        if entry is None or length < common_prefix_length(self.cached_ids, ids) + MIN_RESTORED_GAIN:
-            return None
-        return self.kept.take(entry)
+    def keep_prefix_of(self, ids: list[int]) -> int:
+        """Hold the longest prefix of `ids` a cached state gives, nothing past it (chat /undo:
+        the cache cropped back to the conversation); how many tokens it holds."""
+        return self.prefixes.start(self, ids, at_most=len(ids))
 
     def warm(self, ids: list[int]) -> int:
         """Bring the cache to hold `ids` (a loaded chat), prefilling only what is not cached yet.
         Returns the number of tokens prefilled."""
-        keep = self._keep_common_prefix(ids, at_most=len(ids))
+        keep = self.keep_prefix_of(ids)
         if keep < len(ids):
             self.prefill(ids[keep:])
         return len(ids) - keep

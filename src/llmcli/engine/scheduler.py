@@ -12,13 +12,14 @@ every row, attention per sequence over its own cache), and hands each its logits
 joins at the next step and leaves when it ends.
 
 Each generation has an engine of its own (`Slots`): its own cache over the shared weights, so a
-row's logits are what it would get alone (tests/test_native.py holds them within 1e-5). A
-request takes the free slot whose cache shares the most with its prompt; what it crops goes to
-the conversations set aside that all slots share (kept.py). Where a running generation's cache
-shares more (requests with one system prompt, a request's n choices), the slot copies that
-prefix from it, a memory copy rather than a prefill (a KV cache in blocks shared by content
-would hold it once; on a CPU the attention over gathered blocks cost more than it saves:
-docs/benchmarks.md).
+row's logits are what it would get alone (tests/test_native.py holds them within 1e-5). The
+slots share one prefix store (prefix.py), which answers where a prompt starts from: a request
+takes the free slot whose cache shares the most with its prompt; as its generation starts, what
+it crops is set aside in host memory, a conversation set aside comes back into it, or, where a
+running generation's cache shares more (requests with one system prompt, a request's n
+choices), that prefix is copied from it, a memory copy rather than a prefill (a KV cache in
+blocks shared by content would hold it once; on a CPU the attention over gathered blocks cost
+more than it saves: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmcli.engine.kept import MIN_RESTORED_GAIN, common_prefix_length
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import GRAPHED_ROWS, NativeBackend
 from llmcli.engine.native.pool import SlotPool
@@ -300,6 +300,8 @@ class Slots:
         self.reserved: dict[int, int] = {}  # id(engine) → positions its running generation may fill
         self.pool: SlotPool | None = None
         self.engines: list[Engine] = [first]
+        self.prefixes = first.prefixes  # one store: a conversation may come back in any slot
+        self.prefixes.attach(first)
         if count > 1:
             context = first.context_length
             self.pool = backend.net.new_pool(context)
@@ -309,27 +311,25 @@ class Slots:
         for _ in range(count - 1):
             more = NativeBackend(None, first.context_length, net=backend.net, pool=self.pool)
             engine = Engine(TakingTurns(more, compute), first.eos_token_ids, first.context_length)
-            engine.kept = first.kept  # one store: a conversation may come back in any slot
+            engine.prefixes = self.prefixes
+            self.prefixes.attach(engine)
             self.engines.append(engine)
         self.free = list(self.engines)
         self.count = count
 
     def take(self, prompt_ids: list[int], longest: int | None = None) -> Engine:
         """The free engine whose cache shares the most with `prompt_ids` (the lowest slot
-        among equals: the pool stays small); where a running generation's cache shares more
-        (one system prompt, the other choices of a request), that prefix is copied into it
-        rather than prefilled again. `longest`: the positions the generation may fill at most
-        (default: the context), which it reserves."""
-        best = max(
-            self.free,
-            key=lambda engine: (common_prefix_length(engine.cached_ids, prompt_ids), -self._slot(engine)),
-        )
+        among equals: the pool stays small), running from now on: a prefix another running
+        generation's cache shares is copied into it as its generation starts (prefix.py).
+        `longest`: the positions the generation may fill at most (default: the context), which
+        it reserves."""
+        best = self.prefixes.slot_for(self.free, prompt_ids)
         if self.kv_limit is not None:
             # Room for a speculative check's rows past the last token too (cropped after it).
             wanted = (longest + GRAPHED_ROWS[-1]) if longest is not None else best.context_length
             self._reserve(best, min(wanted, best.context_length))
         self.free.remove(best)
-        self._copy_running_prefix(best, prompt_ids)
+        self.prefixes.running(best, busy=True)
         return best
 
     def _slot(self, engine: Engine) -> int:
@@ -356,27 +356,9 @@ class Slots:
         capacity = max(self.pool.capacity, cache.bucket_for(positions))
         return self.pool.bytes_for(slots, capacity) + slots * cache.ring_bytes()
 
-    def _copy_running_prefix(self, engine: Engine, prompt_ids: list[int]) -> None:
-        running = [other for other in self.engines if other not in self.free and other is not engine]
-        if not running:
-            return
-        source = max(running, key=lambda other: common_prefix_length(other.cached_ids, prompt_ids))
-        # One token of the prompt is left to run: the next token's logits come from it.
-        length = min(common_prefix_length(source.cached_ids, prompt_ids), len(prompt_ids) - 1)
-        if length < common_prefix_length(engine.cached_ids, prompt_ids) + MIN_RESTORED_GAIN:
-            return
-        engine.start_over()  # what it held is set aside, where it is worth keeping
-        # Setting aside waits for a pass, the turn given up meanwhile: the source may have been
-        # cropped for another request since. Measured again now, holding the turn; what is
-        # written below this length from now on waits behind the copy.
-        length = min(common_prefix_length(source.cached_ids, prompt_ids), len(prompt_ids) - 1)
-        if length < MIN_RESTORED_GAIN:
-            return
-        held = engine.backend.copy_prefix(source.backend, length)
-        engine.cached_ids = list(prompt_ids[:held])
-
     def give_back(self, engine: Engine) -> None:
         self.reserved.pop(id(engine), None)
+        self.prefixes.running(engine, busy=False)
         self.free.append(engine)
 
 

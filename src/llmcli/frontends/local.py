@@ -389,6 +389,4 @@ class LocalHistory:
         )
 
     def _crop_cache_to_conversation(self) -> None:
-        from llmcli.engine.kept import common_prefix_length
-
-        self.engine.crop_to(common_prefix_length(self.engine.cached_ids, self.conversation.ids))
+        self.engine.keep_prefix_of(self.conversation.ids)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from llmcli.config.settings import LoadSettings, SpeculativeSettings, check_api_key
-from llmcli.engine.kept import KeptConversations
+from llmcli.engine.prefix import PrefixStore
 from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
@@ -139,7 +139,7 @@ def _load_and_serve(
 
             write_failure(model_spec, error)
         raise
-    engine.kept = KeptConversations(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
+    engine.prefixes = PrefixStore(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
     kv_memory = request.kv_memory or kv_memory_default(engine.device)
     parallel = _parallel(request, engine, kv_memory)
     served = Served(
@@ -277,7 +277,7 @@ def _free_host_memory() -> int:
 
 
 def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
-    """Host memory for conversations set aside (engine/kept.py): one full context's worth, at
+    """Host memory for conversations set aside (engine/prefix.py): one full context's worth, at
     most a quarter of the memory free now."""
     free = _free_host_memory()
     whole_context = kv_bytes_per_token * context_length
