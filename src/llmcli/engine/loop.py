@@ -1,10 +1,11 @@
 """The hot loop: prefill the prompt in one forward pass, then one token per forward step.
 
 The engine owns the KV cache and the exact token ids it holds (`cached_ids`: prefill, score and
-decode_step each extend them as they feed the backend), so a later call whose prompt starts with
-those ids prefills only the rest. It never prints: a `Generation` consumes the token ids a
-producer (producers.py: plain or speculative) yields, and turns them into text pieces and a
-`GenerationResult`; `Engine.complete` gives the result at once.
+decode_step each extend them as they feed the backend). A call starts from the longest prefix of
+its prompt a cached state holds — this cache, or on a server a copy set aside or another slot's
+cache (prefix.py decides which) — and prefills only the rest. It never prints: a `Generation`
+consumes the token ids a producer (producers.py: plain or speculative) yields, and turns them
+into text pieces and a `GenerationResult`; `Engine.complete` gives the result at once.
 
 Which backend runs the forward pass (llmcli's native one, or transformers) is settled when the
 engine is made; the loop never asks.

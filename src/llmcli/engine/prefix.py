@@ -74,8 +74,8 @@ class Entry(Protocol):
 
 
 @dataclass(eq=False)
-class Own:
-    """The engine's own cache: cropped to the prefix (nothing copied)."""
+class EngineCache:
+    """An engine's KV cache as it is: the tokens it holds, resumable at any length."""
 
     engine: Engine
 
@@ -85,25 +85,19 @@ class Own:
 
     def reach(self, length: int) -> int:
         return length
+
+
+class Own(EngineCache):
+    """The engine's own cache: cropped to the prefix (nothing copied)."""
 
     def bring(self, into: Engine, length: int) -> int:
         into.crop_to(length)
         return len(into.cached_ids)
 
 
-@dataclass(eq=False)
-class Running:
+class Running(EngineCache):
     """Another slot's live cache over the same weights: its prefix copied into the engine, a
     memory copy rather than a prefill (scheduler.TakingTurns.copy_prefix)."""
-
-    engine: Engine
-
-    @property
-    def ids(self) -> Sequence[int]:
-        return self.engine.cached_ids
-
-    def reach(self, length: int) -> int:
-        return length
 
     def bring(self, into: Engine, length: int) -> int:
         copied = list(self.engine.cached_ids[:length])  # now: the copy gives the turn up
