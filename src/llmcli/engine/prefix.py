@@ -51,11 +51,13 @@ class Entry(Protocol):
     can be resumed, and how to make an engine hold that prefix.
 
     A kind of state is one class with these two methods; the store's rule and its eviction need
-    nothing else. KV caches (every kind here) can be cropped anywhere, so their `reach` is the
-    length asked. A state that can only be resumed at saved points — a recurrent layer's state,
-    which folds every token in and cannot be cropped — is one more kind: checkpoints of it taken
-    at some lengths, whose `reach` is the last saved point at or below the length asked and whose
-    `bring` restores that point.
+    nothing else (a kind kept in host memory, in `PrefixStore.entries`, also says its `nbytes`,
+    which the budget counts). KV caches (every kind here) can be cropped anywhere, so their
+    `reach` is the length asked. A state that can only be resumed at saved points — a recurrent
+    layer's state, which folds every token in and cannot be cropped — is one more kind:
+    checkpoints of it taken at some lengths, whose `reach` is the last saved point at or below
+    the length asked and whose `bring` restores that point (and an engine holding such layers
+    has its own cache's `reach` say where it can go back to).
     """
 
     @property
