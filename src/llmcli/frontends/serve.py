@@ -123,7 +123,8 @@ def run(request: ServeRequest) -> int:
 def _load_and_serve(
     request: ServeRequest, sock: socket.socket, model_spec: str, url: str, record: RecordWriter
 ) -> int:
-    from llmcli.server.app import Served, create_app
+    from llmcli.server.app import create_app
+    from llmcli.server.state import Served
 
     # Every torch call runs on the thread that answers requests, the load included. A second
     # thread running torch's parallel ops starts a second OpenMP team; with more workers than

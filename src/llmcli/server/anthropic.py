@@ -23,10 +23,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field, model_validator
 
 from llmcli.errors import LlmcliError
+from llmcli.server import openai
+from llmcli.server.prompts import chat_prompt
 from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
 
 if TYPE_CHECKING:
-    from llmcli.server.app import Served
+    from llmcli.server.state import Served
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -107,8 +109,6 @@ class CountRequest(MessagesRequest):
 def install_anthropic(app: FastAPI, served: Served) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
-        from llmcli.server import app as openai
-
         body = await read_body(request, MessagesRequest, AnthropicError)
         asked, prefill = _chat_request(body)
         answered = await openai.chat_response(served, request, asked, continue_final=prefill)
@@ -120,11 +120,9 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
-        from llmcli.server import app as openai
-
         body = await read_body(request, CountRequest, AnthropicError)
         asked, prefill = _chat_request(body | {"max_tokens": 1})
-        ids, _ = await openai.chat_prompt(served, asked, prefill)
+        ids, _ = await chat_prompt(served, asked, prefill)
         return {"input_tokens": len(ids)}
 
 

@@ -24,10 +24,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from llmcli.errors import LlmcliError
+from llmcli.server import openai
 from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
 
 if TYPE_CHECKING:
-    from llmcli.server.app import Served
+    from llmcli.server.state import Served
 
 # Ollama's option → the OpenAI field it becomes (and so the llmcli setting).
 OPTIONS = {
@@ -268,7 +269,6 @@ async def _answer(
 ) -> Any:
     """Answer through the OpenAI path, then translate to `shape` ("chat": a `message`;
     "generate": a `response`): one object, or NDJSON lines."""
-    from llmcli.server import app as openai
     from llmcli.server.protocol import ChatRequest, CompletionRequest
 
     parsed = validated(ChatRequest if "messages" in asked else CompletionRequest, asked, OllamaError)

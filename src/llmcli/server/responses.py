@@ -24,10 +24,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from llmcli.errors import LlmcliError
+from llmcli.server import openai
+from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
 
 if TYPE_CHECKING:
-    from llmcli.server.app import Served
+    from llmcli.server.state import Served
 
 KEPT = 256  # stored responses, newest first out of the door last
 
@@ -123,8 +125,6 @@ def install_responses(app: FastAPI, served: Served) -> None:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
-        from llmcli.server import app as openai
-
         body = _checked(await read_body(request, ResponsesRequest, ResponsesError))
         history = _history(stored, body.get("previous_response_id"))
         messages = history + _input(body)
@@ -153,8 +153,6 @@ def _history(stored: Stored, previous: Any) -> list[dict[str, Any]]:
     if previous is None:
         return []
     if previous not in stored:
-        from llmcli.server.app import RequestError
-
         raise RequestError(
             404, f"no stored response {previous!r} (kept: the newest {KEPT})", "previous_response_id"
         )
