@@ -24,8 +24,9 @@ from pydantic import Field, model_validator
 
 from llmcli.errors import LlmcliError
 from llmcli.server import openai
+from llmcli.server.answers import chat_response
 from llmcli.server.prompts import chat_prompt
-from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
+from llmcli.server.translate import Body, Part, chunk_of, events_of, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.state import Served
@@ -111,10 +112,17 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     async def messages(request: Request) -> Any:
         body = await read_body(request, MessagesRequest, AnthropicError)
         asked, prefill = _chat_request(body)
-        answered = await openai.chat_response(served, request, asked, continue_final=prefill)
+        prompt_tokens = 0
+
+        def encoder_for(jobs: list[Any]) -> Any:
+            nonlocal prompt_tokens
+            prompt_tokens = len(jobs[0].ids)
+            return openai.OpenAIEncoder(served, jobs, chat=True, include_usage=True)
+
+        answered = await chat_response(served, request, asked, encoder_for, continue_final=prefill)
         model = served.model_id  # the model that answered, as the OpenAI route names it
         if isinstance(answered, StreamingResponse):
-            events = _events(answered.body_iterator, model, request.state.prompt_tokens)
+            events = _events(events_of(answered.body_iterator), model, prompt_tokens)
             return StreamingResponse(events, media_type="text/event-stream")
         return _message(answered, model)
 

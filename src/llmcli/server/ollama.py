@@ -25,7 +25,8 @@ from pydantic import Field
 
 from llmcli.errors import LlmcliError
 from llmcli.server import openai
-from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
+from llmcli.server.answers import chat_response, completion_response
+from llmcli.server.translate import Body, Part, chunk_of, events_of, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.state import Served
@@ -273,15 +274,19 @@ async def _answer(
 
     parsed = validated(ChatRequest if "messages" in asked else CompletionRequest, asked, OllamaError)
     predict = (body.get("options") or {}).get("num_predict")
-    if isinstance(predict, int) and not isinstance(predict, bool) and predict < 0:  # "no limit"
-        request.state.to_context_end = True  # as Ollama means it, not the server's default
+    # "no limit" as Ollama means it (up to the context), not the server's default
+    to_context_end = isinstance(predict, int) and not isinstance(predict, bool) and predict < 0
     if isinstance(parsed, ChatRequest):
-        answered = await openai.chat_response(served, request, parsed)
+        encoder_for = openai.chat_encoder(served, True)
+        answered = await chat_response(served, request, parsed, encoder_for, to_context_end=to_context_end)
     else:
-        answered = await openai.completion_response(served, request, parsed)
+        encoder_for = openai.completion_encoder(served, True)
+        answered = await completion_response(
+            served, request, parsed, encoder_for, to_context_end=to_context_end
+        )
     model = served.model_id  # the model that answered, as the OpenAI route names it
     if isinstance(answered, StreamingResponse):
-        lines = _lines(answered.body_iterator, model, shape == "chat", time.perf_counter())
+        lines = _lines(events_of(answered.body_iterator), model, shape == "chat", time.perf_counter())
         return StreamingResponse(lines, media_type="application/x-ndjson")
     return _whole(answered, model, shape == "chat")
 

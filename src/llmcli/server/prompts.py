@@ -9,9 +9,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 from llmcli.config.settings import SamplingSettings
+from llmcli.engine.reasoning import thinking_of
 from llmcli.errors import LlmcliError
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling
-from llmcli.server.state import RequestError, Served
+from llmcli.server.state import RequestError, Served, Ticket
+from llmcli.server.worker import Job
 
 if TYPE_CHECKING:
     from llmcli.engine.tools.turn import ToolTurn
@@ -84,6 +86,58 @@ async def on_worker(served: Served, work: Callable[[], T]) -> T:
     """Tokenize on the worker thread: a Rust tokenizer used from two threads at once can fail
     ("Already borrowed"), and the worker is using it to detokenize."""
     return await asyncio.get_running_loop().run_in_executor(served.worker, work)
+
+
+def jobs_for(
+    served: Served,
+    body: _Sampling,
+    prompts: list[list[int]],
+    ticket: Ticket,
+    *,
+    chat: bool,
+    tools: ToolTurn | None = None,
+    to_context_end: bool = False,
+) -> list[Job]:
+    """One job per prompt and per `n`, every value checked. A request that sets no limit gets
+    the model's generation_config.json's, else the built-in 512 tokens, as the CLI does: each
+    generation reserves the KV memory its limit may fill, so "up to the context" is asked for,
+    never a default (`to_context_end`: Ollama's num_predict -1)."""
+    sampling = checked_sampling(body)
+    if sampling.max_new_tokens is None and to_context_end:
+        room = served.loaded.context_length - max(len(ids) for ids in prompts)
+        sampling = replace(sampling, max_new_tokens=max(room, 1))  # a prompt with no room: refused below
+    method = body.speculative or served.speculative
+    if method not in served.speculations:
+        raise RequestError(400, "this server has no draft model: start it with --draft-model", "speculative")
+    output = tools.output if tools is not None else None
+    if body.response_format is not None:
+        try:
+            output = body.response_format.output()
+        except LlmcliError as error:
+            raise RequestError(400, error.message, "response_format") from None
+    for ids in prompts:
+        check_fits(served, ids, sampling, chat)
+    try:
+        bias = body.bias(served.loaded.vocab_size)
+    except LlmcliError as error:
+        raise RequestError(400, error.message, "logit_bias") from None
+    logprobs, echo = logprobs_asked(body, method)
+    budget = getattr(body, "think_budget", None)
+    if budget is not None and thinking_of(served.loaded.tokenizer) is None:
+        message = "a thinking budget needs a model that thinks, and this model's template marks none"
+        raise RequestError(400, message, "think_budget")
+    jobs = [
+        Job(ids, sample(sampling, k), method, output, chat, ticket, tools, bias, logprobs, echo, budget)
+        for ids in prompts
+        for k in range(body.n)
+    ]
+    if served.slots is not None and served.slots.count > 1:
+        first_of: dict[tuple[int, ...], Job] = {}
+        for index, job in enumerate(jobs):  # started in this order: the one waited for has a thread
+            first = first_of.setdefault(tuple(job.ids), job)
+            if first is not job:
+                jobs[index] = replace(job, after=first.prompt_cached)
+    return jobs
 
 
 def sample(sampling: SamplingSettings, k: int) -> SamplingSettings:

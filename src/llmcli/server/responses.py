@@ -25,8 +25,9 @@ from pydantic import Field
 
 from llmcli.errors import LlmcliError
 from llmcli.server import openai
+from llmcli.server.answers import chat_response
 from llmcli.server.state import RequestError
-from llmcli.server.translate import Body, Part, chunk_of, read_body, validated
+from llmcli.server.translate import Body, Part, chunk_of, events_of, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.state import Served
@@ -129,12 +130,12 @@ def install_responses(app: FastAPI, served: Served) -> None:
         history = _history(stored, body.get("previous_response_id"))
         messages = history + _input(body)
         asked = _chat_request(body, messages)
-        answered = await openai.chat_response(served, request, asked)
+        answered = await chat_response(served, request, asked, openai.chat_encoder(served, True))
         shell = _shell(body, served.model_id)
         keep = body.get("store", True) is not False
         if isinstance(answered, StreamingResponse):
             return StreamingResponse(
-                _events(answered.body_iterator, shell, messages, stored if keep else None),
+                _events(events_of(answered.body_iterator), shell, messages, stored if keep else None),
                 media_type="text/event-stream",
             )
         response = _complete(shell, answered)

@@ -5,6 +5,7 @@ the OpenAI request it becomes, and reading back the chunks of the OpenAI stream 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -54,6 +55,14 @@ def validated(model: type[BaseModel], asked: dict[str, Any], error: type[LlmcliE
         if first.get("type") == "extra_forbidden":
             raise error(f"{where} is not supported here") from None
         raise error(f"{where}: {first.get('msg', 'invalid value')}") from None
+
+
+async def events_of(body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The OpenAI stream's server-sent events one by one (a piece of the body may hold several)."""
+    async for text in body:
+        for event in text.split("\n\n"):
+            if event:
+                yield event
 
 
 def chunk_of(event: str | bytes) -> dict[str, Any] | None:

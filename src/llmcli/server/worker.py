@@ -1,12 +1,14 @@
 """The generations: each job run on a generation thread in its turn, on the engine that suits
-its prompt, its pieces handed out as they come (`on_piece`) and its end as an Outcome."""
+its prompt, its pieces handed out as they come and its end as an Outcome (events.py). A stream
+gives every event of a request's choices to the encoder of the protocol it spoke; nothing here
+knows a protocol's shape."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,32 +16,15 @@ from fastapi import Request
 
 from llmcli.config.settings import SamplingParams, SamplingSettings
 from llmcli.engine.reply import ReplyStream
+from llmcli.server.events import ECHO, LOGPROBS, Encoder, Ended, Failed, Outcome, Piece, token_counts
 from llmcli.server.logprobs import score_prompt
-from llmcli.server.state import Served, Ticket
+from llmcli.server.state import RequestError, Served, Ticket, describe
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
-    from llmcli.engine.tools import ToolCall
     from llmcli.engine.tools.turn import ToolTurn
 
-LOGPROBS, ECHO = "logprobs", "echo"  # the stream's channels beside text and tool calls
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
-
-
-@dataclass
-class Outcome:
-    text: str  # the answer
-    finish_reason: str
-    stats: Any  # GenerationStats
-    sampling: dict[str, Any]
-    reasoning: str | None = None  # a reasoning model's thinking; None for a model that does not think
-    reasoning_tokens: int | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[Any] | None = None  # asked for: one TokenLogprob per completion token
-    prompt_ids: list[int] = field(default_factory=list)  # with echo: the prompt, scored
-    prompt_logprobs: list[Any] | None = None
-    token_ids: list[int] = field(default_factory=list)
-    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
 
 @dataclass(frozen=True)
@@ -73,13 +58,6 @@ async def run_while_connected(served: Served, request: Request, job: Job) -> Out
         if await request.is_disconnected():
             cancelled.set()
     return await future
-
-
-def token_counts(outcomes: list[Outcome]) -> tuple[int, int]:
-    return (
-        sum(outcome.stats.prompt_tokens for outcome in outcomes),
-        sum(outcome.stats.completion_tokens for outcome in outcomes),
-    )
 
 
 def generate(
@@ -164,3 +142,56 @@ def _generate_on(
     if job.echo:
         outcome.prompt_ids, outcome.prompt_logprobs = job.ids, prompt_logprobs
     return outcome
+
+
+async def stream(served: Served, request: Request, jobs: list[Job], encoder: Encoder) -> AsyncIterator[str]:
+    """Every choice at once (one after another where the server runs one generation at a
+    time), each event as it comes, in the encoder's words; each choice's end as it ends."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Piece | int] = asyncio.Queue()  # a piece, or the index of a choice that ended
+    cancelled = threading.Event()
+    futures = []
+    outcomes: dict[int, Outcome] = {}
+    try:
+        opening = encoder.opening()
+        if opening:
+            yield opening
+        for index, job in enumerate(jobs):
+
+            def on_piece(channel: str, value: Any, index: int = index) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, Piece(index, channel, value))
+
+            future = loop.run_in_executor(
+                served.generations, functools.partial(generate, served, job, on_piece, cancelled)
+            )
+            future.add_done_callback(lambda _, index=index: queue.put_nowait(index))
+            futures.append(future)
+            opened = encoder.opened(index)
+            if opened:
+                yield opened
+        while len(outcomes) < len(jobs):
+            event = await queue.get()
+            if type(event) is Piece:
+                text = encoder.piece(event)
+                if text:
+                    yield text
+                continue
+            try:
+                outcome = futures[event].result()
+            except Exception as error:  # the stream has begun: the error goes in it
+                code = error.code if isinstance(error, RequestError) else None  # e.g. kv_memory_full
+                yield encoder.failed(Failed(describe(error), code))
+                return
+            if outcome is None:
+                if served.stopping.is_set():  # an error and no proper end: the client knows it was cut
+                    yield encoder.failed(Failed("the server is shutting down: this reply was cut"))
+                return
+            outcomes[event] = outcome
+            ended = encoder.ended(Ended(event, outcome))
+            if ended:
+                yield ended
+        finished = [outcomes[index] for index in range(len(jobs))]
+        request.state.usage = token_counts(finished)
+        yield encoder.closing(finished)
+    finally:
+        cancelled.set()  # a client that left, or a choice that failed: the others stop at their next token
