@@ -1,7 +1,7 @@
-"""Anthropic's Messages API over the same model and worker: translation only.
+"""Anthropic's Messages API over the same model and worker.
 
 `POST /v1/messages` becomes an OpenAI chat request answered by the same code as
-`/v1/chat/completions`, and the answer is translated back: a message with content blocks
+`/v1/chat/completions`, its events encoded as Anthropic's: a message with content blocks
 (thinking, text, tool_use), or Anthropic's event stream (`message_start`, `content_block_start`,
 `content_block_delta` with `text_delta` / `thinking_delta` / `input_json_delta`,
 `content_block_stop`, `message_delta` with the stop reason and usage, `message_stop`).
@@ -13,23 +13,26 @@ model again (as Anthropic's API drops them from earlier turns).
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import Field, model_validator
 
+from llmcli.engine.reasoning import CONTENT
+from llmcli.engine.reply import TOOL_CALL
 from llmcli.errors import LlmcliError
-from llmcli.server import openai
 from llmcli.server.answers import chat_response
+from llmcli.server.blocks import Blocks, Step
+from llmcli.server.events import Encoder, Failed, Outcome, Piece, cached_tokens, call_input, token_counts
 from llmcli.server.prompts import chat_prompt
-from llmcli.server.translate import Body, Part, chunk_of, events_of, read_body, validated
+from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.state import Served
+    from llmcli.server.worker import Job
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -112,19 +115,8 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     async def messages(request: Request) -> Any:
         body = await read_body(request, MessagesRequest, AnthropicError)
         asked, prefill = _chat_request(body)
-        prompt_tokens = 0
-
-        def encoder_for(jobs: list[Any]) -> Any:
-            nonlocal prompt_tokens
-            prompt_tokens = len(jobs[0].ids)
-            return openai.OpenAIEncoder(served, jobs, chat=True, include_usage=True)
-
-        answered = await chat_response(served, request, asked, encoder_for, continue_final=prefill)
-        model = served.model_id  # the model that answered, as the OpenAI route names it
-        if isinstance(answered, StreamingResponse):
-            events = _events(events_of(answered.body_iterator), model, prompt_tokens)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return _message(answered, model)
+        encoder_for = functools.partial(AnthropicEncoder, served.model_id)
+        return await chat_response(served, request, asked, encoder_for, continue_final=prefill)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
@@ -147,7 +139,6 @@ def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:
         "messages": messages,
         "max_tokens": body["max_tokens"],
         "stream": bool(body.get("stream")),
-        "stream_options": {"include_usage": True},
     }
     for name, openai_name in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
         if body.get(name) is not None:
@@ -252,34 +243,81 @@ def _tool(tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _message(answer: dict[str, Any], model: str) -> dict[str, Any]:
-    choice = answer["choices"][0]
-    message = choice["message"]
-    content: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or []:
-        function = call["function"]
-        content.append(
-            {
-                "type": "tool_use",
-                "id": call["id"],
-                "name": function["name"],
-                "input": json.loads(function["arguments"]),
-            }
-        )
-    usage = answer.get("usage") or {}
-    return {
-        "id": "msg_" + uuid.uuid4().hex[:24],
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        **_stop(choice["finish_reason"], choice.get("stop_reason")),
-        "usage": _usage(usage),
-    }
+class AnthropicEncoder(Encoder):
+    """A message with content blocks (thinking, text, tool_use), or Anthropic's event stream:
+    `message_start`, a block per kind of content (blocks.py), `message_delta` with the stop
+    reason and usage, `message_stop`."""
+
+    def __init__(self, model: str, jobs: list[Job]) -> None:
+        self.model = model  # the model that answered, as the server names it
+        self.prompt_tokens = len(jobs[0].ids)
+        self.blocks = Blocks()
+
+    def opening(self) -> str:
+        start = {"id": _message_id(), "type": "message", "role": "assistant", "model": self.model}
+        usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0}
+        start |= {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+        return _event("message_start", {"message": start})
+
+    def piece(self, piece: Piece) -> str:
+        blocks = self.blocks
+        step = blocks.feed(piece)
+        if step is Step.SKIP:
+            return ""
+        channel, value = piece.channel, piece.value
+        sent = ""
+        if step is Step.NEW:
+            if blocks.closes_one:
+                sent = _event("content_block_stop", {"index": blocks.index - 1})
+            if channel == TOOL_CALL:
+                block = {"type": "tool_use", "id": value.id, "name": value.name, "input": {}}
+            elif channel == CONTENT:
+                block = {"type": "text", "text": ""}
+            else:
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+            sent += _event("content_block_start", {"index": blocks.index, "content_block": block})
+            if channel == TOOL_CALL:
+                return sent  # its arguments come next
+        if channel == TOOL_CALL:
+            delta = {"type": "input_json_delta", "partial_json": value.text}
+        elif channel == CONTENT:
+            delta = {"type": "text_delta", "text": value}
+        else:
+            delta = {"type": "thinking_delta", "thinking": value}
+        return sent + _event("content_block_delta", {"index": blocks.index, "delta": delta})
+
+    def closing(self, outcomes: list[Outcome]) -> str:
+        sent = _event("content_block_stop", {"index": self.blocks.index}) if self.blocks.index >= 0 else ""
+        outcome = outcomes[0]
+        reason = _stop(outcome.finish, outcome.stop_sequence)
+        sent += _event("message_delta", {"delta": reason, "usage": _usage(outcomes)})
+        return sent + _event("message_stop", {})
+
+    def failed(self, failed: Failed) -> str:  # a cut reply: Anthropic's error event, and no message_stop
+        return _event("error", {"error": {"type": "api_error", "message": failed.message}})
+
+    def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
+        outcome = outcomes[0]
+        content: list[dict[str, Any]] = []
+        if outcome.thinking:
+            content.append({"type": "thinking", "thinking": outcome.thinking, "signature": ""})
+        if outcome.text:
+            content.append({"type": "text", "text": outcome.text})
+        for call in outcome.tool_calls:
+            content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call_input(call)})
+        return {
+            "id": _message_id(),
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            **_stop(outcome.finish, outcome.stop_sequence),
+            "usage": _usage(outcomes),
+        }
+
+
+def _message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
 
 
 def _stop(finish: str, stop_sequence: str | None) -> dict[str, Any]:
@@ -289,73 +327,14 @@ def _stop(finish: str, stop_sequence: str | None) -> dict[str, Any]:
     return {"stop_reason": STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
 
 
-def _usage(usage: dict[str, Any]) -> dict[str, Any]:
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+def _usage(outcomes: list[Outcome]) -> dict[str, Any]:
+    prompt, completion = token_counts(outcomes)
     return {
-        "input_tokens": usage.get("prompt_tokens", 0),
-        "output_tokens": usage.get("completion_tokens", 0),
-        "cache_read_input_tokens": cached,
+        "input_tokens": prompt,
+        "output_tokens": completion,
+        "cache_read_input_tokens": cached_tokens(outcomes),
     }
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
-
-
-async def _events(chunks: AsyncIterator[Any], model: str, prompt_tokens: int) -> AsyncIterator[str]:
-    """OpenAI's server-sent chunks as Anthropic's event stream: a block per kind of content,
-    opened when its first piece comes and closed when another kind starts."""
-    start = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model}
-    usage = _usage({"prompt_tokens": prompt_tokens})
-    start |= {"content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-    yield _event("message_start", {"message": start})
-    index, open_kind, finish, stop_sequence = -1, None, "stop", None
-    async for raw in chunks:
-        chunk = chunk_of(raw)
-        if chunk is None:
-            continue
-        if "error" in chunk:  # a cut reply: Anthropic's error event, and no message_stop
-            yield _event("error", {"error": {"type": "api_error", "message": chunk["error"]["message"]}})
-            return
-        for choice in chunk.get("choices") or ():
-            finish = choice.get("finish_reason") or finish
-            stop_sequence = choice.get("stop_reason") or stop_sequence
-            delta = choice.get("delta") or {}
-            pieces = []
-            if delta.get("reasoning_content"):
-                pieces.append(
-                    ("thinking", None, {"type": "thinking_delta", "thinking": delta["reasoning_content"]})
-                )
-            if delta.get("content"):
-                pieces.append(("text", None, {"type": "text_delta", "text": delta["content"]}))
-            for part in delta.get("tool_calls") or ():
-                if part.get("id"):  # a new call: its own block
-                    block = {
-                        "type": "tool_use",
-                        "id": part["id"],
-                        "name": part["function"]["name"],
-                        "input": {},
-                    }
-                    pieces.append(("tool_use", block, None))
-                arguments = (part.get("function") or {}).get("arguments")
-                if arguments:
-                    pieces.append(("tool_use", None, {"type": "input_json_delta", "partial_json": arguments}))
-            for kind, new_block, piece in pieces:
-                if new_block is not None or kind != open_kind:
-                    if open_kind is not None:
-                        yield _event("content_block_stop", {"index": index})
-                    index, open_kind = index + 1, kind
-                    block = new_block or (
-                        {"type": "text", "text": ""}
-                        if kind == "text"
-                        else {"type": "thinking", "thinking": "", "signature": ""}
-                    )
-                    yield _event("content_block_start", {"index": index, "content_block": block})
-                if piece is not None:
-                    yield _event("content_block_delta", {"index": index, "delta": piece})
-        if chunk.get("usage"):
-            if open_kind is not None:
-                yield _event("content_block_stop", {"index": index})
-            reason = _stop(finish, stop_sequence)
-            yield _event("message_delta", {"delta": reason, "usage": _usage(chunk["usage"])})
-            yield _event("message_stop", {})
