@@ -1,7 +1,7 @@
-"""OpenAI's Responses API over the same model and worker: translation only.
+"""OpenAI's Responses API over the same model and worker.
 
-`POST /v1/responses` becomes a chat request answered by the same code as `/v1/chat/completions`
-and comes back as a response object: output items (a `reasoning` item whose summary is the
+`POST /v1/responses` becomes a chat request answered by the same code as `/v1/chat/completions`,
+its events encoded as a response object: output items (a `reasoning` item whose summary is the
 thinking, a `message` with `output_text`, `function_call`s), or the Responses event stream
 (`response.created`, `response.output_item.added`, `response.output_text.delta`,
 `response.function_call_arguments.delta`, …, `response.completed`). Responses are kept in memory
@@ -16,18 +16,27 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import Field
 
+from llmcli.engine.reasoning import CONTENT, REASONING
+from llmcli.engine.tools.reader import CallStart
 from llmcli.errors import LlmcliError
-from llmcli.server import openai
 from llmcli.server.answers import chat_response
+from llmcli.server.blocks import Blocks, Step
+from llmcli.server.events import (
+    Encoder,
+    Failed,
+    Outcome,
+    Piece,
+    cached_tokens,
+    reasoning_tokens,
+    token_counts,
+)
 from llmcli.server.state import RequestError
-from llmcli.server.translate import Body, Part, chunk_of, events_of, read_body, validated
+from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.state import Served
@@ -130,18 +139,9 @@ def install_responses(app: FastAPI, served: Served) -> None:
         history = _history(stored, body.get("previous_response_id"))
         messages = history + _input(body)
         asked = _chat_request(body, messages)
-        answered = await chat_response(served, request, asked, openai.chat_encoder(served, True))
         shell = _shell(body, served.model_id)
-        keep = body.get("store", True) is not False
-        if isinstance(answered, StreamingResponse):
-            return StreamingResponse(
-                _events(events_of(answered.body_iterator), shell, messages, stored if keep else None),
-                media_type="text/event-stream",
-            )
-        response = _complete(shell, answered)
-        if keep:
-            stored.keep(response["id"], messages + _said(response["output"]))
-        return response
+        keep = stored if body.get("store", True) is not False else None
+        return await chat_response(served, request, asked, lambda _: ResponsesEncoder(shell, messages, keep))
 
 
 def _checked(body: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +208,6 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
     from llmcli.server.protocol import ChatRequest
 
     asked: dict[str, Any] = {"messages": messages, "stream": bool(body.get("stream"))}
-    asked["stream_options"] = {"include_usage": True}
     for name, chat_name in (
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
@@ -275,37 +274,19 @@ def _shell(body: dict[str, Any], model: str) -> dict[str, Any]:
     }
 
 
-def _complete(shell: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    choice = answer["choices"][0]
-    message = choice["message"]
-    output: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        output.append(_reasoning_item(message["reasoning_content"]))
-    if message.get("content"):
-        output.append(_message_item(message["content"]))
-    for call in message.get("tool_calls") or []:
-        output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
-    return _finished(shell, output, choice["finish_reason"], answer.get("usage") or {})
-
-
-def _finished(
-    shell: dict[str, Any], output: list[dict[str, Any]], finish: str, usage: dict[str, Any]
-) -> dict[str, Any]:
-    cut = finish == "length"
+def _finished(shell: dict[str, Any], output: list[dict[str, Any]], outcomes: list[Outcome]) -> dict[str, Any]:
+    cut = outcomes[0].finish == "length"
+    prompt, completion = token_counts(outcomes)
     return shell | {
         "status": "incomplete" if cut else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "output": output,
         "usage": {
-            "input_tokens": usage.get("prompt_tokens", 0),
-            "input_tokens_details": {
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            },
-            "output_tokens": usage.get("completion_tokens", 0),
-            "output_tokens_details": {
-                "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-            },
-            "total_tokens": usage.get("total_tokens", 0),
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached_tokens(outcomes)},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens(outcomes) or 0},
+            "total_tokens": prompt + completion,
         },
     }
 
@@ -355,166 +336,128 @@ def _said(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [message]
 
 
-async def _events(
-    chunks: AsyncIterator[Any], shell: dict[str, Any], messages: list[dict[str, Any]], stored: Stored | None
-) -> AsyncIterator[str]:
-    """OpenAI's chat chunks as the Responses event stream: an output item per kind of content,
-    added when its first piece comes and done when another starts or the reply ends."""
-    sequence = 0
+class ResponsesEncoder(Encoder):
+    """A response object, or the Responses event stream: an output item per kind of content
+    (blocks.py), added when its first piece comes and done when another starts or the reply
+    ends, then `response.completed`. The conversation is stored (`stored`) once it ends."""
 
-    def event(kind: str, data: dict[str, Any]) -> str:
-        nonlocal sequence
-        sequence += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence, **data})}\n\n"
+    def __init__(self, shell: dict[str, Any], messages: list[dict[str, Any]], stored: Stored | None) -> None:
+        self.shell, self.messages, self.stored = shell, messages, stored
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.blocks = Blocks()
 
-    yield event("response.created", {"response": shell})
-    yield event("response.in_progress", {"response": shell})
-    output: list[dict[str, Any]] = []
-    current: dict[str, Any] | None = None  # the item being written
-    finish = "stop"
+    def _event(self, kind: str, data: dict[str, Any]) -> str:
+        self.sequence += 1
+        return (
+            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.sequence, **data})}\n\n"
+        )
 
-    def close() -> list[str]:
-        if current is None:
-            return []
-        index = len(output) - 1
-        kind = current["type"]
-        closing = []
+    def opening(self) -> str:
+        shell = self.shell
+        return self._event("response.created", {"response": shell}) + self._event(
+            "response.in_progress", {"response": shell}
+        )
+
+    def piece(self, piece: Piece) -> str:
+        step = self.blocks.feed(piece)
+        if step is Step.SKIP:
+            return ""
+        channel, value = piece.channel, piece.value
+        sent = self._added(channel, value) if step is Step.NEW else ""
+        current, index = self.output[-1], len(self.output) - 1
+        if channel == CONTENT:
+            current["content"][0]["text"] += value
+            delta = {"item_id": current["id"], "output_index": index, "content_index": 0, "delta": value}
+            return sent + self._event("response.output_text.delta", delta | {"logprobs": []})
+        if channel == REASONING:
+            current["summary"][0]["text"] += value
+            delta = {"item_id": current["id"], "output_index": index, "summary_index": 0, "delta": value}
+            return sent + self._event("response.reasoning_summary_text.delta", delta)
+        if type(value) is CallStart:
+            return sent  # its arguments come next
+        current["arguments"] += value.text
+        delta = {"item_id": current["id"], "output_index": index, "delta": value.text}
+        return sent + self._event("response.function_call_arguments.delta", delta)
+
+    def _added(self, channel: str, value: Any) -> str:
+        """The item before closed, and a new one added for `channel`'s first piece."""
+        sent = self._done()
+        if channel == REASONING:
+            current = _reasoning_item("") | {"status": "in_progress"}
+            current["summary"] = [{"type": "summary_text", "text": ""}]
+        elif channel == CONTENT:
+            current = _message_item("", "in_progress")
+        else:
+            current = _call_item(value.id, value.name, "", "in_progress")
+        self.output.append(current)
+        index = len(self.output) - 1
+        sent += self._event("response.output_item.added", {"output_index": index, "item": current})
+        if channel == CONTENT:
+            part = {
+                "item_id": current["id"],
+                "output_index": index,
+                "content_index": 0,
+                "part": current["content"][0],
+            }
+            sent += self._event("response.content_part.added", part)
+        elif channel == REASONING:
+            part = {
+                "item_id": current["id"],
+                "output_index": index,
+                "summary_index": 0,
+                "part": current["summary"][0],
+            }
+            sent += self._event("response.reasoning_summary_part.added", part)
+        return sent
+
+    def _done(self) -> str:
+        """The item being written, done."""
+        if not self.output:
+            return ""
+        current, index = self.output[-1], len(self.output) - 1
+        kind, item_id = current["type"], current["id"]
+        sent = ""
         if kind == "message":
             part = current["content"][0]
-            closing.append(
-                event(
-                    "response.output_text.done",
-                    {
-                        "item_id": current["id"],
-                        "output_index": index,
-                        "content_index": 0,
-                        "text": part["text"],
-                        "logprobs": [],
-                    },
-                )
-            )
-            closing.append(
-                event(
-                    "response.content_part.done",
-                    {"item_id": current["id"], "output_index": index, "content_index": 0, "part": part},
-                )
-            )
+            where = {"item_id": item_id, "output_index": index, "content_index": 0}
+            sent += self._event("response.output_text.done", where | {"text": part["text"], "logprobs": []})
+            sent += self._event("response.content_part.done", where | {"part": part})
         elif kind == "function_call":
-            closing.append(
-                event(
-                    "response.function_call_arguments.done",
-                    {"item_id": current["id"], "output_index": index, "arguments": current["arguments"]},
-                )
-            )
+            done = {"item_id": item_id, "output_index": index, "arguments": current["arguments"]}
+            sent += self._event("response.function_call_arguments.done", done)
         elif kind == "reasoning":
             summary = current["summary"][0]
-            closing.append(
-                event(
-                    "response.reasoning_summary_text.done",
-                    {
-                        "item_id": current["id"],
-                        "output_index": index,
-                        "summary_index": 0,
-                        "text": summary["text"],
-                    },
-                )
-            )
-            closing.append(
-                event(
-                    "response.reasoning_summary_part.done",
-                    {"item_id": current["id"], "output_index": index, "summary_index": 0, "part": summary},
-                )
-            )
+            where = {"item_id": item_id, "output_index": index, "summary_index": 0}
+            sent += self._event("response.reasoning_summary_text.done", where | {"text": summary["text"]})
+            sent += self._event("response.reasoning_summary_part.done", where | {"part": summary})
         current["status"] = "completed"
-        closing.append(event("response.output_item.done", {"output_index": index, "item": current}))
-        return closing
+        return sent + self._event("response.output_item.done", {"output_index": index, "item": current})
 
-    async for raw in chunks:
-        chunk = chunk_of(raw)
-        if chunk is None:
-            continue
-        if "error" in chunk:  # a cut reply: the stream says so, and no response.completed
-            yield event(
-                "error", {"code": "server_error", "message": chunk["error"]["message"], "param": None}
-            )
-            return
-        for choice in chunk.get("choices") or ():
-            finish = choice.get("finish_reason") or finish
-            delta = choice.get("delta") or {}
-            pieces: list[tuple[str, Any]] = []
-            if delta.get("reasoning_content"):
-                pieces.append(("reasoning", delta["reasoning_content"]))
-            if delta.get("content"):
-                pieces.append(("message", delta["content"]))
-            pieces += [("function_call", part) for part in delta.get("tool_calls") or ()]
-            for kind, piece in pieces:
-                starts = kind == "function_call" and piece.get("id")
-                if current is None or current["type"] != kind or starts:
-                    for line in close():
-                        yield line
-                    if kind == "reasoning":
-                        current = _reasoning_item("") | {"status": "in_progress"}
-                        current["summary"] = [{"type": "summary_text", "text": ""}]
-                    elif kind == "message":
-                        current = _message_item("", "in_progress")
-                    else:
-                        current = _call_item(piece["id"], piece["function"]["name"], "", "in_progress")
-                    output.append(current)
-                    index = len(output) - 1
-                    yield event("response.output_item.added", {"output_index": index, "item": current})
-                    if kind == "message":
-                        yield event(
-                            "response.content_part.added",
-                            {
-                                "item_id": current["id"],
-                                "output_index": index,
-                                "content_index": 0,
-                                "part": current["content"][0],
-                            },
-                        )
-                    elif kind == "reasoning":
-                        yield event(
-                            "response.reasoning_summary_part.added",
-                            {
-                                "item_id": current["id"],
-                                "output_index": index,
-                                "summary_index": 0,
-                                "part": current["summary"][0],
-                            },
-                        )
-                index = len(output) - 1
-                if kind == "message":
-                    current["content"][0]["text"] += piece
-                    yield event(
-                        "response.output_text.delta",
-                        {
-                            "item_id": current["id"],
-                            "output_index": index,
-                            "content_index": 0,
-                            "delta": piece,
-                            "logprobs": [],
-                        },
-                    )
-                elif kind == "reasoning":
-                    current["summary"][0]["text"] += piece
-                    yield event(
-                        "response.reasoning_summary_text.delta",
-                        {"item_id": current["id"], "output_index": index, "summary_index": 0, "delta": piece},
-                    )
-                else:
-                    arguments = (piece.get("function") or {}).get("arguments") or ""
-                    if arguments:
-                        current["arguments"] += arguments
-                        yield event(
-                            "response.function_call_arguments.delta",
-                            {"item_id": current["id"], "output_index": index, "delta": arguments},
-                        )
-        if chunk.get("usage"):
-            for line in close():
-                yield line
-            response = _finished(shell, output, finish, chunk["usage"])
-            if stored is not None:
-                stored.keep(response["id"], messages + _said(output))
-            # response.completed even when the status is "incomplete" (the length limit): the
-            # official client's stream helper waits for that event alone.
-            yield event("response.completed", {"response": response})
+    def closing(self, outcomes: list[Outcome]) -> str:
+        sent = self._done()
+        response = _finished(self.shell, self.output, outcomes)
+        self._store(response)
+        # response.completed even when the status is "incomplete" (the length limit): the
+        # official client's stream helper waits for that event alone.
+        return sent + self._event("response.completed", {"response": response})
+
+    def failed(self, failed: Failed) -> str:  # a cut reply: the stream says so, and no response.completed
+        return self._event("error", {"code": "server_error", "message": failed.message, "param": None})
+
+    def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
+        outcome = outcomes[0]
+        output: list[dict[str, Any]] = []
+        if outcome.thinking:
+            output.append(_reasoning_item(outcome.thinking))
+        if outcome.text:
+            output.append(_message_item(outcome.text))
+        for call in outcome.tool_calls:
+            output.append(_call_item(call.id, call.name, call.arguments))
+        response = _finished(self.shell, output, outcomes)
+        self._store(response)
+        return response
+
+    def _store(self, response: dict[str, Any]) -> None:
+        if self.stored is not None:
+            self.stored.keep(response["id"], self.messages + _said(response["output"]))
