@@ -1,7 +1,7 @@
-"""Ollama's API over the same model and worker: translation only.
+"""Ollama's API over the same model and worker.
 
 `/api/chat` and `/api/generate` become an OpenAI chat (or, with `raw`, text) request, answered by
-the same code as `/v1/`, and the answer is translated back: one object, or NDJSON lines (Ollama
+the same code as `/v1/`, its events encoded as Ollama's: one object, or NDJSON lines (Ollama
 streams by default). Options map to llmcli's sampling settings; an option, field or content that
 is not honoured is a 400 that says so (`images` for a text model, `num_ctx` over the loaded
 context, `suffix`, `template`, `context`, any other field), never dropped. `keep_alive` is
@@ -11,25 +11,27 @@ accepted (the model stays loaded for the server's life), except 0, which would u
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import time
-from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import Field
 
+from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError
-from llmcli.server import openai
 from llmcli.server.answers import chat_response, completion_response
-from llmcli.server.translate import Body, Part, chunk_of, events_of, read_body, validated
+from llmcli.server.events import Encoder, Failed, Outcome, Piece, call_input, token_counts
+from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
+    from llmcli.engine.tools import ToolCall
     from llmcli.server.state import Served
+    from llmcli.server.worker import Job
 
 # Ollama's option → the OpenAI field it becomes (and so the llmcli setting).
 OPTIONS = {
@@ -187,7 +189,7 @@ def _seconds(keep_alive: float | str) -> float:
 
 def _sampling(served: Served, body: dict[str, Any]) -> dict[str, Any]:
     """Ollama's options, format, think and stream as OpenAI fields."""
-    fields: dict[str, Any] = {"stream": body.get("stream", True), "stream_options": {"include_usage": True}}
+    fields: dict[str, Any] = {"stream": body.get("stream", True)}
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise OllamaError("options is an object")
@@ -268,115 +270,91 @@ def _generate_request(served: Served, body: dict[str, Any]) -> dict[str, Any]:
 async def _answer(
     served: Served, request: Request, body: dict[str, Any], asked: dict[str, Any], shape: str
 ) -> Any:
-    """Answer through the OpenAI path, then translate to `shape` ("chat": a `message`;
-    "generate": a `response`): one object, or NDJSON lines."""
+    """Answer as an OpenAI chat (or, raw, text) request would be, encoded in `shape` ("chat": a
+    `message`; "generate": a `response`): one object, or NDJSON lines."""
     from llmcli.server.protocol import ChatRequest, CompletionRequest
 
     parsed = validated(ChatRequest if "messages" in asked else CompletionRequest, asked, OllamaError)
     predict = (body.get("options") or {}).get("num_predict")
     # "no limit" as Ollama means it (up to the context), not the server's default
     to_context_end = isinstance(predict, int) and not isinstance(predict, bool) and predict < 0
+    encoder_for = functools.partial(OllamaEncoder, served.model_id, shape == "chat")
     if isinstance(parsed, ChatRequest):
-        encoder_for = openai.chat_encoder(served, True)
-        answered = await chat_response(served, request, parsed, encoder_for, to_context_end=to_context_end)
-    else:
-        encoder_for = openai.completion_encoder(served, True)
-        answered = await completion_response(
-            served, request, parsed, encoder_for, to_context_end=to_context_end
-        )
-    model = served.model_id  # the model that answered, as the OpenAI route names it
-    if isinstance(answered, StreamingResponse):
-        lines = _lines(events_of(answered.body_iterator), model, shape == "chat", time.perf_counter())
-        return StreamingResponse(lines, media_type="application/x-ndjson")
-    return _whole(answered, model, shape == "chat")
+        return await chat_response(served, request, parsed, encoder_for, to_context_end=to_context_end)
+    return await completion_response(served, request, parsed, encoder_for, to_context_end=to_context_end)
 
 
-def _whole(answer: dict[str, Any], model: str, chat: bool) -> dict[str, Any]:
-    choice = answer["choices"][0]
-    message = choice.get("message") or {"content": choice.get("text", "")}
-    line: dict[str, Any] = {"model": model, "created_at": _now(), "done": True}
-    if chat:
-        line["message"] = {"role": "assistant", "content": message.get("content") or ""}
-        if message.get("reasoning_content"):
-            line["message"]["thinking"] = message["reasoning_content"]
-        if message.get("tool_calls"):
-            line["message"]["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
-    else:
-        line["response"] = message.get("content") or ""
-        if message.get("reasoning_content"):
-            line["thinking"] = message["reasoning_content"]
-    return line | _done(choice["finish_reason"], answer.get("usage") or {}, answer.get("timings") or {})
+class OllamaEncoder(Encoder):
+    """Ollama's answer: one object, or NDJSON lines (`done: false`), one per piece of text or
+    thinking, then the done line with the whole calls, the reason and the durations."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, model: str, chat: bool, jobs: list[Job]) -> None:
+        self.model, self.chat = model, chat  # the model that answered, as the server names it
+        self.started = time.perf_counter()
+
+    def piece(self, piece: Piece) -> str:
+        channel, value = piece.channel, piece.value
+        if channel not in (CONTENT, REASONING) or not value:
+            return ""  # a call is sent whole, in the done line
+        content, thinking = (value, None) if channel == CONTENT else ("", value)
+        line: dict[str, Any] = {"model": self.model, "created_at": _now(), "done": False}
+        if self.chat:
+            line["message"] = {"role": "assistant", "content": content}
+            if thinking:
+                line["message"]["thinking"] = thinking
+        else:
+            line["response"] = content
+            if thinking:
+                line["thinking"] = thinking
+        return json.dumps(line) + "\n"
+
+    def closing(self, outcomes: list[Outcome]) -> str:
+        last: dict[str, Any] = {"model": self.model, "created_at": _now(), "done": True}
+        calls = outcomes[0].tool_calls
+        if self.chat:
+            last["message"] = {"role": "assistant", "content": ""}
+            if calls:
+                last["message"]["tool_calls"] = [_tool_call(call) for call in calls]
+        else:
+            last["response"] = ""
+        return json.dumps(last | _done(outcomes, time.perf_counter() - self.started)) + "\n"
+
+    def failed(self, failed: Failed) -> str:  # a cut reply: Ollama's error line, and no done line
+        return json.dumps({"error": failed.message}) + "\n"
+
+    def whole(self, outcomes: list[Outcome]) -> dict[str, Any]:
+        outcome = outcomes[0]
+        line: dict[str, Any] = {"model": self.model, "created_at": _now(), "done": True}
+        if self.chat:
+            line["message"] = {"role": "assistant", "content": outcome.text}
+            if outcome.thinking:
+                line["message"]["thinking"] = outcome.thinking
+            if outcome.tool_calls:
+                line["message"]["tool_calls"] = [_tool_call(call) for call in outcome.tool_calls]
+        else:
+            line["response"] = outcome.text
+            if outcome.thinking:
+                line["thinking"] = outcome.thinking
+        return line | _done(outcomes)
 
 
-async def _lines(events: AsyncIterator[Any], model: str, chat: bool, started: float) -> AsyncIterator[str]:
-    """OpenAI's server-sent events, as Ollama's NDJSON lines."""
-    finish, timings, calls = "stop", {}, []
-    async for event in events:
-        chunk = chunk_of(event)
-        if chunk is None:
-            continue
-        if "error" in chunk:  # a cut reply: Ollama's error line, and no done line
-            yield json.dumps({"error": chunk["error"]["message"]}) + "\n"
-            return
-        for choice in chunk.get("choices") or ():
-            finish = choice.get("finish_reason") or finish
-            delta = choice.get("delta") or {"content": choice.get("text") or ""}
-            calls += list(delta.get("tool_calls") or ())
-            content, thinking = delta.get("content") or "", delta.get("reasoning_content")
-            if not content and not thinking:
-                continue
-            line: dict[str, Any] = {"model": model, "created_at": _now(), "done": False}
-            if chat:
-                line["message"] = {"role": "assistant", "content": content}
-                if thinking:
-                    line["message"]["thinking"] = thinking
-            else:
-                line["response"] = content
-                if thinking:
-                    line["thinking"] = thinking
-            yield json.dumps(line) + "\n"
-        timings = chunk.get("timings") or timings
-        if chunk.get("usage"):
-            last: dict[str, Any] = {"model": model, "created_at": _now(), "done": True}
-            if chat:
-                last["message"] = {"role": "assistant", "content": ""}
-                if calls:
-                    last["message"]["tool_calls"] = [_tool_call(call) for call in _joined(calls)]
-            else:
-                last["response"] = ""
-            yield (
-                json.dumps(last | _done(finish, chunk["usage"], timings, time.perf_counter() - started))
-                + "\n"
-            )
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    """A call as Ollama gives it: its arguments an object, not JSON text."""
+    return {"function": {"name": call.name, "arguments": call_input(call)}}
 
 
-def _joined(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Streamed call parts (id and name, then argument pieces) as whole calls."""
-    calls: dict[int, dict[str, Any]] = {}
-    for part in parts:
-        call = calls.setdefault(part.get("index", 0), {"function": {"name": "", "arguments": ""}})
-        function = part.get("function") or {}
-        call["function"]["name"] = function.get("name") or call["function"]["name"]
-        call["function"]["arguments"] += function.get("arguments") or ""
-    return [calls[index] for index in sorted(calls)]
-
-
-def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's call (arguments as JSON text) as Ollama's (arguments as an object)."""
-    function = call["function"]
-    return {"function": {"name": function["name"], "arguments": json.loads(function["arguments"] or "{}")}}
-
-
-def _done(
-    finish: str, usage: dict[str, Any], timings: dict[str, Any], total_s: float | None = None
-) -> dict[str, Any]:
-    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    decode = timings.get("decode_tok_s") or 0
-    prefill = timings.get("prefill_tok_s") or 0
+def _done(outcomes: list[Outcome], total_s: float | None = None) -> dict[str, Any]:
+    """The done line's reason, counts and durations: the durations from the rates rounded as
+    OpenAI's `timings` gives them, so that both APIs report the same figures."""
+    prompt, completion = token_counts(outcomes)
+    stats = outcomes[0].stats
+    decode, prefill = round(stats.decode_tok_s, 3), round(stats.prefill_tok_s, 3)
     eval_ns = int(completion / decode * 1e9) if decode else 0
     prompt_ns = int(prompt / prefill * 1e9) if prefill else 0
     return {
-        "done_reason": "length" if finish == "length" else "stop",
+        "done_reason": "length" if outcomes[0].finish == "length" else "stop",
         "total_duration": int((total_s or 0) * 1e9) or prompt_ns + eval_ns,
         "load_duration": 0,
         "prompt_eval_count": prompt,

@@ -1,11 +1,11 @@
 """What every protocol adapter shares: reading the body and checking it against the protocol's
-request model (a bad value is a 400 in the adapter's own error class, naming the field), building
-the OpenAI request it becomes, and reading back the chunks of the OpenAI stream it translates."""
+request model (a bad value is a 400 in the adapter's own error class, naming the field), and
+building the OpenAI request it becomes. Its answer is encoded from the server's own events
+(events.py), never read back from another protocol's output."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -55,19 +55,3 @@ def validated(model: type[BaseModel], asked: dict[str, Any], error: type[LlmcliE
         if first.get("type") == "extra_forbidden":
             raise error(f"{where} is not supported here") from None
         raise error(f"{where}: {first.get('msg', 'invalid value')}") from None
-
-
-async def events_of(body: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The OpenAI stream's server-sent events one by one (a piece of the body may hold several)."""
-    async for text in body:
-        for event in text.split("\n\n"):
-            if event:
-                yield event
-
-
-def chunk_of(event: str | bytes) -> dict[str, Any] | None:
-    """One server-sent event of the OpenAI stream as its JSON object (None: nothing to read)."""
-    data = (event if isinstance(event, str) else event.decode()).removeprefix("data: ").strip()
-    if not data or data == "[DONE]":
-        return None
-    return json.loads(data)
