@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from llmcli.server.events import Encoder, token_counts
+from llmcli.server.events import Encoder, Usage
 from llmcli.server.logprobs import score_prompt
 from llmcli.server.prompts import chat_prompt, completion_prompts, jobs_for
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling
@@ -96,7 +96,7 @@ async def respond(
     if None in finished:  # nobody is there to read an answer
         return Response(status_code=499)
     outcomes = [outcome for outcome in finished if outcome is not None]
-    request.state.usage = token_counts(outcomes)
+    request.state.usage = Usage.of(outcomes).counts
     return encoder.whole(outcomes)
 
 

@@ -26,7 +26,7 @@ from llmcli.engine.reply import TOOL_CALL
 from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response
 from llmcli.server.blocks import Blocks, Step
-from llmcli.server.events import Encoder, Failed, Outcome, Piece, cached_tokens, call_input, token_counts
+from llmcli.server.events import Encoder, Failed, Outcome, Piece, Usage, call_input
 from llmcli.server.prompts import chat_prompt
 from llmcli.server.translate import Body, Part, read_body, validated
 
@@ -328,11 +328,11 @@ def _stop(finish: str, stop_sequence: str | None) -> dict[str, Any]:
 
 
 def _usage(outcomes: list[Outcome]) -> dict[str, Any]:
-    prompt, completion = token_counts(outcomes)
+    usage = Usage.of(outcomes)
     return {
-        "input_tokens": prompt,
-        "output_tokens": completion,
-        "cache_read_input_tokens": cached_tokens(outcomes),
+        "input_tokens": usage.prompt,
+        "output_tokens": usage.completion,
+        "cache_read_input_tokens": usage.cached,
     }
 
 

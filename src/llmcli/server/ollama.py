@@ -25,7 +25,7 @@ from pydantic import Field
 from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response, completion_response
-from llmcli.server.events import Encoder, Failed, Outcome, Piece, call_input, token_counts
+from llmcli.server.events import Encoder, Failed, Outcome, Piece, Usage, call_input
 from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
@@ -348,7 +348,7 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
 def _done(outcomes: list[Outcome], total_s: float | None = None) -> dict[str, Any]:
     """The done line's reason, counts and durations: the durations from the rates rounded as
     OpenAI's `timings` gives them, so that both APIs report the same figures."""
-    prompt, completion = token_counts(outcomes)
+    prompt, completion = Usage.of(outcomes).counts
     stats = outcomes[0].stats
     decode, prefill = round(stats.decode_tok_s, 3), round(stats.prefill_tok_s, 3)
     eval_ns = int(completion / decode * 1e9) if decode else 0

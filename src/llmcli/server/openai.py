@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from llmcli.engine.reasoning import REASONING
 from llmcli.engine.reply import TOOL_CALL
 from llmcli.engine.tools.reader import CallArguments, CallStart
-from llmcli.server.answers import EncoderFor, chat_response, completion_response
+from llmcli.server.answers import chat_response, completion_response
 from llmcli.server.events import (
     ECHO,
     LOGPROBS,
@@ -24,9 +24,7 @@ from llmcli.server.events import (
     Failed,
     Outcome,
     Piece,
-    cached_tokens,
-    reasoning_tokens,
-    token_counts,
+    Usage,
 )
 from llmcli.server.logprobs import chat_logprobs, completion_logprobs
 from llmcli.server.protocol import ChatRequest, CompletionRequest, error_body
@@ -52,13 +50,13 @@ def install_openai(app: FastAPI, served: Served) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
-        return await chat_response(served, request, body, chat_encoder(served, body.include_usage))
+        encoder_for = functools.partial(OpenAIEncoder, served, chat=True, include_usage=body.include_usage)
+        return await chat_response(served, request, body, encoder_for)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await completion_response(
-            served, request, body, completion_encoder(served, body.include_usage)
-        )
+        encoder_for = functools.partial(OpenAIEncoder, served, chat=False, include_usage=body.include_usage)
+        return await completion_response(served, request, body, encoder_for)
 
 
 class OpenAIEncoder(Encoder):
@@ -129,14 +127,6 @@ class OpenAIEncoder(Encoder):
             "choices": choices,
             "usage": {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total},
         }
-
-
-def chat_encoder(served: Served, include_usage: bool) -> EncoderFor:
-    return functools.partial(OpenAIEncoder, served, chat=True, include_usage=include_usage)
-
-
-def completion_encoder(served: Served, include_usage: bool) -> EncoderFor:
-    return functools.partial(OpenAIEncoder, served, chat=False, include_usage=include_usage)
 
 
 def _piece_chunk(
@@ -230,16 +220,15 @@ def _stop_reason(outcome: Outcome) -> dict[str, Any]:
 
 def _usage(outcomes: list[Outcome]) -> dict[str, Any]:
     """The tokens of every choice: each prompt once per choice, as OpenAI counts n > 1."""
-    prompt, completion = token_counts(outcomes)
+    counted = Usage.of(outcomes)
     usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens(outcomes)},
+        "prompt_tokens": counted.prompt,
+        "completion_tokens": counted.completion,
+        "total_tokens": counted.prompt + counted.completion,
+        "prompt_tokens_details": {"cached_tokens": counted.cached},
     }
-    thought = reasoning_tokens(outcomes)
-    if thought is not None:
-        usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+    if counted.reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": counted.reasoning}
     return usage
 
 

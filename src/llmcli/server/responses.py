@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from llmcli.engine.reasoning import CONTENT, REASONING
+from llmcli.engine.reply import TOOL_CALL
 from llmcli.engine.tools.reader import CallStart
 from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response
@@ -31,9 +32,7 @@ from llmcli.server.events import (
     Failed,
     Outcome,
     Piece,
-    cached_tokens,
-    reasoning_tokens,
-    token_counts,
+    Usage,
 )
 from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_body, validated
@@ -276,17 +275,17 @@ def _shell(body: dict[str, Any], model: str) -> dict[str, Any]:
 
 def _finished(shell: dict[str, Any], output: list[dict[str, Any]], outcomes: list[Outcome]) -> dict[str, Any]:
     cut = outcomes[0].finish == "length"
-    prompt, completion = token_counts(outcomes)
+    usage = Usage.of(outcomes)
     return shell | {
         "status": "incomplete" if cut else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "output": output,
         "usage": {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached_tokens(outcomes)},
-            "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens(outcomes) or 0},
-            "total_tokens": prompt + completion,
+            "input_tokens": usage.prompt,
+            "input_tokens_details": {"cached_tokens": usage.cached},
+            "output_tokens": usage.completion,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning or 0},
+            "total_tokens": usage.prompt + usage.completion,
         },
     }
 
@@ -393,22 +392,14 @@ class ResponsesEncoder(Encoder):
         self.output.append(current)
         index = len(self.output) - 1
         sent += self._event("response.output_item.added", {"output_index": index, "item": current})
-        if channel == CONTENT:
-            part = {
-                "item_id": current["id"],
-                "output_index": index,
-                "content_index": 0,
-                "part": current["content"][0],
-            }
-            sent += self._event("response.content_part.added", part)
-        elif channel == REASONING:
-            part = {
-                "item_id": current["id"],
-                "output_index": index,
-                "summary_index": 0,
-                "part": current["summary"][0],
-            }
-            sent += self._event("response.reasoning_summary_part.added", part)
+        if channel != TOOL_CALL:  # a text's part, or a summary's: added empty
+            kind, parts, where = (
+                ("response.content_part.added", "content", "content_index")
+                if channel == CONTENT
+                else ("response.reasoning_summary_part.added", "summary", "summary_index")
+            )
+            added = {"item_id": current["id"], "output_index": index, where: 0, "part": current[parts][0]}
+            sent += self._event(kind, added)
         return sent
 
     def _done(self) -> str:

@@ -16,7 +16,7 @@ from fastapi import Request
 
 from llmcli.config.settings import SamplingParams, SamplingSettings
 from llmcli.engine.reply import ReplyStream
-from llmcli.server.events import ECHO, LOGPROBS, Encoder, Ended, Failed, Outcome, Piece, token_counts
+from llmcli.server.events import ECHO, LOGPROBS, Encoder, Ended, Failed, Outcome, Piece, Usage
 from llmcli.server.logprobs import score_prompt
 from llmcli.server.state import RequestError, Served, Ticket, describe
 
@@ -191,7 +191,7 @@ async def stream(served: Served, request: Request, jobs: list[Job], encoder: Enc
             if ended:
                 yield ended
         finished = [outcomes[index] for index in range(len(jobs))]
-        request.state.usage = token_counts(finished)
+        request.state.usage = Usage.of(finished).counts
         yield encoder.closing(finished)
     finally:
         cancelled.set()  # a client that left, or a choice that failed: the others stop at their next token
