@@ -1,8 +1,12 @@
-"""The HTTP API over one loaded model (FastAPI on uvicorn), composed here: OpenAI's chat and text
-completions (openai.py), and the Responses, Anthropic and Ollama APIs (responses.py,
-anthropic.py, ollama.py), each a route of its own over the same prompts (prompts.py) and
-generations (worker.py); the guards around them (guard.py, BodyLimit), and every failure as an
-error object in the protocol's own shape.
+"""The HTTP API over one loaded model (FastAPI on uvicorn), composed here: the routes of OpenAI's
+chat and text completions (openai.py), of the Responses, Anthropic and Ollama APIs (responses.py,
+anthropic.py, ollama.py), the guards around them (guard.py, BodyLimit), and every failure as an
+error object in the protocol's own shape. Nothing imports this module.
+
+Each route reads its protocol's request and answers it through answers.py: the prompt made and
+checked (prompts.py), the generations run (worker.py), and their protocol-neutral events
+(events.py) encoded by the route's own encoder, streamed or whole; Anthropic's blocks and the
+Responses API's items are grouped by one rule (blocks.py). No route reads another's output.
 
 Generations run on threads of their own, taking turns on one compute thread
 (engine/scheduler.py): with --parallel above 1 each runs on an engine of its own and their decode
@@ -13,7 +17,7 @@ much was reused.
 
 A client that goes away stops its generation at the next token (the engine's cache is cropped
 back to what it holds exactly, as after Ctrl-C); one still waiting in the queue is skipped, and
-the queue is bounded. The worker threads live on after any failure.
+the queue is bounded. The generation threads live on after any failure.
 """
 
 from __future__ import annotations
