@@ -105,8 +105,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
         "models", "catalog", "gguf", "gguf_direct", "gguf_int4", "lean_load", "lean_model", "load",
         "load_plan", "memory", "quant", "quantized", "resolve", "tensor_file",
     ),
-    _circle("server", "anthropic", "app", "ollama", "responses"),
-    _circle("engine", "loop", "producers", "speculative", "speculative.drafters", "stats"),
 }  # fmt: skip
 
 

@@ -18,7 +18,7 @@ nothing and so only ever crops.
 Host copies are of whole sequences, not blocks shared by content: two conversations with one
 long system prompt each keep their own copy of it. A paged cache (issue 28) would share them.
 
-Torch-free: engines are only named in type hints.
+Torch-free: engines are only named in type hints, by the little the store asks of them (`Engine`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from llmcli.engine.backend import Saved
-    from llmcli.engine.loop import Engine
+    from llmcli.engine.backend import Backend, Saved
 
 # Fewer tokens than this about to be lost are not set aside: a copy is not worth a short
 # prefill, and the same conversation cropping its last reply (a retry) would fill the store.
@@ -44,6 +43,16 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+class Engine(Protocol):
+    """What the store asks of an engine (held.HeldCache): its backend and the exact ids its
+    cache holds, and a crop that keeps the two equal."""
+
+    backend: Backend
+    cached_ids: list[int]
+
+    def crop_to(self, keep: int) -> None: ...
 
 
 class Entry(Protocol):

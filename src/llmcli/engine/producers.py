@@ -27,7 +27,7 @@ from llmcli.engine.speculative.schedule import agreeing
 
 if TYPE_CHECKING:
     from llmcli.config.settings import SamplingParams
-    from llmcli.engine.loop import Engine
+    from llmcli.engine.held import HeldCache
     from llmcli.engine.speculative import Speculation, SpeculativeStats
     from llmcli.engine.structured.constraint import Constraint
 
@@ -119,7 +119,7 @@ class Chooser:
         return torch.tensor([self.context + chosen], dtype=torch.long, device=self.device)
 
 
-def plain(engine: Engine, logits: torch.Tensor, choose: Chooser) -> Iterator[int]:
+def plain(engine: HeldCache, logits: torch.Tensor, choose: Chooser) -> Iterator[int]:
     """One token per decode step. A token is fed only once the consumer asks for the next one."""
     try:
         while True:
@@ -132,7 +132,7 @@ def plain(engine: Engine, logits: torch.Tensor, choose: Chooser) -> Iterator[int
 
 
 def speculative(
-    engine: Engine,
+    engine: HeldCache,
     logits: torch.Tensor,
     choose: Chooser,
     speculation: Speculation,

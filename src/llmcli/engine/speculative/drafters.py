@@ -13,7 +13,7 @@ from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
     from llmcli.config.settings import SamplingParams
-    from llmcli.engine.loop import Engine
+    from llmcli.engine.held import HeldCache
 
 
 @dataclass
@@ -100,7 +100,7 @@ class ModelDrafter:
     method = "draft"
     free = False
 
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: HeldCache, name: str) -> None:
         self.engine = engine
         self.name = name
 
