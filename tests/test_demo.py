@@ -46,7 +46,7 @@ def test_default_model_answers_a_factual_question(first_run) -> None:
 def test_the_gguf_is_read_in_place_with_nothing_converted(first_run) -> None:
     """No converted copy of the weights in the cache: one folder of the file's small parts (its
     config and tokenizer, under 10 MB), and the weights read from the file at every load."""
-    from llmcli.models.gguf import folder_size
+    from llmcli.models.gguf_cache import folder_size
 
     assert first_run.returncode == 0
     (folder,) = cache_folders()
@@ -69,7 +69,7 @@ def test_stop_string_and_streamed_text_on_a_real_model(first_run) -> None:
 def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
     """Q4_1 blocks of 32 are int4 groups of 32: the demo loads as int4-g32 on the native engine,
     a third of the fp32 bytes; --quant none dequantizes as before."""
-    from llmcli.models.gguf import stored_weight_kind, weight_kind
+    from llmcli.models.gguf_cache import stored_weight_kind, weight_kind
 
     record = json.loads(first_run.stdout)
     assert (record["quant"], record["quant_backend"], record["engine"]) == ("int4-g32", "native", "native")

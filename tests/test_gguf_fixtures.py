@@ -56,7 +56,7 @@ def test_each_type_is_read_in_place_and_matches_llama_cpp(kind: str, own_cache: 
     are llama.cpp's on the same file within its own quantization noise: the fixtures' README
     puts an exact reader within 0.002 nats of llama.cpp; bf16 activations and int8 for the
     types wider than 4 bits add a little (docs/benchmarks.md has the table)."""
-    from llmcli.models.gguf import folder_size
+    from llmcli.models.gguf_cache import folder_size
     from llmcli.models.load_plan import default_load
 
     path = fixture(kind)
@@ -271,7 +271,7 @@ def test_transformers_path_reads_the_file_in_place_too(own_cache: Path) -> None:
 def test_an_older_conversion_of_the_file_is_replaced_by_its_small_parts(own_cache: Path) -> None:
     """A file an older llmcli converted (an fp16 copy in the cache) is read in place now: the
     copy goes, the name it was imported under stays."""
-    from llmcli.models.gguf import conversion_of
+    from llmcli.models.gguf_cache import conversion_of
     from llmcli.models.resolve import resolve_model
 
     path = fixture("Q4_0")

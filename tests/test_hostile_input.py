@@ -348,7 +348,7 @@ def small_gguf() -> Path:
 def test_a_changed_gguf_file_of_the_same_size_and_time_gets_a_new_cache_key(tmp_path: Path) -> None:
     import os
 
-    from llmcli.models.gguf import fingerprint
+    from llmcli.models.gguf_cache import fingerprint
 
     copy = tmp_path / "model.gguf"
     shutil.copy(small_gguf(), copy)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from llmcli.errors import EXIT_FAILURE, ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
-from llmcli.models.resolve import DEFAULT_HUB_MODEL, default_model_spec, demo_gguf_path, resolve_model
+from llmcli.models.default_model import DEFAULT_HUB_MODEL, default_model_spec, demo_gguf_path
+from llmcli.models.resolve import resolve_model
 
 from cli_helpers import run_cli
 from tiny_models import COMMIT, put_in_hf_cache

@@ -36,7 +36,7 @@ def list_models(
     """Models in the Hugging Face cache and llmcli's converted GGUF files."""
     with handled_errors():
         from llmcli.models.catalog import list_models as entries_of
-        from llmcli.models.gguf import folder_size, leftovers
+        from llmcli.models.gguf_cache import folder_size, leftovers
         from llmcli.models.resolve import DEFAULT_ALIAS
 
         entries = entries_of()
@@ -108,7 +108,7 @@ def show(
     """Config summary, chat template, generation defaults, sizes on disk and in memory."""
     with handled_errors():
         from llmcli.models.catalog import model_summary
-        from llmcli.models.gguf import gguf_type
+        from llmcli.models.gguf_cache import gguf_type
         from llmcli.models.gguf_direct import is_direct
         from llmcli.models.load_plan import default_load
         from llmcli.models.resolve import default_model_spec, is_gguf_spec
@@ -183,8 +183,7 @@ def show(
 def _is_the_defaults_conversion(model: str) -> bool:
     """Whether removing `model` removes the default model's GGUF conversion too (an import of
     the same file shares it)."""
-    from llmcli.models.catalog import find_imported
-    from llmcli.models.gguf import conversion_of
+    from llmcli.models.gguf_cache import conversion_of, find_imported
     from llmcli.models.resolve import default_model_spec
 
     folder = find_imported(model)
@@ -243,7 +242,7 @@ def remove(
     with handled_errors():
         from llmcli.models.catalog import list_models as entries_of
         from llmcli.models.catalog import remove_model
-        from llmcli.models.gguf import remove_leftovers
+        from llmcli.models.gguf_cache import remove_leftovers
 
         if model is None:
             if not leftovers:
@@ -288,7 +287,7 @@ def import_gguf(
 ) -> None:
     """Convert a GGUF file once into llmcli's cache, so later loads take a second."""
     with handled_errors():
-        from llmcli.models.catalog import find_imported
+        from llmcli.models.gguf_cache import find_imported
 
         if not file.is_file():
             raise UsageError(f"{file} does not exist")

@@ -36,7 +36,7 @@ def keep_alive_after(model: str | None, load: LoadSettings, seconds: float, remo
         return  # a server named: nothing was loaded here
     from filelock import FileLock
 
-    from llmcli.models.resolve import default_model_spec
+    from llmcli.models.default_model import default_model_spec
     from llmcli.server.runtime import LOADING, matching_server, runtime_dir
 
     spec, flags = model or default_model_spec(), load_flags(load)
@@ -127,7 +127,7 @@ def describe_os_error(error: OSError) -> str:
 def report_failures(model: str | None) -> None:
     """Before a call: a background server of this model that could not start, said once; the
     call itself goes on in-process."""
-    from llmcli.models.resolve import default_model_spec
+    from llmcli.models.default_model import default_model_spec
     from llmcli.server.runtime import take_failures
 
     spec = model or default_model_spec()

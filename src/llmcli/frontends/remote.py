@@ -76,7 +76,7 @@ def find_server(
         info = client.llmcli_health(timeout_s=5.0)
         name = model or (info["model"] if info else client.first_model())
         return RemoteTarget(client, name, info)
-    from llmcli.models.resolve import default_model_spec
+    from llmcli.models.default_model import default_model_spec
     from llmcli.server.runtime import matching_server, near_miss
 
     spec = model or default_model_spec()

@@ -94,7 +94,7 @@ def run(request: ServeRequest) -> int:
     check_exposure(request.host, request.api_key)
     sock = bind(request.host, request.port)  # before the load: a taken port fails in a second
 
-    from llmcli.models.resolve import default_model_spec
+    from llmcli.models.default_model import default_model_spec
 
     model_spec = request.model or default_model_spec()
     port = sock.getsockname()[1]

@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli.config.paths import gguf_cache_dir
 from llmcli.errors import ModelNotFoundError
-from llmcli.models.gguf import folder_size
+from llmcli.models.gguf_cache import find_imported, folder_size, imported_models
 from llmcli.models.memory import (
     context_length_of,
     estimate_weight_bytes,
@@ -72,20 +71,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def imported_models() -> list[tuple[str, Path]]:
-    """(name, folder) of every converted GGUF file in llmcli's cache."""
-    root = gguf_cache_dir()
-    found = []
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        marker = folder / ".llmcli-converted"
-        if marker.is_file():
-            name_file = folder / ".llmcli-name"
-            # Unnamed conversions (a .gguf passed to -m) go by the file's stem: "<stem>-<fingerprint>".
-            default_name = folder.name.rsplit("-", 1)[0]
-            found.append((name_file.read_text().strip() if name_file.is_file() else default_name, folder))
-    return found
-
-
 def list_models() -> list[ModelEntry]:
     entries = []
     for repo in _hub_repos():
@@ -133,7 +118,7 @@ def _with_the_default(entries: list[ModelEntry]) -> list[ModelEntry]:
     converted yet), since it is what runs without -m."""
     from dataclasses import replace
 
-    from llmcli.models.resolve import default_model_spec
+    from llmcli.models.default_model import default_model_spec
 
     spec = default_model_spec()
     name = Path(spec).stem if spec.endswith(".gguf") else spec
@@ -172,10 +157,6 @@ def _hub_repos() -> list[Any]:
 def model_names() -> list[str]:
     """Every name -m accepts from the caches, for shell completion."""
     return sorted({entry.name for entry in list_models()})
-
-
-def find_imported(name: str) -> Path | None:
-    return next((folder for found, folder in imported_models() if found == name), None)
 
 
 def remove_model(name: str) -> int:
@@ -234,7 +215,8 @@ def _quant_mode(config: dict[str, Any], folder: Path, shapes: dict[str, Any], ki
     """How `--quant KIND` would store this model: llmcli's own formats for what the native engine
     runs (int4 in GGUF's blocks of 32 for a GGUF conversion), bitsandbytes' for the rest."""
     from llmcli.models.families import family_of_config
-    from llmcli.models.gguf import GGUF_INT4_GROUP, is_conversion
+    from llmcli.models.gguf_cache import is_conversion
+    from llmcli.models.quant import GGUF_INT4_GROUP
 
     if family_of_config(config) is None:
         return kind

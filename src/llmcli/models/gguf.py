@@ -21,99 +21,29 @@ dequantized values lose next to nothing there, at half the disk of fp32.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import json
-import math
 import shutil
 import struct
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 from llmcli.atomic import folder_written_atomically, write_text_atomically
-from llmcli.config.paths import cache_dir, gguf_cache_dir
 from llmcli.errors import ModelLoadError
+from llmcli.models.gguf_cache import (
+    DONE_MARKER,
+    KIND_FILE,
+    NAME_FILE,
+    conversion_of,
+    remove_leftovers,
+    require_gguf,
+    stored_weight_kind,
+)
 
 if TYPE_CHECKING:
     from llmcli.models.gguf_table import GGUFTable
-
-_DONE_MARKER = ".llmcli-converted"
-_NAME_FILE = ".llmcli-name"  # gguf_direct.NAME_FILE too
-_KIND_FILE = ".llmcli-weights"  # how the file stored its layers' weights: int4, int8 or float
-
-# GGUF's types by how many bits a weight keeps: 4-bit blocks go to int4 (their blocks of 32, with a
-# scale, and a min for Q4_1, are int4 group 32 exactly); 5 to 8 bits to int8; the rest stay float.
-_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"})
-_INT8_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
-GGUF_INT4_GROUP = 32
-
-
-def fingerprint(gguf_file: Path) -> str:
-    """The file's content hash (16 hex digits), from memory when the file has not changed."""
-    gguf_file = gguf_file.resolve()
-    st = gguf_file.stat()
-    identity = f"{gguf_file}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-    remembered = fingerprints_dir() / hashlib.sha256(identity.encode()).hexdigest()[:32]
-    with contextlib.suppress(OSError):
-        known = remembered.read_text().strip()
-        if len(known) == 16:
-            return known
-    with gguf_file.open("rb") as handle:
-        digest = hashlib.file_digest(handle, "sha256").hexdigest()[:16]
-    with contextlib.suppress(OSError):  # a read-only cache: hash it again next time
-        remembered.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomically(remembered, digest + "\n")
-    return digest
-
-
-def fingerprints_dir() -> Path:
-    """File identity and times → content hash, one small file each (beside the conversions, so
-    nothing in their folder but conversions and their staging)."""
-    return cache_dir() / "gguf-fingerprints"
-
-
-def conversion_of(gguf_file: Path) -> Path:
-    """Where the conversion of `gguf_file` lives (whether it exists yet or not)."""
-    return gguf_cache_dir() / f"{gguf_file.stem}-{fingerprint(gguf_file)}"
-
-
-def leftovers() -> list[Path]:
-    """Staging folders of conversions that were killed: hidden folders in the GGUF cache whose
-    conversion's lock nobody holds (a running conversion holds its own)."""
-    root = gguf_cache_dir()
-    found = []
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if not folder.is_dir() or not folder.name.startswith("."):
-            continue
-        target_name = folder.name[1:].rsplit("-", 1)[0]  # staging: ".{target}-{random}"
-        lock = FileLock(root / f".{target_name}.lock")
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            continue  # its conversion is running
-        except OSError:
-            continue
-        lock.release()
-        found.append(folder)
-    return found
-
-
-def remove_leftovers(keep: Path | None = None) -> int:
-    """Delete what killed conversions left (but `keep`); the bytes freed."""
-    freed = 0
-    for folder in leftovers():
-        if folder != keep:
-            freed += folder_size(folder)
-            shutil.rmtree(folder, ignore_errors=True)
-    return freed
-
-
-def folder_size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def converted_folder(
@@ -167,7 +97,7 @@ def converted_folder(
                 on_convert(gguf_file, True)
             direct_folder(gguf_file, target, table)
             _mark_done(target, gguf_file)
-        elif not (target / _DONE_MARKER).is_file():
+        elif not (target / DONE_MARKER).is_file():
             _check_transformers_reads(table)
             kind = stored_weight_kind(gguf_file)
             if on_convert is not None:
@@ -178,7 +108,7 @@ def converted_folder(
             with contextlib.suppress(OSError, ValueError, KeyError, ImportError):
                 save_int4_blocks(gguf_file, target)
         if name:
-            write_text_atomically(target / _NAME_FILE, name + "\n")
+            write_text_atomically(target / NAME_FILE, name + "\n")
     finally:
         lock.release()
     return target
@@ -207,7 +137,7 @@ def transformers_reads(architecture: str) -> bool:
 def _check_transformers_reads(table: GGUFTable) -> None:
     """A file of an architecture llmcli does not read in place is converted by transformers:
     one it has no mapping for is refused now, before the conversion starts."""
-    _require_gguf()
+    require_gguf()
     from llmcli.models.families import BY_GGUF
 
     if not transformers_reads(table.architecture):
@@ -223,7 +153,7 @@ def _converted_for_transformers(folder: Path) -> bool:
     every file: one it now reads in place is read again, and its copy replaced.)"""
     from llmcli.models.families import BY_GGUF
 
-    if not (folder / _DONE_MARKER).is_file():
+    if not (folder / DONE_MARKER).is_file():
         return False
     try:
         architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
@@ -236,7 +166,7 @@ def _is_ready(target: Path, table: GGUFTable) -> bool:
     """Whether `target` holds what this file needs already (read in place, or converted)."""
     from llmcli.models.gguf_direct import is_direct, reads_directly
 
-    return is_direct(target) if reads_directly(table) else (target / _DONE_MARKER).is_file()
+    return is_direct(target) if reads_directly(table) else (target / DONE_MARKER).is_file()
 
 
 def _clear_leftovers(target: Path) -> None:
@@ -249,22 +179,18 @@ def _clear_leftovers(target: Path) -> None:
 
 def _mark_done(folder: Path, gguf_file: Path) -> None:
     """The marker every GGUF folder in the cache has (catalog.py lists them by it): its file."""
-    marker = folder / _DONE_MARKER
+    marker = folder / DONE_MARKER
     if not marker.is_file() or marker.read_text().strip() != str(gguf_file):
         write_text_atomically(marker, f"{gguf_file}\n")
 
 
-def write_weight_kind(folder: Path, stored: str) -> None:
-    (folder / _KIND_FILE).write_text(stored + "\n")
-
-
 def convert(gguf_file: Path, target: Path, kind: str) -> None:
     """Dequantize through transformers and save as safetensors; atomic, so a crash leaves no half folder."""
-    _require_gguf()
+    require_gguf()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.models.load import check_every_tensor_loaded, quiet_libraries
+    from llmcli.models.libraries import check_every_tensor_loaded, quiet_libraries
 
     quiet_libraries()
     # A target already there has no done marker: an older llmcli's half-written one, replaced.
@@ -284,9 +210,9 @@ def convert(gguf_file: Path, target: Path, kind: str) -> None:
             del model.config.quantization_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / _KIND_FILE).write_text(kind + "\n")
+        (staging / KIND_FILE).write_text(kind + "\n")
         save_int4_blocks(gguf_file, staging)
-        (staging / _DONE_MARKER).write_text(f"{gguf_file}\n")
+        (staging / DONE_MARKER).write_text(f"{gguf_file}\n")
 
 
 def save_int4_blocks(gguf_file: Path, folder: Path) -> None:
@@ -295,84 +221,3 @@ def save_int4_blocks(gguf_file: Path, folder: Path) -> None:
     from llmcli.models.gguf_int4 import write_blocks
 
     write_blocks(gguf_file, folder)
-
-
-def _require_gguf() -> None:
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError(
-            "reading .gguf files needs the gguf package", "install it with `pip install 'llmcli[gguf]'`"
-        )
-
-
-def stored_weight_kind(gguf_file: Path) -> str:
-    """int4, int8 or float: what most of the file's layer weights (blk.*, 2-D) are stored as,
-    then GGUF's name for their type ("int4 Q4_1")."""
-    _require_gguf()
-    from gguf import GGUFReader
-
-    try:
-        tensors = GGUFReader(str(gguf_file)).tensors
-    # IndexError: gguf's reader indexing an array the file ends before (a cut in its metadata).
-    except (ValueError, KeyError, IndexError, OSError, EOFError, struct.error) as error:
-        raise ModelLoadError(
-            f"{gguf_file} is not a readable GGUF file: cut short or damaged ({error})",
-            "download it again, or check the file with llama.cpp's gguf-dump",
-        ) from None
-    return kind_of_types(
-        (tensor.tensor_type.name, tuple(int(n) for n in tensor.shape))
-        for tensor in tensors
-        if tensor.name.startswith("blk.") and len(tensor.shape) == 2
-    )
-
-
-def kind_of_types(layer_weights: Iterable[tuple[str, tuple[int, ...]]]) -> str:
-    """int4, int8 or float, then GGUF's type name ("int4 Q4_1"): what most of these layer
-    weights (type, shape) are stored as."""
-    kinds: Counter[str] = Counter()
-    types: Counter[str] = Counter()
-    for name, shape in layer_weights:
-        kind = "int4" if name in _INT4_TYPES else "int8" if name in _INT8_TYPES else "float"
-        kinds[kind] += math.prod(shape)
-        types[name] += math.prod(shape)
-    if not kinds:
-        return "float"
-    return f"{kinds.most_common(1)[0][0]} {types.most_common(1)[0][0]}"
-
-
-def weight_kind(folder: Path) -> str | None:
-    """What the GGUF file behind a converted folder stored (read once, then remembered beside the
-    conversion); None when it cannot be known (the file is gone, or this is no conversion)."""
-    stored = _stored(folder)
-    return stored.split()[0] if stored else None
-
-
-def gguf_type(folder: Path) -> str | None:
-    """GGUF's name for the type most of a converted folder's layer weights had (Q4_1, Q8_0,
-    F16); None when it cannot be known."""
-    stored = (_stored(folder) or "").split()
-    return stored[1] if len(stored) > 1 else None
-
-
-def _stored(folder: Path) -> str | None:
-    """ "int4 Q4_1": read once from the GGUF file behind a conversion, then remembered beside it
-    (an older conversion remembered the kind alone)."""
-    remembered = folder / _KIND_FILE
-    text = remembered.read_text().strip() if remembered.is_file() else ""
-    if len(text.split()) > 1:
-        return text
-    marker = folder / _DONE_MARKER
-    source = Path(marker.read_text().strip()) if marker.is_file() else None
-    if source is None or not source.is_file():
-        return text or None
-    try:
-        stored = stored_weight_kind(source)
-    except (OSError, ValueError, ImportError, ModelLoadError):
-        return text or None
-    with contextlib.suppress(OSError):  # a read-only cache: work it out again next time
-        write_text_atomically(remembered, stored + "\n")
-    return stored
-
-
-def is_conversion(folder: Path) -> bool:
-    """A folder this module converted from a GGUF file."""
-    return (folder / _DONE_MARKER).is_file()

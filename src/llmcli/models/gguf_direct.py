@@ -35,16 +35,14 @@ import numpy as np
 from llmcli.atomic import folder_written_atomically, write_text_atomically
 from llmcli.errors import ModelLoadError
 from llmcli.models.families import by_gguf
+from llmcli.models.gguf_cache import NAME_FILE, SOURCE_FILE, fingerprint, kind_of_types, write_weight_kind
 from llmcli.models.gguf_int4 import unpermute_rows
 from llmcli.models.gguf_table import GGUFTable, TableEntry, read_table
+from llmcli.models.headers import TensorHeader
 
 if TYPE_CHECKING:
     import torch
 
-    from llmcli.models.memory import TensorHeader
-
-SOURCE_FILE = ".llmcli-gguf"  # the GGUF file's path, in a folder read directly
-NAME_FILE = ".llmcli-name"  # as gguf.py names it: the name `models import --name` gave
 # How config_of reads a file's metadata: a folder whose config.json an older reading wrote gets it
 # written again (2: YaRN's factor and pretraining length read; 3: its sampling defaults and
 # special token ids checked, check_metadata).
@@ -332,8 +330,6 @@ def direct_folder(gguf_file: Path, target: Path, table: GGUFTable) -> Path:
         if generation:
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         _save_tokenizer(gguf_file, table, staging)
-        from llmcli.models.gguf import write_weight_kind
-
         write_weight_kind(staging, _stored_kind(table))
         (staging / SOURCE_FILE).write_text(f"{gguf_file}\n")
         kept_name = target / NAME_FILE  # an older llmcli's converted copy, imported under a name
@@ -388,7 +384,7 @@ def _save_tokenizer(gguf_file: Path, table: GGUFTable, folder: Path) -> None:
         return
     from transformers import AutoTokenizer
 
-    from llmcli.models.load import quiet_libraries
+    from llmcli.models.libraries import quiet_libraries
     from llmcli.models.tokenizer_capture import write_plain
 
     quiet_libraries()
@@ -404,8 +400,6 @@ def _stored_kind(table: GGUFTable) -> str:
     4-bit layer read exactly loads as int4, whatever most of its layers are: its other quantized
     layers are int8 either way (GGUFCodes.wider), and the 4-bit ones keep their own codes. (The
     demo made Q4_K_M by llama.cpp is mostly Q5_0, its fallback for width 576.)"""
-    from llmcli.models.gguf import kind_of_types
-
     layers = [
         (entry.type_name, entry.shape)
         for entry in table.tensors.values()
@@ -432,8 +426,6 @@ def source_of(folder: Path) -> Path:
     """The GGUF file a directly read folder stands for, checked to be there still, with the
     content the folder was written for (its name ends with the content's fingerprint): a file
     rewritten in place since must not be read with another file's config and tokenizer."""
-    from llmcli.models.gguf import fingerprint
-
     source = recorded_source(folder)
     if source is None or not source.is_file():
         raise ModelLoadError(
@@ -452,8 +444,6 @@ def table_shapes(folder: Path) -> dict[str, TensorHeader]:
     """transformers' name → the file's tensors' shapes, element sizes (2 for blocks: the 16-bit
     width they are estimated against) and types; empty where the file cannot be read (the load
     says why)."""
-    from llmcli.models.memory import TensorHeader
-
     widths = {"F32": 4, "F16": 2, "BF16": 2}
     try:
         table = read_table(source_of(folder))

@@ -134,7 +134,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
 
     from llmcli.models.device import DTYPE_NAMES
     from llmcli.models.gguf_direct import is_direct, recorded_source
-    from llmcli.models.lean_model import build, is_stand_in
+    from llmcli.models.lean_model import build
     from llmcli.models.load import (
         LoadedModel,
         eos_ids,
@@ -143,6 +143,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     )
     from llmcli.models.memory import kv_bytes_per_token, measured_weight_bytes
     from llmcli.models.quantized import quantize_model
+    from llmcli.models.tensor_file import is_stand_in
 
     folder = resolved.path
     read_in_place = is_direct(folder)

@@ -125,10 +125,6 @@ class Tensors:
         return None  # a folder's config says its RoPE scaling itself
 
 
-def is_stand_in(tensor: torch.Tensor) -> bool:
-    return tensor.numel() > 1 and not any(tensor.stride())
-
-
 class TensorSource(Protocol):
     """Where the weights come from, by transformers' names: a folder's safetensors (`Tensors`),
     or a GGUF file read in place (gguf_direct.GGUFTensors)."""

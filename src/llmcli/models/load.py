@@ -6,8 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +14,15 @@ import torch
 
 from llmcli.config.settings import LoadSettings
 from llmcli.errors import LlmcliError, ModelLoadError, UsageError
-from llmcli.models.device import DTYPE_NAMES, choose_device, choose_dtype, configure_cpu_threads
+from llmcli.models.device import (
+    DTYPE_NAMES,
+    choose_device,
+    choose_dtype,
+    configure_cpu_threads,
+    gguf_float_dtype,
+)
+from llmcli.models.gguf_cache import gguf_type
+from llmcli.models.libraries import check_every_tensor_loaded, quiet_libraries
 from llmcli.models.load_plan import plan_quantization, read_config
 from llmcli.models.memory import (
     FitRequest,
@@ -38,7 +44,6 @@ from llmcli.models.quant import (
     check_quant_request,
     gguf_refusal,
     quant_label,
-    silence_bitsandbytes,
 )
 from llmcli.models.resolve import ResolvedModel
 
@@ -83,23 +88,6 @@ class LoadedModel:
             f"weights in memory {format_bytes(self.weight_bytes)} ({self.dtype_name}, quant {self.quant}) "
             f"on {self.device} · KV cache {format_bytes(self.kv_bytes_per_token)}/token"
         )
-
-
-def quiet_libraries() -> None:
-    """Our own progress and errors are the only ones the user should see."""
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", module="transformers")
-    warnings.filterwarnings("ignore", module="bitsandbytes")
-    # inductor's advice to enable TF32, printed whenever something compiles in fp32 on a GPU.
-    warnings.filterwarnings("ignore", message=".*TensorFloat32.*")
-    silence_bitsandbytes()  # also for checkpoints that come quantized, without --quant
-    if not sys.stderr.isatty():
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
 
 
 def read_generation_config(folder: Path) -> dict[str, Any]:
@@ -230,26 +218,6 @@ def _check_every_expert_stored(folder: Path, config: dict[str, Any], names: set[
             )
 
 
-def check_every_tensor_loaded(where: Path, info: dict[str, Any]) -> None:
-    """transformers fills a tensor the checkpoint lacks with random values and goes on (a
-    warning we keep quiet): a model missing an expert or a layer would answer garbage. One line
-    naming the tensor instead."""
-    missing = sorted(info.get("missing_keys") or [])
-    mismatched = sorted(info.get("mismatched_keys") or [], key=str)  # (name, stored shape, wanted shape)
-    if mismatched:
-        name, stored, wanted = [*mismatched[0], None, None][:3]
-        raise ModelLoadError(
-            f"{where}: tensor {name} has the shape {stored}, and the config asks for {wanted}",
-            "the checkpoint and its config.json do not match: download it again",
-        )
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(
-            f"{where} lacks the tensor {missing[0]}{more} that its config's architecture needs",
-            "the checkpoint is incomplete or not for this config: download it again",
-        )
-
-
 def prepare_device(
     settings: LoadSettings, device: torch.device, native_quant: bool = False, quiet: bool = True
 ) -> torch.dtype:
@@ -264,22 +232,6 @@ def prepare_device(
     if device.type == "cpu":
         configure_cpu_threads(settings.threads)
     return dtype
-
-
-# A GGUF file's 16-bit weights, held in their own width on a CPU whose torch runs 16-bit
-# matrix products natively (AVX-512 here: a 576 × 1536 fp16 GEMV 45 µs, bf16 77, fp32 232 on
-# 2 cores), rather than widened to fp32 at twice the file's size. Elsewhere fp32, as a CPU's
-# default (half-precision products are slow or missing on many).
-_GGUF_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
-_NATIVE_HALF_CAPABILITIES = frozenset({"AVX512", "AVX512_BF16", "AMX"})
-
-
-def gguf_float_dtype(folder: Path, device: torch.device) -> torch.dtype | None:
-    from llmcli.models.gguf import gguf_type
-
-    if device.type != "cpu" or torch.backends.cpu.get_cpu_capability() not in _NATIVE_HALF_CAPABILITIES:
-        return None
-    return _GGUF_FLOAT_DTYPES.get(gguf_type(folder) or "")
 
 
 @dataclass
@@ -307,8 +259,9 @@ def plan_load(resolved: ResolvedModel, settings: LoadSettings, quiet: bool = Tru
     device = choose_device(settings.device)
     settings, native_quant, group = plan_quantization(settings, config, device.type, resolved.source, folder)
     dtype = prepare_device(settings, device, native_quant=native_quant is not None, quiet=quiet)
-    if resolved.source == "gguf" and settings.dtype == "auto" and native_quant is None:
-        dtype = gguf_float_dtype(folder, device) or dtype
+    keeps_file_width = settings.dtype == "auto" and native_quant is None and device.type == "cpu"
+    if resolved.source == "gguf" and keeps_file_width:
+        dtype = gguf_float_dtype(gguf_type(folder), device) or dtype
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(
         resolved, settings, config, device, dtype, (native_quant, group) if native_quant else None

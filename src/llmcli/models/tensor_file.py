@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from llmcli.models.memory import read_safetensors_header
+from llmcli.models.headers import read_safetensors_header
 
 DTYPES = {
     "F64": torch.float64,
@@ -29,6 +29,12 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def is_stand_in(tensor: torch.Tensor) -> bool:
+    """A tensor of its shape and no values (lean_model.Tensors.stand_in: one zero at every
+    position), which the quantizer replaces and nothing may ever run on."""
+    return tensor.numel() > 1 and not any(tensor.stride())
 
 
 class TensorFile:
