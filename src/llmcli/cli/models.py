@@ -108,25 +108,25 @@ def show(
     """Config summary, chat template, generation defaults, sizes on disk and in memory."""
     with handled_errors():
         from llmcli.models.catalog import model_summary
-        from llmcli.models.gguf_cache import gguf_type
-        from llmcli.models.gguf_direct import is_direct
-        from llmcli.models.load_plan import default_load
+        from llmcli.models.checkpoint import Checkpoint
+        from llmcli.models.load_plan import settled_load
         from llmcli.models.resolve import default_model_spec, is_gguf_spec
 
         spec = model or default_model_spec()
         folder, source, gguf_file = _local_folder(spec)
-        summary = model_summary(folder, spec if model else _display_name(spec))
-        device, dtype, quant, here = default_load(folder, source)
+        checkpoint = Checkpoint(folder.name, folder, source)
+        summary = model_summary(checkpoint, spec if model else _display_name(spec))
+        device, dtype, quant, here = settled_load(checkpoint)
         summary["on_disk_bytes"] = {"folder": summary.pop("folder_bytes")}
         if gguf_file is not None:
             summary["on_disk_bytes"]["gguf_file"] = gguf_file.stat().st_size
         summary["in_memory"] = {"device": device, "dtype": dtype, "quant": quant, "weight_bytes": here}
         fields = ("dtype", "quant", "weight_bytes")
         summary["with_quant"] = {  # each --quant as it would load here, in the dtype it would use
-            kind: dict(zip(fields, default_load(folder, source, kind)[1:], strict=True))
+            kind: dict(zip(fields, settled_load(checkpoint, kind)[1:], strict=True))
             for kind in ("none", "int8", "int4")
         }
-        summary["gguf_type"] = gguf_type(folder) if source == "gguf" else None
+        summary["gguf_type"] = checkpoint.gguf_type
         summary["is_gguf"] = is_gguf_spec(spec)
         if json_output:
             _print(json.dumps(summary, indent=2))
@@ -146,7 +146,7 @@ def show(
         disk = summary["on_disk_bytes"]
         where, read_in_place = "in its files", False
         if gguf_file or source == "gguf":
-            read_in_place = is_direct(Path(summary["path"]))
+            read_in_place = checkpoint.read_in_place
             where = (
                 "its tokenizer and settings in llmcli's cache"
                 if read_in_place

@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli.errors import ModelNotFoundError
+from llmcli.errors import ModelLoadError, ModelNotFoundError
+from llmcli.models.checkpoint import Checkpoint
 from llmcli.models.gguf_cache import find_imported, folder_size, imported_models
 from llmcli.models.memory import (
     context_length_of,
     estimate_weight_bytes,
     kv_bytes_per_token,
     native_mode,
-    weight_shapes,
 )
 
 
@@ -47,8 +47,14 @@ class ModelEntry:
 
 def describe_folder(folder: Path) -> dict[str, Any]:
     """Architecture, parameter count, context length and chat template, from the files alone."""
-    config = _read_json(folder / "config.json")
-    shapes = weight_shapes(folder) if folder.is_dir() else {}
+    return describe(Checkpoint(folder.name, folder, "folder"))
+
+
+def describe(checkpoint: Checkpoint) -> dict[str, Any]:
+    """describe_folder of a checkpoint, from what it has read already."""
+    folder = checkpoint.path
+    config = _config_of(checkpoint)
+    shapes = checkpoint.shapes if folder.is_dir() else {}
     return {
         "architecture": (config.get("architectures") or [config.get("model_type")])[0],
         "parameters": sum(t.count for t in shapes.values()) or None,
@@ -61,6 +67,15 @@ def has_chat_template_files(folder: Path) -> bool:
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
         return True
     return bool(_read_json(folder / "tokenizer_config.json").get("chat_template"))
+
+
+def _config_of(checkpoint: Checkpoint) -> dict[str, Any]:
+    """config.json, or nothing where it cannot be read (listing and showing say what they can)."""
+    try:
+        config = checkpoint.config
+    except ModelLoadError:
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -178,11 +193,12 @@ def remove_model(name: str) -> int:
     raise ModelNotFoundError(f"no model named {name} in the Hugging Face cache or llmcli's GGUF cache")
 
 
-def model_summary(folder: Path, name: str) -> dict[str, Any]:
+def model_summary(checkpoint: Checkpoint, name: str) -> dict[str, Any]:
     """What `models show` prints: the config's shape, template, generation defaults, memory."""
-    config = _read_json(folder / "config.json")
+    folder = checkpoint.path
+    config = _config_of(checkpoint)
     text = config.get("text_config") or config
-    shapes = weight_shapes(folder)
+    shapes = checkpoint.shapes
     template_file = folder / "chat_template.jinja"
     template = (
         template_file.read_text()
@@ -193,14 +209,14 @@ def model_summary(folder: Path, name: str) -> dict[str, Any]:
         "name": name,
         "path": str(folder),
         "folder_bytes": folder_size(folder),
-        **describe_folder(folder),
+        **describe(checkpoint),
         "layers": text.get("num_hidden_layers"),
         "hidden_size": text.get("hidden_size"),
         "attention_heads": text.get("num_attention_heads"),
         "kv_heads": text.get("num_key_value_heads") or text.get("num_attention_heads"),
         "vocab_size": text.get("vocab_size"),
         "quantization": (config.get("quantization_config") or {}).get("quant_method"),
-        "generation_defaults": _read_json(folder / "generation_config.json"),
+        "generation_defaults": checkpoint.stored_generation_config,
         "memory_bytes": {
             "bf16": estimate_weight_bytes(shapes, 2, "none"),
             "int8": estimate_weight_bytes(shapes, 2, _quant_mode(config, folder, shapes, "int8")),

@@ -116,6 +116,17 @@ def find_imported(name: str) -> Path | None:
     return next((folder for found, folder in imported_models() if found == name), None)
 
 
+def recorded_source(folder: Path) -> Path | None:
+    """The GGUF file a directly read folder was written for, as recorded (it may be gone since)."""
+    with contextlib.suppress(OSError):
+        return Path((folder / SOURCE_FILE).read_text().strip())
+    return None
+
+
+def is_direct(folder: Path) -> bool:
+    return (folder / SOURCE_FILE).is_file()
+
+
 def write_weight_kind(folder: Path, stored: str) -> None:
     (folder / KIND_FILE).write_text(stored + "\n")
 
@@ -165,18 +176,18 @@ def kind_of_types(layer_weights: Iterable[tuple[str, tuple[int, ...]]]) -> str:
 def weight_kind(folder: Path) -> str | None:
     """What the GGUF file behind a converted folder stored (read once, then remembered beside the
     conversion); None when it cannot be known (the file is gone, or this is no conversion)."""
-    stored = _stored(folder)
+    stored = stored_kind_of(folder)
     return stored.split()[0] if stored else None
 
 
 def gguf_type(folder: Path) -> str | None:
     """GGUF's name for the type most of a converted folder's layer weights had (Q4_1, Q8_0,
     F16); None when it cannot be known."""
-    stored = (_stored(folder) or "").split()
+    stored = (stored_kind_of(folder) or "").split()
     return stored[1] if len(stored) > 1 else None
 
 
-def _stored(folder: Path) -> str | None:
+def stored_kind_of(folder: Path) -> str | None:
     """ "int4 Q4_1": read once from the GGUF file behind a conversion, then remembered beside it
     (an older conversion remembered the kind alone)."""
     remembered = folder / KIND_FILE

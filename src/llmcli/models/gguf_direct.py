@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,15 @@ import numpy as np
 from llmcli.atomic import folder_written_atomically, write_text_atomically
 from llmcli.errors import ModelLoadError
 from llmcli.models.families import by_gguf
-from llmcli.models.gguf_cache import NAME_FILE, SOURCE_FILE, fingerprint, kind_of_types, write_weight_kind
+from llmcli.models.gguf_cache import (
+    NAME_FILE,
+    SOURCE_FILE,
+    fingerprint,
+    is_direct,
+    kind_of_types,
+    recorded_source,
+    write_weight_kind,
+)
 from llmcli.models.gguf_int4 import unpermute_rows
 from llmcli.models.gguf_table import GGUFTable, TableEntry, read_table
 from llmcli.models.headers import TensorHeader
@@ -411,17 +419,6 @@ def _stored_kind(table: GGUFTable) -> str:
     return stored
 
 
-def recorded_source(folder: Path) -> Path | None:
-    """The GGUF file a directly read folder was written for, as recorded (it may be gone since)."""
-    with contextlib.suppress(OSError):
-        return Path((folder / SOURCE_FILE).read_text().strip())
-    return None
-
-
-def is_direct(folder: Path) -> bool:
-    return (folder / SOURCE_FILE).is_file()
-
-
 def source_of(folder: Path) -> Path:
     """The GGUF file a directly read folder stands for, checked to be there still, with the
     content the folder was written for (its name ends with the content's fingerprint): a file
@@ -444,11 +441,15 @@ def table_shapes(folder: Path) -> dict[str, TensorHeader]:
     """transformers' name → the file's tensors' shapes, element sizes (2 for blocks: the 16-bit
     width they are estimated against) and types; empty where the file cannot be read (the load
     says why)."""
-    widths = {"F32": 4, "F16": 2, "BF16": 2}
     try:
-        table = read_table(source_of(folder))
+        return shapes_of_table(read_table(source_of(folder)))
     except ModelLoadError:
         return {}
+
+
+def shapes_of_table(table: GGUFTable) -> dict[str, TensorHeader]:
+    """table_shapes of a table read already."""
+    widths = {"F32": 4, "F16": 2, "BF16": 2}
     return {
         name: TensorHeader(list(entry.shape), widths.get(entry.type_name, 2), entry.type_name, entry.nbytes)
         for entry in table.tensors.values()
@@ -484,11 +485,17 @@ class GGUFTensors:
     implied_required = False
 
     def __init__(
-        self, folder: Path, dtype: torch.dtype, device: torch.device, heads: tuple[int, int]
+        self,
+        source: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        heads: tuple[int, int],
+        table: GGUFTable | None = None,
     ) -> None:
+        """`source`: the GGUF file, checked (source_of); `table`: its table, where read already."""
         self.dtype, self.device = dtype, device
-        self.path = source_of(folder)
-        self.table = read_table(self.path)  # checked when the folder was resolved (check_shapes)
+        self.path = source
+        self.table = table or read_table(source)  # checked when the folder was resolved (check_shapes)
         self._by_name = {hf: entry for entry in self.table.tensors.values() if (hf := hf_name(entry.name))}
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
         # None: every tensor is a copy (private_copies).
@@ -615,7 +622,7 @@ class GGUFCodes:
             config["num_attention_heads"],
             config.get("num_key_value_heads") or config["num_attention_heads"],
         )
-        return cls(GGUFTensors(folder, torch.float32, torch.device("cpu"), heads))
+        return cls(GGUFTensors(source_of(folder), torch.float32, torch.device("cpu"), heads))
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
@@ -681,17 +688,22 @@ def _values(raw: np.ndarray, entry: TableEntry, shape: tuple[int, ...] | None = 
 
 
 def gguf_transformers_model(
-    folder: Path, dtype: torch.dtype, device: torch.device, **kwargs: Any
+    folder: Path,
+    tensors_of: Callable[[tuple[int, int]], GGUFTensors],
+    dtype: torch.dtype,
+    device: torch.device,
+    **kwargs: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """transformers' model of a file read in place, for what only transformers' path runs (beam
     search, `--engine transformers`): built from the config, its weights read as the lean
-    model's are. `kwargs`: from_pretrained's `attn_implementation` and `output_loading_info`."""
+    model's are (`tensors_of`: the file's tensors, for its attention and KV heads). `kwargs`:
+    from_pretrained's `attn_implementation` and `output_loading_info`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
     heads = (config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads)
-    tensors = GGUFTensors(folder, dtype, device, heads)
+    tensors = tensors_of(heads)
     if tensors.rope_factors() is not None:
         raise ModelLoadError(
             f"{tensors.path.name} scales RoPE by stored factors (as Llama 3.1 does), "

@@ -82,11 +82,9 @@ def _asked_for_transformers(settings: LoadSettings) -> bool:
 def _file_codes(resolved: ResolvedModel, plan: LoadPlan) -> ExactCodes | None:
     """A GGUF file's blocks as the quantizer reads them, where llmcli quantizes; read once a load
     (the layers they replace and the quantizer both ask)."""
-    from llmcli.models.load import exact_codes_of
-
     if resolved.source != "gguf" or plan.native_quant is None:
         return None
-    return exact_codes_of(resolved.path)
+    return resolved.exact_codes()
 
 
 def _read_by_quantizer(blocks: ExactCodes | None, plan: LoadPlan) -> frozenset[str]:
@@ -108,21 +106,15 @@ def _read_by_quantizer(blocks: ExactCodes | None, plan: LoadPlan) -> frozenset[s
 
 
 def _tensors(resolved: ResolvedModel, config: LeanConfig, plan: LoadPlan) -> TensorSource:
-    from llmcli.models.gguf_direct import GGUFTensors, is_direct
-    from llmcli.models.lean_model import Tensors
-
-    if is_direct(resolved.path):
-        heads = (config.num_attention_heads, config.num_key_value_heads)
-        return GGUFTensors(resolved.path, plan.dtype, plan.device, heads)
-    return Tensors(resolved.path, plan.dtype, plan.device)
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    return resolved.tensors(plan.dtype, plan.device, heads)
 
 
 def _architecture(resolved: ResolvedModel) -> str:
     from llmcli.errors import ModelLoadError
-    from llmcli.models.load_plan import read_config
 
     try:
-        config = read_config(resolved.path)
+        config = resolved.config
     except ModelLoadError:  # transformers' path says it, in its own words
         raise LeanUnsupported("its config.json") from None
     architectures = config.get("architectures") or [""]
@@ -133,21 +125,19 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     import torch
 
     from llmcli.models.device import DTYPE_NAMES
-    from llmcli.models.gguf_direct import is_direct, recorded_source
     from llmcli.models.lean_model import build
     from llmcli.models.load import (
         LoadedModel,
         eos_ids,
         plan_load,
-        read_generation_config,
     )
     from llmcli.models.memory import kv_bytes_per_token, measured_weight_bytes
     from llmcli.models.quantized import quantize_model
     from llmcli.models.tensor_file import is_stand_in
 
     folder = resolved.path
-    read_in_place = is_direct(folder)
-    if not (read_in_place or any(folder.glob("*.safetensors"))) or not (folder / "tokenizer.json").is_file():
+    has_weights = resolved.read_in_place or any(folder.glob("*.safetensors"))
+    if not has_weights or not resolved.has_tokenizer_json:
         raise LeanUnsupported("a folder without safetensors weights and a tokenizer.json")
     tokenizer = _lean_tokenizer(folder)  # before the weights: a refusal here costs nothing
     plan = plan_load(resolved, settings, quiet=False)
@@ -191,7 +181,7 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
     unread = next((name for name, p in model.named_parameters() if is_stand_in(p)), None)
     if unread is not None:  # a stand-in the quantizer did not replace: never run on it
         raise LlmcliError(f"{resolved.name}: {unread} was not loaded (a bug in llmcli's lean loader)")
-    generation_config = read_generation_config(folder)
+    generation_config = resolved.generation_config
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -210,5 +200,5 @@ def _load(resolved: ResolvedModel, settings: LoadSettings) -> LoadedModel:
         notes=tuple(notes),
         fast=plan.settings.fast,
         engine=plan.settings.engine,
-        weights_file=recorded_source(folder),
+        weights_file=resolved.gguf_file,
     )

@@ -10,9 +10,10 @@ own: only the native engine runs it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -86,9 +87,19 @@ class Tensors:
     # The config is the checkpoint's own: a tensor it implies and the files lack is refused.
     implied_required = True
 
-    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        headers: Mapping[Path, dict[str, Any] | None] | None = None,
+    ) -> None:
+        """`headers`: each safetensors file's header by its path, where read already (the
+        checkpoint's); else the folder's files are read here."""
         self.dtype, self.device = dtype, device
-        files = [TensorFile(path) for path in sorted(folder.glob("*.safetensors"))]
+        if headers is None:
+            headers = {path: None for path in sorted(folder.glob("*.safetensors"))}
+        files = [TensorFile(path, header) for path, header in headers.items()]
         self._where = {name: file for file in files for name in file.keys()}  # noqa: SIM118
 
     def __contains__(self, name: str) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from llmcli.config.settings import LoadSettings
 from llmcli.errors import LlmcliError, ModelLoadError, UsageError
+from llmcli.models.checkpoint import Checkpoint
 from llmcli.models.device import (
     DTYPE_NAMES,
     choose_device,
@@ -21,9 +22,8 @@ from llmcli.models.device import (
     configure_cpu_threads,
     gguf_float_dtype,
 )
-from llmcli.models.gguf_cache import gguf_type
 from llmcli.models.libraries import check_every_tensor_loaded, quiet_libraries
-from llmcli.models.load_plan import plan_quantization, read_config
+from llmcli.models.load_plan import plan_quantization
 from llmcli.models.memory import (
     FitRequest,
     available_host_memory,
@@ -35,8 +35,6 @@ from llmcli.models.memory import (
     kv_bytes_per_token,
     measured_weight_bytes,
     native_mode,
-    read_safetensors_header,
-    weight_shapes,
 )
 from llmcli.models.quant import (
     bitsandbytes_config,
@@ -88,30 +86,6 @@ class LoadedModel:
             f"weights in memory {format_bytes(self.weight_bytes)} ({self.dtype_name}, quant {self.quant}) "
             f"on {self.device} · KV cache {format_bytes(self.kv_bytes_per_token)}/token"
         )
-
-
-def read_generation_config(folder: Path) -> dict[str, Any]:
-    """The model's generation_config.json, its sampling defaults checked as a config file's
-    values are: a NaN temperature or a top_p of 7 is one line naming the file, not a crash in
-    sampling after the load."""
-    from llmcli.config.settings import BUILTIN_SAMPLING, model_default_problem
-
-    path = folder / "generation_config.json"
-    try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError, RecursionError):
-        return {}  # transformers' own reading of the folder says what is wrong with it
-    if not isinstance(config, dict):
-        return {}
-    for name in BUILTIN_SAMPLING:
-        value = config.get(name)
-        problem = model_default_problem(name, value) if value is not None else None
-        if problem is not None:
-            raise ModelLoadError(
-                f"{path}: its {name} {problem}",
-                "fix the file, or remove the key (llmcli's own default then applies)",
-            )
-    return config
 
 
 def eos_ids(*sources: Any) -> frozenset[int]:
@@ -172,7 +146,7 @@ def plan_context(
         b for b in (free_memory(device, offload=settings.offload), settings.max_memory) if b is not None
     ]
     budget = min(limits) if limits else None
-    shapes = weight_shapes(resolved.path)
+    shapes = resolved.shapes
     if budget is None or not shapes:
         return context, None
     dtype_bytes = dtype.itemsize
@@ -250,18 +224,17 @@ class LoadPlan:
 
 
 def plan_load(resolved: ResolvedModel, settings: LoadSettings, quiet: bool = True) -> LoadPlan:
-    folder = resolved.path
-    config = read_config(folder)
+    config = resolved.config
     names: set[str] = set()
-    for file in sorted(folder.glob("*.safetensors")):
-        names |= set(read_safetensors_header(file))  # a damaged file is named now, not crashed on later
-    _check_every_expert_stored(folder, config, names)
+    for header in resolved.headers.values():  # a damaged file is named now, not crashed on later
+        names |= set(header)
+    _check_every_expert_stored(resolved.path, config, names)
     device = choose_device(settings.device)
-    settings, native_quant, group = plan_quantization(settings, config, device.type, resolved.source, folder)
+    settings, native_quant, group = plan_quantization(settings, config, device.type, resolved)
     dtype = prepare_device(settings, device, native_quant=native_quant is not None, quiet=quiet)
     keeps_file_width = settings.dtype == "auto" and native_quant is None and device.type == "cpu"
     if resolved.source == "gguf" and keeps_file_width:
-        dtype = gguf_float_dtype(gguf_type(folder), device) or dtype
+        dtype = gguf_float_dtype(resolved.gguf_type, device) or dtype
     check_quant_request(settings.quant, device.type, resolved.source, config, native=native_quant is not None)
     context, context_note = plan_context(
         resolved, settings, config, device, dtype, (native_quant, group) if native_quant else None
@@ -283,13 +256,13 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
         lean_note, keep_tokenizer = outcome.note, outcome.keep_tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmcli.models.gguf_direct import gguf_transformers_model, is_direct, recorded_source
+    from llmcli.models.gguf_direct import gguf_transformers_model
 
     plan = plan_load(resolved, settings)
     folder, config, device, dtype = resolved.path, plan.config, plan.device, plan.dtype
     settings, native_quant, group = plan.settings, plan.native_quant, plan.group
     context, context_note = plan.context, plan.context_note
-    generation_config = read_generation_config(folder)  # checked before transformers reads it
+    generation_config = resolved.generation_config  # checked before transformers reads it
     common = {"trust_remote_code": settings.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)
@@ -303,9 +276,10 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
             **placement(device, settings),
             **common,
         )
-        if is_direct(folder):  # a GGUF file read in place: no safetensors to read
+        if resolved.read_in_place:  # a GGUF file read in place: no safetensors to read
             refuse_for_gguf(settings, device, native_quant)
-            from_pretrained = functools.partial(gguf_transformers_model, folder, dtype, device)
+            tensors_of = functools.partial(resolved.tensors, dtype, device)
+            from_pretrained = functools.partial(gguf_transformers_model, folder, tensors_of, dtype, device)
         try:
             model, info = from_pretrained(attn_implementation="sdpa", output_loading_info=True)
         except ValueError as error:
@@ -361,7 +335,7 @@ def load_model(resolved: ResolvedModel, settings: LoadSettings, lean: bool = Fal
         notes=tuple(notes),
         fast=settings.fast,
         engine=settings.engine,
-        weights_file=recorded_source(folder),
+        weights_file=resolved.gguf_file,
     )
 
 
@@ -371,7 +345,7 @@ def quantize_natively(model: Any, resolved: ResolvedModel, kind: str, group: int
     blocks where the file is read in place)."""
     from llmcli.models.quantized import quantize_model
 
-    exact = exact_codes_of(resolved.path) if resolved.source == "gguf" else None
+    exact = resolved.exact_codes() if resolved.source == "gguf" else None
     return quantize_model(model, kind, group, exact)
 
 
@@ -390,10 +364,7 @@ def refuse_for_gguf(settings: LoadSettings, device: torch.device, native_quant: 
 def exact_codes_of(folder: Path) -> ExactCodes | None:
     """A GGUF file's 4-bit blocks as int4 codes: read from the file itself where it is read in
     place, else from those written beside an older conversion."""
-    from llmcli.models.gguf_direct import GGUFCodes, is_direct
-    from llmcli.models.gguf_int4 import blocks_of
-
-    return GGUFCodes.of(folder) if is_direct(folder) else blocks_of(folder)
+    return Checkpoint(folder.name, folder, "gguf").exact_codes()
 
 
 def _dequantized_mxfp4(model: Any, config: dict[str, Any]) -> bool:
@@ -417,7 +388,7 @@ def load_random(config_spec: str, settings: LoadSettings) -> LoadedModel:
     config_file = _config_file(config_spec)
     config = json.loads(config_file.read_text())
     device = choose_device(settings.device)
-    settings, native_quant, _ = plan_quantization(settings, config, device.type, "random", None)
+    settings, native_quant, _ = plan_quantization(settings, config, device.type, None)
     if settings.quant != "none" and native_quant is None:
         raise UsageError(
             f"--quant {settings.quant} with --random-weights needs a model the native engine runs",
@@ -488,7 +459,7 @@ def out_of_memory_error(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     free = free_memory(device)
-    shapes = weight_shapes(resolved.path)
+    shapes = resolved.shapes
     dtype_bytes = dtype.itemsize
     needed = estimate_weight_bytes(
         shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant, device.type

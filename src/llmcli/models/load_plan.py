@@ -8,13 +8,12 @@ CPU whose half-precision support only torch reports)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from llmcli.config.settings import LoadSettings
-from llmcli.errors import ModelLoadError
+from llmcli.models.checkpoint import Checkpoint
 from llmcli.models.quant import auto_quant, native_quant_kind
 
 _ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -23,19 +22,14 @@ _ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 _GPU_SIGNS = ("/proc/driver/nvidia/version", "/dev/kfd", "/dev/dxg")
 
 
-def read_config(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {error}") from error
-
-
 def plan_quantization(
-    settings: LoadSettings, config: dict[str, Any], device_type: str, source: str, folder: Path | None
+    settings: LoadSettings, config: dict[str, Any], device_type: str, checkpoint: Checkpoint | None
 ) -> tuple[LoadSettings, str | None, int | None]:
     """The settings with --quant made concrete (auto resolved: never bitsandbytes), and, when
-    llmcli quantizes with its own formats, the kind (int8 or int4) and int4's group size."""
-    requested, group = auto_quant(settings.quant, source, folder)
+    llmcli quantizes with its own formats, the kind (int8 or int4) and int4's group size.
+    `checkpoint`: None for random weights."""
+    source = checkpoint.source if checkpoint is not None else "random"
+    requested, group = auto_quant(settings.quant, source, checkpoint)
     native = native_quant_kind(requested, settings.engine, settings.offload, device_type, config)
     if settings.quant == "auto" and native is None:
         requested = "none"
@@ -59,19 +53,24 @@ def _auto_device_and_dtype() -> tuple[str, str]:
 
 
 def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, str, str, int]:
+    """settled_load of the model in `folder`."""
+    return settled_load(Checkpoint(folder.name, folder, source), quant)
+
+
+def settled_load(checkpoint: Checkpoint, quant: str = "auto") -> tuple[str, str, str, int]:
     """How `-m` with `--quant quant` and no other flags would load this model here, without
     loading it: (device, dtype, quant label, estimated weight bytes) — the figures `models show`
     gives for this machine."""
-    from llmcli.models.memory import estimate_weight_bytes, native_mode, weight_shapes
+    from llmcli.models.memory import estimate_weight_bytes, native_mode
 
-    config = read_config(folder)
+    config = checkpoint.config
     device_type, dtype = _auto_device_and_dtype()
-    planned, native, group = plan_quantization(LoadSettings(quant=quant), config, device_type, source, folder)
+    planned, native, group = plan_quantization(LoadSettings(quant=quant), config, device_type, checkpoint)
     if native:
         dtype = "bf16"
-    elif source == "gguf":  # as plan_load settles it
-        dtype = _gguf_float_dtype_name(folder, device_type) or dtype
-    shapes = weight_shapes(folder)
+    elif checkpoint.source == "gguf":  # as plan_load settles it
+        dtype = _gguf_float_dtype_name(checkpoint.gguf_type, device_type) or dtype
+    shapes = checkpoint.shapes
     stored = (config.get("quantization_config") or {}).get("quant_method")
     if native:
         mode = native_mode(native, group, shapes)
@@ -87,12 +86,9 @@ def default_load(folder: Path, source: str, quant: str = "auto") -> tuple[str, s
     return device_type, dtype, label, weight_bytes
 
 
-def _gguf_float_dtype_name(folder: Path, device_type: str) -> str | None:
-    """A 16-bit GGUF's own width where the load keeps it (device.gguf_float_dtype); torch is asked about
-    the CPU only for such a file."""
-    from llmcli.models.gguf_cache import gguf_type
-
-    type_name = gguf_type(folder)
+def _gguf_float_dtype_name(type_name: str | None, device_type: str) -> str | None:
+    """A 16-bit GGUF's own width where the load keeps it (device.gguf_float_dtype); torch is asked
+    about the CPU only for such a file."""
     if device_type != "cpu" or type_name not in ("F16", "BF16"):
         return None
     import torch

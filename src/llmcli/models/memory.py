@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmcli.errors import LlmcliError
-from llmcli.models.headers import ITEMSIZE, TensorHeader, read_safetensors_header
+from llmcli.models.headers import TensorHeader
 
 _UNQUANTIZED_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "norm", "ln_")
 _INT4_BLOCK = 64
@@ -97,17 +97,9 @@ def weight_shapes(folder: Path) -> dict[str, TensorHeader]:
     """Tensor name → shape and stored element size, from the headers of every *.safetensors file,
     or of the GGUF file a folder reads in place (gguf_direct.py; its blocks counted as 2 bytes a
     weight, the 16-bit width they are estimated against). No weights are read."""
-    from llmcli.models.gguf_direct import is_direct, table_shapes
+    from llmcli.models.checkpoint import Checkpoint
 
-    if is_direct(folder):
-        return table_shapes(folder)
-    tensors: dict[str, TensorHeader] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        header = read_safetensors_header(file)
-        for name, entry in header.items():
-            if name != "__metadata__":
-                tensors[name] = TensorHeader(entry["shape"], ITEMSIZE.get(entry["dtype"], 4))
-    return tensors
+    return Checkpoint(folder.name, folder, "folder").shapes
 
 
 def is_quantized_by_bitsandbytes(name: str, shape: list[int]) -> bool:

@@ -33,17 +33,14 @@ def pick_int4_group(widths: set[int]) -> int:
     raise ValueError(f"no int4 group size in {INT4_GROUPS} divides the layer widths {sorted(widths)}")
 
 
-def auto_quant(quant: str, source: str, folder: Any) -> tuple[str, int | None]:
+def auto_quant(quant: str, source: str, checkpoint: Any) -> tuple[str, int | None]:
     """--quant auto (the default): a GGUF file's weights stay as compact as it stored them
     (4-bit → int4, 5–8-bit → int8), anything else loads as it is. Returns the concrete request
     and int4's group size: 32 for a GGUF file (its own block size, so 4-bit blocks come back on
-    the same grid), else None (llmcli's pick)."""
+    the same grid), else None (llmcli's pick). `checkpoint`: the model's (checkpoint.py), whose
+    weight kind is asked only here."""
     if quant == "auto":
-        kind = None
-        if source == "gguf":
-            from llmcli.models.gguf_cache import weight_kind
-
-            kind = weight_kind(folder)
+        kind = checkpoint.weight_kind if source == "gguf" else None
         quant = kind if kind in NATIVE_QUANTS else "none"
     if quant == "int4" and source == "gguf":
         return quant, GGUF_INT4_GROUP

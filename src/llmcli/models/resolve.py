@@ -14,11 +14,11 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmcli.errors import ModelLoadError, ModelNotFoundError, NetworkError, UnsafeWeightsError
+from llmcli.models.checkpoint import Checkpoint
 from llmcli.models.default_model import (
     DEFAULT_ALIAS,
     DEMO_GGUF_NAME,
@@ -52,11 +52,8 @@ PICKLE_PATTERNS = ["*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-@dataclass(frozen=True)
-class ResolvedModel:
-    name: str  # what to call the model in output: the spec as the user would write it
-    path: Path  # a local folder in Hugging Face format
-    source: str  # "hub", "folder" or "gguf"
+# What resolving gives: the model's files, each read once when first asked for (checkpoint.py).
+ResolvedModel = Checkpoint
 
 
 def names_of(spec: str | None) -> list[str]:
@@ -104,7 +101,7 @@ def resolve_model(
     *,
     allow_pickle: bool = False,
     on_convert: Callable[[Path, bool], None] | None = None,
-) -> ResolvedModel:
+) -> Checkpoint:
     """Find the model's files, fetching or converting them if needed.
 
     `on_convert` is called before a GGUF file is converted or first read (its second argument:
@@ -117,17 +114,17 @@ def resolve_model(
         from llmcli.models.gguf_direct import bring_up_to_date
 
         bring_up_to_date(imported)
-        return ResolvedModel(name=spec, path=imported, source="gguf")
+        return Checkpoint(name=spec, path=imported, source="gguf")
     if is_gguf_spec(spec):
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {spec} does not exist")
         from llmcli.models.gguf import converted_folder
 
         folder = converted_folder(path, on_convert=on_convert)
-        return ResolvedModel(name=path.stem, path=folder, source="gguf")
+        return Checkpoint(name=path.stem, path=folder, source="gguf")
     if path.is_dir():
         check_weights(path, allow_pickle=allow_pickle)
-        return ResolvedModel(name=spec, path=path, source="folder")
+        return Checkpoint(name=spec, path=path, source="folder")
     repo_id, _, revision = spec.partition("@")
     if _looks_like_path(spec):
         raise ModelNotFoundError(
@@ -137,7 +134,7 @@ def resolve_model(
     if not _HUB_ID.match(repo_id):
         raise unknown_model(spec)
     folder = resolve_hub(repo_id, revision or None, allow_pickle=allow_pickle)
-    return ResolvedModel(name=spec, path=folder, source="hub")
+    return Checkpoint(name=spec, path=folder, source="hub")
 
 
 def is_gguf_spec(spec: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,9 +39,11 @@ def is_stand_in(tensor: torch.Tensor) -> bool:
 
 
 class TensorFile:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, header: dict[str, Any] | None = None) -> None:
+        """`header`: the file's, where read (and checked) already."""
         self.path = path
-        header = read_safetensors_header(path)  # checked against the file's size
+        if header is None:
+            header = read_safetensors_header(path)  # checked against the file's size
         with path.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
         self._data_start = 8 + length
