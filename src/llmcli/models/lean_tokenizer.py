@@ -1,4 +1,4 @@
-"""A model folder's tokenizer through `tokenizers` alone, for the lean load path (lean_load.py).
+"""A model folder's tokenizer through `tokenizers` alone, for the native builder (build_native.py).
 
 transformers' tokenizer classes cost half a second to import and pull in much of transformers;
 what llmcli asks of a tokenizer (encode, decode, the vocabulary, the special tokens, the chat

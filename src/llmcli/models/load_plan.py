@@ -1,5 +1,6 @@
-"""What a load of a model would be, settled without torch: its config, --quant made concrete,
-and (for `models show`) the device, dtype and weight bytes a plain `-m` would load with here.
+"""What a load of a model would be, settled before any weight is read: its config, --quant made
+concrete, the device, dtype and context (`plan_load`, for a load), and, without torch, the device,
+dtype and weight bytes a plain `-m` would load with here (`settled_load`, for `models show`).
 
 torch takes about a second to import; `models show` answers from the files and this module,
 and imports torch only where the answer needs it (a GPU driver present, or a 16-bit GGUF on a
@@ -8,13 +9,27 @@ CPU whose half-precision support only torch reports)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.config.settings import LoadSettings
+from llmcli.errors import ModelLoadError
 from llmcli.models.checkpoint import Checkpoint
-from llmcli.models.quant import auto_quant, native_quant_kind
+from llmcli.models.memory import (
+    FitRequest,
+    context_length_of,
+    fits,
+    free_memory,
+    kv_bytes_per_token,
+    native_mode,
+)
+from llmcli.models.quant import auto_quant, check_quant_request, native_quant_kind
+
+if TYPE_CHECKING:
+    import torch
 
 _ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Device nodes and driver files without which torch sees no GPU: NVIDIA's driver (also what a
@@ -34,6 +49,126 @@ def plan_quantization(
     if settings.quant == "auto" and native is None:
         requested = "none"
     return dataclasses.replace(settings, quant=requested), native, group
+
+
+@dataclass
+class LoadPlan:
+    """What a load settles before any weight is read, whichever builder then reads them."""
+
+    config: dict[str, Any]
+    settings: LoadSettings  # --quant made concrete
+    device: torch.device
+    dtype: torch.dtype
+    native_quant: str | None  # int8 or int4 when llmcli's own kernels quantize
+    group: int | None  # int4's group size
+    context: int
+    context_note: str | None
+
+
+def plan_load(checkpoint: Checkpoint, settings: LoadSettings) -> LoadPlan:
+    """The device, dtype, quantization and context of a load, from the checkpoint and the
+    settings alone: nothing else is done here (no threads set, no library quieted), so both
+    builders take the same plan, and a refusal here is the same whichever would have built."""
+    from llmcli.models.device import choose_device, gguf_float_dtype
+
+    config = checkpoint.config
+    names: set[str] = set()
+    for header in checkpoint.headers.values():  # a damaged file is named now, not crashed on later
+        names |= set(header)
+    _check_every_expert_stored(checkpoint.path, config, names)
+    device = choose_device(settings.device)
+    settings, native_quant, group = plan_quantization(settings, config, device.type, checkpoint)
+    dtype = plan_dtype(settings, device, native_quant)
+    keeps_file_width = settings.dtype == "auto" and native_quant is None and device.type == "cpu"
+    if checkpoint.source == "gguf" and keeps_file_width:
+        dtype = gguf_float_dtype(checkpoint.gguf_type, device) or dtype
+    native = native_quant is not None
+    check_quant_request(settings.quant, device.type, checkpoint.source, config, native=native)
+    context, context_note = plan_context(
+        checkpoint, settings, config, device, dtype, (native_quant, group) if native_quant else None
+    )
+    return LoadPlan(config, settings, device, dtype, native_quant, group, context, context_note)
+
+
+def plan_dtype(settings: LoadSettings, device: torch.device, native_quant: str | None) -> torch.dtype:
+    """The dtype to load in. Native int8/int4 kernels are fast with bf16 activations only, so
+    such a model computes in bf16."""
+    import torch
+
+    from llmcli.models.device import choose_dtype
+
+    dtype = choose_dtype(settings.dtype, device)
+    return torch.bfloat16 if native_quant is not None and settings.dtype == "auto" else dtype
+
+
+def estimate_mode(settings: LoadSettings, config: dict[str, Any]) -> str:
+    """How to size the weights: as quantized on load, or, for a checkpoint that comes quantized,
+    as they are stored (it loads as it is)."""
+    return "stored" if config.get("quantization_config") else settings.quant
+
+
+def plan_context(
+    checkpoint: Checkpoint,
+    settings: LoadSettings,
+    config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    native: tuple[str, int | None] | None = None,
+) -> tuple[int, str | None]:
+    """The context to use, checked against free memory before anything is loaded. `native`:
+    (int8 or int4, its group) when llmcli quantizes with its own formats."""
+    from llmcli.models.device import DTYPE_NAMES
+
+    model_context = context_length_of(config)
+    context = min(model_context, settings.context_length or model_context)
+    limits = [
+        b for b in (free_memory(device, offload=settings.offload), settings.max_memory) if b is not None
+    ]
+    budget = min(limits) if limits else None
+    shapes = checkpoint.shapes
+    if budget is None or not shapes:
+        return context, None
+    dtype_bytes = dtype.itemsize
+    return fits(
+        FitRequest(
+            name=checkpoint.name,
+            device=str(device),
+            shapes=shapes,
+            dtype_bytes=dtype_bytes,
+            dtype_name=DTYPE_NAMES.get(dtype, str(dtype)),
+            quant=native_mode(*native, shapes) if native else estimate_mode(settings, config),
+            double_quant=settings.double_quant,
+            kv_per_token=kv_bytes_per_token(config, dtype_bytes),
+            context=context,
+            context_given=settings.context_length is not None,
+            budget=budget,
+        )
+    )
+
+
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
+
+
+def _check_every_expert_stored(folder: Path, config: dict[str, Any], names: set[str]) -> None:
+    """A mixture of experts stored one expert per tensor (`….experts.7.up_proj.weight`) has
+    every expert of every kind: transformers stacks them while loading and, one missing, fails
+    without naming it."""
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not isinstance(experts, int) or experts < 1:
+        return
+    groups: dict[tuple[str, str], set[int]] = {}
+    for name in names:
+        found = _EXPERT_TENSOR.match(name)
+        if found:
+            groups.setdefault((found.group(1), found.group(3)), set()).add(int(found.group(2)))
+    for (prefix, suffix), present in sorted(groups.items()):
+        absent = sorted(set(range(experts)) - present)
+        if absent:
+            tensor = f"{prefix}.{absent[0]}.{suffix}"
+            raise ModelLoadError(
+                f"{folder} lacks the tensor {tensor} (config.json names {experts} experts)",
+                "the checkpoint is incomplete or not for this config: download it again",
+            )
 
 
 def surely_cpu() -> bool:
