@@ -101,7 +101,8 @@ def _checked(checkpoint: Checkpoint, plan: LoadPlan) -> NativeChoice:
         raise LeanUnsupported("a model for several GPUs")
     with _config_as_written():
         config = LeanConfig(plan.config)
-    return NativeChoice(tokenizer, config, config.tie_word_embeddings, notes)
+        tied = config.tie_word_embeddings
+    return NativeChoice(tokenizer, config, tied, notes)
 
 
 @contextlib.contextmanager
@@ -121,8 +122,8 @@ def build(checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: E
 
     config = choice.config
     packed = plan.native_quant is not None and plan.device.type == "cpu"
-    heads = (config.num_attention_heads, config.num_key_value_heads)
     with _config_as_written():
+        heads = (config.num_attention_heads, config.num_key_value_heads)
         tensors = checkpoint.tensors(plan.dtype, plan.device, heads)
         model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed)
     return Built(model, choice.tokenizer, notes=list(choice.notes))
