@@ -15,7 +15,7 @@ from typing import Any
 
 from llmcli.errors import ModelLoadError, ModelNotFoundError
 from llmcli.models.checkpoint import Checkpoint
-from llmcli.models.gguf_cache import find_imported, folder_size, imported_models
+from llmcli.models.gguf_cache import find_imported, folder_size, imported_models, recorded_source
 from llmcli.models.memory import (
     context_length_of,
     estimate_weight_bytes,
@@ -122,8 +122,6 @@ def list_models() -> list[ModelEntry]:
 def _file_read_in_place(folder: Path) -> Path | None:
     """The GGUF file whose weights a folder's model reads, where it is still there: the folder
     itself holds only its config and tokenizer (3.5 MB for the demo's 105 MB file)."""
-    from llmcli.models.gguf_direct import recorded_source
-
     file = recorded_source(folder)
     return file if file is not None and file.is_file() else None
 

@@ -13,6 +13,7 @@ own scheme), or a checkpoint that is already quantized.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from llmcli.errors import LlmcliError, UsageError
@@ -97,6 +98,7 @@ def check_quant_request(
             "bitsandbytes does not quantize (the experts would stay unquantized)",
             "llmcli's own int8/int4 do, on a CPU with the native engine; else drop --quant",
         )
+    silence_bitsandbytes()  # its import logs about optional kernels: planned before libraries are quieted
     try:
         import bitsandbytes  # noqa: F401  (a broken install fails here too, not halfway through loading)
     except ImportError:
@@ -142,6 +144,7 @@ def silence_bitsandbytes() -> None:
     """bitsandbytes logs a warning per matmul on CPU ("inputs will be cast …") and about optional
     kernels; none of it is for the user."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="bitsandbytes")
 
 
 def quant_label(quant: str, quant_type: str, config: dict[str, Any]) -> str:
