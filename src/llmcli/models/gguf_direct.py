@@ -437,18 +437,9 @@ def source_of(folder: Path) -> Path:
     return source
 
 
-def table_shapes(folder: Path) -> dict[str, TensorHeader]:
-    """transformers' name → the file's tensors' shapes, element sizes (2 for blocks: the 16-bit
-    width they are estimated against) and types; empty where the file cannot be read (the load
-    says why)."""
-    try:
-        return shapes_of_table(read_table(source_of(folder)))
-    except ModelLoadError:
-        return {}
-
-
 def shapes_of_table(table: GGUFTable) -> dict[str, TensorHeader]:
-    """table_shapes of a table read already."""
+    """transformers' name → the file's tensors' shapes, element sizes (2 for blocks: the 16-bit
+    width they are estimated against) and types (Checkpoint.shapes)."""
     widths = {"F32": 4, "F16": 2, "BF16": 2}
     return {
         name: TensorHeader(list(entry.shape), widths.get(entry.type_name, 2), entry.type_name, entry.nbytes)
