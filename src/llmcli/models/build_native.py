@@ -77,6 +77,7 @@ def _checked(checkpoint: Checkpoint, plan: LoadPlan) -> NativeChoice:
     import torch
 
     from llmcli.models.device import DTYPE_NAMES
+    from llmcli.models.lean_model import check_computes
 
     folder = checkpoint.path
     has_weights = checkpoint.read_in_place or any(folder.glob("*.safetensors"))
@@ -102,6 +103,7 @@ def _checked(checkpoint: Checkpoint, plan: LoadPlan) -> NativeChoice:
     with _config_as_written():
         config = LeanConfig(plan.config)
         tied = config.tie_word_embeddings
+        check_computes(config)  # its activation and RoPE, before any weight is read
     return NativeChoice(tokenizer, config, tied, notes)
 
 

@@ -162,6 +162,22 @@ class TensorSource(Protocol):
     def rope_factors(self) -> torch.Tensor | None: ...
 
 
+def check_computes(config: LeanConfig) -> Family:
+    """The config's family row, or LeanUnsupported naming what the native engine does not compute
+    for it (its architecture, activation or RoPE). Asked before any weight is read
+    (build_native.choose), and again by `build` for its other callers."""
+    row = config.family
+    if row is None:
+        raise LeanUnsupported(f"its architecture {config.architectures[0]}")
+    field, expected = row.activation
+    activation = getattr(config, field)
+    if activation != expected:
+        raise LeanUnsupported(f"its activation {activation!r}")
+    for rope in config.rope_parameters.values() if row.rope_per_kind else (None,):
+        rope_frequencies(config, rope)
+    return row
+
+
 def build(
     tensors: TensorSource, config: LeanConfig, stand_ins: frozenset[str] = frozenset(), packed: bool = False
 ) -> LeanCausalLM:
@@ -170,13 +186,7 @@ def build(
     file's blocks (its 4-bit codes as they are, the others into int8): they get stand-ins of
     their shape (`is_stand_in`), which the quantizer replaces. `packed`: the quantizer will run,
     on a CPU (TensorSource.embedding)."""
-    row = config.family
-    if row is None:
-        raise LeanUnsupported(f"its architecture {config.architectures[0]}")
-    field, expected = row.activation
-    activation = getattr(config, field)
-    if activation != expected:
-        raise LeanUnsupported(f"its activation {activation!r}")
+    row = check_computes(config)
     device = tensors.device
     rotary = _gemma_rotary(config, device) if row.rope_per_kind else _rotary(tensors, config, device)
     embed_name = "model.embed_tokens.weight"
