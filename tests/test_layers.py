@@ -168,8 +168,8 @@ def architecture_section() -> str:
 
 
 def test_the_architecture_map_names_every_module() -> None:
-    """A newcomer finds every module in the README's map: by its file name (`kept.py` or
-    `kept`), or by its folder (`native/`) for a package's __init__.py."""
+    """A newcomer finds every module in the README's map: by its file name (`prefix.py` or
+    `prefix`), or by its folder (`native/`) for a package's __init__.py."""
     section = architecture_section()
     missing = []
     for path in sorted(PACKAGE.rglob("*.py")):
