@@ -244,7 +244,9 @@ def decode_step(
     rows = hidden.shape[0]
     mixed, z, b, a = _project(weights, hidden)
     window = torch.cat((states.conv, mixed[:, :, None]), dim=-1)  # [B, conv_dim, kernel]
-    convolved = F.silu((window.to(weights.conv.dtype) * weights.conv).sum(-1)).to(hidden.dtype)
+    # The same depthwise convolution as prefill's, over the last `kernel` inputs: one output each.
+    convolved = F.silu(F.conv1d(window.to(weights.conv.dtype), weights.conv[:, None], groups=shape.conv_dim))
+    convolved = convolved[..., 0].to(hidden.dtype)
     q, k, v = _split_heads(shape, convolved)
     g, beta = _gates(weights, a, b)
     q, k = _normalised(q, k)
