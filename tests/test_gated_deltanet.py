@@ -202,3 +202,24 @@ def test_a_qwen3_next_layer_the_config_contradicts_is_named() -> None:
     more_heads = DeltaNetShape(**{**shape.__dict__, "value_heads": 2 * shape.value_heads})
     with pytest.raises(ValueError, match=r"in_proj_qkvz\.weight"):
         DeltaNetWeights.from_tensors(dict(layer.named_parameters()), more_heads)
+
+
+def test_in_bf16_the_rule_runs_in_fp32_as_transformers_runs_it() -> None:
+    """bf16 weights: the rule and its state in fp32, the convolution and the norm in bf16, so
+    prefill and decode round as transformers' layer does (a rule run in bf16 would be ~0.1 off)."""
+    from transformers.cache_utils import DynamicCache
+
+    layer = reference_layer("qwen3_5").to(torch.bfloat16)
+    weights = DeltaNetWeights.from_tensors(dict(layer.named_parameters()), shape_of(layer))
+    config = Qwen3_5TextConfig(**SETTINGS, layer_types=["linear_attention", "full_attention"])
+    cache = DynamicCache(config=config)
+    x = hidden_states(70).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x[None, :67], cache=cache)[0]
+        out, state = prefill(weights, x[:67], DeltaNetState.empty(weights.shape, torch.bfloat16, "cpu"))
+        assert biggest_difference(out.float(), expected.float()) < 1e-2
+        for t in range(67, 70):
+            expected = layer(x[None, t : t + 1], cache=cache)[0, 0]
+            out, state = decode_step(weights, x[t : t + 1], state)
+            assert biggest_difference(out[0].float(), expected.float()) < 1e-2
+    assert (state.conv.dtype, state.recurrent.dtype) == (torch.bfloat16, torch.float32)
