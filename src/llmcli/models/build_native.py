@@ -63,8 +63,11 @@ def note_for(why: LeanUnsupported) -> Refusal:
 def choose(checkpoint: Checkpoint, plan: LoadPlan, settings: LoadSettings) -> NativeChoice | Refusal:
     """Whether the native builder builds this model, decided from the files' small parts and the
     plan, in the order of its checks: the first reason found is the one the note names."""
-    if family(checkpoint.architecture) is None or _asked_for_transformers(settings):
+    row = family(checkpoint.architecture)
+    if row is None or _asked_for_transformers(settings):
         return Refusal()
+    if row.native_when_asked and settings.engine != "native":
+        return Refusal()  # transformers' path, as before the family had a row: nothing to note
     try:
         return _checked(checkpoint, plan)
     except DamagedCheckpoint:

@@ -23,6 +23,7 @@ RUNTIMES: dict[str, str] = {
     "gemma3": "Gemma 2 and 3",
     "gpt_oss": "gpt-oss",
     "moe": "a sparse MoE",
+    "qwen3_5": "Qwen3.5",
 }
 
 
@@ -39,8 +40,9 @@ class Family:
     # How its layers' kinds are settled where config.json names none: "alternating": sliding
     # and full in turn, the first sliding; "gemma3": as Gemma3TextConfig settles them (every
     # `sliding_window_pattern`-th layer full, a RoPE table per kind of layer, an embedding
-    # model's bidirectional attention refused).
-    layer_types: Literal["alternating", "gemma3"] | None = None
+    # model's bidirectional attention refused); "linear": as Qwen3_5TextConfig settles them
+    # (every `full_attention_interval`-th layer full attention, the others Gated DeltaNet).
+    layer_types: Literal["alternating", "gemma3", "linear"] | None = None
     default_rope: Mapping[str, Any] | None = None  # its RoPE where config.json names none
     # RoPE "su" and "yarn" are this family's older names for "longrope" (Phi-3).
     longrope_aliases: bool = False
@@ -69,6 +71,11 @@ class Family:
     # What llama.cpp's loader requires of a block beyond a Llama one (it loads a `qwen2` file
     # without its q/k/v biases, and runs it so, as llmcli does).
     gguf_required: frozenset[str] = frozenset()
+    # The native engine runs it only where --engine native asks (auto leaves it to transformers,
+    # as before it had a row): a family whose cache cannot yet keep a prefix across turns, run
+    # several sequences at once or replay a graph (Qwen3.5's recurrent state, issue 44's first
+    # step; the prefix store's state checkpoints and batched decode are the next).
+    native_when_asked: bool = False
 
     @property
     def rope_per_kind(self) -> bool:
@@ -187,6 +194,24 @@ _ROWS = (
         fp32_norms=frozenset({"input_layernorm", "post_attention_layernorm", "norm"}),
         experts="stacked",
         mxfp4_on_cpu=True,
+    ),
+    Family(
+        "Qwen3_5ForCausalLM",
+        "qwen3_5",
+        {
+            "head_dim": 256,
+            "max_position_embeddings": 32768,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+        },
+        layer_types="linear",
+        # Qwen3_5TextConfig's RoPE where config.json names none: a quarter of each head rotated.
+        default_rope={"rope_type": "default", "partial_rotary_factor": 0.25},
+        head_norms=True,
+        native_when_asked=True,
     ),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}

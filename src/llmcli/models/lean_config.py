@@ -67,6 +67,12 @@ class LeanConfig:
             return
         if row.layer_types == "gemma3":
             self._gemma3()
+        elif row.layer_types == "linear" and self._values.get("layer_types") is None:
+            interval = self._values.get("full_attention_interval", 4)  # Qwen3_5TextConfig's
+            layers = range(self._values["num_hidden_layers"])
+            self._values["layer_types"] = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in layers
+            ]
         elif row.layer_types == "alternating" and self._values.get("layer_types") is None:
             layers = range(self._values["num_hidden_layers"])  # sliding and global in turn
             self._values["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in layers]

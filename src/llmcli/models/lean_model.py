@@ -10,7 +10,7 @@ own: only the native engine runs it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -293,6 +293,48 @@ def _layer(
         weight = _implied(tensors, f"{prefix}.{name}.weight", row.ffn_norms)
         if weight is not None:
             setattr(layer, name, Norm(weight))
+    kinds, index = config.layer_types, int(prefix.rsplit(".", 1)[-1])
+    if row.layer_types == "linear" and kinds[index] == "linear_attention":
+        layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn")
+    else:
+        layer.self_attn = _attention(tensors, prefix, config, row, linear)
+    experts = _gpt_oss_experts(tensors, prefix, config, row) or _experts(tensors, prefix, config, row)
+    if experts is not None:
+        layer.mlp = experts
+        return layer
+    mlp = nn.Module()
+    fused_gate_up = f"{prefix}.mlp.gate_up_proj.weight" in tensors  # Phi-3
+    for name in ("gate_up_proj", "down_proj") if fused_gate_up else ("gate_proj", "up_proj", "down_proj"):
+        setattr(mlp, name, linear(f"mlp.{name}"))
+    layer.mlp = mlp
+    return layer
+
+
+# A Gated DeltaNet layer's tensors (Qwen3.5's layout), as its module names them.
+_LINEAR_ATTENTION = (
+    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+    "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight",
+)  # fmt: skip
+
+
+def _linear_attention(tensors: TensorSource, prefix: str) -> nn.Module:
+    """A Gated DeltaNet layer's tensors under the names transformers' module gives them, which
+    the engine reads by name (gated_deltanet.DeltaNetWeights.from_tensors checks their shapes)."""
+    module = nn.Module()
+    for name in _LINEAR_ATTENTION:
+        holder, _, leaf = name.rpartition(".")
+        parameter = nn.Parameter(tensors.get(f"{prefix}.{name}"), requires_grad=False)
+        if holder:
+            setattr(module, holder, nn.Module())
+            getattr(module, holder).register_parameter(leaf, parameter)
+        else:
+            module.register_parameter(leaf, parameter)
+    return module
+
+
+def _attention(
+    tensors: TensorSource, prefix: str, config: LeanConfig, row: Family, linear: Callable[[str], nn.Linear]
+) -> nn.Module:
     attention = nn.Module()
     fused_qkv = f"{prefix}.self_attn.qkv_proj.weight" in tensors  # Phi-3
     for name in ("qkv_proj", "o_proj") if fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -304,17 +346,7 @@ def _layer(
     sinks = _implied(tensors, f"{prefix}.self_attn.sinks", row.sinks)  # a logit per head
     if sinks is not None:
         attention.sinks = nn.Parameter(sinks, requires_grad=False)
-    layer.self_attn = attention
-    experts = _gpt_oss_experts(tensors, prefix, config, row) or _experts(tensors, prefix, config, row)
-    if experts is not None:
-        layer.mlp = experts
-        return layer
-    mlp = nn.Module()
-    fused_gate_up = f"{prefix}.mlp.gate_up_proj.weight" in tensors  # Phi-3
-    for name in ("gate_up_proj", "down_proj") if fused_gate_up else ("gate_proj", "up_proj", "down_proj"):
-        setattr(mlp, name, linear(f"mlp.{name}"))
-    layer.mlp = mlp
-    return layer
+    return attention
 
 
 def _experts(tensors: Tensors, prefix: str, config: LeanConfig, row: Family) -> nn.Module | None:

@@ -44,6 +44,8 @@ class NativeBackend:
         self.net = net or Transformer(model, context_length)
         self.device = self.net.device
         self.cache = self.net.new_cache(context_length, pool)
+        if self.net.recurrent:  # a state per sequence has no bucketed step to replay yet
+            graphs = static_shapes = False
         self.static_shapes = static_shapes or graphs
         # The graphed steps' inputs live at fixed addresses, for the graphs to read: one token and
         # position for the decode step, up to GRAPHED_ROWS[-1] of each for a short pass.
@@ -134,7 +136,7 @@ class NativeBackend:
     def crop(self, length: int) -> None:
         self.cache.crop(length)
 
-    def save(self) -> SavedCache:
+    def save(self) -> SavedCache | None:
         return self.cache.save()
 
     def restore(self, saved: SavedCache) -> None:
@@ -143,6 +145,12 @@ class NativeBackend:
     def copy_prefix(self, other: NativeBackend, length: int) -> int:
         """The first `length` positions of `other`'s cache copied into this one's (kvcache.py)."""
         return self.cache.copy_prefix(other.cache, length)
+
+    @property
+    def one_sequence(self) -> bool:
+        """Whether it runs one sequence at a time only (a model with a recurrent state: no
+        batched step of several yet)."""
+        return self.net.recurrent
 
     def kv_bytes_for(self, positions: int) -> int:
         return self.cache.bytes_for(positions)

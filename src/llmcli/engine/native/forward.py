@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcli.engine.native.families import family_of
-from llmcli.engine.native.kvcache import KVCache, ring_size
+from llmcli.engine.native.kvcache import KVCache, RecurrentCache, ring_size
 from llmcli.engine.native.plans import (
     BucketStep,
     CausalChunk,
@@ -53,13 +53,16 @@ class Transformer:
         # On a CPU the residual stream stays fp32 between layers (as llama.cpp keeps it): bf16
         # sums over 30 layers tipped the demo's near-tied first token, and it costs nothing there.
         self.residual_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        # Blocks with a state per sequence rather than keys and values (Qwen3.5's linear attention).
+        self.recurrent = any(block.attention is None for block in self.blocks)
         half = self.inv_freq.shape[0]  # head_dim / 2, or less with a partial rotary factor
         self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
 
     def new_cache(self, context_length: int, pool: SlotPool | None = None) -> KVCache:
         shape = self.shape
-        windows = [block.attention.window for block in self.blocks]
-        return KVCache(
+        # A linear-attention block has no attention: its slot holds a state (RecurrentCache).
+        windows = [block.attention.window if block.attention else None for block in self.blocks]
+        return (RecurrentCache if self.recurrent else KVCache)(
             shape.layers,
             shape.kv_heads,
             shape.head_dim,

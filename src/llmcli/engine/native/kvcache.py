@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmcli.engine.native.pool import SlotPool, position_bytes
+
+if TYPE_CHECKING:
+    from llmcli.engine.native.gated_deltanet import DeltaNetState
 
 MIN_BUCKET = 256
 # Every cache's tensors get a version no other cache's ever had: a graph captured on one cache's
@@ -261,3 +265,46 @@ class KVCache:
 
     def _empty(self, capacity: int) -> torch.Tensor:
         return torch.zeros(self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
+
+
+class RecurrentCache(KVCache):
+    """A cache whose model has linear-attention layers (Qwen3.5's Gated DeltaNet): beside the
+    attention layers' keys and values, each such layer's state after the tokens it has seen.
+    A state cannot go back, so a crop to anything shorter than what is held keeps nothing (the
+    caller prefills again, as after a ring's crop), and so does a state a pass cut short moved
+    past the length (the layers' states disagree with it). Host copies and copies between
+    sequences are not offered: a later prompt sharing a prefix runs it again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.states: dict[int, tuple[DeltaNetState, int]] = {}  # layer → (state, tokens seen)
+
+    def state_before(self, layer: int, position: int) -> DeltaNetState | None:
+        """The layer's state after the first `position` tokens; None: a fresh sequence's."""
+        if position == 0:
+            return None
+        state, seen = self.states[layer]
+        if seen != position:  # never read a state of another length than the pass's start
+            raise RuntimeError(f"layer {layer}'s state has seen {seen} tokens, not {position}")
+        return state
+
+    def hold_state(self, layer: int, state: DeltaNetState, seen: int) -> None:
+        self.states[layer] = (state, seen)
+
+    def crop(self, length: int) -> None:
+        length = min(length, self.length)
+        if any(seen != length for _, seen in self.states.values()):
+            length = 0
+        super().crop(length)
+        if self.length == 0:
+            self.states.clear()
+
+    def save(self) -> None:  # type: ignore[override]
+        return None
+
+    def restore(self, saved: SavedCache) -> None:
+        raise NotImplementedError("save() gives nothing to restore")
+
+    def copy_prefix(self, source: KVCache, length: int) -> int:
+        self.crop(0)
+        return 0

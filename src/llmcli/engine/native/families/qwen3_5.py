@@ -1,0 +1,145 @@
+"""Qwen3.5 (dense): Gated DeltaNet layers beside gated full-attention ones.
+
+    embedding → N × (RMSNorm → Gated DeltaNet or gated attention → RMSNorm → gated MLP) → norm
+    → logits
+
+A linear-attention layer (gated_deltanet.py) carries a recurrent state per sequence instead of
+keys and values; the cache holds it beside the attention layers' KV (kvcache.RecurrentCache),
+and a crop shorter than what it holds keeps nothing (the prompt runs again). A full-attention
+layer doubles its q_proj into the query and a gate, each head's query then its gate, and the
+attention's output is multiplied by sigmoid(gate) before o_proj; q and k are normed per head;
+a quarter of each head is rotated (the text's mrope sections are one position: plain RoPE).
+Every RMSNorm but the DeltaNet's own scales by (1 + weight), as Gemma's does.
+
+A step of one sequence is what this module runs: a prefill chunk, the exact decode step and a
+speculative check row by row. Several sequences in one step, the bucketed step a CUDA graph
+replays, and the graphed check are refused (the backend and the server do not ask for them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from llmcli.engine.native.attention import Attention
+from llmcli.engine.native.families.base import Weights
+from llmcli.engine.native.families.gemma3 import GemmaRMSNorm
+from llmcli.engine.native.families.llama import check_supported as check_llama
+from llmcli.engine.native.gated_deltanet import (
+    DeltaNetShape,
+    DeltaNetState,
+    DeltaNetWeights,
+    decode_step,
+    prefill,
+)
+from llmcli.engine.native.layers import FeedForward, Shape, projection, rotate
+from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck
+from llmcli.errors import LlmcliError
+
+if TYPE_CHECKING:
+    from llmcli.engine.native.kvcache import RecurrentCache
+    from llmcli.engine.native.plans import Plan
+
+LINEAR = "linear_attention"
+
+
+def check_supported(model: Any, context_length: int) -> None:
+    """As a Llama's (silu, a RoPE settled once, plain linear layers, one device)."""
+    check_llama(model, context_length)
+
+
+def weights(model: Any, context_length: int) -> Weights:
+    config = model.config
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    shape = Shape(config.num_hidden_layers, *heads, config.head_dim, config.rms_norm_eps)
+    linear_shape = DeltaNetShape.from_config(config)
+    body = model.model
+    blocks: list[Any] = []
+    for index, layer in enumerate(body.layers):
+        if config.layer_types[index] == LINEAR:
+            blocks.append(DeltaNetBlock(layer, index, linear_shape, shape.eps))
+        else:
+            attention = GatedAttention(layer.self_attn, shape, index, norm=GemmaRMSNorm)
+            blocks.append(GatedBlock(layer, attention, shape.eps))
+    rotary = body.rotary_emb  # a quarter of each head's width: rotate() passes the rest unrotated
+    rope = rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
+    final_norm = GemmaRMSNorm(body.norm.weight, shape.eps)
+    return Weights(shape, body.embed_tokens.weight, blocks, final_norm, projection(model.lm_head), *rope)
+
+
+class GatedAttention(Attention):
+    """q_proj's rows are each head's query then its gate: both come out of one projection."""
+
+    def project_gated(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → q [heads, T, d], k and v [kv_heads, T, d] (as Attention.project), and
+        the gate [T, heads × d] the attention's output is multiplied by, through a sigmoid."""
+        tokens, d = x.shape[0], self.shape.head_dim
+        heads, kv_heads = self.shape.heads, self.shape.kv_heads
+        qkv = self.qkv(x).view(tokens, -1, d)
+        query_and_gate = qkv[:, : 2 * heads].reshape(tokens, heads, 2, d)
+        q = rotate(self.q_norm(query_and_gate[:, :, 0]), cos, sin)
+        gate = query_and_gate[:, :, 1].reshape(tokens, heads * d)
+        k = rotate(self.k_norm(qkv[:, 2 * heads : 2 * heads + kv_heads]), cos, sin)
+        v = qkv[:, 2 * heads + kv_heads :]
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), gate
+
+
+class GatedBlock:
+    """A full-attention layer: its attention's output gated before o_proj."""
+
+    rope = "global"
+
+    def __init__(self, layer: Any, attention: GatedAttention, eps: float) -> None:
+        self.attention = attention
+        self.attention_norm = GemmaRMSNorm(layer.input_layernorm.weight, eps)
+        self.ffn_norm = GemmaRMSNorm(layer.post_attention_layernorm.weight, eps)
+        self.feed_forward = FeedForward(layer.mlp)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan) -> torch.Tensor:
+        attention = self.attention
+        q, k, v, gate = attention.project_gated(self.attention_norm(h), cos, sin)
+        h = h + attention.out(plan.attend(attention, q, k, v) * torch.sigmoid(gate))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class DeltaNetBlock:
+    """A linear-attention layer: its state, read from and written back to the plan's cache."""
+
+    rope = "global"
+    attention = None  # no keys and values: its cache slot holds a state instead
+
+    def __init__(self, layer: Any, index: int, shape: DeltaNetShape, eps: float) -> None:
+        self.index = index
+        self.attention_norm = GemmaRMSNorm(layer.input_layernorm.weight, eps)
+        self.mixer = DeltaNetWeights.from_tensors(dict(layer.linear_attn.named_parameters()), shape)
+        self.ffn_norm = GemmaRMSNorm(layer.post_attention_layernorm.weight, eps)
+        self.feed_forward = FeedForward(layer.mlp)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan) -> torch.Tensor:
+        h = h + self._mix(self.attention_norm(h), plan)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def _mix(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if not isinstance(plan, CausalChunk | ExactDecode | PerRowCheck):
+            raise LlmcliError(
+                "the native engine runs Qwen3.5 one sequence at a time, without graphs"
+                f" ({type(plan).__name__})"
+            )
+        cache: RecurrentCache = plan.cache  # type: ignore[assignment]
+        start = plan.span - 1 if isinstance(plan, ExactDecode) else plan.start
+        state = cache.state_before(self.index, start)
+        if state is None:
+            state = DeltaNetState.empty(self.mixer.shape, x.dtype, x.device)
+        if isinstance(plan, CausalChunk):
+            out, state = prefill(self.mixer, x, state)
+        else:  # the decode step, one row after another: each what it would give alone
+            rows = []
+            for row in range(x.shape[0]):
+                step, state = decode_step(self.mixer, x[row : row + 1], state)
+                rows.append(step)
+            out = torch.cat(rows)
+        cache.hold_state(self.index, state, start + x.shape[0])
+        return out

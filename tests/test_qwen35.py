@@ -1,0 +1,177 @@
+"""Qwen3.5 (a Gated DeltaNet layer, then a gated full-attention one) on the native engine, where
+--engine native asks for it: built from the folder without transformers, its logits within 1e-4
+of transformers' own model in fp32 after a prefill and at every decode step, greedy tokens equal
+to `generate`, and a chat's second turn, from the first turn's cache, equal to the conversation
+prefilled fresh. Under auto it still loads through transformers, as before it had a row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import engine_for
+
+from tiny_models import build_tiny_model
+
+ATOL = 1e-4
+VOCAB = 400  # the tiny tokenizer's trained tokens (its specials lie past them)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def load(folder: Path, engine: str):
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    return load_model(
+        resolve_model(str(folder)),
+        LoadSettings(device="cpu", dtype="fp32", threads=1, engine=engine),
+        lean=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(folder: Path):
+    return load(folder, "native")
+
+
+def ids(count: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def last_logits(reference, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits for the token after `tokens`, the whole text run at once."""
+    with torch.inference_mode():
+        return reference(torch.tensor([tokens])).logits[0, -1:].float()
+
+
+def test_native_asked_builds_it_without_transformers_and_auto_keeps_transformers(
+    folder: Path, loaded
+) -> None:
+    assert getattr(loaded.model, "architecture", None) == "Qwen3_5ForCausalLM"  # the lean loader's
+    assert engine_for(loaded, backend="native").name == "native"
+    assert engine_for(load(folder, "auto")).name == "transformers"
+
+
+def test_prefill_and_every_decode_step_match_transformers(loaded, reference) -> None:
+    """A prompt longer than a chunk of the rule (64), then 16 decode steps, each against
+    transformers' whole-text pass."""
+    from llmcli.engine.native.backend import NativeBackend
+
+    backend = NativeBackend(loaded.model, 256)
+    tokens = ids(80, seed=1)
+    logits = backend.prefill(tokens)
+    worst = (logits - last_logits(reference, tokens)).abs().max().item()
+    assert worst < ATOL
+    for _ in range(16):
+        tokens.append(int(logits.argmax()))
+        logits = backend.decode(torch.tensor([tokens[-1]]))
+        step = (logits - last_logits(reference, tokens)).abs().max().item()
+        assert step < ATOL, len(tokens)
+        worst = max(worst, step)
+    print(f"max |native - transformers| over prefill and 16 steps: {worst:.2e}")
+
+
+def test_greedy_tokens_equal_transformers_generate(loaded, reference) -> None:
+    from llmcli.engine.native.backend import NativeBackend
+
+    prompt = ids(20, seed=2)
+    with torch.inference_mode():
+        expected = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=32,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+    backend = NativeBackend(loaded.model, 256)
+    logits, produced = backend.prefill(prompt), []
+    for _ in range(len(expected)):
+        produced.append(int(logits.argmax()))
+        logits = backend.decode(torch.tensor([produced[-1]]))
+    assert len(expected) == 32
+    assert produced == expected
+
+
+def test_a_speculative_check_gives_each_row_what_its_decode_step_would(loaded, reference) -> None:
+    """Rows scored in one pass (a draft checked), each the logits after its prefix."""
+    from llmcli.engine.native.backend import NativeBackend
+
+    backend = NativeBackend(loaded.model, 256)
+    prompt, drafted = ids(30, seed=7), ids(5, seed=8)
+    backend.prefill(prompt)
+    rows = backend.score(drafted)
+    for row in range(len(drafted)):
+        expected = last_logits(reference, prompt + drafted[: row + 1])
+        assert (rows[row : row + 1] - expected).abs().max().item() < ATOL, row
+
+
+def test_a_second_turn_from_the_first_turns_cache_equals_the_conversation_prefilled_fresh(
+    loaded, reference
+) -> None:
+    """Extending what the cache holds keeps it (the state carries on); a turn that rewrites the
+    end of the last (a template dropping the reply's last token) crops further back than a state
+    can go: nothing is kept and the whole prompt runs again, to the same logits."""
+    from llmcli.engine.native.backend import NativeBackend
+
+    engine = engine_for(loaded, frozenset(), backend="native")
+    first = ids(40, seed=3)
+    assert engine.reuse_prefix(first) == 0
+    logits = engine.prefill(first)
+    for _ in range(8):
+        logits = engine.decode_step(int(logits.argmax()))
+    held = list(engine.cached_ids)
+    second = held + ids(30, seed=4)
+    kept = engine.reuse_prefix(second)
+    assert kept == len(held)
+    turn = engine.prefill(second[kept:])
+    fresh = NativeBackend(loaded.model, 256).prefill(second)
+    assert (turn - fresh).abs().max().item() < ATOL
+    assert (turn - last_logits(reference, second)).abs().max().item() < ATOL
+
+    rewritten = second[:-1] + ids(12, seed=5)
+    kept = engine.reuse_prefix(rewritten)
+    assert kept == 0 and engine.backend.length == 0
+    turn = engine.prefill(rewritten)
+    assert (turn - last_logits(reference, rewritten)).abs().max().item() < ATOL
+
+
+def test_a_pass_cut_short_leaves_a_cache_that_keeps_nothing(loaded) -> None:
+    """A decode step that ran but never returned moved the state by a token nobody kept: the
+    cache cropped back to what it says it holds keeps nothing, and the next prompt runs whole."""
+    engine = engine_for(loaded, frozenset(), backend="native")
+    prompt = ids(24, seed=6)
+    engine.prefill(prompt)
+    with torch.inference_mode():  # the step runs, its length never moved on
+        engine.backend.net.decode(torch.tensor([5]), len(prompt), engine.backend.cache)
+    engine.restore_consistency()
+    assert engine.backend.length == 0 and engine.cached_ids == []
+
+
+def test_generate_on_the_native_engine_imports_no_transformers_and_replies_as_transformers(
+    folder: Path,
+) -> None:
+    from cli_helpers import run_cli, run_reporting_imports
+
+    args = ["generate", "-m", str(folder), "-t", "0", "-n", "12", "--json", "The capital of France"]
+    result = run_reporting_imports(*args, "--engine", "native")
+    assert "exit 0 imported -" in result.stderr, result.stderr
+    native = json.loads(result.stdout)
+    plain = json.loads(run_cli(*args).stdout)  # auto: transformers, as before
+    assert (native["engine"], plain["engine"]) == ("native", "transformers")
+    assert native["text"] == plain["text"] and native["completion_tokens"] == plain["completion_tokens"]
