@@ -184,3 +184,14 @@ def test_a_server_asked_for_several_sequences_at_once_refuses_in_one_line(folder
     stderr = proc.stderr.decode()
     assert proc.returncode == 2 and "one sequence at a time" in stderr and "Traceback" not in stderr
     assert stderr.count("\n") == 1
+
+
+def test_fast_asked_for_a_recurrent_model_is_refused_not_dropped(folder: Path) -> None:
+    """--fast asks for a fixed-shape step, which this model's recurrent layers do not have yet:
+    said in one line, never run without it as though it were honoured."""
+    from cli_helpers import run_cli
+
+    proc = run_cli("generate", "-m", str(folder), "--engine", "native", "--fast", "-n", "2", "Hi")
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2 and "--fast" in stderr and "Traceback" not in stderr, stderr
+    assert proc.stdout == b""

@@ -11,6 +11,7 @@ from llmcli.engine.native.forward import Transformer
 from llmcli.engine.native.graphs import StepGraphs
 from llmcli.engine.native.kvcache import SavedCache
 from llmcli.engine.native.pool import SlotPool
+from llmcli.errors import UsageError
 
 # Long prompts are prefilled in chunks: attention after cached tokens needs a mask of chunk ×
 # cached positions (and, on kernels without grouped-query support, scores as large), which a
@@ -45,7 +46,13 @@ class NativeBackend:
         self.device = self.net.device
         self.cache = self.net.new_cache(context_length, pool)
         if self.net.recurrent:  # a state per sequence has no bucketed step to replay yet
-            graphs = static_shapes = False
+            if static_shapes:  # --fast asked for exactly that: refused, not dropped
+                raise UsageError(
+                    "--fast: the native engine has no fixed-shape (graphed) step for this model's "
+                    "recurrent layers yet",
+                    "leave --fast out",
+                )
+            graphs = False
         self.static_shapes = static_shapes or graphs
         # The graphed steps' inputs live at fixed addresses, for the graphs to read: one token and
         # position for the decode step, up to GRAPHED_ROWS[-1] of each for a short pass.
