@@ -89,7 +89,7 @@ def projection(*linears: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     if all(type(linear) is torch.nn.Linear for linear in linears):
         if len(linears) == 1:
             return functools.partial(F.linear, weight=linears[0].weight, bias=linears[0].bias)
-        return functools.partial(F.linear, weight=_fuse(*linears), bias=_fuse_bias(*linears))
+        return functools.partial(F.linear, weight=fuse(*linears), bias=_fuse_bias(*linears))
     if len(linears) == 1:
         return linears[0].forward
     if _slices_of_one_whole(linears):
@@ -114,7 +114,7 @@ def _slices_of_one_whole(linears: tuple[Any, ...]) -> bool:
     )
 
 
-def _fuse(*linears: Any) -> torch.Tensor:
+def fuse(*linears: Any) -> torch.Tensor:
     """One matrix for linears that always run together, and the originals made views of it, so
     transformers' modules still work and the weights are not held twice. A model fused before
     (a second engine on the same model) is fused already."""

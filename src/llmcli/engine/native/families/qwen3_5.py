@@ -18,6 +18,7 @@ replays, and the graphed check are refused (the backend and the server do not as
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,7 @@ from llmcli.engine.native.gated_deltanet import (
     decode_step,
     prefill,
 )
-from llmcli.engine.native.layers import FeedForward, Shape, projection, rotate
+from llmcli.engine.native.layers import FeedForward, Shape, fuse, projection, rotate
 from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck
 from llmcli.errors import LlmcliError
 
@@ -114,7 +115,12 @@ class DeltaNetBlock:
     def __init__(self, layer: Any, index: int, shape: DeltaNetShape, eps: float) -> None:
         self.index = index
         self.attention_norm = GemmaRMSNorm(layer.input_layernorm.weight, eps)
-        self.mixer = DeltaNetWeights.from_tensors(dict(layer.linear_attn.named_parameters()), shape)
+        mixer = layer.linear_attn
+        self.mixer = DeltaNetWeights.from_tensors(dict(mixer.named_parameters()), shape)
+        if hasattr(mixer, "in_proj_qkv"):  # Qwen3.5's four input projections, the rule's one matrix:
+            # the module's own made views of it (layers.fuse), so the weights are not held twice
+            fused = fuse(mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
+            self.mixer = dataclasses.replace(self.mixer, in_proj=fused)
         self.ffn_norm = GemmaRMSNorm(layer.post_attention_layernorm.weight, eps)
         self.feed_forward = FeedForward(layer.mlp)
 
