@@ -211,7 +211,6 @@ _ROWS = (
         # Qwen3_5TextConfig's RoPE where config.json names none: a quarter of each head rotated.
         default_rope={"rope_type": "default", "partial_rotary_factor": 0.25},
         head_norms=True,
-        native_when_asked=True,
     ),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}
