@@ -18,11 +18,11 @@ from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.recurrent_cache import MAX_CHECKPOINTS, RecurrentCache
 from llmcli.engine.prefix import PrefixStore
-
-from cli_helpers import run_cli
 from test_chat_cache import MESSAGES, THINK_DROPPING_TEMPLATE, chat_turns
 from test_fallback_families import Reference
 from test_kept_conversations import conversations, turn
+
+from cli_helpers import run_cli
 from test_serve import Server, served
 from tiny_models import build_tiny_model
 
