@@ -272,3 +272,16 @@ def test_quant_covers_the_deltanet_projections_and_equals_transformers_on_the_sa
         logits[name] = engine.prefill(prompt)
     torch.testing.assert_close(logits["native"], logits["hf"], rtol=0, atol=ATOL)
     torch.testing.assert_close(logits["lean"], logits["native"], rtol=0, atol=ATOL)
+
+
+def test_kv_bytes_per_token_counts_only_the_layers_that_keep_keys_and_values(loaded) -> None:
+    """What --json, the server's budget for kept conversations and the estimates say a token
+    costs is what the cache holds per position: the full-attention layers' keys and values
+    (the linear layers' states, a fixed size, counted apart)."""
+    from llmcli.engine.native.backend import NativeBackend
+    from llmcli.engine.native.recurrent_cache import MAX_CHECKPOINTS
+
+    cache = NativeBackend(loaded.model, 1024).cache
+    per_position = (cache.bytes_for(512) - (1 + MAX_CHECKPOINTS) * cache.state_bytes) // 512
+    assert loaded.kv_bytes_per_token == per_position
+    assert sum(not kept for kept in cache.kv_layers) == 1  # the DeltaNet layer holds none
