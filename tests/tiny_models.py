@@ -93,6 +93,10 @@ _SMALL_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_
 # a sliding window. Their config class, model class and what a 2-layer model of them needs.
 FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR_ATTENTION),
+    "qwen3_5_moe": (  # a shared expert of another width than the routed ones
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 48},
+    ),
     "qwen3_next": (
         "Qwen3NextConfig", "Qwen3NextForCausalLM",
         _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 32},

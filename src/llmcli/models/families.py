@@ -62,6 +62,9 @@ class Family:
     # kernel not written yet), and bitsandbytes not at all.
     experts: Literal["per-expert", "stacked"] | None = None
     expert_layout: tuple[str, tuple[str, str, str]] | None = None  # where, and gate/up/down's names
+    # Beside the routed experts, a gated MLP every token goes through (`mlp.shared_expert`), its
+    # output scaled by sigmoid(`mlp.shared_expert_gate`): Qwen3.5-MoE's and Qwen3-Next's.
+    shared_expert: bool = False
     mxfp4_on_cpu: bool = False  # MXFP4 experts dequantized on a CPU, as transformers' path does
     # llama.cpp's architecture names for files of this family that llmcli reads in place.
     gguf: tuple[str, ...] = ()
@@ -100,6 +103,31 @@ _GEMMA_SHAPE: dict[str, Any] = {
     "activation": ("hidden_activation", "gelu_pytorch_tanh"),
     "ffn_norms": True,
     "embed_scale": True,
+}
+# What Qwen3_5TextConfig fills in (Qwen3_5MoeTextConfig and Qwen3NextConfig too), and how
+# their rows read the checkpoint.
+_QWEN3_5: dict[str, Any] = {
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+_QWEN3_5_SHAPE: dict[str, Any] = {
+    "layer_types": "linear",
+    # Qwen3_5TextConfig's RoPE where config.json names none: a quarter of each head rotated.
+    "default_rope": {"rope_type": "default", "partial_rotary_factor": 0.25},
+    "head_norms": True,
+    # Opt-in until the prefix store keeps their states (issue 44): all of these rows at once.
+    "native_when_asked": True,
+}
+_QWEN3_5_EXPERTS: dict[str, Any] = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+_SHARED_EXPERTS: dict[str, Any] = {
+    "experts": "per-expert",
+    "expert_layout": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "shared_expert": True,
 }
 _ROWS = (
     Family("LlamaForCausalLM", "llama", {}, biases="attention+mlp", gguf=("llama",), gguf_permuted=True),
@@ -195,23 +223,13 @@ _ROWS = (
         experts="stacked",
         mxfp4_on_cpu=True,
     ),
+    Family("Qwen3_5ForCausalLM", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE),
     Family(
-        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
         "qwen3_5",
-        {
-            "head_dim": 256,
-            "max_position_embeddings": 32768,
-            "linear_conv_kernel_dim": 4,
-            "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128,
-            "linear_num_key_heads": 16,
-            "linear_num_value_heads": 32,
-        },
-        layer_types="linear",
-        # Qwen3_5TextConfig's RoPE where config.json names none: a quarter of each head rotated.
-        default_rope={"rope_type": "default", "partial_rotary_factor": 0.25},
-        head_norms=True,
-        native_when_asked=True,
+        _QWEN3_5 | _QWEN3_5_EXPERTS | {"num_experts_per_tok": 8, "num_experts": 256},
+        **_QWEN3_5_SHAPE,
+        **_SHARED_EXPERTS,
     ),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}

@@ -300,6 +300,11 @@ def _layer(
         layer.self_attn = _attention(tensors, prefix, config, row, linear)
     experts = _gpt_oss_experts(tensors, prefix, config, row) or _experts(tensors, prefix, config, row)
     if experts is not None:
+        if row.shared_expert:  # beside the routed experts, under transformers' names
+            experts.shared_expert = nn.Module()
+            for name in _MLP:
+                setattr(experts.shared_expert, name, linear(f"mlp.shared_expert.{name}"))
+            experts.shared_expert_gate = linear("mlp.shared_expert_gate")
         layer.mlp = experts
         return layer
     mlp = nn.Module()

@@ -1,0 +1,53 @@
+"""Qwen3.5's mixture-of-experts sibling on the native engine where --engine native asks for it:
+its Gated DeltaNet and gated-attention layers as the dense model's, each feed-forward a router's
+experts beside a shared expert scaled by its sigmoid gate. Held to transformers' own model by the
+dense model's checks, run here on this model's folder (they take the fixtures below): logits
+within 1e-4 in fp32 after a prefill and at every decode step, greedy tokens equal to `generate`,
+a speculative check and a second chat turn as the decode steps give them, and `generate --engine
+native` replying as transformers does, without importing it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_qwen35 import (  # noqa: F401  (collected here, on this module's fixtures)
+    load,
+    test_a_second_turn_from_the_first_turns_cache_equals_the_conversation_prefilled_fresh,
+    test_a_speculative_check_gives_each_row_what_its_decode_step_would,
+    test_generate_on_the_native_engine_imports_no_transformers_and_replies_as_transformers,
+    test_greedy_tokens_equal_transformers_generate,
+    test_prefill_and_every_decode_step_match_transformers,
+)
+
+from tiny_models import build_tiny_model
+
+ARCHITECTURES = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / request.param, request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def loaded(folder: Path):
+    return load(folder, "native")
+
+
+def test_the_lean_loader_builds_its_experts_and_shared_expert(folder: Path, loaded) -> None:
+    from llmcli.engine.native.families.shared_expert import SharedExpertMoE
+    from llmcli.engine.native.forward import Transformer
+
+    assert loaded.model.architecture == ARCHITECTURES[folder.name]
+    blocks = Transformer(loaded.model, 64).blocks
+    assert all(isinstance(block.feed_forward, SharedExpertMoE) for block in blocks)
