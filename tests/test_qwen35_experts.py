@@ -1,9 +1,10 @@
-"""Qwen3.5's mixture-of-experts sibling on the native engine where --engine native asks for it:
-its Gated DeltaNet and gated-attention layers as the dense model's, each feed-forward a router's
-experts beside a shared expert scaled by its sigmoid gate. Held to transformers' own model by the
-dense model's checks, run here on this model's folder (they take the fixtures below): logits
-within 1e-4 in fp32 after a prefill and at every decode step, greedy tokens equal to `generate`,
-a speculative check and a second chat turn as the decode steps give them, and `generate --engine
+"""Qwen3.5-MoE and Qwen3-Next on the native engine where --engine native asks for them: their
+Gated DeltaNet and gated-attention layers as the dense Qwen3.5's (Qwen3-Next's input projections
+fused, their rows grouped per key head), each sparse layer's feed-forward a router's experts
+beside a shared expert scaled by its sigmoid gate. Held to transformers' own model by the dense
+model's checks, run here on each model's folder (they take the fixtures below): logits within
+1e-4 in fp32 after a prefill and at every decode step, greedy tokens equal to `generate`, a
+speculative check and a second chat turn as the decode steps give them, and `generate --engine
 native` replying as transformers does, without importing it."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from test_qwen35 import (  # noqa: F401  (collected here, on this module's fixtu
 
 from tiny_models import build_tiny_model
 
-ARCHITECTURES = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+ARCHITECTURES = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -49,5 +50,8 @@ def test_the_lean_loader_builds_its_experts_and_shared_expert(folder: Path, load
     from llmcli.engine.native.forward import Transformer
 
     assert loaded.model.architecture == ARCHITECTURES[folder.name]
-    blocks = Transformer(loaded.model, 64).blocks
-    assert all(isinstance(block.feed_forward, SharedExpertMoE) for block in blocks)
+    sparse = [
+        isinstance(block.feed_forward, SharedExpertMoE) for block in Transformer(loaded.model, 64).blocks
+    ]
+    # Qwen3-Next's first layer is one of its `mlp_only_layers`: a dense MLP.
+    assert sparse == ([False, True] if folder.name == "qwen3_next" else [True, True])

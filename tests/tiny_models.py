@@ -97,9 +97,9 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
         _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 48},
     ),
-    "qwen3_next": (
+    "qwen3_next": (  # its first layer dense (an `mlp_only_layers` one), the second sparse
         "Qwen3NextConfig", "Qwen3NextForCausalLM",
-        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 32},
+        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 48, "mlp_only_layers": [0]},
     ),
     "lfm2": (  # a short convolution layer, then an attention one
         "Lfm2Config", "Lfm2ForCausalLM",

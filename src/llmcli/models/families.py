@@ -23,7 +23,7 @@ RUNTIMES: dict[str, str] = {
     "gemma3": "Gemma 2 and 3",
     "gpt_oss": "gpt-oss",
     "moe": "a sparse MoE",
-    "qwen3_5": "Qwen3.5",
+    "qwen3_5": "Qwen3.5 and Qwen3-Next",
 }
 
 
@@ -65,6 +65,9 @@ class Family:
     # Beside the routed experts, a gated MLP every token goes through (`mlp.shared_expert`), its
     # output scaled by sigmoid(`mlp.shared_expert_gate`): Qwen3.5-MoE's and Qwen3-Next's.
     shared_expert: bool = False
+    # Its Gated DeltaNet layers' input projections as Qwen3-Next stores them: two matrices
+    # (`in_proj_qkvz`, `in_proj_ba`) whose rows are grouped per key head; else Qwen3.5's four.
+    grouped_deltanet_projections: bool = False
     mxfp4_on_cpu: bool = False  # MXFP4 experts dequantized on a CPU, as transformers' path does
     # llama.cpp's architecture names for files of this family that llmcli reads in place.
     gguf: tuple[str, ...] = ()
@@ -230,6 +233,23 @@ _ROWS = (
         _QWEN3_5 | _QWEN3_5_EXPERTS | {"num_experts_per_tok": 8, "num_experts": 256},
         **_QWEN3_5_SHAPE,
         **_SHARED_EXPERTS,
+    ),
+    Family(
+        "Qwen3NextForCausalLM",
+        "qwen3_5",
+        _QWEN3_5
+        | _QWEN3_5_EXPERTS
+        | {
+            "intermediate_size": 5632,  # its dense layers' (`mlp_only_layers`)
+            "num_experts_per_tok": 10,
+            "num_experts": 512,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+        **_QWEN3_5_SHAPE,
+        **_SHARED_EXPERTS,
+        grouped_deltanet_projections=True,
     ),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}

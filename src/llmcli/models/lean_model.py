@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from llmcli.errors import ModelLoadError
+from llmcli.models.deltanet_layout import deltanet_tensors
 from llmcli.models.families import Family
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, rope_frequencies
 from llmcli.models.tensor_file import TensorFile
@@ -295,7 +296,7 @@ def _layer(
             setattr(layer, name, Norm(weight))
     kinds, index = config.layer_types, int(prefix.rsplit(".", 1)[-1])
     if row.layer_types == "linear" and kinds[index] == "linear_attention":
-        layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn")
+        layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn", row)
     else:
         layer.self_attn = _attention(tensors, prefix, config, row, linear)
     experts = _gpt_oss_experts(tensors, prefix, config, row) or _experts(tensors, prefix, config, row)
@@ -315,18 +316,11 @@ def _layer(
     return layer
 
 
-# A Gated DeltaNet layer's tensors (Qwen3.5's layout), as its module names them.
-_LINEAR_ATTENTION = (
-    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-    "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight",
-)  # fmt: skip
-
-
-def _linear_attention(tensors: TensorSource, prefix: str) -> nn.Module:
+def _linear_attention(tensors: TensorSource, prefix: str, row: Family) -> nn.Module:
     """A Gated DeltaNet layer's tensors under the names transformers' module gives them, which
     the engine reads by name (gated_deltanet.DeltaNetWeights.from_tensors checks their shapes)."""
     module = nn.Module()
-    for name in _LINEAR_ATTENTION:
+    for name in deltanet_tensors(row):
         holder, _, leaf = name.rpartition(".")
         parameter = nn.Parameter(tensors.get(f"{prefix}.{name}"), requires_grad=False)
         if holder:
