@@ -132,6 +132,17 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
     ),
 }  # fmt: skip
+# Vision-language checkpoints whose text part the native engine runs: the config class and model
+# class of the whole, the text family (above) its language model is, and a vision tower of
+# 1 tiny block (its weights are saved, never run by llmcli).
+MULTIMODAL_FAMILIES: dict[str, tuple[str, str, str]] = {
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
+}
+_TINY_VISION = {
+    "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+    "out_hidden_size": 64, "num_position_embeddings": 16,
+}  # fmt: skip
 
 
 def build_tiny_model(
@@ -201,6 +212,9 @@ def build_tiny_model(
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
         }
+    multimodal = MULTIMODAL_FAMILIES.get(arch)
+    if multimodal is not None:
+        arch = multimodal[2]
     if arch in FALLBACK_FAMILIES:
         import transformers
 
@@ -220,7 +234,13 @@ def build_tiny_model(
         }[arch]
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.
-    model = model_class(config_class(**shape, initializer_range=0.2))
+    config = config_class(**shape, initializer_range=0.2)
+    if multimodal is not None:  # the text model's config inside the whole's, beside a vision one
+        import transformers
+
+        config_class, model_class = (getattr(transformers, name) for name in multimodal[:2])
+        config = config_class(text_config=config.to_dict(), vision_config=_TINY_VISION, initializer_range=0.2)
+    model = model_class(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     folder.mkdir(parents=True, exist_ok=True)

@@ -130,6 +130,11 @@ def build(checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: E
     with _config_as_written():
         heads = (config.num_attention_heads, config.num_key_value_heads)
         tensors = checkpoint.tensors(plan.dtype, plan.device, heads)
+        language_model = config.family.language_model
+        if language_model is not None:  # a vision-language checkpoint: its text part
+            from llmcli.models.language_model import LanguageModelTensors
+
+            tensors = LanguageModelTensors(tensors, language_model)
         model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed)
     return Built(model, choice.tokenizer, notes=list(choice.notes))
 

@@ -68,6 +68,10 @@ class Family:
     # Its Gated DeltaNet layers' input projections as Qwen3-Next stores them: two matrices
     # (`in_proj_qkvz`, `in_proj_ba`) whose rows are grouped per key head; else Qwen3.5's four.
     grouped_deltanet_projections: bool = False
+    # A vision-language checkpoint's text part, which is what the native engine runs of it: where
+    # its language model's tensors lie (for `model.`), its config that of config.json's
+    # `text_config`. An image is refused (the server reads text parts only).
+    language_model: str | None = None
     mxfp4_on_cpu: bool = False  # MXFP4 experts dequantized on a CPU, as transformers' path does
     # llama.cpp's architecture names for files of this family that llmcli reads in place.
     gguf: tuple[str, ...] = ()
@@ -126,12 +130,18 @@ _QWEN3_5_SHAPE: dict[str, Any] = {
     # Opt-in until the prefix store keeps their states (issue 44): all of these rows at once.
     "native_when_asked": True,
 }
-_QWEN3_5_EXPERTS: dict[str, Any] = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+_QWEN3_5_MOE: dict[str, Any] = _QWEN3_5 | {
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 8,
+    "num_experts": 256,
+}
 _SHARED_EXPERTS: dict[str, Any] = {
     "experts": "per-expert",
     "expert_layout": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "shared_expert": True,
 }
+_LANGUAGE_MODEL: dict[str, Any] = {"language_model": "model.language_model"}
 _ROWS = (
     Family("LlamaForCausalLM", "llama", {}, biases="attention+mlp", gguf=("llama",), gguf_permuted=True),
     Family("MistralForCausalLM", "llama", {}, biases="none"),
@@ -227,18 +237,19 @@ _ROWS = (
         mxfp4_on_cpu=True,
     ),
     Family("Qwen3_5ForCausalLM", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE),
+    Family("Qwen3_5MoeForCausalLM", "qwen3_5", _QWEN3_5_MOE, **_QWEN3_5_SHAPE, **_SHARED_EXPERTS),
+    # Their vision-language checkpoints, of which the native engine runs the language model.
+    Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE, **_LANGUAGE_MODEL),
     Family(
-        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
         "qwen3_5",
-        _QWEN3_5 | _QWEN3_5_EXPERTS | {"num_experts_per_tok": 8, "num_experts": 256},
-        **_QWEN3_5_SHAPE,
-        **_SHARED_EXPERTS,
+        _QWEN3_5_MOE,
+        **_QWEN3_5_SHAPE | _SHARED_EXPERTS | _LANGUAGE_MODEL,
     ),
     Family(
         "Qwen3NextForCausalLM",
         "qwen3_5",
-        _QWEN3_5
-        | _QWEN3_5_EXPERTS
+        _QWEN3_5_MOE
         | {
             "intermediate_size": 5632,  # its dense layers' (`mlp_only_layers`)
             "num_experts_per_tok": 10,
