@@ -9,6 +9,7 @@ native` replying as transformers does, without importing it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,16 @@ def test_the_lean_loader_builds_its_experts_and_shared_expert(folder: Path, load
     ]
     # Qwen3-Next's first layer is one of its `mlp_only_layers`: a dense MLP.
     assert sparse == ([False, True] if folder.name == "qwen3_next" else [True, True])
+
+
+def test_models_show_says_which_engine_runs_it_and_why(folder: Path, tiny_llama: Path) -> None:
+    from cli_helpers import run_cli
+
+    proc = run_cli("models", "show", str(folder), "--json")
+    assert proc.returncode == 0, proc.stderr.decode()
+    shown = json.loads(proc.stdout)["engine"]
+    assert shown["auto"] == "transformers" and "--engine native" in shown["why"]
+    llama = json.loads(run_cli("models", "show", str(tiny_llama), "--json").stdout)["engine"]
+    assert llama["auto"] == "native"
+    text = run_cli("models", "show", str(folder)).stdout.decode()
+    assert "engine         transformers under --engine auto (the native engine runs Qwen3.5" in text

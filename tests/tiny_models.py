@@ -95,11 +95,11 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR_ATTENTION),
     "qwen3_5_moe": (  # a shared expert of another width than the routed ones
         "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
-        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 48},
+        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 96},
     ),
     "qwen3_next": (  # its first layer dense (an `mlp_only_layers` one), the second sparse
         "Qwen3NextConfig", "Qwen3NextForCausalLM",
-        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 48, "mlp_only_layers": [0]},
+        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 96, "mlp_only_layers": [0]},
     ),
     "lfm2": (  # a short convolution layer, then an attention one
         "Lfm2Config", "Lfm2ForCausalLM",
