@@ -55,6 +55,16 @@ def test_a_missing_state_space_tensor_is_named(folder: Path, tmp_path: Path, eng
     assert f"{LAYER}.A_log" in refusal(model, *engine)
 
 
+def test_a_missing_tensor_is_refused_before_transformers_is_imported(folder: Path, tmp_path: Path) -> None:
+    """Found in the files' headers: the native engine's load stops there, before any model is
+    built (transformers' path would name it too, after importing itself and building one)."""
+    from cli_helpers import run_reporting_imports
+
+    model = damaged(folder, tmp_path / "m", tensors=lambda weights: weights.pop(f"{LAYER}.dt_bias"))
+    result = run_reporting_imports("generate", "-m", str(model), "-n", "1", "--engine", "native", "Hello")
+    assert f"{LAYER}.dt_bias" in result.stderr and "exit 1 imported -" in result.stderr, result.stderr
+
+
 def test_a_convolution_width_the_config_contradicts_names_the_setting(folder: Path, tmp_path: Path) -> None:
     def narrower(weights: dict[str, torch.Tensor]) -> None:
         weights[f"{LAYER}.conv1d.weight"] = weights[f"{LAYER}.conv1d.weight"][..., 1:].contiguous()
@@ -78,3 +88,18 @@ def test_a_state_size_the_tensors_contradict_names_the_setting(
     model = damaged(folder, tmp_path / "m", config=lambda values: values.update({setting: value}))
     stderr = refusal(model, "--engine", "native")
     assert setting in stderr and f"{LAYER}.{tensor}" in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    ("arch", "tensor"),
+    [
+        ("qwen3_next", "model.layers.0.linear_attn.in_proj_ba.weight"),  # its grouped projections
+        ("qwen3_5_vl", "model.language_model.layers.0.linear_attn.dt_bias"),  # under its language model
+    ],
+)
+def test_the_other_layouts_name_a_missing_tensor_where_they_store_it(
+    arch: str, tensor: str, tmp_path: Path
+) -> None:
+    folder = build_tiny_model(tmp_path / arch, arch)
+    model = damaged(folder, tmp_path / "m", tensors=lambda weights: weights.pop(tensor))
+    assert tensor in refusal(model, "--engine", "native")

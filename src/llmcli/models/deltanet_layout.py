@@ -54,7 +54,10 @@ def check_layers(shapes: Mapping[str, TensorHeader], config: Any, row: Family, b
         layer = f"{body}.layers.{index}.linear_attn"
         names = deltanet_tensors(row)
         if missing := [name for name in names if f"{layer}.{name}" not in shapes]:
-            raise ModelLoadError(f"the checkpoint lacks the tensor {layer}.{missing[0]}", _HINT)
+            raise ModelLoadError(  # as transformers' path says it (libraries.py), before any weight
+                f"the checkpoint lacks the tensor {layer}.{missing[0]} that its config's architecture needs",
+                "the checkpoint is incomplete or not for this config: download it again",
+            )
         for name in (name for name in wanted if name in names):  # one setting's tensors first
             stored = f"{layer}.{name}"
             _check_shape(stored, list(shapes[stored].shape), wanted[name])
