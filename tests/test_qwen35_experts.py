@@ -26,12 +26,41 @@ from test_qwen35 import (  # noqa: F401  (collected here, on this module's fixtu
 
 from tiny_models import build_tiny_model
 
-ARCHITECTURES = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+ARCHITECTURES = {
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    # Its experts stored stacked, as transformers 5 holds them and Qwen3.5-MoE's release stores them.
+    "qwen3_5_moe_stacked": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / request.param, request.param)
+    arch = request.param.removesuffix("_stacked")
+    built = build_tiny_model(tmp_path_factory.mktemp("models") / request.param, arch)
+    if request.param.endswith("_stacked"):
+        stack_experts(built / "model.safetensors")
+    return built
+
+
+def stack_experts(path: Path) -> None:
+    """Each layer's per-expert gate/up/down tensors as one `experts.gate_up_proj` [experts, 2 ×
+    intermediate, hidden] and one `experts.down_proj` [experts, hidden, intermediate]."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    blocks = sorted({name.split(".experts.")[0] for name in tensors if ".experts.0." in name})
+    for block in blocks:
+        count = sum(1 for name in tensors if name.startswith(f"{block}.experts.") and "down_proj" in name)
+        experts = [
+            {part: tensors.pop(f"{block}.experts.{i}.{part}_proj.weight") for part in ("gate", "up", "down")}
+            for i in range(count)
+        ]
+        tensors[f"{block}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat((e["gate"], e["up"])) for e in experts]
+        )
+        tensors[f"{block}.experts.down_proj"] = torch.stack([e["down"] for e in experts])
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")

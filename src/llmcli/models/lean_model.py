@@ -364,7 +364,11 @@ def _experts(tensors: Tensors, prefix: str, config: LeanConfig, row: Family) -> 
     moe, routing, experts = nn.Module(), nn.Module(), nn.Module()
     routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)
     routing.top_k = config.num_experts_per_tok
-    gate_up, downs = _stacked(tensors, block, routing.weight.shape[0], (gate, up), down)
+    count = routing.weight.shape[0]
+    if f"{block}.gate_up_proj" in tensors:  # stored stacked already (Qwen3.5-MoE's release)
+        gate_up, downs = _stored_stacked(tensors, block, count)
+    else:
+        gate_up, downs = _stacked(tensors, block, count, (gate, up), down)
     for name, weight in (
         (f"{block}.gate_up_proj", gate_up),
         (f"{block}.down_proj", downs),
@@ -375,6 +379,20 @@ def _experts(tensors: Tensors, prefix: str, config: LeanConfig, row: Family) -> 
     experts.down_proj = nn.Parameter(downs, requires_grad=False)
     moe.gate, moe.experts = routing, experts
     return moe
+
+
+def _stored_stacked(tensors: TensorSource, block: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's experts as a checkpoint in transformers 5's layout stores them (`experts.
+    gate_up_proj` [count, 2 × intermediate, hidden], `experts.down_proj` [count, hidden,
+    intermediate]), read as they are; a count or width the two disagree on is refused naming them."""
+    gate_up, downs = tensors.get(f"{block}.gate_up_proj"), tensors.get(f"{block}.down_proj")
+    fits = gate_up.dim() == downs.dim() == 3 and gate_up.shape[0] == downs.shape[0] == count
+    if not fits or gate_up.shape[1] != 2 * downs.shape[2]:
+        raise DamagedCheckpoint(
+            f"a checkpoint whose tensors {block}.gate_up_proj {list(gate_up.shape)} and "
+            f"{block}.down_proj {list(downs.shape)} are not {count} experts' gate/up and down"
+        )
+    return gate_up, downs
 
 
 def _stacked(
