@@ -239,7 +239,11 @@ def build_tiny_model(
         import transformers
 
         config_class, model_class = (getattr(transformers, name) for name in multimodal[:2])
-        config = config_class(text_config=config.to_dict(), vision_config=_TINY_VISION, initializer_range=0.2)
+        text = config.to_dict()
+        # Qwen-VL's multimodal RoPE sections, as the released configs carry them: over the 2
+        # frequencies of a head's rotated quarter (text positions are one position in each).
+        text["rope_parameters"] |= {"mrope_section": [1, 1, 0], "mrope_interleaved": True}
+        config = config_class(text_config=text, vision_config=_TINY_VISION, initializer_range=0.2)
     model = model_class(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
