@@ -6,7 +6,11 @@ config, prompt and token counts; every figure is the median of --runs runs with 
 highest beside it. The MoE also runs against a dense model of the same *active* size (its top-k
 experts' width as one MLP): the MoE's cost over it is the routing and the gather.
 
-    python scripts/bench_families.py [--runs 5] [--new-tokens 32] [--device cpu]
+`--set qwen3.5` runs the Qwen3.5 and Qwen3-Next shapes instead, at their published sizes (their
+language models: configs/qwen3.5-*.json, qwen3-next-80b-a3b.json), prefill and decode, native
+against transformers: the larger ones need the memory of their size (a GPU's, or many GB of RAM).
+
+    python scripts/bench_families.py [--runs 5] [--new-tokens 32] [--device cpu] [--set qwen3.5]
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ FAMILIES = {
     "Gemma 2 shape (soft-capped, sliding layers of 512 alternating)": "gemma2-cpu-bench.json",
     "gpt-oss shape (sinks, 32 experts, top-4, window 128)": "gpt-oss-cpu-bench.json",
     "Qwen3 dense, the MoE's active size": "qwen3-dense-moe-active-cpu-bench.json",
+}
+# Qwen3.5's published sizes (each checkpoint's text_config; 2B's widths partly guessed) and
+# Qwen3-Next's, smallest first.
+QWEN3_5 = {
+    "Qwen3.5-0.8B (24 layers, 1 in 4 full attention)": "qwen3.5-0.8b.json",
+    "Qwen3.5-2B": "qwen3.5-2b.json",
+    "Qwen3.5-9B": "qwen3.5-9b.json",
+    "Qwen3.5-35B-A3B (256 experts, top-8, a shared expert)": "qwen3.5-35b-a3b.json",
+    "Qwen3-Next-80B-A3B (512 experts, top-10, a shared expert)": "qwen3-next-80b-a3b.json",
 }
 # llmcli's own int8/int4 on the MoE (experts quantized one by one, bf16 activations), against
 # transformers' unquantized forward of the same config: what a CPU user of an MoE gets.
@@ -52,13 +65,39 @@ def cell(report: dict) -> str:
     return f"{report['decode_tok_s']:.1f} ({low:.1f}–{high:.1f})"
 
 
+def prefill_cell(report: dict, length: int) -> str:
+    value = report["prefill_tok_s"][str(length)]
+    low, high = report["spread"].get(f"prefill_tok_s@{length}", (value, value))
+    return f"{value:.1f} ({low:.1f}–{high:.1f})"
+
+
+def qwen3_5_table(args: argparse.Namespace) -> None:
+    """Prefill and decode of each Qwen3.5 / Qwen3-Next shape, native against transformers."""
+    print(f"tok/s, median (lowest–highest) of {args.runs} runs · prefill of {args.prompt_length} tokens, "
+          f"then {args.new_tokens} decoded · {args.device} · random weights\n")  # fmt: skip
+    print("| shape | native prefill | transformers prefill | native / transformers | native decode "
+          "| transformers decode | native / transformers |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    length = args.prompt_length
+    for label, name in QWEN3_5.items():
+        ours, theirs = bench(CONFIGS / name, "native", args), bench(CONFIGS / name, "transformers", args)
+        prefill = ours["prefill_tok_s"][str(length)] / theirs["prefill_tok_s"][str(length)]
+        decode = ours["decode_tok_s"] / theirs["decode_tok_s"]
+        cells = (prefill_cell(ours, length), prefill_cell(theirs, length), f"{prefill:.2f}×")
+        print(f"| {label} | " + " | ".join((*cells, cell(ours), cell(theirs), f"{decode:.2f}×")) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--set", choices=("families", "qwen3.5"), default="families")
     args = parser.parse_args()
+    if args.set == "qwen3.5":
+        qwen3_5_table(args)
+        return
     rows, native, baseline = [], {}, {}
     for family, name in FAMILIES.items():
         ours = bench(CONFIGS / name, "native", args)

@@ -47,10 +47,15 @@ def _transformers_config(architecture: str) -> Any | None:
     """transformers' configuration for `architecture`, with its class defaults; None where
     transformers has no such causal LM."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    model_types = [kind for kind, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if name == architecture]
-    # A multimodal model type maps to its text model too (qwen3_5): the text config is the row's.
+    mappings = (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    model_types = [kind for mapping in mappings for kind, name in mapping.items() if name == architecture]
+    # A multimodal model type maps to its text model too (qwen3_5), and a vision-language row
+    # runs its language model: the text config is the row's.
     return CONFIG_MAPPING[model_types[0]]().get_text_config() if model_types else None
 
 

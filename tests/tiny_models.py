@@ -94,9 +94,13 @@ _SMALL_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_
 # the others only through transformers.
 FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR_ATTENTION),
-    "qwen3_next": (
+    "qwen3_5_moe": (  # a shared expert of another width than the routed ones
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 96},
+    ),
+    "qwen3_next": (  # its first layer dense (an `mlp_only_layers` one), the second sparse
         "Qwen3NextConfig", "Qwen3NextForCausalLM",
-        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 32},
+        _LINEAR_ATTENTION | _SMALL_EXPERTS | {"shared_expert_intermediate_size": 96, "mlp_only_layers": [0]},
     ),
     "lfm2": (  # a short convolution layer, then an attention one
         "Lfm2Config", "Lfm2ForCausalLM",
@@ -129,6 +133,17 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
     ),
 }  # fmt: skip
+# Vision-language checkpoints whose text part the native engine runs: the config class and model
+# class of the whole, the text family (above) its language model is, and a vision tower of
+# 1 tiny block (its weights are saved, never run by llmcli).
+MULTIMODAL_FAMILIES: dict[str, tuple[str, str, str]] = {
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
+}
+_TINY_VISION = {
+    "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+    "out_hidden_size": 64, "num_position_embeddings": 16,
+}  # fmt: skip
 
 
 def runs_natively_by_default(arch: str) -> bool:
@@ -137,7 +152,7 @@ def runs_natively_by_default(arch: str) -> bool:
     from llmcli.models.families import family
 
     row = family(FALLBACK_FAMILIES[arch][1])
-    return row is not None and not row.native_when_asked
+    return row is not None
 
 
 def build_tiny_model(
@@ -207,6 +222,9 @@ def build_tiny_model(
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
         }
+    multimodal = MULTIMODAL_FAMILIES.get(arch)
+    if multimodal is not None:
+        arch = multimodal[2]
     if arch in FALLBACK_FAMILIES:
         import transformers
 
@@ -226,7 +244,17 @@ def build_tiny_model(
         }[arch]
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.
-    model = model_class(config_class(**shape, initializer_range=0.2))
+    config = config_class(**shape, initializer_range=0.2)
+    if multimodal is not None:  # the text model's config inside the whole's, beside a vision one
+        import transformers
+
+        config_class, model_class = (getattr(transformers, name) for name in multimodal[:2])
+        text = config.to_dict()
+        # Qwen-VL's multimodal RoPE sections, as the released configs carry them: over the 2
+        # frequencies of a head's rotated quarter (text positions are one position in each).
+        text["rope_parameters"] |= {"mrope_section": [1, 1, 0], "mrope_interleaved": True}
+        config = config_class(text_config=text, vision_config=_TINY_VISION, initializer_range=0.2)
+    model = model_class(config)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     folder.mkdir(parents=True, exist_ok=True)

@@ -174,6 +174,7 @@ def show(
             f"               KV cache {kv}/token in {kv_dtype}",
             f"sampling       {defaults}",
             f"chat template  {template_line}",
+            f"engine         {summary['engine']['auto']} under --engine auto ({summary['engine']['why']})",
         ]
         if template and template_text:
             lines += ["", template_text]

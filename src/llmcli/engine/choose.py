@@ -22,11 +22,6 @@ def runs_natively(loaded: LoadedModel) -> bool:
     error where it was asked for and cannot."""
     if loaded.engine == "transformers":
         return False
-    from llmcli.models.families import family
-
-    row = family(getattr(loaded.model, "architecture", None) or type(loaded.model).__name__)
-    if row is not None and row.native_when_asked and loaded.engine != "native":
-        return False  # a family the native engine runs only where asked (families.py)
     from llmcli.engine.native.families import NotSupported, check_supported
 
     try:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from llmcli.errors import LlmcliError
 from llmcli.models.built import Built
-from llmcli.models.families import family
+from llmcli.models.families import Family, family
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, TokenizerUnsupported
 
 if TYPE_CHECKING:
@@ -64,16 +64,32 @@ def choose(checkpoint: Checkpoint, plan: LoadPlan, settings: LoadSettings) -> Na
     """Whether the native builder builds this model, decided from the files' small parts and the
     plan, in the order of its checks: the first reason found is the one the note names."""
     row = family(checkpoint.architecture)
+    if row is not None and row.layer_types == "linear":  # whichever engine runs it
+        _check_linear_attention(checkpoint, plan, row)
     if row is None or _asked_for_transformers(settings):
         return Refusal()
-    if row.native_when_asked and settings.engine != "native":
-        return Refusal()  # transformers' path, as before the family had a row: nothing to note
     try:
         return _checked(checkpoint, plan)
     except DamagedCheckpoint:
         return Refusal()
     except LeanUnsupported as why:
         return note_for(why)
+
+
+def _check_linear_attention(checkpoint: Checkpoint, plan: LoadPlan, row: Family) -> None:
+    """A Gated DeltaNet layer's tensor missing, or of a shape its settings contradict, is refused
+    in one line naming it (ModelLoadError), from the headers: transformers' path would start a
+    layer without it from random values, or fail deep in a pass. A config this cannot read is left
+    to the builders, which say what they make of it."""
+    from llmcli.models.deltanet_layout import check_layers
+
+    shapes = checkpoint.shapes
+    if not shapes:  # no safetensors headers (pickled weights): transformers' loader checks them
+        return
+    try:
+        check_layers(shapes, LeanConfig(plan.config), row, row.language_model or "model")
+    except (KeyError, AttributeError, TypeError, ValueError, LeanUnsupported):
+        return
 
 
 def _checked(checkpoint: Checkpoint, plan: LoadPlan) -> NativeChoice:
@@ -130,6 +146,11 @@ def build(checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: E
     with _config_as_written():
         heads = (config.num_attention_heads, config.num_key_value_heads)
         tensors = checkpoint.tensors(plan.dtype, plan.device, heads)
+        language_model = config.family.language_model
+        if language_model is not None:  # a vision-language checkpoint: its text part
+            from llmcli.models.language_model import LanguageModelTensors
+
+            tensors = LanguageModelTensors(tensors, language_model)
         model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed)
     return Built(model, choice.tokenizer, notes=list(choice.notes))
 

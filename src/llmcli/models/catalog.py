@@ -15,6 +15,7 @@ from typing import Any
 
 from llmcli.errors import ModelLoadError, ModelNotFoundError
 from llmcli.models.checkpoint import Checkpoint
+from llmcli.models.engine_verdict import engine_under_auto
 from llmcli.models.gguf_cache import find_imported, folder_size, imported_models, recorded_source
 from llmcli.models.memory import (
     context_length_of,
@@ -222,6 +223,7 @@ def model_summary(checkpoint: Checkpoint, name: str) -> dict[str, Any]:
         },
         "kv_bytes_per_token_bf16": kv_bytes_per_token(config, 2),
         "chat_template_text": template,
+        "engine": engine_under_auto(config.get("architectures", [None])[0]),
     }
 
 

@@ -23,7 +23,7 @@ RUNTIMES: dict[str, str] = {
     "gemma3": "Gemma 2 and 3",
     "gpt_oss": "gpt-oss",
     "moe": "a sparse MoE",
-    "qwen3_5": "Qwen3.5",
+    "qwen3_5": "Qwen3.5 and Qwen3-Next",
 }
 
 
@@ -62,6 +62,16 @@ class Family:
     # kernel not written yet), and bitsandbytes not at all.
     experts: Literal["per-expert", "stacked"] | None = None
     expert_layout: tuple[str, tuple[str, str, str]] | None = None  # where, and gate/up/down's names
+    # Beside the routed experts, a gated MLP every token goes through (`mlp.shared_expert`), its
+    # output scaled by sigmoid(`mlp.shared_expert_gate`): Qwen3.5-MoE's and Qwen3-Next's.
+    shared_expert: bool = False
+    # Its Gated DeltaNet layers' input projections as Qwen3-Next stores them: two matrices
+    # (`in_proj_qkvz`, `in_proj_ba`) whose rows are grouped per key head; else Qwen3.5's four.
+    grouped_deltanet_projections: bool = False
+    # A vision-language checkpoint's text part, which is what the native engine runs of it: where
+    # its language model's tensors lie (for `model.`), its config that of config.json's
+    # `text_config`. An image is refused (the server reads text parts only).
+    language_model: str | None = None
     mxfp4_on_cpu: bool = False  # MXFP4 experts dequantized on a CPU, as transformers' path does
     # llama.cpp's architecture names for files of this family that llmcli reads in place.
     gguf: tuple[str, ...] = ()
@@ -71,11 +81,6 @@ class Family:
     # What llama.cpp's loader requires of a block beyond a Llama one (it loads a `qwen2` file
     # without its q/k/v biases, and runs it so, as llmcli does).
     gguf_required: frozenset[str] = frozenset()
-    # The native engine runs it only where --engine native asks (auto leaves it to transformers,
-    # as before it had a row): a family whose cache cannot yet keep a prefix across turns, run
-    # several sequences at once or replay a graph (Qwen3.5's recurrent state, issue 44's first
-    # step; the prefix store's state checkpoints and batched decode are the next).
-    native_when_asked: bool = False
 
     @property
     def rope_per_kind(self) -> bool:
@@ -101,6 +106,35 @@ _GEMMA_SHAPE: dict[str, Any] = {
     "ffn_norms": True,
     "embed_scale": True,
 }
+# What Qwen3_5TextConfig fills in (Qwen3_5MoeTextConfig and Qwen3NextConfig too), and how
+# their rows read the checkpoint.
+_QWEN3_5: dict[str, Any] = {
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+_QWEN3_5_SHAPE: dict[str, Any] = {
+    "layer_types": "linear",
+    # Qwen3_5TextConfig's RoPE where config.json names none: a quarter of each head rotated.
+    "default_rope": {"rope_type": "default", "partial_rotary_factor": 0.25},
+    "head_norms": True,
+}
+_QWEN3_5_MOE: dict[str, Any] = _QWEN3_5 | {
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 8,
+    "num_experts": 256,
+}
+_SHARED_EXPERTS: dict[str, Any] = {
+    "experts": "per-expert",
+    "expert_layout": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "shared_expert": True,
+}
+_LANGUAGE_MODEL: dict[str, Any] = {"language_model": "model.language_model"}
 _ROWS = (
     Family("LlamaForCausalLM", "llama", {}, biases="attention+mlp", gguf=("llama",), gguf_permuted=True),
     Family("MistralForCausalLM", "llama", {}, biases="none"),
@@ -195,22 +229,31 @@ _ROWS = (
         experts="stacked",
         mxfp4_on_cpu=True,
     ),
+    Family("Qwen3_5ForCausalLM", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE),
+    Family("Qwen3_5MoeForCausalLM", "qwen3_5", _QWEN3_5_MOE, **_QWEN3_5_SHAPE, **_SHARED_EXPERTS),
+    # Their vision-language checkpoints, of which the native engine runs the language model.
+    Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE, **_LANGUAGE_MODEL),
     Family(
-        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
         "qwen3_5",
-        {
-            "head_dim": 256,
-            "max_position_embeddings": 32768,
-            "linear_conv_kernel_dim": 4,
-            "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128,
-            "linear_num_key_heads": 16,
-            "linear_num_value_heads": 32,
+        _QWEN3_5_MOE,
+        **_QWEN3_5_SHAPE | _SHARED_EXPERTS | _LANGUAGE_MODEL,
+    ),
+    Family(
+        "Qwen3NextForCausalLM",
+        "qwen3_5",
+        _QWEN3_5_MOE
+        | {
+            "intermediate_size": 5632,  # its dense layers' (`mlp_only_layers`)
+            "num_experts_per_tok": 10,
+            "num_experts": 512,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
         },
-        layer_types="linear",
-        # Qwen3_5TextConfig's RoPE where config.json names none: a quarter of each head rotated.
-        default_rope={"rope_type": "default", "partial_rotary_factor": 0.25},
-        head_norms=True,
+        **_QWEN3_5_SHAPE,
+        **_SHARED_EXPERTS,
+        grouped_deltanet_projections=True,
     ),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}

@@ -59,6 +59,8 @@ class LeanConfig:
 
     def __init__(self, values: dict[str, Any]) -> None:
         row = family((values.get("architectures") or [""])[0])
+        if row is not None and row.language_model is not None:
+            values = text_part(values)
         defaults = row.config_defaults if row is not None else {}
         self._values = {**DEFAULTS, **defaults, **values}
         if self._values.get("num_key_value_heads") is None:
@@ -141,6 +143,17 @@ class LeanConfig:
         if rope["rope_type"] in ("su", "yarn") and row is not None and row.longrope_aliases:
             rope["rope_type"] = "longrope"  # Phi-3's older names for it, as transformers reads them
         return rope
+
+
+def text_part(values: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's config as its language model's: config.json's `text_config`,
+    under the checkpoint's architecture, its head tied to the embedding where the whole's config
+    says so (transformers ties by the whole's, False where it is silent)."""
+    return {
+        **values["text_config"],
+        "architectures": values["architectures"],
+        "tie_word_embeddings": values.get("tie_word_embeddings", False),
+    }
 
 
 def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:

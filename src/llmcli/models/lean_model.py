@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from llmcli.errors import ModelLoadError
+from llmcli.models.deltanet_layout import deltanet_tensors
 from llmcli.models.families import Family
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, rope_frequencies
 from llmcli.models.tensor_file import TensorFile
@@ -295,11 +296,16 @@ def _layer(
             setattr(layer, name, Norm(weight))
     kinds, index = config.layer_types, int(prefix.rsplit(".", 1)[-1])
     if row.layer_types == "linear" and kinds[index] == "linear_attention":
-        layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn", linear)
+        layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn", row, linear)
     else:
         layer.self_attn = _attention(tensors, prefix, config, row, linear)
     experts = _gpt_oss_experts(tensors, prefix, config, row) or _experts(tensors, prefix, config, row)
     if experts is not None:
+        if row.shared_expert:  # beside the routed experts, under transformers' names
+            experts.shared_expert = nn.Module()
+            for name in _MLP:
+                setattr(experts.shared_expert, name, linear(f"mlp.shared_expert.{name}"))
+            experts.shared_expert_gate = linear("mlp.shared_expert_gate")
         layer.mlp = experts
         return layer
     mlp = nn.Module()
@@ -310,20 +316,18 @@ def _layer(
     return layer
 
 
-# A Gated DeltaNet layer's projections (Qwen3.5's layout), linear layers as transformers' module
-# has them (so --quant quantizes them as any other), and its other tensors, by the module's names.
-_LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-_LINEAR_ATTENTION = ("conv1d.weight", "dt_bias", "A_log", "norm.weight")
-
-
-def _linear_attention(tensors: TensorSource, prefix: str, linear: Callable[[str], nn.Linear]) -> nn.Module:
+def _linear_attention(
+    tensors: TensorSource, prefix: str, row: Family, linear: Callable[[str], nn.Linear]
+) -> nn.Module:
     """A Gated DeltaNet layer under the names transformers' module gives its parts, which the
-    engine reads by name (gated_deltanet.DeltaNetWeights checks their shapes)."""
+    engine reads by name (gated_deltanet.DeltaNetWeights checks their shapes): its projections
+    linear layers, as transformers has them (so --quant quantizes them as any other)."""
     module = nn.Module()
-    for name in _LINEAR_ATTENTION_PROJECTIONS:
-        setattr(module, name, linear(f"linear_attn.{name}"))
-    for name in _LINEAR_ATTENTION:
+    for name in deltanet_tensors(row):
         holder, _, leaf = name.rpartition(".")
+        if holder.startswith(("in_proj", "out_proj")):
+            setattr(module, holder, linear(f"linear_attn.{holder}"))
+            continue
         parameter = nn.Parameter(tensors.get(f"{prefix}.{name}"), requires_grad=False)
         if holder:
             setattr(module, holder, nn.Module())
@@ -366,7 +370,11 @@ def _experts(tensors: Tensors, prefix: str, config: LeanConfig, row: Family) -> 
     moe, routing, experts = nn.Module(), nn.Module(), nn.Module()
     routing.weight = nn.Parameter(tensors.get(router), requires_grad=False)
     routing.top_k = config.num_experts_per_tok
-    gate_up, downs = _stacked(tensors, block, routing.weight.shape[0], (gate, up), down)
+    count = routing.weight.shape[0]
+    if f"{block}.gate_up_proj" in tensors:  # stored stacked already (Qwen3.5-MoE's release)
+        gate_up, downs = _stored_stacked(tensors, block, count)
+    else:
+        gate_up, downs = _stacked(tensors, block, count, (gate, up), down)
     for name, weight in (
         (f"{block}.gate_up_proj", gate_up),
         (f"{block}.down_proj", downs),
@@ -377,6 +385,20 @@ def _experts(tensors: Tensors, prefix: str, config: LeanConfig, row: Family) -> 
     experts.down_proj = nn.Parameter(downs, requires_grad=False)
     moe.gate, moe.experts = routing, experts
     return moe
+
+
+def _stored_stacked(tensors: TensorSource, block: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's experts as a checkpoint in transformers 5's layout stores them (`experts.
+    gate_up_proj` [count, 2 × intermediate, hidden], `experts.down_proj` [count, hidden,
+    intermediate]), read as they are; a count or width the two disagree on is refused naming them."""
+    gate_up, downs = tensors.get(f"{block}.gate_up_proj"), tensors.get(f"{block}.down_proj")
+    fits = gate_up.dim() == downs.dim() == 3 and gate_up.shape[0] == downs.shape[0] == count
+    if not fits or gate_up.shape[1] != 2 * downs.shape[2]:
+        raise DamagedCheckpoint(
+            f"a checkpoint whose tensors {block}.gate_up_proj {list(gate_up.shape)} and "
+            f"{block}.down_proj {list(downs.shape)} are not {count} experts' gate/up and down"
+        )
+    return gate_up, downs
 
 
 def _stacked(

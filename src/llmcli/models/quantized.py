@@ -227,6 +227,7 @@ FUSED_PROJECTIONS = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
     ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # a Gated DeltaNet's (Qwen3.5)
+    ("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next's
 )
 
 

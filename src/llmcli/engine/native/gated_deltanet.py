@@ -219,6 +219,15 @@ def _ungroup_qwen3_next(
     return tuple(part.reshape(-1, hidden) for part in (q, k, v, z, b, a))
 
 
+def grouped_order(shape: DeltaNetShape) -> torch.Tensor:
+    """Where each of Qwen3.5's flat rows (q, k, v, z, b, a) lies among Qwen3-Next's grouped ones
+    ([qkvz; ba] stacked): the index that reorders the grouped projection's outputs."""
+    qkvz_rows = shape.key_heads * (2 * shape.key_head_dim + 2 * (shape.value_dim // shape.key_heads))
+    rows = torch.arange(qkvz_rows + 2 * shape.value_heads)[:, None]
+    names = {"in_proj_qkvz.weight": rows[:qkvz_rows], "in_proj_ba.weight": rows[qkvz_rows:]}
+    return torch.cat(_ungroup_qwen3_next(names, shape))[:, 0]
+
+
 # The layer ----------------------------------------------------------------------------------
 
 

@@ -40,20 +40,23 @@ CHECK_ROWS = 16
 
 def check_supported(model: Any, context_length: int) -> None:
     llama.check_supported(model, context_length)
+    check_stacked_experts(model)
+    if any(getattr(layer.mlp, "shared_expert", None) is not None for layer in model.model.layers):
+        raise NotSupported("a shared expert beside the routed ones")
+
+
+def check_stacked_experts(model: Any) -> None:
+    """Raise NotSupported unless each sparse layer's experts are what SparseExperts reads: stacked
+    tensors (or llmcli's quantized layers) behind a silu."""
     config = model.config
     for index, layer in enumerate(model.model.layers):
-        mlp = layer.mlp
-        if not hasattr(mlp, "experts"):
-            continue
-        experts = mlp.experts
-        if quantized_layers(experts, check=True):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None or quantized_layers(experts, check=True):
             continue
         for name in ("gate_up_proj", "down_proj"):
             tensor = getattr(experts, name, None)
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
                 raise NotSupported(f"layer {index}'s experts are not stacked tensors ({name})")
-        if getattr(mlp, "shared_expert", None) is not None:
-            raise NotSupported("a shared expert beside the routed ones")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise NotSupported(f"expert activation {config.hidden_act!r}")
 

@@ -9,7 +9,9 @@ crop goes back to (recurrent_cache.py). A full-attention
 layer doubles its q_proj into the query and a gate, each head's query then its gate, and the
 attention's output is multiplied by sigmoid(gate) before o_proj; q and k are normed per head;
 a quarter of each head is rotated (the text's mrope sections are one position: plain RoPE).
-Every RMSNorm but the DeltaNet's own scales by (1 + weight), as Gemma's does.
+Every RMSNorm but the DeltaNet's own scales by (1 + weight), as Gemma's does. The MoE sibling
+(Qwen3.5-MoE) has the same layers with a router's experts and a gated shared expert in place of
+the MLP (shared_expert.py).
 
 A step of one sequence is what this module runs: a prefill chunk, the exact decode step and a
 speculative check row by row. Several sequences in one step, the bucketed step a CUDA graph
@@ -24,17 +26,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmcli.engine.native.attention import Attention
-from llmcli.engine.native.families.base import Weights
+from llmcli.engine.native.families.base import Layer, Weights
 from llmcli.engine.native.families.gemma3 import GemmaRMSNorm
 from llmcli.engine.native.families.llama import check_supported as check_llama
+from llmcli.engine.native.families.moe import check_stacked_experts
+from llmcli.engine.native.families.shared_expert import feed_forward
 from llmcli.engine.native.gated_deltanet import (
     DeltaNetShape,
     DeltaNetState,
     DeltaNetWeights,
     decode_step,
+    grouped_order,
     prefill,
 )
-from llmcli.engine.native.layers import FeedForward, Shape, projection, rotate
+from llmcli.engine.native.layers import Shape, projection, rotate
 from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck
 from llmcli.errors import LlmcliError
 
@@ -46,8 +51,10 @@ LINEAR = "linear_attention"
 
 
 def check_supported(model: Any, context_length: int) -> None:
-    """As a Llama's (silu, a RoPE settled once, plain linear layers, one device)."""
+    """As a Llama's (silu, a RoPE settled once, plain linear layers, one device), and the MoE
+    family's stacked experts where there are experts."""
     check_llama(model, context_length)
+    check_stacked_experts(model)
 
 
 def weights(model: Any, context_length: int) -> Weights:
@@ -56,13 +63,16 @@ def weights(model: Any, context_length: int) -> Weights:
     shape = Shape(config.num_hidden_layers, *heads, config.head_dim, config.rms_norm_eps)
     linear_shape = DeltaNetShape.from_config(config)
     body = model.model
+    # The MoE rows' router renormalises its top-k weights unless the config says not (Qwen3-Next).
+    normalise = bool(getattr(config, "norm_topk_prob", True))
     blocks: list[Any] = []
     for index, layer in enumerate(body.layers):
+        mlp = feed_forward(layer.mlp, normalise)
         if config.layer_types[index] == LINEAR:
-            blocks.append(DeltaNetBlock(layer, index, linear_shape, shape.eps))
+            blocks.append(DeltaNetBlock(layer, index, linear_shape, shape.eps, mlp))
         else:
             attention = GatedAttention(layer.self_attn, shape, index, norm=GemmaRMSNorm)
-            blocks.append(GatedBlock(layer, attention, shape.eps))
+            blocks.append(GatedBlock(layer, attention, shape.eps, mlp))
     rotary = body.rotary_emb  # a quarter of each head's width: rotate() passes the rest unrotated
     rope = rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
     final_norm = GemmaRMSNorm(body.norm.weight, shape.eps)
@@ -93,11 +103,11 @@ class GatedBlock:
 
     rope = "global"
 
-    def __init__(self, layer: Any, attention: GatedAttention, eps: float) -> None:
+    def __init__(self, layer: Any, attention: GatedAttention, eps: float, feed_forward: Layer) -> None:
         self.attention = attention
         self.attention_norm = GemmaRMSNorm(layer.input_layernorm.weight, eps)
         self.ffn_norm = GemmaRMSNorm(layer.post_attention_layernorm.weight, eps)
-        self.feed_forward = FeedForward(layer.mlp)
+        self.feed_forward = feed_forward
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan) -> torch.Tensor:
         attention = self.attention
@@ -117,10 +127,18 @@ def mixer_weights(mixer: Any, shape: DeltaNetShape) -> DeltaNetWeights:
             # Quantized: the shapes to check, not weights (its packed ones are not a matrix).
             tensors[f"{name}.weight"] = torch.empty(module.out_features, module.in_features, device="meta")
     weights = DeltaNetWeights.from_tensors(tensors, shape)
-    if not hasattr(mixer, "in_proj_qkv"):
-        return weights  # Qwen3-Next's grouped layout, regrouped into one matrix by from_tensors
-    parts = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
-    return dataclasses.replace(weights, in_proj=projection(*parts), out_proj=projection(mixer.out_proj))
+    out_proj = projection(mixer.out_proj)
+    if hasattr(mixer, "in_proj_qkv"):
+        parts = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
+        return dataclasses.replace(weights, in_proj=projection(*parts), out_proj=out_proj)
+    # Qwen3-Next's two projections, their rows grouped per key head: one product, its outputs
+    # then put in Qwen3.5's order (a gather of a row, not a second copy of the weights).
+    grouped, order = projection(mixer.in_proj_qkvz, mixer.in_proj_ba), grouped_order(shape)
+
+    def in_proj(x: torch.Tensor) -> torch.Tensor:
+        return grouped(x).index_select(-1, order.to(x.device))
+
+    return dataclasses.replace(weights, in_proj=in_proj, out_proj=out_proj)
 
 
 class DeltaNetBlock:
@@ -129,12 +147,12 @@ class DeltaNetBlock:
     rope = "global"
     attention = None  # no keys and values: its cache slot holds a state instead
 
-    def __init__(self, layer: Any, index: int, shape: DeltaNetShape, eps: float) -> None:
+    def __init__(self, layer: Any, index: int, shape: DeltaNetShape, eps: float, feed_forward: Layer) -> None:
         self.index = index
         self.attention_norm = GemmaRMSNorm(layer.input_layernorm.weight, eps)
         self.mixer = mixer_weights(layer.linear_attn, shape)
         self.ffn_norm = GemmaRMSNorm(layer.post_attention_layernorm.weight, eps)
-        self.feed_forward = FeedForward(layer.mlp)
+        self.feed_forward = feed_forward
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan) -> torch.Tensor:
         h = h + self._mix(self.attention_norm(h), plan)
