@@ -76,8 +76,12 @@ class Transformer:
     def new_pool(self, context_length: int) -> SlotPool:
         """A pool for several sequences' caches (pool.py): one attention call per layer for them all."""
         shape = self.shape
-        rings = [ring_size(block.attention.window, context_length) for block in self.blocks]
-        pooled = [ring is None for ring in rings]
+        # A ring layer keeps its ring in each cache; a linear-attention layer has no keys and
+        # values at all (its state is held per cache): neither takes room in the pool.
+        pooled = [
+            block.attention is not None and ring_size(block.attention.window, context_length) is None
+            for block in self.blocks
+        ]
         return SlotPool(shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device)
 
     def rope(

@@ -12,8 +12,9 @@ a quarter of each head is rotated (the text's mrope sections are one position: p
 Every RMSNorm but the DeltaNet's own scales by (1 + weight), as Gemma's does.
 
 A step of one sequence is what this module runs: a prefill chunk, the exact decode step and a
-speculative check row by row. Several sequences in one step, the bucketed step a CUDA graph
-replays, and the graphed check are refused (the backend and the server do not ask for them).
+speculative check row by row; and one decode step of several sequences (a server's, a batch's),
+their states stacked as the rows of one. The bucketed step a CUDA graph replays and the graphed
+check are refused (the backend does not ask for them: a state has no fixed-shape step yet).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from llmcli.engine.native.gated_deltanet import (
     prefill,
 )
 from llmcli.engine.native.layers import FeedForward, Shape, fuse, projection, rotate
-from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck
+from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck, SequencesStep
 from llmcli.errors import LlmcliError
 
 if TYPE_CHECKING:
@@ -129,16 +130,15 @@ class DeltaNetBlock:
         return h + self.feed_forward(self.ffn_norm(h))
 
     def _mix(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if isinstance(plan, SequencesStep):
+            return self._mix_sequences(x, plan.steps)
         if not isinstance(plan, CausalChunk | ExactDecode | PerRowCheck):
             raise LlmcliError(
-                "the native engine runs Qwen3.5 one sequence at a time, without graphs"
-                f" ({type(plan).__name__})"
+                f"the native engine has no fixed-shape (graphed) step for Qwen3.5 yet ({type(plan).__name__})"
             )
         cache: RecurrentCache = plan.cache  # type: ignore[assignment]
         start = plan.span - 1 if isinstance(plan, ExactDecode) else plan.start
-        state = cache.state_before(self.index, start)
-        if state is None:
-            state = DeltaNetState.empty(self.mixer.shape, x.dtype, x.device)
+        state = self._state_before(cache, start, x)
         if isinstance(plan, CausalChunk):
             out, state = prefill(self.mixer, x, state)
         else:  # the decode step, one row after another: each what it would give alone
@@ -149,3 +149,21 @@ class DeltaNetBlock:
             out = torch.cat(rows)
         cache.hold_state(self.index, state, start + x.shape[0])
         return out
+
+    def _mix_sequences(self, x: torch.Tensor, steps: list[ExactDecode]) -> torch.Tensor:
+        """One token of each of several sequences (row b of `x` steps[b]'s): their states, each
+        from its own cache, as the rows of one, so the rule runs once for them all; row b is what
+        its ExactDecode would give. Each cache keeps a copy of its row: a view would hold the
+        whole stack alive for as long as that sequence waits."""
+        caches: list[RecurrentCache] = [step.cache for step in steps]  # type: ignore[misc]
+        starts = [step.span - 1 for step in steps]
+        states = [self._state_before(cache, start, x) for cache, start in zip(caches, starts, strict=True)]
+        out, stepped = decode_step(self.mixer, x, DeltaNetState.stack(states))
+        for cache, start, state in zip(caches, starts, stepped.unstack(), strict=True):
+            cache.hold_state(self.index, state.clone(), start + 1)
+        return out
+
+    def _state_before(self, cache: RecurrentCache, start: int, x: torch.Tensor) -> DeltaNetState:
+        """The layer's state after the cache's first `start` tokens (zeros for a fresh sequence)."""
+        state = cache.state_before(self.index, start)
+        return state if state is not None else DeltaNetState.empty(self.mixer.shape, x.dtype, x.device)
