@@ -72,9 +72,9 @@ class Family:
     # without its q/k/v biases, and runs it so, as llmcli does).
     gguf_required: frozenset[str] = frozenset()
     # The native engine runs it only where --engine native asks (auto leaves it to transformers,
-    # as before it had a row): a family whose cache cannot yet keep a prefix across turns, run
-    # several sequences at once or replay a graph (Qwen3.5's recurrent state, issue 44's first
-    # step; the prefix store's state checkpoints and batched decode are the next).
+    # as before it had a row): a family whose cache cannot yet keep a prefix across turns or
+    # replay a graph (Qwen3.5's recurrent state, issue 44's first step; the prefix store's state
+    # checkpoints are the next).
     native_when_asked: bool = False
 
     @property

@@ -1,0 +1,172 @@
+"""Qwen3.5 (Gated DeltaNet layers beside gated attention) decoding several sequences in one step
+on the native engine: each sequence's recurrent state comes from its own cache, the states run
+as the rows of one, and every row is what its sequence gives alone — in one engine's step, and
+through `llmcli serve --parallel 4` with requests joining while others decode (fp32, greedy)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import engine_for
+
+from cli_helpers import PATIENCE_S
+from test_serve import Server, served, steps_of_several
+from tiny_models import build_tiny_model
+
+CONTEXT = 256
+# A matrix product of B rows rounds each row within ~1e-6 of a product of one (fp32, this torch);
+# through the layers that reaches ~4e-5 on the logits, under the 1e-4 the model keeps to
+# transformers' reference. The greedy tokens are the same, as the tests check.
+ATOL = 1e-4
+VOCAB = 400  # the tiny tokenizer's trained tokens (its specials lie past them)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def loaded(folder: Path):
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    settings = LoadSettings(device="cpu", dtype="fp32", threads=1, engine="native")
+    return load_model(resolve_model(str(folder)), settings, lean=True)
+
+
+def ids(count: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@torch.inference_mode()
+def test_several_sequences_in_one_step_each_equal_it_alone(loaded, pooled: bool) -> None:
+    """Three sequences (one past a chunk of the rule, 64) decoded together, the third joining
+    after three steps and the second leaving after eight: every row's logits within ATOL of the
+    same sequence decoded alone, step after step, and the greedy tokens the same. `pooled`:
+    the caches are slots of one pool, the attention layers one masked call over them."""
+    from llmcli.engine.native.backend import NativeBackend
+
+    net = NativeBackend(loaded.model, CONTEXT).net
+    pool = net.new_pool(CONTEXT) if pooled else None
+    together = [NativeBackend(None, CONTEXT, net=net, pool=pool) for _ in range(3)]
+    if pool is not None:  # the linear-attention layers hold no keys and values there
+        assert pool.pooled == [block.attention is not None for block in net.blocks]
+    alone = [NativeBackend(None, CONTEXT, net=net) for _ in range(3)]
+    prompts = [ids(70, seed=20), ids(40, seed=21), ids(55, seed=22)]
+    tokens: list[int] = []
+    for step in range(12):
+        while len(tokens) < (2 if step < 3 else 3):
+            sequence = len(tokens)
+            expected = alone[sequence].prefill(prompts[sequence])
+            prefilled = together[sequence].prefill(prompts[sequence])
+            torch.testing.assert_close(prefilled, expected, rtol=0, atol=1e-5)
+            tokens.append(int(expected.argmax()))
+        going = [s for s in range(len(tokens)) if not (s == 1 and step >= 8)]
+        feed = torch.tensor([tokens[s] for s in going])
+        rows = net.decode_sequences(feed, [together[s].cache for s in going])
+        for row, sequence in enumerate(going):
+            expected = alone[sequence].decode(torch.tensor([tokens[sequence]]))
+            torch.testing.assert_close(rows[row : row + 1], expected, rtol=0, atol=ATOL)
+            assert int(rows[row].argmax()) == int(expected.argmax())
+            tokens[sequence] = int(expected.argmax())
+    for mine, theirs in zip(together, alone, strict=True):
+        assert mine.length == theirs.length
+
+
+# Through a server ------------------------------------------------------------------------------
+
+MAX_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from served(folder, tmp_path_factory.mktemp("runtime"), "--engine", "native", "--parallel", "4")
+
+
+@pytest.fixture(scope="module")
+def never_ends(loaded) -> dict[int, float]:
+    """A bias that keeps the end-of-turn token from being chosen: every reply runs its whole
+    max_tokens, so a request that started first is still decoding as the next ones join."""
+    return {loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"): -100.0}
+
+
+@pytest.fixture(scope="module")
+def alone(loaded, never_ends: dict[int, float]):
+    """The reply a prompt gets alone, in this process (greedy, the same bias)."""
+    from llmcli.config.settings import SamplingParams
+    from llmcli.engine.conversation import build_messages, prompt_ids
+
+    engine = engine_for(loaded, backend="native")
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, logit_bias=tuple(never_ends.items()))
+
+    def reply(text: str) -> str:
+        engine.reset()
+        ids = prompt_ids(loaded.tokenizer, build_messages(text))
+        return "".join(engine.generate(ids, params, loaded.tokenizer))
+
+    return reply
+
+
+def test_four_requests_joining_one_after_another_each_get_their_reply_alone(
+    server: Server, alone, never_ends: dict[int, float]
+) -> None:
+    """Four streamed requests, each sent once the one before it has its first token (so it
+    joins steps already running): decode steps ran for several sequences, and every reply is
+    the one its prompt gets alone."""
+    from llmcli.engine.conversation import build_messages
+
+    prompts = [f"Question number {i} about the sea" for i in range(4)]
+    expected = {prompt: alone(prompt) for prompt in prompts}
+    got: dict[str, str] = {}
+    started = [threading.Event() for _ in prompts]
+    before = steps_of_several(server)
+
+    def ask(index: int) -> None:
+        if index:
+            started[index - 1].wait(timeout=PATIENCE_S)
+        prompt, text = prompts[index], ""
+        stream = server.client().chat.completions.create(
+            model="tiny", messages=build_messages(prompt), max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, logit_bias=never_ends,
+        )  # fmt: skip
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                started[index].set()
+        started[index].set()  # (a reply of no text at all lets the next one go too)
+        got[prompt] = text
+
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=PATIENCE_S)
+    assert got == expected
+    assert steps_of_several(server) > before
+
+
+def test_n_choices_of_one_request_run_together_each_the_reply_alone(
+    server: Server, alone, never_ends: dict[int, float]
+) -> None:
+    """A request's n greedy choices are n generations at once over the one prompt: each the
+    reply alone. The prompt runs once per choice (a recurrent state is not copied between
+    sequences yet), and the steps ran for several sequences."""
+    from llmcli.engine.conversation import build_messages
+
+    before = steps_of_several(server)
+    text = "One question asked three times"
+    reply = server.client().chat.completions.create(
+        model="tiny", messages=build_messages(text), max_tokens=MAX_TOKENS, temperature=0, n=3,
+        logit_bias=never_ends,
+    )  # fmt: skip
+    assert [choice.message.content for choice in reply.choices] == [alone(text)] * 3
+    assert reply.usage.completion_tokens == 3 * MAX_TOKENS
+    assert steps_of_several(server) > before
