@@ -5,6 +5,7 @@ through `llmcli serve --parallel 4` with requests joining while others decode (f
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,14 +101,15 @@ def never_ends(loaded) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def alone(loaded, never_ends: dict[int, float]):
-    """The reply a prompt gets alone, in this process (greedy, the same bias)."""
+    """The reply a prompt gets alone, in this process (greedy, the same bias unless `ends`)."""
     from llmcli.config.settings import SamplingParams
     from llmcli.engine.conversation import build_messages, prompt_ids
 
     engine = engine_for(loaded, backend="native")
-    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, logit_bias=tuple(never_ends.items()))
 
-    def reply(text: str) -> str:
+    def reply(text: str, ends: bool = False) -> str:
+        bias = () if ends else tuple(never_ends.items())
+        params = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, logit_bias=bias)
         engine.reset()
         ids = prompt_ids(loaded.tokenizer, build_messages(text))
         return "".join(engine.generate(ids, params, loaded.tokenizer))
@@ -170,3 +172,41 @@ def test_n_choices_of_one_request_run_together_each_the_reply_alone(
     assert [choice.message.content for choice in reply.choices] == [alone(text)] * 3
     assert reply.usage.completion_tokens == 3 * MAX_TOKENS
     assert steps_of_several(server) > before
+
+
+def test_a_speculated_request_beside_a_running_one_gets_its_reply_alone(
+    server: Server, alone, never_ends: dict[int, float]
+) -> None:
+    """Lookup speculation checks its drafts one sequence at a time (plans.PerRowCheck), in the
+    pooled cache of a server running others: sent once a long plain request is decoding, its
+    reply is the one it gets alone, drafts checked and reported, and the plain one's too."""
+    from llmcli.engine.conversation import build_messages
+
+    repeating = "the cat sat on the mat, the cat sat on the mat, the cat sat on the"
+    plain, decoding, got = "A long answer, please", threading.Event(), {}
+
+    def ask_plain() -> None:
+        stream = server.client().chat.completions.create(
+            model="tiny", messages=build_messages(plain), max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, logit_bias=never_ends,
+        )  # fmt: skip
+        text = ""
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                decoding.set()
+        decoding.set()
+        got[plain] = text
+
+    thread = threading.Thread(target=ask_plain)
+    thread.start()
+    decoding.wait(timeout=PATIENCE_S)
+    messages = build_messages(repeating)
+    # Long enough for the random model's reply to repeat a pair of tokens (the lookup's draft).
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "speculative": "lookup"}
+    status, reply = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+    thread.join(timeout=PATIENCE_S)
+    assert status == 200 and reply["choices"][0]["message"]["content"] == alone(repeating, ends=True)
+    speculative = reply["timings"]["speculative"]
+    assert speculative["method"] == "lookup" and speculative["drafted"] > 0, speculative
+    assert got == {plain: alone(plain)}
