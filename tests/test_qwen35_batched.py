@@ -13,37 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
+import test_qwen35
 from engines import engine_for
+from test_qwen35 import ids
 
 from cli_helpers import PATIENCE_S
 from test_serve import Server, served, steps_of_several
-from tiny_models import build_tiny_model
+
+# The tiny model and its native load, as test_qwen35's tests have them.
+folder, loaded = test_qwen35.folder, test_qwen35.loaded
 
 CONTEXT = 256
 # A matrix product of B rows rounds each row within ~1e-6 of a product of one (fp32, this torch);
 # through the layers that reaches ~4e-5 on the logits, under the 1e-4 the model keeps to
 # transformers' reference. The greedy tokens are the same, as the tests check.
 ATOL = 1e-4
-VOCAB = 400  # the tiny tokenizer's trained tokens (its specials lie past them)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", "qwen3_5")
-
-
-@pytest.fixture(scope="module")
-def loaded(folder: Path):
-    from llmcli.config.settings import LoadSettings
-    from llmcli.models.load import load_model
-    from llmcli.models.resolve import resolve_model
-
-    settings = LoadSettings(device="cpu", dtype="fp32", threads=1, engine="native")
-    return load_model(resolve_model(str(folder)), settings, lean=True)
-
-
-def ids(count: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("pooled", [False, True])
