@@ -194,3 +194,17 @@ def test_a_speculated_request_beside_a_running_one_gets_its_reply_alone(
     speculative = reply["timings"]["speculative"]
     assert speculative["method"] == "lookup" and speculative["drafted"] > 0, speculative
     assert got == {plain: alone(plain)}
+
+
+def test_generate_batch_steps_the_prompts_together_each_as_alone(folder: Path, tmp_path: Path) -> None:
+    """`generate --batch` on the native engine: the prompts decoded in shared steps, each reply
+    the one `generate` gives that prompt alone."""
+    from cli_helpers import run_cli
+
+    prompts = ["Hello there", "The capital of France is", "Once upon a time"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    args = ["generate", "-m", str(folder), "--engine", "native", "-t", "0", "-n", "12", "--json"]
+    batch = run_cli(*args, "--batch", str(tmp_path / "prompts.txt"))
+    assert batch.returncode == 0, batch.stderr.decode()
+    together = [json.loads(line)["text"] for line in batch.stdout.decode().splitlines()]
+    assert together == [json.loads(run_cli(*args, prompt).stdout)["text"] for prompt in prompts]
