@@ -66,6 +66,38 @@ def test_several_sequences_in_one_step_each_equal_it_alone(loaded, pooled: bool)
         assert mine.length == theirs.length
 
 
+@torch.inference_mode()
+def test_the_memory_of_sequences_at_once_counts_their_states(loaded) -> None:
+    """Each sequence holds its DeltaNet layers' states beside its keys and values, whatever its
+    length: counted as large as they are held, and reserved by a server's slots, so a limit that
+    holds two slots' keys and values but not both their states refuses the second generation."""
+    from llmcli.engine.loop import Engine
+    from llmcli.engine.native.backend import NativeBackend
+    from llmcli.engine.scheduler import ComputeThread, Slots
+    from llmcli.errors import KVMemoryFull
+
+    backend = NativeBackend(loaded.model, CONTEXT)
+    backend.prefill(ids(10, seed=30))
+    held = sum(state.nbytes for state, _ in backend.cache.states.values())  # type: ignore[attr-defined]
+    assert held == backend.net.state_bytes > 0
+    assert backend.kv_bytes_for(10) == backend.cache.bytes_for(10) + held
+    two_slots = backend.net.new_pool(CONTEXT).bytes_for(2, 256)  # the smallest bucket
+    for limit, fits in ((two_slots + 2 * held, True), (two_slots + 2 * held - 1, False)):
+        compute = ComputeThread()
+        try:
+            first = Engine(NativeBackend(None, CONTEXT, net=backend.net), frozenset(), CONTEXT)
+            slots = Slots(first, 2, compute, kv_limit=limit)
+            with compute.generation():
+                slots.take(ids(10, seed=31), longest=100)
+                if fits:
+                    slots.take(ids(10, seed=32), longest=100)
+                else:
+                    with pytest.raises(KVMemoryFull, match="the KV memory is taken"):
+                        slots.take(ids(10, seed=32), longest=100)
+        finally:
+            compute.shutdown()
+
+
 # Through a server ------------------------------------------------------------------------------
 
 MAX_TOKENS = 128

@@ -154,7 +154,9 @@ class NativeBackend:
         return self.cache.copy_prefix(other.cache, length)
 
     def kv_bytes_for(self, positions: int) -> int:
-        return self.cache.bytes_for(positions)
+        """The sequence's memory once it holds `positions` tokens: keys and values, and the
+        recurrent layers' states."""
+        return self.cache.bytes_for(positions) + self.net.state_bytes
 
     def reset(self) -> None:
         self.cache.crop(0)  # the tensors stay, and with them any captured graph

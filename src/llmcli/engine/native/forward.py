@@ -55,6 +55,9 @@ class Transformer:
         self.residual_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         # Blocks with a state per sequence rather than keys and values (Qwen3.5's linear attention).
         self.recurrent = any(block.attention is None for block in self.blocks)
+        # What each sequence holds beside its keys and values, whatever its length: those blocks'
+        # states (counted where sequences at once are bounded by memory, scheduler.Slots).
+        self.state_bytes = sum(block.state_bytes() for block in self.blocks if block.attention is None)
         half = self.inv_freq.shape[0]  # head_dim / 2, or less with a partial rotary factor
         self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
 

@@ -163,6 +163,10 @@ class DeltaNetBlock:
             cache.hold_state(self.index, state.clone(), start + 1)
         return out
 
+    def state_bytes(self) -> int:
+        """One sequence's state in this layer, whatever its length (as `_state_before` makes it)."""
+        return DeltaNetState.empty(self.mixer.shape, self.attention_norm.dtype, "meta").nbytes
+
     def _state_before(self, cache: RecurrentCache, start: int, x: torch.Tensor) -> DeltaNetState:
         """The layer's state after the cache's first `start` tokens (zeros for a fresh sequence)."""
         state = cache.state_before(self.index, start)
