@@ -6,6 +6,7 @@ through `llmcli serve --parallel 4` with requests joining while others decode (f
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from engines import engine_for
 from test_qwen35 import ids
 
 from cli_helpers import PATIENCE_S
-from test_serve import Server, served, steps_of_several
+from test_serve import Server, served, start_server, steps_of_several
 
 # The tiny model and its native load, as test_qwen35's tests have them.
 folder, loaded = test_qwen35.folder, test_qwen35.loaded
@@ -133,42 +134,70 @@ def alone(loaded, never_ends: dict[int, float]):
     return reply
 
 
-def test_four_requests_joining_one_after_another_each_get_their_reply_alone(
-    server: Server, alone, never_ends: dict[int, float]
-) -> None:
-    """Four streamed requests, each sent once the one before it has its first token (so it
-    joins steps already running): decode steps ran for several sequences, and every reply is
-    the one its prompt gets alone."""
+def streamed(server: Server, prompt: str, bias: dict[int, float], decoding: threading.Event) -> str:
+    """`prompt`'s reply, streamed (greedy, `bias`); `decoding` is set once its first token has
+    come (or the reply ended without one): from then on it is decoding."""
     from llmcli.engine.conversation import build_messages
 
-    prompts = [f"Question number {i} about the sea" for i in range(4)]
-    expected = {prompt: alone(prompt) for prompt in prompts}
+    text = ""
+    stream = server.client().chat.completions.create(
+        model="tiny", messages=build_messages(prompt), max_tokens=MAX_TOKENS, temperature=0,
+        stream=True, logit_bias=bias,
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+            decoding.set()
+    decoding.set()
+    return text
+
+
+def one_after_another(server: Server, prompts: list[str], bias: dict[int, float]) -> dict[str, str]:
+    """Each prompt's streamed reply, each request sent once the one before it is decoding."""
     got: dict[str, str] = {}
-    started = [threading.Event() for _ in prompts]
-    before = steps_of_several(server)
+    decoding = [threading.Event() for _ in prompts]
 
     def ask(index: int) -> None:
         if index:
-            started[index - 1].wait(timeout=PATIENCE_S)
-        prompt, text = prompts[index], ""
-        stream = server.client().chat.completions.create(
-            model="tiny", messages=build_messages(prompt), max_tokens=MAX_TOKENS, temperature=0,
-            stream=True, logit_bias=never_ends,
-        )  # fmt: skip
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-                started[index].set()
-        started[index].set()  # (a reply of no text at all lets the next one go too)
-        got[prompt] = text
+            decoding[index - 1].wait(timeout=PATIENCE_S)
+        got[prompts[index]] = streamed(server, prompts[index], bias, decoding[index])
 
     threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(prompts))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=PATIENCE_S)
-    assert got == expected
+    return got
+
+
+def test_four_requests_joining_one_after_another_each_get_their_reply_alone(
+    server: Server, alone, never_ends: dict[int, float]
+) -> None:
+    """Four streamed requests, each sent once the one before it has its first token (so it
+    joins steps already running): decode steps ran for several sequences, and every reply is
+    the one its prompt gets alone."""
+    prompts = [f"Question number {i} about the sea" for i in range(4)]
+    expected = {prompt: alone(prompt) for prompt in prompts}
+    before = steps_of_several(server)
+    assert one_after_another(server, prompts, never_ends) == expected
     assert steps_of_several(server) > before
+
+
+def test_a_server_left_to_its_default_on_a_cpu_runs_several_at_once(
+    folder: Path, tmp_path: Path, alone, never_ends: dict[int, float]
+) -> None:
+    """Without --parallel the native engine on a CPU runs several generations at once for this
+    family too, as for the others (it ran one at a time before its states could be stepped
+    together)."""
+    prompts = ["Left to its default", "Two at once"]
+    running = start_server(folder, tmp_path, "--engine", "native")
+    try:
+        expected = {prompt: alone(prompt) for prompt in prompts}
+        assert one_after_another(running, prompts, never_ends) == expected
+        assert steps_of_several(running) > 0
+    finally:
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(timeout=PATIENCE_S) == 0
 
 
 def test_n_choices_of_one_request_run_together_each_the_reply_alone(
@@ -202,17 +231,7 @@ def test_a_speculated_request_beside_a_running_one_gets_its_reply_alone(
     plain, decoding, got = "A long answer, please", threading.Event(), {}
 
     def ask_plain() -> None:
-        stream = server.client().chat.completions.create(
-            model="tiny", messages=build_messages(plain), max_tokens=MAX_TOKENS, temperature=0,
-            stream=True, logit_bias=never_ends,
-        )  # fmt: skip
-        text = ""
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-                decoding.set()
-        decoding.set()
-        got[plain] = text
+        got[plain] = streamed(server, plain, never_ends, decoding)
 
     thread = threading.Thread(target=ask_plain)
     thread.start()
