@@ -221,15 +221,6 @@ def test_generate_on_the_native_engine_imports_no_transformers_and_replies_as_tr
     assert native["text"] == plain["text"] and native["completion_tokens"] == plain["completion_tokens"]
 
 
-def test_a_server_asked_for_several_sequences_at_once_refuses_in_one_line(folder: Path) -> None:
-    from cli_helpers import run_cli
-
-    proc = run_cli("serve", "-m", str(folder), "--engine", "native", "--port", "0", "--parallel", "2")
-    stderr = proc.stderr.decode()
-    assert proc.returncode == 2 and "one sequence at a time" in stderr and "Traceback" not in stderr
-    assert stderr.count("\n") == 1
-
-
 def test_fast_asked_for_a_recurrent_model_is_refused_not_dropped(folder: Path) -> None:
     """--fast asks for a fixed-shape step, which this model's recurrent layers do not have yet:
     said in one line, never run without it as though it were honoured."""

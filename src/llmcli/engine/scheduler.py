@@ -352,12 +352,14 @@ class Slots:
         self.reserved[id(engine)] = positions
 
     def _pool_bytes(self, slots: int, positions: int) -> int:
-        """The pool's bytes (and the slots' rings') with this many slots, room for `positions`."""
+        """The pool's bytes (and the slots' rings' and recurrent states') with this many slots,
+        room for `positions`."""
         assert self.pool is not None
-        cache = self.engines[0].backend.inner.cache  # type: ignore[attr-defined]
+        backend = self.engines[0].backend.inner  # type: ignore[attr-defined]
+        cache = backend.cache
         slots = max(slots, self.pool.slots)
         capacity = max(self.pool.capacity, cache.bucket_for(positions))
-        return self.pool.bytes_for(slots, capacity) + slots * cache.ring_bytes()
+        return self.pool.bytes_for(slots, capacity) + slots * cache.bytes_beside_pool()
 
     def give_back(self, engine: Engine) -> None:
         self.reserved.pop(id(engine), None)

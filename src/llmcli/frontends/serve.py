@@ -238,11 +238,8 @@ def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
     from llmcli.engine.native.backend import NativeBackend
 
     native = isinstance(engine.backend, NativeBackend)
-    one_sequence = native and engine.backend.one_sequence  # a recurrent state (Qwen3.5)
     if request.parallel is None:
-        alone = (
-            not native or one_sequence or engine.device.type != "cpu" or request.speculative.method == "draft"
-        )
+        alone = not native or engine.device.type != "cpu" or request.speculative.method == "draft"
         if alone:
             if request.kv_memory is not None:
                 raise UsageError(
@@ -256,11 +253,6 @@ def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
     if request.parallel > 1 and not native:
         raise UsageError(
             f"--parallel {request.parallel} needs the native engine; this model runs on transformers'",
-            "leave --parallel out (one generation at a time)",
-        )
-    if request.parallel > 1 and one_sequence:
-        raise UsageError(
-            f"--parallel {request.parallel}: the native engine runs this model one sequence at a time",
             "leave --parallel out (one generation at a time)",
         )
     if request.parallel > 1 and request.speculative.method == "draft":

@@ -176,13 +176,9 @@ class NativeBackend:
         """The first `length` positions of `other`'s cache copied into this one's (kvcache.py)."""
         return self.cache.copy_prefix(other.cache, length)
 
-    @property
-    def one_sequence(self) -> bool:
-        """Whether it runs one sequence at a time only (a model with a recurrent state: no
-        batched step of several yet)."""
-        return self.net.recurrent
-
     def kv_bytes_for(self, positions: int) -> int:
+        """The sequence's memory once it holds `positions` tokens: keys and values, and the
+        recurrent layers' states with their checkpoints (recurrent_cache.py)."""
         return self.cache.bytes_for(positions)
 
     def reset(self) -> None:

@@ -56,6 +56,11 @@ class Transformer:
         self.residual_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         # Blocks with a state per sequence rather than keys and values (Qwen3.5's linear attention).
         self.recurrent = any(block.attention is None for block in self.blocks)
+        # What each sequence holds beside its keys and values, whatever its length: those blocks'
+        # states (counted where sequences at once are bounded by memory, scheduler.Slots).
+        self.state_bytes = sum(
+            block.mixer.shape.state_bytes(self.dtype) for block in self.blocks if block.attention is None
+        )
         half = self.inv_freq.shape[0]  # head_dim / 2, or less with a partial rotary factor
         self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
 
@@ -67,19 +72,16 @@ class Transformer:
         args = (shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device)
         if not self.recurrent:
             return KVCache(*args, windows, pool)
-        state_bytes = sum(
-            block.mixer.shape.state_bytes(self.dtype) for block in self.blocks if block.attention is None
-        )
-        return RecurrentCache(*args, windows, pool, kv_layers, state_bytes=state_bytes)
+        return RecurrentCache(*args, windows, pool, kv_layers, state_bytes=self.state_bytes)
 
     def new_pool(self, context_length: int) -> SlotPool:
         """A pool for several sequences' caches (pool.py): one attention call per layer for them all."""
         shape = self.shape
-        windows = [block.attention.window if block.attention else None for block in self.blocks]
-        # A layer with a ring of its own, or a state rather than keys and values, is not pooled.
+        # A ring layer keeps its ring in each cache; a linear-attention layer has no keys and
+        # values at all (its state is held per cache): neither takes room in the pool.
         pooled = [
-            block.attention is not None and ring_size(window, context_length) is None
-            for block, window in zip(self.blocks, windows, strict=True)
+            block.attention is not None and ring_size(block.attention.window, context_length) is None
+            for block in self.blocks
         ]
         return SlotPool(shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device)
 

@@ -139,17 +139,16 @@ class KVCache:
             self.capacity = capacity
 
     def bind_pool(self) -> None:
-        """Hold views of this cache's slot of the pool (again, after the pool moved)."""
+        """Hold views of this cache's slot of the pool (again, after the pool moved). A layer
+        the pool does not hold keeps its own: a ring, or nothing (a linear-attention layer)."""
         assert self.pool is not None and self.slot is not None
         self.storage_version = next(_STORAGE_VERSIONS)
         if self.slot >= self.pool.slots:
             return  # no room made for this slot yet
         for layer, ring in enumerate(self.rings):
-            if not self.kv_layers[layer]:
-                continue
-            if ring is None:
+            if self.pool.pooled[layer]:
                 self.keys[layer], self.values[layer] = self.pool.view(layer, self.slot)
-            elif self.keys[layer].shape[1] == 0:  # its own, made once at its full size
+            elif ring is not None and self.keys[layer].shape[1] == 0:  # its own, made once at its full size
                 self.keys[layer], self.values[layer] = self._empty(ring), self._empty(ring)
         self.capacity = self.pool.capacity
 
@@ -276,6 +275,10 @@ class KVCache:
     def ring_bytes(self) -> int:
         """Bytes the ring layers take (their size does not depend on the text's length)."""
         return sum(self._position_bytes() * ring for ring in self.rings if ring is not None)
+
+    def bytes_beside_pool(self) -> int:
+        """Bytes a pooled sequence holds in tensors of its own, whatever its length: its rings."""
+        return self.ring_bytes()
 
     def _position_bytes(self) -> int:
         return position_bytes(*self.shape, self.dtype)

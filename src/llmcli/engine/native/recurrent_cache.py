@@ -173,6 +173,10 @@ class RecurrentCache(KVCache):
         """The keys and values, the states and as many checkpoints as may be kept."""
         return super().bytes_for(positions) + (1 + MAX_CHECKPOINTS) * self.state_bytes
 
+    def bytes_beside_pool(self) -> int:
+        """Its rings, and the states with as many checkpoints as may be kept."""
+        return super().bytes_beside_pool() + (1 + MAX_CHECKPOINTS) * self.state_bytes
+
     def nbytes(self) -> int:
         return super().nbytes() + _state_bytes(self.states, self.points)
 

@@ -5,17 +5,18 @@
 
 A linear-attention layer (gated_deltanet.py) carries a recurrent state per sequence instead of
 keys and values; the cache holds it beside the attention layers' KV, with checkpoints of it a
-crop goes back to (recurrent_cache.py). A full-attention
-layer doubles its q_proj into the query and a gate, each head's query then its gate, and the
-attention's output is multiplied by sigmoid(gate) before o_proj; q and k are normed per head;
-a quarter of each head is rotated (the text's mrope sections are one position: plain RoPE).
+crop goes back to (recurrent_cache.py). A full-attention layer doubles its q_proj into the query
+and a gate, each head's query then its gate, and the attention's output is multiplied by
+sigmoid(gate) before o_proj; q and k are normed per head; a quarter of each head is rotated (the
+text's mrope sections are one position: plain RoPE).
 Every RMSNorm but the DeltaNet's own scales by (1 + weight), as Gemma's does. The MoE sibling
 (Qwen3.5-MoE) has the same layers with a router's experts and a gated shared expert in place of
 the MLP (shared_expert.py).
 
 A step of one sequence is what this module runs: a prefill chunk, the exact decode step and a
-speculative check row by row. Several sequences in one step, the bucketed step a CUDA graph
-replays, and the graphed check are refused (the backend and the server do not ask for them).
+speculative check row by row; and one decode step of several sequences (a server's, a batch's),
+their states stacked as the rows of one. The bucketed step a CUDA graph replays and the graphed
+check are refused (the backend does not ask for them: a state has no fixed-shape step yet).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from llmcli.engine.native.gated_deltanet import (
     prefill,
 )
 from llmcli.engine.native.layers import Shape, projection, rotate
-from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck
+from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck, SequencesStep
 from llmcli.errors import LlmcliError
 
 if TYPE_CHECKING:
@@ -159,16 +160,15 @@ class DeltaNetBlock:
         return h + self.feed_forward(self.ffn_norm(h))
 
     def _mix(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if isinstance(plan, SequencesStep):
+            return self._mix_sequences(x, plan.steps)
         if not isinstance(plan, CausalChunk | ExactDecode | PerRowCheck):
             raise LlmcliError(
-                "the native engine runs Qwen3.5 one sequence at a time, without graphs"
-                f" ({type(plan).__name__})"
+                f"the native engine has no fixed-shape (graphed) step for Qwen3.5 yet ({type(plan).__name__})"
             )
         cache: RecurrentCache = plan.cache  # type: ignore[assignment]
         start = plan.span - 1 if isinstance(plan, ExactDecode) else plan.start
-        state = cache.state_before(self.index, start)
-        if state is None:
-            state = DeltaNetState.empty(self.mixer.shape, x.dtype, x.device)
+        state = self._state_before(cache, start, x)
         if isinstance(plan, CausalChunk):
             out, state = prefill(self.mixer, x, state)
             cache.hold_state(self.index, state, start + x.shape[0])
@@ -185,3 +185,21 @@ class DeltaNetBlock:
         else:
             cache.hold_state(self.index, state, start + 1)
         return torch.cat(rows)
+
+    def _mix_sequences(self, x: torch.Tensor, steps: list[ExactDecode]) -> torch.Tensor:
+        """One token of each of several sequences (row b of `x` steps[b]'s): their states, each
+        from its own cache, as the rows of one, so the rule runs once for them all; row b is what
+        its ExactDecode would give. Each cache keeps a copy of its row: a view would hold the
+        whole stack alive for as long as that sequence waits."""
+        caches: list[RecurrentCache] = [step.cache for step in steps]  # type: ignore[misc]
+        starts = [step.span - 1 for step in steps]
+        states = [self._state_before(cache, start, x) for cache, start in zip(caches, starts, strict=True)]
+        out, stepped = decode_step(self.mixer, x, DeltaNetState.stack(states))
+        for cache, start, state in zip(caches, starts, stepped.unstack(), strict=True):
+            cache.hold_state(self.index, state.clone(), start + 1)
+        return out
+
+    def _state_before(self, cache: RecurrentCache, start: int, x: torch.Tensor) -> DeltaNetState:
+        """The layer's state after the cache's first `start` tokens (zeros for a fresh sequence)."""
+        state = cache.state_before(self.index, start)
+        return state if state is not None else DeltaNetState.empty(self.mixer.shape, x.dtype, x.device)
