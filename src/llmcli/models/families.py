@@ -211,6 +211,7 @@ _ROWS = (
         # Qwen3_5TextConfig's RoPE where config.json names none: a quarter of each head rotated.
         default_rope={"rope_type": "default", "partial_rotary_factor": 0.25},
         head_norms=True,
+        gguf=("qwen35",),
         native_when_asked=True,
     ),
 )
