@@ -28,11 +28,16 @@ def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: i
     return split.transpose(dim, dim + 1).reshape(shape)
 
 
-def converted(name: str, tensor: torch.Tensor, config: Mapping[str, Any]) -> tuple[str, torch.Tensor]:
-    """(transformers' name after the converter's renames, the tensor as the converter stores it)."""
+def converted(
+    name: str, tensor: torch.Tensor, config: Mapping[str, Any], back: bool = False
+) -> tuple[str, torch.Tensor]:
+    """(transformers' name after the converter's renames, the tensor as the converter stores it).
+    `back`: a matrix's value heads from tiled to grouped again (its reordering undone)."""
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
     key_dim, width = key_heads * config["linear_key_head_dim"], config["linear_value_head_dim"]
     per_key = value_heads // key_heads
+    if back:  # tiled is grouped with the two counts swapped: the same reshape undoes it
+        key_heads, per_key = per_key, key_heads
     if per_key > 1 and ".linear_attn." in name:
         if ".in_proj_qkv." in name or ".conv1d." in name:  # q and k, then the value heads
             data = tensor.reshape(tensor.shape[0], -1)
@@ -75,17 +80,40 @@ def tiny_qwen35(folder: Path) -> Path:
     return folder
 
 
+def q8_0_exact(folder: Path) -> Path:
+    """The folder's matrices made values a Q8_0 file holds exactly, as the converter lays them
+    out (value heads tiled: a block of 32 spans two of them), so that the Q8_0 file of it
+    dequantizes to the folder's own weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(folder / "model.safetensors")
+    for name, tensor in weights.items():
+        if tensor.ndim != 2:
+            continue
+        stored = converted(name, tensor, config)[1].numpy()
+        blocks = quantize(stored, GGMLQuantizationType.Q8_0)
+        exact = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(stored.shape))
+        weights[name] = converted(name, exact, config, back=True)[1].contiguous()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def write_qwen35_gguf(
     folder: Path,
     target: Path,
     *,
     half: bool = False,
+    q8_0: bool = False,
     metadata: Mapping[str, Any] | None = None,
     keep: Callable[[str], bool] = lambda name: True,
 ) -> Path:
     """`folder` (a Qwen3.5 text model saved by transformers, with a byte-level BPE tokenizer)
-    as `target`: matrices F16 where `half` (else F32), everything of one dimension F32, as the
-    converter does; `metadata` overrides keys (by their whole names); tensors kept by `keep`
+    as `target`: matrices F16 where `half`, Q8_0 where `q8_0` (as llama.cpp's quantizer makes
+    them: gguf's own quantization), else F32; everything of one dimension F32, as the converter
+    does; `metadata` overrides keys (by their whole names); tensors kept by `keep`
     (their names in the file)."""
     import gguf
     from safetensors.torch import load_file
@@ -116,7 +144,7 @@ def write_qwen35_gguf(
         f"{arch}.ssm.time_step_rank": config["linear_num_value_heads"],
         f"{arch}.ssm.inner_size": config["linear_value_head_dim"] * config["linear_num_value_heads"],
         f"{arch}.full_attention_interval": interval,
-        "general.file_type": 1 if half else 0,
+        "general.file_type": 7 if q8_0 else 1 if half else 0,
         **_tokenizer_metadata(folder, config),
     }
     values.update(metadata or {})
@@ -130,8 +158,16 @@ def write_qwen35_gguf(
         assert name is not None, renamed
         if not keep(name):
             continue
-        array = data.numpy().astype(np.float16 if half and data.ndim == 2 else np.float32)
-        writer.add_tensor(name, np.ascontiguousarray(array))
+        array = np.ascontiguousarray(
+            data.numpy().astype(np.float16 if half and data.ndim == 2 else np.float32)
+        )
+        if q8_0 and data.ndim == 2 and data.shape[1] % 32 == 0:
+            from gguf.quants import quantize
+
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

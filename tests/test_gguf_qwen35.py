@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_qwen35 import tiny_qwen35, write_qwen35_gguf
+from gguf_qwen35 import q8_0_exact, tiny_qwen35, write_qwen35_gguf
 
 from cli_helpers import one_error_line, run_cli
 
@@ -37,12 +37,12 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache" / "llmcli" / "gguf"
 
 
-def load(path: Path, engine: str = "native"):
+def load(path: Path, engine: str = "native", quant: str = "auto"):
     from llmcli.config.settings import LoadSettings
     from llmcli.models.load import load_model
     from llmcli.models.resolve import resolve_model
 
-    settings = LoadSettings(device="cpu", dtype="fp32", threads=1, engine=engine)
+    settings = LoadSettings(device="cpu", dtype="fp32", threads=1, engine=engine, quant=quant)
     return load_model(resolve_model(str(path)), settings, lean=True)
 
 
@@ -83,6 +83,30 @@ def test_a_file_is_read_in_place_and_runs_as_its_folder(
     rows = NativeBackend(loaded.model, 256).score(prompt)  # every position, not only the last
     expected = NativeBackend(reference, 256).score(prompt)
     assert (rows - expected).abs().max().item() < 1e-5
+
+
+def test_a_q8_0_file_reads_its_reordered_matrices_through_their_values(tmp_path: Path, folder: Path) -> None:
+    """A quantized file's DeltaNet matrices, whose value heads the converter reordered, are read
+    as their values and put back in order (never taken as their blocks: a block of 32 spans two
+    heads of out_proj's columns). Dequantized (--quant none), the file is its folder's model
+    exactly; as int8 from its blocks (the default) its top tokens are the folder's, its embedding
+    kept in its blocks (which the Qwen3.5 runtime reads row by row, as the Llama one does)."""
+    import shutil
+
+    from llmcli.engine.native.backend import NativeBackend
+
+    exact = q8_0_exact(Path(shutil.copytree(folder, tmp_path / "q8_0-exact")))
+    path = write_qwen35_gguf(exact, tmp_path / "qwen35-Q8_0.gguf", q8_0=True)
+    prompt = ids(80, seed=5)
+    expected, their_tokens = greedy(load(exact).model, prompt, 16)
+    ours, our_tokens = greedy(load(path, quant="none").model, prompt, 16)
+    assert (ours - expected).abs().max().item() < 1e-5 and our_tokens == their_tokens
+    int8 = load(path)
+    assert type(int8.model.get_input_embeddings()).__name__ == "BlockEmbedding"
+    rows = NativeBackend(int8.model, 256).score(prompt).argmax(-1)
+    agree = (rows == NativeBackend(load(exact).model, 256).score(prompt).argmax(-1)).float().mean().item()
+    print(f"int8 top-1 agreement: {agree:.3f}")
+    assert agree >= 0.9
 
 
 def test_transformers_path_reads_the_file_as_its_folder(folder: Path, gguf_files: dict[str, Path]) -> None:
