@@ -110,11 +110,11 @@ def test_a_q8_0_file_reads_its_reordered_matrices_through_their_values(tmp_path:
 
 
 def test_transformers_path_reads_the_file_as_its_folder(folder: Path, gguf_files: dict[str, Path]) -> None:
-    """Under --engine auto Qwen3.5 runs on transformers: built from the file's config and its
-    tensors restored, its logits transformers' own on the folder."""
+    """On transformers (--engine transformers, and beam search): built from the file's config and
+    its tensors restored, its logits transformers' own on the folder."""
     from transformers import AutoModelForCausalLM
 
-    loaded = load(gguf_files["F32"], engine="auto")
+    loaded = load(gguf_files["F32"], engine="transformers")
     assert type(loaded.model).__name__ == "Qwen3_5ForCausalLM"
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompt = torch.tensor([ids(40, seed=4)])
