@@ -1,6 +1,7 @@
 """Families only transformers runs, whose cache layers cannot all be cropped back: a recurrent
-state (Qwen3.5's gated DeltaNet, Nemotron-H's Mamba-2), a short convolution's (LFM2), KV shared
-from other layers (Gemma 4), a sliding window shorter than the prompt (OLMo 3). generate, a chat
+state (Nemotron-H's Mamba-2), a short convolution's (LFM2), KV shared from other layers, a
+sliding window shorter than the prompt (OLMo 3). (Those the native engine runs — Qwen3.5 — have
+tests of their own: test_qwen35_cache.py.) generate, a chat
 and a server reply exactly what transformers' own `generate` does, greedy in fp32; where a new
 prompt would need the cache cropped back, it starts empty and says so (0 cached tokens), never a
 crash or a 500."""
@@ -19,7 +20,7 @@ from llmcli.engine.conversation import Conversation, build_messages, prompt_ids
 
 from cli_helpers import run_cli
 from test_serve import Server, served
-from tiny_models import FALLBACK_FAMILIES, TINY_CONTEXT, build_tiny_model
+from tiny_models import FALLBACK_FAMILIES, TINY_CONTEXT, build_tiny_model, runs_natively_by_default
 
 REPLY_TOKENS = 10
 # Each longer than OLMo 3's window (4 positions), the second not extending the first.
@@ -28,8 +29,9 @@ GREEDY = ["--device", "cpu", "-t", "0", "-n", str(REPLY_TOKENS), "--json"]
 
 
 # State that cannot be cropped back, one family of each kind through the commands (each costs
-# processes; the last test checks every family in process): gated DeltaNet, Mamba-2, shared KV.
-STATEFUL = ["qwen3_5", "nemotron_h", "gemma4_text"]
+# processes; the last test checks every family in process): Mamba-2, shared KV.
+STATEFUL = [arch for arch in ["nemotron_h", "gemma4_text"] if not runs_natively_by_default(arch)]
+FALLBACK_ONLY = sorted(arch for arch in FALLBACK_FAMILIES if not runs_natively_by_default(arch))
 # A window full: a crop needs the positions it has let go. A one-shot reply never crops.
 WINDOWED = ["olmo3"]
 
@@ -130,7 +132,7 @@ def test_a_server_answers_prompts_that_do_not_extend_the_last(server: Server, re
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
 
 
-@pytest.mark.parametrize("arch", sorted(FALLBACK_FAMILIES))
+@pytest.mark.parametrize("arch", FALLBACK_ONLY)
 def test_every_fallback_family_replies_as_transformers_does_prompt_after_prompt(
     arch: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

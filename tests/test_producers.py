@@ -75,8 +75,8 @@ def test_the_plain_producer_cropped_after_an_interrupted_step(loaded_tiny) -> No
 
 @pytest.fixture(scope="module")
 def recurrent(tmp_path_factory: pytest.TempPathFactory):
-    """A tiny Qwen3.5 (a gated DeltaNet layer, then attention), which only transformers runs: its
-    recurrent state cannot be cropped back."""
+    """A tiny Qwen3.5 (a gated DeltaNet layer, then attention) on transformers' engine, whose
+    recurrent state cannot be cropped back (the native engine's checkpoints: test_qwen35.py)."""
     from llmcli.config.settings import LoadSettings
     from llmcli.models.load import load_model
     from llmcli.models.resolve import resolve_model
@@ -84,7 +84,8 @@ def recurrent(tmp_path_factory: pytest.TempPathFactory):
     from tiny_models import build_tiny_model
 
     folder = build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", "qwen3_5")
-    return load_model(resolve_model(str(folder)), LoadSettings(device="cpu", threads=1))
+    settings = LoadSettings(device="cpu", threads=1, engine="transformers")
+    return load_model(resolve_model(str(folder)), settings)
 
 
 def test_rejected_drafts_on_a_cache_that_cannot_go_back_are_run_again(recurrent, loaded_tiny) -> None:
@@ -93,7 +94,7 @@ def test_rejected_drafts_on_a_cache_that_cannot_go_back_are_run_again(recurrent,
     prompt = recurrent.tokenizer(REPEATING)["input_ids"]
 
     def produced(speculation: Speculation | None) -> tuple[list[int], SpeculativeStats]:
-        engine = engine_for(recurrent, frozenset())
+        engine = engine_for(recurrent, frozenset(), backend="transformers")
         logits = engine.prefill(prompt)
         choose = Chooser(GREEDY, None, engine.device, list(prompt))
         stats = SpeculativeStats("draft")
@@ -112,7 +113,7 @@ def test_rejected_drafts_on_a_cache_that_cannot_go_back_are_run_again(recurrent,
 def test_a_step_cut_short_on_a_recurrent_state_empties_the_cache(recurrent) -> None:
     """The interrupted step has moved the state by a token nobody kept: the cache holds nothing
     (and says so), and the next reply, prefilled whole, is the one a fresh engine gives."""
-    engine = engine_for(recurrent, frozenset())
+    engine = engine_for(recurrent, frozenset(), backend="transformers")
     prompt = recurrent.tokenizer(REPEATING)["input_ids"]
     choose = Chooser(GREEDY, None, engine.device, list(prompt))
     produced = producers.plain(engine, engine.prefill(prompt), choose)
@@ -130,4 +131,5 @@ def test_a_step_cut_short_on_a_recurrent_state_empties_the_cache(recurrent) -> N
     assert engine.cached_ids == [] and engine.backend.length == 0
     again = engine.complete(prompt, GREEDY)
     assert again.stats.cached_tokens == 0
-    assert again.token_ids == engine_for(recurrent, frozenset()).complete(prompt, GREEDY).token_ids
+    fresh = engine_for(recurrent, frozenset(), backend="transformers")
+    assert again.token_ids == fresh.complete(prompt, GREEDY).token_ids

@@ -1,8 +1,8 @@
-"""Qwen3.5 (a Gated DeltaNet layer, then a gated full-attention one) on the native engine, where
---engine native asks for it: built from the folder without transformers, its logits within 1e-4
-of transformers' own model in fp32 after a prefill and at every decode step, greedy tokens equal
-to `generate`, and a chat's second turn, from the first turn's cache, equal to the conversation
-prefilled fresh. Under auto it still loads through transformers, as before it had a row."""
+"""Qwen3.5 (a Gated DeltaNet layer, then a gated full-attention one) on the native engine:
+built from the folder without transformers, its logits within 1e-4 of transformers' own model in
+fp32 after a prefill and at every decode step, greedy tokens equal to `generate`, a chat's second
+turn, from the first turn's cache, equal to the conversation prefilled fresh, and a crop going
+back to the last checkpoint of the recurrent state."""
 
 from __future__ import annotations
 
@@ -59,12 +59,11 @@ def last_logits(reference, tokens: list[int]) -> torch.Tensor:
         return reference(torch.tensor([tokens])).logits[0, -1:].float()
 
 
-def test_native_asked_builds_it_without_transformers_and_auto_keeps_transformers(
-    folder: Path, loaded
-) -> None:
+def test_auto_builds_it_natively_without_transformers(folder: Path, loaded) -> None:
     assert getattr(loaded.model, "architecture", None) == "Qwen3_5ForCausalLM"  # the lean loader's
     assert engine_for(loaded, backend="native").name == "native"
-    assert engine_for(load(folder, "auto")).name == "transformers"
+    assert engine_for(load(folder, "auto")).name == "native"
+    assert engine_for(load(folder, "transformers"), backend="transformers").name == "transformers"
 
 
 def test_prefill_and_every_decode_step_match_transformers(loaded, reference) -> None:
@@ -125,8 +124,8 @@ def test_a_second_turn_from_the_first_turns_cache_equals_the_conversation_prefil
     loaded, reference
 ) -> None:
     """Extending what the cache holds keeps it (the state carries on); a turn that rewrites the
-    end of the last (a template dropping the reply's last token) crops further back than a state
-    can go: nothing is kept and the whole prompt runs again, to the same logits."""
+    end of the last (a template rewriting its last tokens) goes back to the checkpoint taken
+    where the first turn's text ended, and runs only the rest, to the same logits."""
     from llmcli.engine.native.backend import NativeBackend
 
     engine = engine_for(loaded, frozenset(), backend="native")
@@ -144,23 +143,68 @@ def test_a_second_turn_from_the_first_turns_cache_equals_the_conversation_prefil
     assert (turn - fresh).abs().max().item() < ATOL
     assert (turn - last_logits(reference, second)).abs().max().item() < ATOL
 
-    rewritten = second[:-1] + ids(12, seed=5)
+    rewritten = second[:-3] + ids(12, seed=5)
     kept = engine.reuse_prefix(rewritten)
-    assert kept == 0 and engine.backend.length == 0
-    turn = engine.prefill(rewritten)
+    assert kept == len(held) and engine.backend.length == len(held)
+    turn = engine.prefill(rewritten[kept:])
     assert (turn - last_logits(reference, rewritten)).abs().max().item() < ATOL
 
 
-def test_a_pass_cut_short_leaves_a_cache_that_keeps_nothing(loaded) -> None:
+@pytest.mark.parametrize(
+    ("keep", "kept"),
+    [(70, 70), (69, 69), (68, 48), (48, 48), (47, 40), (40, 40), (39, 39), (38, 0)],
+    ids=["all", "one-before", "in-the-prompt", "a-turns-end", "in-the-reply", "the-end", "one-before-the-end",
+         "in-the-first-prompt"],
+)  # fmt: skip
+def test_a_crop_goes_back_to_the_last_checkpoint_at_or_before_it(loaded, reference, keep, kept) -> None:
+    """Checkpoints are where each prefill started, one token before it ended and where it ended
+    (the prompt's 39 and 40, the reply's end 48, the second prompt's 69 and 70): a crop keeps the
+    last one at or before what it asks, the prefix store is told that much before it crops, and
+    what runs after it is exact."""
+    engine = engine_for(loaded, frozenset(), backend="native")
+    logits = engine.prefill(ids(40, seed=3))
+    for _ in range(8):
+        logits = engine.decode_step(int(logits.argmax()))
+    engine.prefill(ids(22, seed=4))
+    text = list(engine.cached_ids)
+    assert engine.backend.resumable(keep) == kept
+    engine.crop_to(keep)
+    assert engine.cached_ids == text[:kept] and engine.backend.length == kept
+    rest = text[kept:] + ids(5, seed=7)
+    turn = engine.prefill(rest)
+    assert (turn - last_logits(reference, text + ids(5, seed=7))).abs().max().item() < ATOL
+
+
+def test_a_crop_after_a_check_lands_on_the_tokens_it_accepted(loaded, reference) -> None:
+    """A speculative check keeps each row's state: cropping its rejected rows keeps exactly the
+    accepted ones (not the prompt's checkpoint before them), and decoding on from there is exact."""
+    engine = engine_for(loaded, frozenset(), backend="native")
+    prompt = ids(20, seed=8)
+    engine.prefill(prompt)
+    drafted = ids(5, seed=9)
+    engine.score(drafted)
+    engine.crop_to(len(prompt) + 2)
+    assert engine.backend.length == len(prompt) + 2
+    logits = engine.decode_step(7)
+    expected = last_logits(reference, [*prompt, *drafted[:2], 7])
+    assert (logits - expected).abs().max().item() < ATOL
+
+
+def test_a_pass_cut_short_goes_back_to_the_checkpoint_before_it(loaded, reference) -> None:
     """A decode step that ran but never returned moved the state by a token nobody kept: the
-    cache cropped back to what it says it holds keeps nothing, and the next prompt runs whole."""
+    cache cropped back to what it says it holds goes back to the prompt's end, a checkpoint,
+    and the text held then continues exactly."""
     engine = engine_for(loaded, frozenset(), backend="native")
     prompt = ids(24, seed=6)
-    engine.prefill(prompt)
+    logits = engine.prefill(prompt)
+    token = int(logits.argmax())
+    engine.decode_step(token)
     with torch.inference_mode():  # the step runs, its length never moved on
-        engine.backend.net.decode(torch.tensor([5]), len(prompt), engine.backend.cache)
+        engine.backend.net.decode(torch.tensor([5]), len(prompt) + 1, engine.backend.cache)
     engine.restore_consistency()
-    assert engine.backend.length == 0 and engine.cached_ids == []
+    assert engine.backend.length == len(prompt) and engine.cached_ids == prompt
+    turn = engine.prefill([token, 9])
+    assert (turn - last_logits(reference, [*prompt, token, 9])).abs().max().item() < ATOL
 
 
 def test_generate_on_the_native_engine_imports_no_transformers_and_replies_as_transformers(
@@ -172,7 +216,7 @@ def test_generate_on_the_native_engine_imports_no_transformers_and_replies_as_tr
     result = run_reporting_imports(*args, "--engine", "native")
     assert "exit 0 imported -" in result.stderr, result.stderr
     native = json.loads(result.stdout)
-    plain = json.loads(run_cli(*args).stdout)  # auto: transformers, as before
+    plain = json.loads(run_cli(*args, "--engine", "transformers").stdout)
     assert (native["engine"], plain["engine"]) == ("native", "transformers")
     assert native["text"] == plain["text"] and native["completion_tokens"] == plain["completion_tokens"]
 

@@ -88,9 +88,10 @@ _LINEAR_ATTENTION = {  # Qwen3.5 and Qwen3-Next: a gated DeltaNet layer, then a 
     "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"],
 }  # fmt: skip
 _SMALL_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-# Families only transformers runs (none is in models/families.py), each with a cache layer whose
-# state cannot be cropped back: a recurrent or convolution state, KV shared from another layer,
-# a sliding window. Their config class, model class and what a 2-layer model of them needs.
+# Families whose cache layers cannot all be cropped back: a recurrent or convolution state, KV
+# shared from another layer, a sliding window. Their config class, model class and what a 2-layer
+# model of them needs. Those with a row in models/families.py run natively (runs_natively_by_default);
+# the others only through transformers.
 FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _LINEAR_ATTENTION),
     "qwen3_next": (
@@ -128,6 +129,15 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
     ),
 }  # fmt: skip
+
+
+def runs_natively_by_default(arch: str) -> bool:
+    """Whether auto loads a FALLBACK_FAMILIES `arch` on the native engine: its model class has a
+    row in the families table that auto picks."""
+    from llmcli.models.families import family
+
+    row = family(FALLBACK_FAMILIES[arch][1])
+    return row is not None and not row.native_when_asked
 
 
 def build_tiny_model(

@@ -15,6 +15,11 @@ import torch
 class Saved(Protocol):
     def nbytes(self) -> int: ...
 
+    def resumable(self, length: int) -> int:
+        """The longest prefix, at most `length` positions, a cache restored from this copy can
+        be cropped to."""
+        ...
+
 
 class Backend(Protocol):
     name: str  # "native" or "transformers", as --json, /show and bench report it
@@ -41,6 +46,11 @@ class Backend(Protocol):
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached positions, whatever a pass cut short left behind."""
+        ...
+
+    def resumable(self, length: int) -> int:
+        """The longest prefix, at most `length` positions, `crop` keeps: any for keys and values,
+        the last checkpoint at or before it for a recurrent state."""
         ...
 
     def save(self) -> Saved | None:

@@ -133,6 +133,13 @@ class TransformersBackend:
                 # A negative count removes that many tokens, in transformers 4.5x and 5.x alike.
                 layer.crop(-extra)
 
+    def resumable(self, length: int) -> int:
+        """`length` (at most what is held) where every layer can go back to it, else 0: a
+        recurrent layer cannot go back, nor a sliding window that has let a position go."""
+        length = min(length, self._length)
+        layers = self.cache.layers if self.cache is not None else []
+        return length if all(self._can_keep(layer, self._length, length) for layer in layers) else 0
+
     def _can_keep(self, layer: Any, held: int, length: int) -> bool:
         """Whether `layer` can be brought back to its first `length` positions (the cache
         holds `held`, as far as complete passes go)."""

@@ -61,12 +61,11 @@ class Entry(Protocol):
 
     A kind of state is one class with these two methods; the store's rule and its eviction need
     nothing else (a kind kept in host memory, in `PrefixStore.entries`, also says its `nbytes`,
-    which the budget counts). KV caches (every kind here) can be cropped anywhere, so their
-    `reach` is the length asked. A state that can only be resumed at saved points — a recurrent
-    layer's state, which folds every token in and cannot be cropped — is one more kind:
-    checkpoints of it taken at some lengths, whose `reach` is the last saved point at or below
-    the length asked and whose `bring` restores that point (and an engine holding such layers
-    has its own cache's `reach` say where it can go back to).
+    which the budget counts). Keys and values can be cropped anywhere, so their `reach` is the
+    length asked. A recurrent layer's state folds every token in and cannot be cropped: a cache
+    holding one keeps checkpoints of it (native/recurrent_cache.py), and its `reach` is the
+    last one at or below the length asked, as the backend (or the host copy) says
+    (`resumable`); `bring` crops there the same way.
     """
 
     @property
@@ -86,7 +85,8 @@ class Entry(Protocol):
 
 @dataclass(eq=False)
 class EngineCache:
-    """An engine's KV cache as it is: the tokens it holds, resumable at any length."""
+    """An engine's cache as it is: the tokens it holds, resumable where its backend says (any
+    length for keys and values, a checkpoint for a recurrent state)."""
 
     engine: Engine
 
@@ -95,7 +95,7 @@ class EngineCache:
         return self.engine.cached_ids
 
     def reach(self, length: int) -> int:
-        return length
+        return self.engine.backend.resumable(length)
 
 
 class Own(EngineCache):
@@ -126,7 +126,7 @@ class HostCopy:
         self.nbytes: int = saved.nbytes()  # once: the budget sums them at every set-aside
 
     def reach(self, length: int) -> int:
-        return length
+        return self.saved.resumable(length)
 
     def bring(self, into: Engine, length: int) -> int:
         into.backend.restore(self.saved)

@@ -256,6 +256,9 @@ class TakingTurns:
     def crop(self, length: int) -> None:
         self.inner.crop(length)
 
+    def resumable(self, length: int) -> int:
+        return self.inner.resumable(length)
+
     def reset(self) -> None:
         self.inner.reset()
 

@@ -212,7 +212,6 @@ _ROWS = (
         default_rope={"rope_type": "default", "partial_rotary_factor": 0.25},
         head_norms=True,
         gguf=("qwen35",),
-        native_when_asked=True,
     ),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}

@@ -11,6 +11,7 @@ from llmcli.engine.native.forward import Transformer
 from llmcli.engine.native.graphs import StepGraphs
 from llmcli.engine.native.kvcache import SavedCache
 from llmcli.engine.native.pool import SlotPool
+from llmcli.engine.native.recurrent_cache import RecurrentCache
 from llmcli.errors import UsageError
 
 # Long prompts are prefilled in chunks: attention after cached tokens needs a mask of chunk ×
@@ -78,8 +79,25 @@ class NativeBackend:
             # the prompt's logits (prefill_logits).
             return self._replay_rows(ids)[-1:].clone()
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if isinstance(self.cache, RecurrentCache):
+            return self._prefill_with_checkpoints(tokens, self.cache)
         for chunk in tokens.split(PREFILL_CHUNK):
             logits = self.net.prefill(chunk, self.cache)
+        return logits
+
+    def _prefill_with_checkpoints(self, tokens: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
+        """The prompt in pieces, the linear layers' states kept as checkpoints where each ends:
+        where the text held ended, every multiple of the cache's interval, and one token before
+        the prompt's end and at it (recurrent_cache.py says why there). One before the end: the
+        same prompt again (a retry, another choice) must run at least its last token for the
+        next one's logits, so it resumes there."""
+        cache.checkpoint()
+        start, end = cache.length, cache.length + tokens.shape[0]
+        while cache.length < end:
+            boundary = (cache.length // cache.interval + 1) * cache.interval
+            stop = min(boundary, end - 1) if cache.length < end - 1 else end
+            logits = self.net.prefill(tokens[cache.length - start : stop - start], cache)
+            cache.checkpoint()
         return logits
 
     @torch.inference_mode()
@@ -142,6 +160,11 @@ class NativeBackend:
 
     def crop(self, length: int) -> None:
         self.cache.crop(length)
+
+    def resumable(self, length: int) -> int:
+        """The longest prefix, at most `length` positions, a crop keeps (recurrent_cache.py:
+        a model with a recurrent state goes back to its last checkpoint)."""
+        return self.cache.resumable(length)
 
     def save(self) -> SavedCache | None:
         return self.cache.save()

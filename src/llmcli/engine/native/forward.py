@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcli.engine.native.families import family_of
-from llmcli.engine.native.kvcache import KVCache, RecurrentCache, ring_size
+from llmcli.engine.native.kvcache import KVCache, ring_size
 from llmcli.engine.native.plans import (
     BucketStep,
     CausalChunk,
@@ -28,6 +28,7 @@ from llmcli.engine.native.plans import (
     SequencesStep,
 )
 from llmcli.engine.native.pool import SlotPool
+from llmcli.engine.native.recurrent_cache import RecurrentCache
 
 
 class Transformer:
@@ -60,24 +61,26 @@ class Transformer:
 
     def new_cache(self, context_length: int, pool: SlotPool | None = None) -> KVCache:
         shape = self.shape
-        # A linear-attention block has no attention: its slot holds a state (RecurrentCache).
+        # A linear-attention block has no attention: it holds a state, not keys and values.
         windows = [block.attention.window if block.attention else None for block in self.blocks]
-        return (RecurrentCache if self.recurrent else KVCache)(
-            shape.layers,
-            shape.kv_heads,
-            shape.head_dim,
-            context_length,
-            self.dtype,
-            self.device,
-            windows,
-            pool,
+        kv_layers = [block.attention is not None for block in self.blocks]
+        args = (shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device)
+        if not self.recurrent:
+            return KVCache(*args, windows, pool)
+        state_bytes = sum(
+            block.mixer.shape.state_bytes(self.dtype) for block in self.blocks if block.attention is None
         )
+        return RecurrentCache(*args, windows, pool, kv_layers, state_bytes=state_bytes)
 
     def new_pool(self, context_length: int) -> SlotPool:
         """A pool for several sequences' caches (pool.py): one attention call per layer for them all."""
         shape = self.shape
-        rings = [ring_size(block.attention.window, context_length) for block in self.blocks]
-        pooled = [ring is None for ring in rings]
+        windows = [block.attention.window if block.attention else None for block in self.blocks]
+        # A layer with a ring of its own, or a state rather than keys and values, is not pooled.
+        pooled = [
+            block.attention is not None and ring_size(window, context_length) is None
+            for block, window in zip(self.blocks, windows, strict=True)
+        ]
         return SlotPool(shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device)
 
     def rope(

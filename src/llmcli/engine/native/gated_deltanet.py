@@ -66,6 +66,12 @@ class DeltaNetShape:
         """The convolved channels: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
 
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One sequence's state (DeltaNetState): the convolution's window in the model's dtype,
+        the rule's matrix in fp32."""
+        window = self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize
+        return window + self.value_heads * self.key_head_dim * self.value_head_dim * 4
+
 
 @dataclass
 class DeltaNetState:

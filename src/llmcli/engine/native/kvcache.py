@@ -9,6 +9,9 @@ powers of two (at least MIN_BUCKET), so a decode step attends over the bucket it
 in, not over the whole context, and each bucket's step has fixed shapes for a CUDA graph.
 Growing moves the tensors, which `storage_version` tells the graphs (they must be captured again).
 
+A layer may hold no keys and values at all (`kv_layers`): a linear-attention layer keeps a
+recurrent state instead (recurrent_cache.py), and reserving positions for it would waste memory.
+
 A sliding-window layer (Gemma 2 and 3's local layers, gpt-oss's, Mistral v0.1's) keeps a ring of
 its last `window + slack` positions, position p in slot p mod ring: its memory stays flat however
 long the text grows.
@@ -22,14 +25,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmcli.engine.native.pool import SlotPool, position_bytes
-
-if TYPE_CHECKING:
-    from llmcli.engine.native.gated_deltanet import DeltaNetState
 
 MIN_BUCKET = 256
 # Every cache's tensors get a version no other cache's ever had: a graph captured on one cache's
@@ -60,6 +59,11 @@ class SavedCache:
     def nbytes(self) -> int:
         return bytes_of([*self.keys, *self.values])
 
+    def resumable(self, length: int) -> int:
+        """The longest prefix, at most `length` tokens, a cache restored from this copy can be
+        cropped to: any (keys and values are per position)."""
+        return length
+
 
 def bytes_of(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -76,11 +80,14 @@ class KVCache:
         device: torch.device,
         windows: list[int | None] | None = None,
         pool: SlotPool | None = None,
+        kv_layers: list[bool] | None = None,
     ) -> None:
         """`pool`: hold the layers without a ring in a slot of this pool (pool.py), beside other
-        sequences' caches, rather than in tensors of its own."""
+        sequences' caches, rather than in tensors of its own. `kv_layers`: per layer, whether it
+        keeps keys and values (all do by default); one that does not holds empty tensors."""
         self.shape = (kv_heads, head_dim)
         self.windows = windows or [None] * layers
+        self.kv_layers = kv_layers or [True] * layers
         self.rings = [ring_size(window, context_length) for window in self.windows]
         # Every position below `written` − ring may be overwritten in a ring: the furthest any
         # pass reached (a crop does not lower it), so what a crop can keep is known.
@@ -115,6 +122,8 @@ class KVCache:
         for store in (self.keys, self.values):
             for layer, old in enumerate(store):
                 ring = self.rings[layer]
+                if not self.kv_layers[layer]:
+                    continue
                 if ring is not None:  # made once, at its full size, and never moved
                     store[layer] = old if old.shape[1] else self._empty(ring)
                     continue
@@ -136,6 +145,8 @@ class KVCache:
         if self.slot >= self.pool.slots:
             return  # no room made for this slot yet
         for layer, ring in enumerate(self.rings):
+            if not self.kv_layers[layer]:
+                continue
             if ring is None:
                 self.keys[layer], self.values[layer] = self.pool.view(layer, self.slot)
             elif self.keys[layer].shape[1] == 0:  # its own, made once at its full size
@@ -192,6 +203,11 @@ class KVCache:
         rows = positions.view(-1, 1)
         return (held >= 0) & (held <= rows) & (held > rows - window)
 
+    def resumable(self, length: int) -> int:
+        """The longest prefix, at most `length` tokens, a crop can keep: any, as the prefix store
+        measures a KV cache (a ring that cannot go back that far says so in the crop)."""
+        return length
+
     def crop(self, length: int) -> None:
         length = min(length, self.length)
         if not self._rings_hold_window_before(length):
@@ -242,7 +258,8 @@ class KVCache:
         self.ensure(length)
         for store, copies in ((self.keys, source.keys), (self.values, source.values)):
             for layer, copy in enumerate(copies):
-                store[layer][:, :length].copy_(copy[:, :length])
+                if self.kv_layers[layer]:
+                    store[layer][:, :length].copy_(copy[:, :length])
         self.length = length
         return length
 
@@ -250,7 +267,11 @@ class KVCache:
         """Bytes the keys and values take once the cache holds `positions` tokens: the bucket
         they fall in for each layer, a ring layer's whole ring."""
         bucket = self.bucket_for(max(positions, 1))
-        return sum(self._position_bytes() * (ring or bucket) for ring in self.rings)
+        return sum(
+            self._position_bytes() * (ring or bucket)
+            for ring, kept in zip(self.rings, self.kv_layers, strict=True)
+            if kept
+        )
 
     def ring_bytes(self) -> int:
         """Bytes the ring layers take (their size does not depend on the text's length)."""
@@ -265,46 +286,3 @@ class KVCache:
 
     def _empty(self, capacity: int) -> torch.Tensor:
         return torch.zeros(self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
-
-
-class RecurrentCache(KVCache):
-    """A cache whose model has linear-attention layers (Qwen3.5's Gated DeltaNet): beside the
-    attention layers' keys and values, each such layer's state after the tokens it has seen.
-    A state cannot go back, so a crop to anything shorter than what is held keeps nothing (the
-    caller prefills again, as after a ring's crop), and so does a state a pass cut short moved
-    past the length (the layers' states disagree with it). Host copies and copies between
-    sequences are not offered: a later prompt sharing a prefix runs it again."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.states: dict[int, tuple[DeltaNetState, int]] = {}  # layer → (state, tokens seen)
-
-    def state_before(self, layer: int, position: int) -> DeltaNetState | None:
-        """The layer's state after the first `position` tokens; None: a fresh sequence's."""
-        if position == 0:
-            return None
-        state, seen = self.states[layer]
-        if seen != position:  # never read a state of another length than the pass's start
-            raise RuntimeError(f"layer {layer}'s state has seen {seen} tokens, not {position}")
-        return state
-
-    def hold_state(self, layer: int, state: DeltaNetState, seen: int) -> None:
-        self.states[layer] = (state, seen)
-
-    def crop(self, length: int) -> None:
-        length = min(length, self.length)
-        if any(seen != length for _, seen in self.states.values()):
-            length = 0
-        super().crop(length)
-        if self.length == 0:
-            self.states.clear()
-
-    def save(self) -> None:  # type: ignore[override]
-        return None
-
-    def restore(self, saved: SavedCache) -> None:
-        raise NotImplementedError("save() gives nothing to restore")
-
-    def copy_prefix(self, source: KVCache, length: int) -> int:
-        self.crop(0)
-        return 0

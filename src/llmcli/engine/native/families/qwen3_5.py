@@ -4,8 +4,8 @@
     → logits
 
 A linear-attention layer (gated_deltanet.py) carries a recurrent state per sequence instead of
-keys and values; the cache holds it beside the attention layers' KV (kvcache.RecurrentCache),
-and a crop shorter than what it holds keeps nothing (the prompt runs again). A full-attention
+keys and values; the cache holds it beside the attention layers' KV, with checkpoints of it a
+crop goes back to (recurrent_cache.py). A full-attention
 layer doubles its q_proj into the query and a gate, each head's query then its gate, and the
 attention's output is multiplied by sigmoid(gate) before o_proj; q and k are normed per head;
 a quarter of each head is rotated (the text's mrope sections are one position: plain RoPE).
@@ -39,8 +39,8 @@ from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck
 from llmcli.errors import LlmcliError
 
 if TYPE_CHECKING:
-    from llmcli.engine.native.kvcache import RecurrentCache
     from llmcli.engine.native.plans import Plan
+    from llmcli.engine.native.recurrent_cache import RecurrentCache
 
 LINEAR = "linear_attention"
 
@@ -144,11 +144,17 @@ class DeltaNetBlock:
             state = DeltaNetState.empty(self.mixer.shape, x.dtype, x.device)
         if isinstance(plan, CausalChunk):
             out, state = prefill(self.mixer, x, state)
-        else:  # the decode step, one row after another: each what it would give alone
-            rows = []
-            for row in range(x.shape[0]):
-                step, state = decode_step(self.mixer, x[row : row + 1], state)
-                rows.append(step)
-            out = torch.cat(rows)
-        cache.hold_state(self.index, state, start + x.shape[0])
-        return out
+            cache.hold_state(self.index, state, start + x.shape[0])
+            return out
+        # The decode step, one row after another: each what it would give alone, and each row's
+        # state kept until the next pass (a crop to the tokens a check accepts lands on it).
+        rows, states = [], []
+        for row in range(x.shape[0]):
+            step, state = decode_step(self.mixer, x[row : row + 1], state)
+            rows.append(step)
+            states.append(state)
+        if isinstance(plan, PerRowCheck):
+            cache.hold_rows(self.index, states, start)
+        else:
+            cache.hold_state(self.index, state, start + 1)
+        return torch.cat(rows)
