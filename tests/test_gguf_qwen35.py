@@ -132,6 +132,8 @@ def test_transformers_path_reads_the_file_as_its_folder(folder: Path, gguf_files
         ({"qwen35.ssm.time_step_rank": 3}, "its ssm.time_step_rank (3 value heads) is no multiple of "
          "ssm.group_count (2)"),
         ({"qwen35.ssm.inner_size": 62}, "its ssm.inner_size (62) is no whole number of its 4 value heads"),
+        ({"qwen35.full_attention_interval": 0}, "its full_attention_interval (0) is no positive whole"),
+        ({"qwen35.rope.dimension_count": 20}, "its rope.dimension_count (20) is no even part of a head's 16"),
         ("blk.0.ssm_a", "tensor blk.0.ssm_a is missing"),
         ("blk.0.ssm_conv1d.weight", "tensor blk.0.ssm_conv1d.weight is missing"),
         ("blk.1.attn_q_norm.weight", "tensor blk.1.attn_q_norm.weight is missing"),

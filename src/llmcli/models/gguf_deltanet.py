@@ -113,6 +113,19 @@ def sizes_of(key: Any) -> tuple[DeltaNetSizes | None, str | None]:
     return DeltaNetSizes(groups, state, rank, inner // rank, kernel), None
 
 
+def layout_problem(key: Any, head_dim: int) -> str | None:
+    """What in the metadata's layer pattern or RoPE width no Qwen3.5 has, naming the key (a
+    zero interval would make no layer full attention, a rotated width past the head rotate
+    what is not there); None where both are sound."""
+    interval = key("full_attention_interval", 4)
+    if not isinstance(interval, int) or interval <= 0:
+        return f"its full_attention_interval ({interval!r}) is no positive whole number of layers"
+    rotated = key("rope.dimension_count", head_dim)
+    if not isinstance(rotated, int) or rotated <= 0 or rotated % 2 or rotated > head_dim:
+        return f"its rope.dimension_count ({rotated!r}) is no even part of a head's {head_dim} dimensions"
+    return None
+
+
 def config_fields(key: Any, sizes: DeltaNetSizes, head_dim: int, layers: int) -> dict[str, Any]:
     """config.json's fields for a Qwen3.5 file beyond a Llama's: its DeltaNet's sizes, its layer
     kinds (every `full_attention_interval`-th layer full attention, as llama.cpp reads them) and

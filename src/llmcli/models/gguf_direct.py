@@ -183,6 +183,9 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         config["rope_scaling"] = {"rope_type": str(scaling)}  # the lean model refuses it by name
     sizes = deltanet_sizes(table)
     if sizes is not None:
+        problem = gguf_deltanet.layout_problem(key, config["head_dim"])
+        if problem is not None:
+            raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
         config |= gguf_deltanet.config_fields(key, sizes, config["head_dim"], config["num_hidden_layers"])
         rope = {"rope_type": "default", "rope_theta": config["rope_theta"]} | config.pop("rope_scaling", {})
         config["rope_parameters"] = rope | {"partial_rotary_factor": config.pop("partial_rotary_factor")}
