@@ -107,14 +107,17 @@ def write_qwen35_gguf(
     *,
     half: bool = False,
     q8_0: bool = False,
+    mtp: bool = False,
     metadata: Mapping[str, Any] | None = None,
     keep: Callable[[str], bool] = lambda name: True,
 ) -> Path:
     """`folder` (a Qwen3.5 text model saved by transformers, with a byte-level BPE tokenizer)
     as `target`: matrices F16 where `half`, Q8_0 where `q8_0` (as llama.cpp's quantizer makes
     them: gguf's own quantization), else F32; everything of one dimension F32, as the converter
-    does; `metadata` overrides keys (by their whole names); tensors kept by `keep`
-    (their names in the file)."""
+    does; `mtp`: an MTP block after the model's own, as the converter writes Qwen3.5's MTP layer
+    (a `nextn` block counted in block_count: here its last layer's tensors again, and the
+    nextn projection and norms, random); `metadata` overrides keys (by their whole names);
+    tensors kept by `keep` (their names in the file)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -126,7 +129,7 @@ def write_qwen35_gguf(
     rotated = int(config["head_dim"] * rope.get("partial_rotary_factor", 0.25))
     arch = "qwen35"
     values: dict[str, Any] = {
-        f"{arch}.block_count": layers,
+        f"{arch}.block_count": layers + mtp,
         f"{arch}.context_length": config["max_position_embeddings"],
         f"{arch}.embedding_length": config["hidden_size"],
         f"{arch}.feed_forward_length": config["intermediate_size"],
@@ -145,6 +148,7 @@ def write_qwen35_gguf(
         f"{arch}.ssm.inner_size": config["linear_value_head_dim"] * config["linear_num_value_heads"],
         f"{arch}.full_attention_interval": interval,
         "general.file_type": 7 if q8_0 else 1 if half else 0,
+        **({f"{arch}.nextn_predict_layers": 1} if mtp else {}),
         **_tokenizer_metadata(folder, config),
     }
     values.update(metadata or {})
@@ -152,10 +156,21 @@ def write_qwen35_gguf(
     for key, value in values.items():
         writer.add_key_value(key, value, *_gguf_type(value))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers)
+    stored: dict[str, torch.Tensor] = {}
     for hf, tensor in load_file(folder / "model.safetensors").items():
         renamed, data = converted(hf, tensor.float(), config)
         name = names.get_name(renamed, try_suffixes=(".weight", ".bias"))
         assert name is not None, renamed
+        stored[name] = data
+        if mtp and name.startswith(f"blk.{layers - 1}."):
+            assert kinds[-1] == "full_attention"  # an MTP layer is one
+            stored[name.replace(f"blk.{layers - 1}.", f"blk.{layers}.")] = data.clone()
+    if mtp:
+        hidden, generator = config["hidden_size"], torch.Generator().manual_seed(11)
+        stored[f"blk.{layers}.nextn.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator)
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            stored[f"blk.{layers}.nextn.{norm}.weight"] = 1 + torch.randn(hidden, generator=generator)
+    for name, data in stored.items():
         if not keep(name):
             continue
         array = np.ascontiguousarray(

@@ -28,6 +28,7 @@ def gguf_files(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return {
         "F32": write_qwen35_gguf(folder, where / "qwen35-F32.gguf"),
         "F16": write_qwen35_gguf(folder, where / "qwen35-F16.gguf", half=True),
+        "F32 with an MTP block": write_qwen35_gguf(folder, where / "qwen35-MTP.gguf", mtp=True),
     }
 
 
@@ -64,10 +65,12 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int
     return first, produced
 
 
-@pytest.mark.parametrize("kind", ["F32", "F16"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "F32 with an MTP block"])
 def test_a_file_is_read_in_place_and_runs_as_its_folder(
     kind: str, folder: Path, gguf_files: dict[str, Path], own_cache: Path
 ) -> None:
+    """F32 and F16 files, and one with an MTP block after the model's own (as the converter
+    writes Qwen3.5's MTP layer; not read yet: the model is its blocks before it)."""
     from llmcli.engine.native.backend import NativeBackend
 
     loaded = load(gguf_files[kind])
@@ -134,6 +137,7 @@ def test_transformers_path_reads_the_file_as_its_folder(folder: Path, gguf_files
         ({"qwen35.ssm.inner_size": 62}, "its ssm.inner_size (62) is no whole number of its 4 value heads"),
         ({"qwen35.full_attention_interval": 0}, "its full_attention_interval (0) is no positive whole"),
         ({"qwen35.rope.dimension_count": 20}, "its rope.dimension_count (20) is no even part of a head's 16"),
+        ({"qwen35.nextn_predict_layers": 2}, "its nextn_predict_layers (2) leaves no block of the model"),
         ("blk.0.ssm_a", "tensor blk.0.ssm_a is missing"),
         ("blk.0.ssm_conv1d.weight", "tensor blk.0.ssm_conv1d.weight is missing"),
         ("blk.1.attn_q_norm.weight", "tensor blk.1.attn_q_norm.weight is missing"),

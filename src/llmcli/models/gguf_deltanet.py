@@ -113,10 +113,12 @@ def sizes_of(key: Any) -> tuple[DeltaNetSizes | None, str | None]:
     return DeltaNetSizes(groups, state, rank, inner // rank, kernel), None
 
 
-def layout_problem(key: Any, head_dim: int) -> str | None:
-    """What in the metadata's layer pattern or RoPE width no Qwen3.5 has, naming the key (a
-    zero interval would make no layer full attention, a rotated width past the head rotate
-    what is not there); None where both are sound."""
+def layout_problem(key: Any, head_dim: int, layers: int) -> str | None:
+    """What in the metadata's layer count, layer pattern or RoPE width no Qwen3.5 has, naming
+    the key (a zero interval would make no layer full attention, a rotated width past the head
+    rotate what is not there); None where all are sound. `layers`: the model's own blocks."""
+    if layers <= 0:
+        return f"its nextn_predict_layers ({key('nextn_predict_layers')}) leaves no block of the model"
     interval = key("full_attention_interval", 4)
     if not isinstance(interval, int) or interval <= 0:
         return f"its full_attention_interval ({interval!r}) is no positive whole number of layers"

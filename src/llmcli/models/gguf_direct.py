@@ -1,7 +1,8 @@
 """A GGUF file read as it is: its tensors straight from the file, nothing converted on disk.
 
 For the architectures the native engine runs (llama.cpp's `llama`, which Mistral's files use
-too, `qwen2` and `qwen3`), a GGUF file's small parts are written once beside its fingerprint in
+too, `qwen2`, `qwen3`, and Qwen3.5's `qwen35`, whose DeltaNet tensors gguf_deltanet.py puts back
+in transformers' layout), a GGUF file's small parts are written once beside its fingerprint in
 llmcli's cache — config.json (from the file's metadata), the tokenizer and chat template
 (transformers' own GGUF tokenizer conversion, once), and a note of where the file is — and its
 weights are read from the file itself at every load:
@@ -108,6 +109,23 @@ def _is_hybrid(architecture: str | None) -> bool:
     return row is not None and row.layer_types == "linear"
 
 
+def mtp_blocks(table: GGUFTable) -> int:
+    """How many blocks at the end of a hybrid file hold its multi-token-prediction head
+    (llama.cpp's converter writes Qwen3.5's MTP layers as `nextn` blocks past the model's own,
+    counted in its block_count): llmcli's engine does not read them yet, and runs the rest."""
+    if not _is_hybrid(table.architecture):
+        return 0
+    count = table.metadata.get(f"{table.architecture}.nextn_predict_layers", 0)
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def in_mtp_block(table: GGUFTable, name: str) -> bool:
+    """Whether the tensor `name` (the file's) is one of an MTP block's (mtp_blocks)."""
+    mtp, total = mtp_blocks(table), table.metadata.get(f"{table.architecture}.block_count")
+    block = name.split(".")[1] if name.startswith("blk.") and name.count(".") > 1 else ""
+    return mtp > 0 and block.isdigit() and isinstance(total, int) and total - mtp <= int(block) < total
+
+
 def deltanet_sizes(table: GGUFTable) -> gguf_deltanet.DeltaNetSizes | None:
     """The DeltaNet's sizes a hybrid file's metadata gives (None for another file); one whose
     sizes contradict each other is refused, naming the key."""
@@ -125,7 +143,14 @@ def reads_directly(table: GGUFTable) -> bool:
     it, as before), and of a type read here (one that is not is refused now, naming it)."""
     if by_gguf(table.architecture) is None:
         return False
-    if any(hf_name(name, table.architecture) is None and name != ROPE_FACTORS for name in table.tensors):
+    unplaced = (
+        name
+        for name in table.tensors
+        if hf_name(name, table.architecture) is None
+        and name != ROPE_FACTORS
+        and not in_mtp_block(table, name)
+    )
+    if next(unplaced, None) is not None:
         return False
     for entry in table.tensors.values():
         if entry.type_name not in READABLE_TYPES:
@@ -183,7 +208,8 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         config["rope_scaling"] = {"rope_type": str(scaling)}  # the lean model refuses it by name
     sizes = deltanet_sizes(table)
     if sizes is not None:
-        problem = gguf_deltanet.layout_problem(key, config["head_dim"])
+        config["num_hidden_layers"] -= mtp_blocks(table)
+        problem = gguf_deltanet.layout_problem(key, config["head_dim"], config["num_hidden_layers"])
         if problem is not None:
             raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
         config |= gguf_deltanet.config_fields(key, sizes, config["head_dim"], config["num_hidden_layers"])
@@ -239,6 +265,8 @@ def check_shapes(table: GGUFTable) -> None:
         block, _, rest = entry.name.removeprefix("blk.").partition(".")
         in_block = entry.name.startswith("blk.") and block.isdigit()
         if in_block and int(block) >= blocks:
+            if in_mtp_block(table, entry.name):
+                continue  # an MTP head's, not read (mtp_blocks)
             raise _wrongly_shaped(table, f"tensor {entry.name} is past its {blocks} blocks")
         expected = within.get(rest) if in_block else top.get(entry.name)
         if expected is not None and entry.shape != expected:
@@ -490,7 +518,7 @@ def shapes_of_table(table: GGUFTable) -> dict[str, TensorHeader]:
             entry.nbytes,
         )
         for entry in table.tensors.values()
-        if (name := hf_name(entry.name, table.architecture))
+        if (name := hf_name(entry.name, table.architecture)) and not in_mtp_block(table, entry.name)
     }
 
 
@@ -535,7 +563,9 @@ class GGUFTensors:
         self.table = table or read_table(source)  # checked when the folder was resolved (check_shapes)
         arch = self.table.architecture
         self._by_name = {
-            hf: entry for entry in self.table.tensors.values() if (hf := hf_name(entry.name, arch))
+            hf: entry
+            for entry in self.table.tensors.values()
+            if (hf := hf_name(entry.name, arch)) and not in_mtp_block(self.table, entry.name)
         }
         self._sizes = deltanet_sizes(self.table)  # a hybrid's: its tensors stored otherwise are restored
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
