@@ -113,11 +113,12 @@ def write_qwen35_gguf(
 ) -> Path:
     """`folder` (a Qwen3.5 text model saved by transformers, with a byte-level BPE tokenizer)
     as `target`: matrices F16 where `half`, Q8_0 where `q8_0` (as llama.cpp's quantizer makes
-    them: gguf's own quantization), else F32; everything of one dimension F32, as the converter
-    does; `mtp`: an MTP block after the model's own, as the converter writes Qwen3.5's MTP layer
-    (a `nextn` block counted in block_count: here its last layer's tensors again, and the
-    nextn projection and norms, random); `metadata` overrides keys (by their whole names);
-    tensors kept by `keep` (their names in the file)."""
+    them: gguf's own quantization), else F32; everything of one dimension and the convolution
+    F32, as the converter keeps them (llama.cpp's convolution takes no other type). `mtp`: an
+    MTP block after the model's own, as the converter writes Qwen3.5's MTP layer (a `nextn`
+    block counted in block_count: here its last layer's tensors again, and the nextn
+    projection and norms, random). `metadata` overrides keys (by their whole names); tensors
+    kept by `keep` (their names in the file)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -173,10 +174,9 @@ def write_qwen35_gguf(
     for name, data in stored.items():
         if not keep(name):
             continue
-        array = np.ascontiguousarray(
-            data.numpy().astype(np.float16 if half and data.ndim == 2 else np.float32)
-        )
-        if q8_0 and data.ndim == 2 and data.shape[1] % 32 == 0:
+        matrix = data.ndim == 2 and ".ssm_conv1d." not in name  # the converter keeps the conv in F32
+        array = np.ascontiguousarray(data.numpy().astype(np.float16 if half and matrix else np.float32))
+        if q8_0 and matrix and data.shape[1] % 32 == 0:
             from gguf.quants import quantize
 
             kind = gguf.GGMLQuantizationType.Q8_0
