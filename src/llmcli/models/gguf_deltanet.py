@@ -135,8 +135,7 @@ def config_fields(key: Any, sizes: DeltaNetSizes, head_dim: int, layers: int) ->
     interval = int(key("full_attention_interval", 4))
     rotated = int(key("rope.dimension_count", head_dim))
     return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_5_text",  # transformers' name for it (AutoConfig reads the folder)
         "linear_num_key_heads": sizes.key_heads,
         "linear_key_head_dim": sizes.key_head_dim,
         "linear_num_value_heads": sizes.value_heads,
