@@ -239,3 +239,49 @@ def test_fast_asked_for_a_recurrent_model_is_refused_not_dropped(folder: Path) -
     stderr = proc.stderr.decode()
     assert proc.returncode == 2 and "--fast" in stderr and "Traceback" not in stderr, stderr
     assert proc.stdout == b""
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quant_covers_the_deltanet_projections_and_equals_transformers_on_the_same_weights(
+    folder: Path, quant: str
+) -> None:
+    """--quant quantizes the DeltaNet layers' projections as any other linear layer (they are a
+    third of a Qwen3.5 layer's weights): none stays a float matrix, built from the folder or
+    from transformers' model, and the native engine's logits equal transformers' own on the
+    same quantized weights."""
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.quantized import QuantizedLinear, QuantizedSlice
+    from llmcli.models.resolve import resolve_model
+
+    settings = LoadSettings(device="cpu", dtype="fp32", threads=1, quant=quant)
+    lean = load_model(resolve_model(str(folder)), settings, lean=True)
+    full = load_model(resolve_model(str(folder)), settings)  # transformers builds it
+    prompt = ids(30, seed=11)
+    logits = {}
+    for name, loaded, backend in [
+        ("lean", lean, "native"),
+        ("native", full, "native"),
+        ("hf", full, "transformers"),
+    ]:
+        mixer = loaded.model.model.layers[0].linear_attn
+        for part in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            assert isinstance(getattr(mixer, part), QuantizedLinear | QuantizedSlice), (name, part)
+        engine = engine_for(loaded, frozenset(), backend=backend)
+        assert engine.name == backend
+        logits[name] = engine.prefill(prompt)
+    torch.testing.assert_close(logits["native"], logits["hf"], rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits["lean"], logits["native"], rtol=0, atol=ATOL)
+
+
+def test_kv_bytes_per_token_counts_only_the_layers_that_keep_keys_and_values(loaded) -> None:
+    """What --json, the server's budget for kept conversations and the estimates say a token
+    costs is what the cache holds per position: the full-attention layers' keys and values
+    (the linear layers' states, a fixed size, counted apart)."""
+    from llmcli.engine.native.backend import NativeBackend
+    from llmcli.engine.native.recurrent_cache import MAX_CHECKPOINTS
+
+    cache = NativeBackend(loaded.model, 1024).cache
+    per_position = (cache.bytes_for(512) - (1 + MAX_CHECKPOINTS) * cache.state_bytes) // 512
+    assert loaded.kv_bytes_per_token == per_position
+    assert sum(not kept for kept in cache.kv_layers) == 1  # the DeltaNet layer holds none

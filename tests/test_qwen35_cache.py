@@ -18,11 +18,11 @@ from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.recurrent_cache import MAX_CHECKPOINTS, RecurrentCache
 from llmcli.engine.prefix import PrefixStore
-
-from cli_helpers import run_cli
 from test_chat_cache import MESSAGES, THINK_DROPPING_TEMPLATE, chat_turns
 from test_fallback_families import Reference
 from test_kept_conversations import conversations, turn
+
+from cli_helpers import run_cli
 from test_serve import Server, served
 from tiny_models import build_tiny_model
 
@@ -194,3 +194,27 @@ def test_a_server_brings_a_conversation_back_after_another(server: Server, refer
     again = ask(a)
     assert again.choices[0].message.content == answer(reference, a)
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+@torch.inference_mode()
+def test_another_slots_running_cache_gives_its_checkpoint_rather_than_a_prefill(
+    loaded, reference: Reference
+) -> None:
+    """Two slots over one set of weights (a server's): the second prompt shares 40 tokens with
+    the first slot's, which is generating; it copies that slot's keys and values and its states
+    at the last checkpoint inside them (32, every 16 here) rather than prefilling them."""
+    first_backend = NativeBackend(loaded.model, 512)
+    second_backend = NativeBackend(None, 512, net=first_backend.net)
+    store = PrefixStore(1 << 30)
+    slots = [Engine(backend, frozenset(), 512) for backend in (first_backend, second_backend)]
+    for slot in slots:
+        assert isinstance(slot.backend.cache, RecurrentCache)
+        slot.backend.cache.interval = 16
+        slot.prefixes = store
+        store.attach(slot)
+    first, second, _ = conversations(seed=40)
+    turn(slots[0], first)
+    store.running(slots[0], True)
+    reused, rows, _ = turn(slots[1], second)
+    assert reused == 32 and store.restored == 0  # copied from the running slot, not a host copy
+    torch.testing.assert_close(rows[0][None], transformers_logits(reference, second), rtol=0, atol=ATOL)

@@ -242,7 +242,7 @@ def _gemma_rotary(config: LeanConfig, device: torch.device) -> SimpleNamespace:
 
 # The projections that write the residual stream (their rows are the hidden size); every other
 # one reads it (its columns are).
-_WRITERS = frozenset({"o_proj", "down_proj", "w2"})
+_WRITERS = frozenset({"o_proj", "down_proj", "w2", "out_proj"})
 
 
 def _fits_the_stream(name: str, weight: torch.Tensor, hidden: int) -> None:
@@ -295,7 +295,7 @@ def _layer(
             setattr(layer, name, Norm(weight))
     kinds, index = config.layer_types, int(prefix.rsplit(".", 1)[-1])
     if row.layer_types == "linear" and kinds[index] == "linear_attention":
-        layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn")
+        layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn", linear)
     else:
         layer.self_attn = _attention(tensors, prefix, config, row, linear)
     experts = _gpt_oss_experts(tensors, prefix, config, row) or _experts(tensors, prefix, config, row)
@@ -310,17 +310,18 @@ def _layer(
     return layer
 
 
-# A Gated DeltaNet layer's tensors (Qwen3.5's layout), as its module names them.
-_LINEAR_ATTENTION = (
-    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-    "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight",
-)  # fmt: skip
+# A Gated DeltaNet layer's projections (Qwen3.5's layout), linear layers as transformers' module
+# has them (so --quant quantizes them as any other), and its other tensors, by the module's names.
+_LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+_LINEAR_ATTENTION = ("conv1d.weight", "dt_bias", "A_log", "norm.weight")
 
 
-def _linear_attention(tensors: TensorSource, prefix: str) -> nn.Module:
-    """A Gated DeltaNet layer's tensors under the names transformers' module gives them, which
-    the engine reads by name (gated_deltanet.DeltaNetWeights.from_tensors checks their shapes)."""
+def _linear_attention(tensors: TensorSource, prefix: str, linear: Callable[[str], nn.Linear]) -> nn.Module:
+    """A Gated DeltaNet layer under the names transformers' module gives its parts, which the
+    engine reads by name (gated_deltanet.DeltaNetWeights checks their shapes)."""
     module = nn.Module()
+    for name in _LINEAR_ATTENTION_PROJECTIONS:
+        setattr(module, name, linear(f"linear_attn.{name}"))
     for name in _LINEAR_ATTENTION:
         holder, _, leaf = name.rpartition(".")
         parameter = nn.Parameter(tensors.get(f"{prefix}.{name}"), requires_grad=False)

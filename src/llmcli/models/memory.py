@@ -81,9 +81,15 @@ def _weight_tensors(model: Any) -> Iterator[Any]:
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
-    """Keys and values of one token in every layer: layers × KV heads × head dim × 2 × dtype bytes."""
+    """Keys and values of one token in every layer that keeps them: layers × KV heads × head dim ×
+    2 × dtype bytes. A linear-attention layer (Qwen3.5's) keeps a state of a fixed size instead."""
     text = config.get("text_config") or config
     layers = text.get("num_hidden_layers") or text.get("n_layer") or 0
+    kinds = text.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        layers = sum(kind != "linear_attention" for kind in kinds)
+    elif "linear_num_value_heads" in text:  # Qwen3.5's default: every `interval`th layer full
+        layers //= text.get("full_attention_interval") or 4
     heads = text.get("num_attention_heads") or text.get("n_head") or 1
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd") or 0) // heads

@@ -223,7 +223,11 @@ def quantizable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 # instead of two or three (at batch 1 on a GPU the small k and v products cost launch time,
 # not bandwidth). Per-row int8 scales and int4 groups along the input make this exact: the
 # codes of the whole are the codes of the parts, stacked.
-FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_PROJECTIONS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # a Gated DeltaNet's (Qwen3.5)
+)
 
 
 class QuantizedSlice(torch.nn.Module):

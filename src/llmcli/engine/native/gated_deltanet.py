@@ -15,7 +15,7 @@ model's dtype. Nothing here reads a config or a cache object: weights and state 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +124,9 @@ class DeltaNetState:
         return self.conv.nbytes + self.recurrent.nbytes
 
 
+Projection = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class DeltaNetWeights:
     """A layer's tensors, arranged once: the four input projections fused into one matrix
@@ -131,12 +134,14 @@ class DeltaNetWeights:
     exp(A_log) in fp32 (transformers computes it so every pass)."""
 
     shape: DeltaNetShape
-    in_proj: torch.Tensor  # [conv_dim + value_dim + 2·value_heads, hidden]
+    # A matrix [conv_dim + value_dim + 2·value_heads, hidden], or the product by one (a
+    # quantized layer's: its packed weights are not a matrix to hand to F.linear).
+    in_proj: Projection
     conv: torch.Tensor  # [conv_dim, kernel]
     dt_bias: torch.Tensor  # [value_heads]
     decay_rate: torch.Tensor  # [value_heads], fp32
     norm: torch.Tensor  # [value_head_dim]
-    out_proj: torch.Tensor  # [hidden, value_dim]
+    out_proj: Projection  # [hidden, value_dim], or the product by it
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], shape: DeltaNetShape) -> DeltaNetWeights:
@@ -268,7 +273,7 @@ def _project(weights: DeltaNetWeights, hidden: torch.Tensor) -> tuple[torch.Tens
     """x [N, hidden] → q|k|v before the convolution [N, conv_dim], z [N, value_dim], b, a [N, value_heads]."""
     shape = weights.shape
     sizes = [shape.conv_dim, shape.value_dim, shape.value_heads, shape.value_heads]
-    return F.linear(hidden, weights.in_proj).split(sizes, dim=-1)
+    return _product(weights.in_proj, hidden).split(sizes, dim=-1)
 
 
 def _split_heads(shape: DeltaNetShape, convolved: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -350,4 +355,8 @@ def _output(weights: DeltaNetWeights, out: torch.Tensor, z: torch.Tensor, rows: 
     z = z.reshape(out.shape)
     normed = F.rms_norm(out.float(), (out.shape[-1],), eps=weights.shape.eps).to(dtype)
     gated = (weights.norm * normed) * F.silu(z.float())
-    return F.linear(gated.to(dtype).reshape(rows, -1), weights.out_proj)
+    return _product(weights.out_proj, gated.to(dtype).reshape(rows, -1))
+
+
+def _product(projection: Projection, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, projection) if isinstance(projection, torch.Tensor) else projection(x)

@@ -34,7 +34,7 @@ from llmcli.engine.native.gated_deltanet import (
     decode_step,
     prefill,
 )
-from llmcli.engine.native.layers import FeedForward, Shape, fuse, projection, rotate
+from llmcli.engine.native.layers import FeedForward, Shape, projection, rotate
 from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck
 from llmcli.errors import LlmcliError
 
@@ -109,6 +109,23 @@ class GatedBlock:
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def mixer_weights(mixer: Any, shape: DeltaNetShape) -> DeltaNetWeights:
+    """A Gated DeltaNet module's weights, its shapes checked. Its projections run as the native
+    engine runs any linear layer (layers.projection): Qwen3.5's four input projections as one
+    matrix whose parts the module's own become views of (so the weights are not held twice), or
+    quantized ones as the one matrix --quant made of them."""
+    tensors = dict(mixer.named_parameters())
+    for name, module in mixer.named_children():
+        if name.startswith(("in_proj", "out_proj")) and type(module) is not torch.nn.Linear:
+            # Quantized: the shapes to check, not weights (its packed ones are not a matrix).
+            tensors[f"{name}.weight"] = torch.empty(module.out_features, module.in_features, device="meta")
+    weights = DeltaNetWeights.from_tensors(tensors, shape)
+    if not hasattr(mixer, "in_proj_qkv"):
+        return weights  # Qwen3-Next's grouped layout, regrouped into one matrix by from_tensors
+    parts = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
+    return dataclasses.replace(weights, in_proj=projection(*parts), out_proj=projection(mixer.out_proj))
+
+
 class DeltaNetBlock:
     """A linear-attention layer: its state, read from and written back to the plan's cache."""
 
@@ -118,12 +135,7 @@ class DeltaNetBlock:
     def __init__(self, layer: Any, index: int, shape: DeltaNetShape, eps: float) -> None:
         self.index = index
         self.attention_norm = GemmaRMSNorm(layer.input_layernorm.weight, eps)
-        mixer = layer.linear_attn
-        self.mixer = DeltaNetWeights.from_tensors(dict(mixer.named_parameters()), shape)
-        if hasattr(mixer, "in_proj_qkv"):  # Qwen3.5's four input projections, the rule's one matrix:
-            # the module's own made views of it (layers.fuse), so the weights are not held twice
-            fused = fuse(mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
-            self.mixer = dataclasses.replace(self.mixer, in_proj=fused)
+        self.mixer = mixer_weights(layer.linear_attn, shape)
         self.ffn_norm = GemmaRMSNorm(layer.post_attention_layernorm.weight, eps)
         self.feed_forward = FeedForward(layer.mlp)
 
