@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-GPT2_BYTE_LEVEL = 1, 3  # llama.cpp's token types: normal, control
+NORMAL, CONTROL = 1, 3  # llama.cpp's token types
 
 
 def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: int) -> torch.Tensor:
@@ -217,13 +217,12 @@ def _tokenizer_metadata(folder: Path, config: Mapping[str, Any]) -> dict[str, An
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     assert len(tokens) == config["vocab_size"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
-    normal, control = GPT2_BYTE_LEVEL
     template = (folder / "chat_template.jinja").read_text()
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [control if i in special else normal for i in range(len(tokens))],
+        "tokenizer.ggml.token_type": [CONTROL if i in special else NORMAL for i in range(len(tokens))],
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.eos_token_id": config["eos_token_id"],
         "tokenizer.ggml.bos_token_id": config["bos_token_id"],
