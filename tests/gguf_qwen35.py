@@ -117,8 +117,8 @@ def write_qwen35_gguf(
     F32, as the converter keeps them (llama.cpp's convolution takes no other type). `mtp`: an
     MTP block after the model's own, as the converter writes Qwen3.5's MTP layer (a `nextn`
     block counted in block_count: here its last layer's tensors again, and the nextn
-    projection and norms, random). `metadata` overrides keys (by their whole names); tensors
-    kept by `keep` (their names in the file)."""
+    projection and norms, random). `metadata` overrides keys (by their whole names; None leaves
+    one out); tensors kept by `keep` (their names in the file)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -153,6 +153,7 @@ def write_qwen35_gguf(
         **_tokenizer_metadata(folder, config),
     }
     values.update(metadata or {})
+    values = {key: value for key, value in values.items() if value is not None}  # None: left out
     writer = gguf.GGUFWriter(str(target), arch)
     for key, value in values.items():
         writer.add_key_value(key, value, *_gguf_type(value))

@@ -140,6 +140,8 @@ def test_transformers_path_reads_the_file_as_its_folder(folder: Path, gguf_files
         ({"qwen35.full_attention_interval": 0}, "its full_attention_interval (0) is no positive whole"),
         ({"qwen35.rope.dimension_count": 20}, "its rope.dimension_count (20) is no even part of a head's 16"),
         ({"qwen35.nextn_predict_layers": 2}, "its nextn_predict_layers (2) leaves no block of the model"),
+        ({"qwen35.block_count": "two"}, "its metadata gives 'two' for qwen35.block_count, a whole number"),
+        ({"qwen35.feed_forward_length": None}, "its metadata lacks qwen35.feed_forward_length"),
         ("blk.0.ssm_a", "tensor blk.0.ssm_a is missing"),
         ("blk.0.ssm_conv1d.weight", "tensor blk.0.ssm_conv1d.weight is missing"),
         ("blk.1.attn_q_norm.weight", "tensor blk.1.attn_q_norm.weight is missing"),

@@ -168,8 +168,21 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def count(name: str, default: Any = None) -> int:
+        """A whole-number setting: one missing, or of another kind (text), is named in one line
+        rather than failing inside int() as an unexpected error."""
+        value = key(name, default)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            what = "lacks" if value is None else f"gives {value!r} for"
+            raise ModelLoadError(
+                f"{table.path}: its metadata {what} {arch}.{name}, a whole number", _FILE_HINT
+            )
+        return value
+
+    heads = count("attention.head_count")
+    hidden = count("embedding_length")
     if heads <= 0 or hidden <= 0:
         raise ModelLoadError(
             f"{table.path}: its metadata gives {heads} attention heads for a width of {hidden}", _FILE_HINT
@@ -180,13 +193,13 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         "architectures": [by_gguf(arch).architecture],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": count("feed_forward_length"),
+        "num_hidden_layers": count("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "num_key_value_heads": count("attention.head_count_kv", heads),
+        "head_dim": count("attention.key_length", hidden // heads),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(key("context_length", 2048)),
+        "max_position_embeddings": count("context_length", 2048),
         "vocab_size": vocab,
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in table.tensors,
