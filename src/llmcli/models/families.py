@@ -229,7 +229,7 @@ _ROWS = (
         experts="stacked",
         mxfp4_on_cpu=True,
     ),
-    Family("Qwen3_5ForCausalLM", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE),
+    Family("Qwen3_5ForCausalLM", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE, gguf=("qwen35",)),
     Family("Qwen3_5MoeForCausalLM", "qwen3_5", _QWEN3_5_MOE, **_QWEN3_5_SHAPE, **_SHARED_EXPERTS),
     # Their vision-language checkpoints, of which the native engine runs the language model.
     Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE, **_LANGUAGE_MODEL),

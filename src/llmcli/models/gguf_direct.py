@@ -1,7 +1,8 @@
 """A GGUF file read as it is: its tensors straight from the file, nothing converted on disk.
 
 For the architectures the native engine runs (llama.cpp's `llama`, which Mistral's files use
-too, `qwen2` and `qwen3`), a GGUF file's small parts are written once beside its fingerprint in
+too, `qwen2`, `qwen3`, and Qwen3.5's `qwen35`, whose DeltaNet tensors gguf_deltanet.py puts back
+in transformers' layout), a GGUF file's small parts are written once beside its fingerprint in
 llmcli's cache — config.json (from the file's metadata), the tokenizer and chat template
 (transformers' own GGUF tokenizer conversion, once), and a note of where the file is — and its
 weights are read from the file itself at every load:
@@ -34,6 +35,7 @@ import numpy as np
 
 from llmcli.atomic import folder_written_atomically, write_text_atomically
 from llmcli.errors import ModelLoadError
+from llmcli.models import gguf_deltanet
 from llmcli.models.families import by_gguf
 from llmcli.models.gguf_cache import (
     NAME_FILE,
@@ -85,9 +87,13 @@ _FILE_HINT = (
 )
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' name for a GGUF tensor (blk.3.attn_q.weight → model.layers.3.self_attn
-    .q_proj.weight); None for one the Llama layout has no place for."""
+def hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
+    """transformers' name for a GGUF tensor of a file of `architecture` (blk.3.attn_q.weight →
+    model.layers.3.self_attn.q_proj.weight); None for one its layout has no place for."""
+    if gguf_name.startswith("blk.") and _is_hybrid(architecture):
+        block, _, rest = gguf_name.removeprefix("blk.").partition(".")
+        within = gguf_deltanet.BLOCK_NAMES.get(rest)
+        return f"model.layers.{block}.{within}" if block.isdigit() and within else None
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
@@ -97,13 +103,54 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def _is_hybrid(architecture: str | None) -> bool:
+    """A file of Gated DeltaNet layers beside attention ones (gguf_deltanet.py): Qwen3.5's."""
+    row = by_gguf(architecture) if architecture is not None else None
+    return row is not None and row.layer_types == "linear"
+
+
+def mtp_blocks(table: GGUFTable) -> int:
+    """How many blocks at the end of a hybrid file hold its multi-token-prediction head
+    (llama.cpp's converter writes Qwen3.5's MTP layers as `nextn` blocks past the model's own,
+    counted in its block_count): llmcli's engine does not read them yet, and runs the rest."""
+    if not _is_hybrid(table.architecture):
+        return 0
+    count = table.metadata.get(f"{table.architecture}.nextn_predict_layers", 0)
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def in_mtp_block(table: GGUFTable, name: str) -> bool:
+    """Whether the tensor `name` (the file's) is one of an MTP block's (mtp_blocks)."""
+    mtp, total = mtp_blocks(table), table.metadata.get(f"{table.architecture}.block_count")
+    block = name.split(".")[1] if name.startswith("blk.") and name.count(".") > 1 else ""
+    return mtp > 0 and block.isdigit() and isinstance(total, int) and total - mtp <= int(block) < total
+
+
+def deltanet_sizes(table: GGUFTable) -> gguf_deltanet.DeltaNetSizes | None:
+    """The DeltaNet's sizes a hybrid file's metadata gives (None for another file); one whose
+    sizes contradict each other is refused, naming the key."""
+    if not _is_hybrid(table.architecture):
+        return None
+    sizes, problem = gguf_deltanet.sizes_of(lambda name: table.metadata.get(f"{table.architecture}.{name}"))
+    if sizes is None:
+        raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
+    return sizes
+
+
 def reads_directly(table: GGUFTable) -> bool:
     """Whether the file is read in place: an architecture the lean model builds, every tensor
     one it has a place for (a Mixtral file is `llama` with experts: transformers' path takes
     it, as before), and of a type read here (one that is not is refused now, naming it)."""
     if by_gguf(table.architecture) is None:
         return False
-    if any(hf_name(name) is None and name != ROPE_FACTORS for name in table.tensors):
+    unplaced = (
+        name
+        for name in table.tensors
+        if hf_name(name, table.architecture) is None
+        and name != ROPE_FACTORS
+        and not in_mtp_block(table, name)
+    )
+    if next(unplaced, None) is not None:
         return False
     for entry in table.tensors.values():
         if entry.type_name not in READABLE_TYPES:
@@ -121,8 +168,21 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def count(name: str, default: Any = None) -> int:
+        """A whole-number setting: one missing, or of another kind (text), is named in one line
+        rather than failing inside int() as an unexpected error."""
+        value = key(name, default)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            what = "lacks" if value is None else f"gives {value!r} for"
+            raise ModelLoadError(
+                f"{table.path}: its metadata {what} {arch}.{name}, a whole number", _FILE_HINT
+            )
+        return value
+
+    heads = count("attention.head_count")
+    hidden = count("embedding_length")
     if heads <= 0 or hidden <= 0:
         raise ModelLoadError(
             f"{table.path}: its metadata gives {heads} attention heads for a width of {hidden}", _FILE_HINT
@@ -133,13 +193,13 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         "architectures": [by_gguf(arch).architecture],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": count("feed_forward_length"),
+        "num_hidden_layers": count("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "num_key_value_heads": count("attention.head_count_kv", heads),
+        "head_dim": count("attention.key_length", hidden // heads),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(key("context_length", 2048)),
+        "max_position_embeddings": count("context_length", 2048),
         "vocab_size": vocab,
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in table.tensors,
@@ -159,6 +219,15 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         config["rope_scaling"] = _yarn_of(table, key)
     elif scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": str(scaling)}  # the lean model refuses it by name
+    sizes = deltanet_sizes(table)
+    if sizes is not None:
+        config["num_hidden_layers"] -= mtp_blocks(table)
+        problem = gguf_deltanet.layout_problem(key, config["head_dim"], config["num_hidden_layers"])
+        if problem is not None:
+            raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
+        config |= gguf_deltanet.config_fields(key, sizes, config["head_dim"], config["num_hidden_layers"])
+        rope = {"rope_type": "default", "rope_theta": config["rope_theta"]} | config.pop("rope_scaling", {})
+        config["rope_parameters"] = rope | {"partial_rotary_factor": config.pop("partial_rotary_factor")}
     return config
 
 
@@ -202,24 +271,37 @@ def check_shapes(table: GGUFTable) -> None:
     config = config_of(table)
     blocks = config["num_hidden_layers"]
     within, top = _expected_shapes(config)
+    sizes = deltanet_sizes(table)
+    if sizes is not None:
+        within = gguf_deltanet.expected_shapes(config, sizes)
     for entry in table.tensors.values():
         block, _, rest = entry.name.removeprefix("blk.").partition(".")
         in_block = entry.name.startswith("blk.") and block.isdigit()
         if in_block and int(block) >= blocks:
+            if in_mtp_block(table, entry.name):
+                continue  # an MTP head's, not read (mtp_blocks)
             raise _wrongly_shaped(table, f"tensor {entry.name} is past its {blocks} blocks")
         expected = within.get(rest) if in_block else top.get(entry.name)
         if expected is not None and entry.shape != expected:
+            settings = gguf_deltanet.IMPLIED_BY.get(rest) if sizes is not None and in_block else None
             raise _wrongly_shaped(
                 table,
                 f"tensor {entry.name} has the shape {list(entry.shape)}, where its metadata "
-                f"implies {list(expected)}",
+                f"implies {list(expected)}" + (f" (by its {settings})" if settings else ""),
             )
-    row = by_gguf(table.architecture)
-    required = _REQUIRED_IN_A_BLOCK | (row.gguf_required if row is not None else frozenset())
     names = ["token_embd.weight", "output_norm.weight"]
-    for name in names + [f"blk.{i}.{part}" for i in range(blocks) for part in sorted(required)]:
+    for name in names + [f"blk.{i}.{part}" for i in range(blocks) for part in _required(table, config, i)]:
         if name not in table.tensors:
             raise _wrongly_shaped(table, f"tensor {name} is missing (its metadata names {blocks} blocks)")
+
+
+def _required(table: GGUFTable, config: dict[str, Any], block: int) -> list[str]:
+    """The tensors block `block` must hold, by their name within it, as llama.cpp's loader
+    requires them: a Llama block's and what its family adds, or a hybrid's by its layer kind."""
+    if _is_hybrid(table.architecture):
+        return sorted(gguf_deltanet.REQUIRED[config["layer_types"][block]])
+    row = by_gguf(table.architecture)
+    return sorted(_REQUIRED_IN_A_BLOCK | (row.gguf_required if row is not None else frozenset()))
 
 
 def _expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -442,9 +524,14 @@ def shapes_of_table(table: GGUFTable) -> dict[str, TensorHeader]:
     width they are estimated against) and types (Checkpoint.shapes)."""
     widths = {"F32": 4, "F16": 2, "BF16": 2}
     return {
-        name: TensorHeader(list(entry.shape), widths.get(entry.type_name, 2), entry.type_name, entry.nbytes)
+        name: TensorHeader(
+            list(gguf_deltanet.hf_shape(name, entry.shape)),
+            widths.get(entry.type_name, 2),
+            entry.type_name,
+            entry.nbytes,
+        )
         for entry in table.tensors.values()
-        if (name := hf_name(entry.name))
+        if (name := hf_name(entry.name, table.architecture)) and not in_mtp_block(table, entry.name)
     }
 
 
@@ -487,7 +574,13 @@ class GGUFTensors:
         self.dtype, self.device = dtype, device
         self.path = source
         self.table = table or read_table(source)  # checked when the folder was resolved (check_shapes)
-        self._by_name = {hf: entry for entry in self.table.tensors.values() if (hf := hf_name(entry.name))}
+        arch = self.table.architecture
+        self._by_name = {
+            hf: entry
+            for entry in self.table.tensors.values()
+            if (hf := hf_name(entry.name, arch)) and not in_mtp_block(self.table, entry.name)
+        }
+        self._sizes = deltanet_sizes(self.table)  # a hybrid's: its tensors stored otherwise are restored
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
         # None: every tensor is a copy (private_copies).
         self._file = None if _PRIVATE_COPIES.get() else np.memmap(self.path, dtype=np.uint8, mode="c")
@@ -543,6 +636,8 @@ class GGUFTensors:
         heads = self.rows_heads(name)
         if heads is not None:
             tensor = unpermute_rows(tensor, heads).contiguous()
+        if self._sizes is not None:
+            tensor = gguf_deltanet.restore(name, tensor, self._sizes)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def optional(self, name: str) -> torch.Tensor | None:
@@ -571,11 +666,16 @@ class GGUFTensors:
         return None if entry is None else _values(self.raw(entry), entry).float()
 
     def linears_of(self, types: frozenset[str], inverted: bool = False) -> frozenset[str]:
-        """The matrices (by module name) stored in one of `types` (in none of them: `inverted`)."""
+        """The matrices (by module name) stored in one of `types` (in none of them: `inverted`),
+        as transformers holds them: one whose rows the file holds in another order (a hybrid's
+        regrouped value heads) is read through `get`, never as the file's blocks."""
         return frozenset(
             name.removesuffix(".weight")
             for name, entry in self._by_name.items()
-            if name.endswith(".weight") and len(entry.shape) == 2 and (entry.type_name in types) != inverted
+            if name.endswith(".weight")
+            and len(entry.shape) == 2
+            and (entry.type_name in types) != inverted
+            and (self._sizes is None or not gguf_deltanet.changed_on_store(name, self._sizes))
         )
 
 

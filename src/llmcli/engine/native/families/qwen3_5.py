@@ -77,7 +77,10 @@ def weights(model: Any, context_length: int) -> Weights:
     rotary = body.rotary_emb  # a quarter of each head's width: rotate() passes the rest unrotated
     rope = rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
     final_norm = GemmaRMSNorm(body.norm.weight, shape.eps)
-    return Weights(shape, body.embed_tokens.weight, blocks, final_norm, projection(model.lm_head), *rope)
+    # A GGUF file's table kept packed (models/gguf_embedding.py) is read row by row.
+    table = body.embed_tokens
+    embedding = table.weight if isinstance(table, torch.nn.Embedding) else table
+    return Weights(shape, embedding, blocks, final_norm, projection(model.lm_head), *rope)
 
 
 class GatedAttention(Attention):

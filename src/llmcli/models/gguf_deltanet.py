@@ -1,0 +1,239 @@
+"""Qwen3.5's GGUF files (llama.cpp's `qwen35`) as llama.cpp's converter writes them, undone to
+transformers' layout, so that the lean model and transformers' path read them as a folder's.
+
+llama.cpp's convert_hf_to_gguf.py (Qwen3NextModel and _LinearAttentionVReorderBase) changes a
+Qwen3.5 checkpoint on its way into the file:
+
+- every RMSNorm weight but the DeltaNet's own gated norm is stored plus one (llama.cpp multiplies
+  by the weight; Qwen3.5's norm multiplies by 1 + weight): one is taken off again;
+- A_log is stored as `ssm_a` = −exp(A_log): read back as log(−ssm_a);
+- the convolution's [channels, 1, kernel] weight is stored squeezed to [channels, kernel];
+- `dt_bias` is stored as the bias of a `dt_proj` there is no weight of (`ssm_dt.bias`);
+- where a key head serves several value heads, the value heads are stored "tiled" ([K0v0, K1v0,
+  …, K0v1, K1v1, …]) rather than grouped by key head as transformers holds them ([K0v0, K0v1, …,
+  K1v0, …]): in in_proj_qkv's value rows, in_proj_z, in_proj_a/b, A_log, dt_bias, the
+  convolution's value channels and out_proj's columns. They are put back in groups.
+
+The full-attention layers are stored as transformers holds them (q_proj keeps each head's query
+and gate side by side; no rotary interleave), their norms plus one as above. Metadata names the
+DeltaNet's sizes llama.cpp's way (`ssm.*`), mapped here to transformers' settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# A block's tensors, by their name in the file (within `blk.N.`), → transformers' name within
+# `model.layers.N.`.
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# What a layer of each kind must hold, as llama.cpp's loader requires it.
+_EVERY_LAYER = (
+    "attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+)  # fmt: skip
+REQUIRED = {
+    "full_attention": (
+        *_EVERY_LAYER, "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+        "attn_q_norm.weight", "attn_k_norm.weight",
+    ),
+    "linear_attention": (
+        *_EVERY_LAYER, "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
+        "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight", "ssm_out.weight",
+    ),
+}  # fmt: skip
+# The norms stored plus one (transformers' names, within a layer or at the top).
+_PLUS_ONE = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+
+
+@dataclass(frozen=True)
+class DeltaNetSizes:
+    """The DeltaNet's sizes as a file's metadata gives them, in transformers' terms."""
+
+    key_heads: int
+    key_head_dim: int
+    value_heads: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+    @property
+    def per_key(self) -> int:
+        """The value heads each key head serves."""
+        return self.value_heads // self.key_heads
+
+
+def sizes_of(key: Any) -> tuple[DeltaNetSizes | None, str | None]:
+    """The DeltaNet's sizes from the metadata (`key(name)`: the value of `{arch}.{name}`), or
+    None and what in them contradicts itself (a key missing, or a size that is no whole number
+    of heads), naming the key."""
+    names = ("ssm.group_count", "ssm.state_size", "ssm.time_step_rank", "ssm.inner_size", "ssm.conv_kernel")
+    values = {name: key(name) for name in names}
+    missing = [name for name, value in values.items() if not isinstance(value, int) or value <= 0]
+    if missing:
+        return None, f"its metadata lacks a positive {', '.join(missing)}"
+    groups, state, rank, inner, kernel = (int(values[name]) for name in names)
+    if rank % groups:
+        return (
+            None,
+            f"its ssm.time_step_rank ({rank} value heads) is no multiple of ssm.group_count ({groups})",
+        )
+    if inner % rank:
+        return None, f"its ssm.inner_size ({inner}) is no whole number of its {rank} value heads"
+    return DeltaNetSizes(groups, state, rank, inner // rank, kernel), None
+
+
+def layout_problem(key: Any, head_dim: int, layers: int) -> str | None:
+    """What in the metadata's layer count, layer pattern or RoPE width no Qwen3.5 has, naming
+    the key (a zero interval would make no layer full attention, a rotated width past the head
+    rotate what is not there); None where all are sound. `layers`: the model's own blocks."""
+    if layers <= 0:
+        return f"its nextn_predict_layers ({key('nextn_predict_layers')}) leaves no block of the model"
+    interval = key("full_attention_interval", 4)
+    if not isinstance(interval, int) or interval <= 0:
+        return f"its full_attention_interval ({interval!r}) is no positive whole number of layers"
+    rotated = key("rope.dimension_count", head_dim)
+    if not isinstance(rotated, int) or rotated <= 0 or rotated % 2 or rotated > head_dim:
+        return f"its rope.dimension_count ({rotated!r}) is no even part of a head's {head_dim} dimensions"
+    return None
+
+
+def config_fields(key: Any, sizes: DeltaNetSizes, head_dim: int, layers: int) -> dict[str, Any]:
+    """config.json's fields for a Qwen3.5 file beyond a Llama's: its DeltaNet's sizes, its layer
+    kinds (every `full_attention_interval`-th layer full attention, as llama.cpp reads them) and
+    the part of each head RoPE turns."""
+    interval = int(key("full_attention_interval", 4))
+    rotated = int(key("rope.dimension_count", head_dim))
+    return {
+        "model_type": "qwen3_5_text",  # transformers' name for it (AutoConfig reads the folder)
+        "linear_num_key_heads": sizes.key_heads,
+        "linear_key_head_dim": sizes.key_head_dim,
+        "linear_num_value_heads": sizes.value_heads,
+        "linear_value_head_dim": sizes.value_head_dim,
+        "linear_conv_kernel_dim": sizes.conv_kernel,
+        "full_attention_interval": interval,
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+        ],
+        "partial_rotary_factor": rotated / head_dim,
+    }
+
+
+def expected_shapes(config: dict[str, Any], sizes: DeltaNetSizes) -> dict[str, tuple[int, ...]]:
+    """A block's tensors' shapes (torch's order) its metadata implies, by their name in the file."""
+    hidden, inner, head = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    queries, keys = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    return {
+        "attn_norm.weight": (hidden,),
+        "post_attention_norm.weight": (hidden,),
+        "attn_q.weight": (2 * queries, hidden),  # each head's query, then its gate
+        "attn_k.weight": (keys, hidden),
+        "attn_v.weight": (keys, hidden),
+        "attn_output.weight": (hidden, queries),
+        "attn_q_norm.weight": (head,),
+        "attn_k_norm.weight": (head,),
+        "attn_qkv.weight": (sizes.conv_dim, hidden),
+        "attn_gate.weight": (sizes.value_dim, hidden),
+        "ssm_beta.weight": (sizes.value_heads, hidden),
+        "ssm_alpha.weight": (sizes.value_heads, hidden),
+        "ssm_conv1d.weight": (sizes.conv_dim, sizes.conv_kernel),
+        "ssm_dt.bias": (sizes.value_heads,),
+        "ssm_a": (sizes.value_heads,),
+        "ssm_norm.weight": (sizes.value_head_dim,),
+        "ssm_out.weight": (hidden, sizes.value_dim),
+        "ffn_gate.weight": (inner, hidden),
+        "ffn_up.weight": (inner, hidden),
+        "ffn_down.weight": (hidden, inner),
+    }
+
+
+# The settings each DeltaNet tensor's shape comes from, named where a file contradicts them.
+IMPLIED_BY = {
+    "ssm_conv1d.weight": "ssm.conv_kernel, ssm.group_count, ssm.state_size and ssm.inner_size",
+    "attn_qkv.weight": "ssm.group_count, ssm.state_size and ssm.inner_size",
+    "attn_gate.weight": "ssm.inner_size",
+    "ssm_out.weight": "ssm.inner_size",
+    "ssm_beta.weight": "ssm.time_step_rank",
+    "ssm_alpha.weight": "ssm.time_step_rank",
+    "ssm_dt.bias": "ssm.time_step_rank",
+    "ssm_a": "ssm.time_step_rank",
+    "ssm_norm.weight": "ssm.inner_size / ssm.time_step_rank",
+}
+
+
+def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape transformers holds the tensor `name` (its name) in."""
+    return (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") else shape
+
+
+def changed_on_store(name: str, sizes: DeltaNetSizes) -> bool:
+    """Whether the file holds the matrix `name` (transformers' name) otherwise than transformers
+    does: its quantized blocks cannot be taken as they are."""
+    regrouped = sizes.per_key > 1 and ".linear_attn." in name
+    return regrouped and not name.endswith(("norm.weight", "dt_bias", "A_log"))
+
+
+def restore(name: str, tensor: torch.Tensor, sizes: DeltaNetSizes) -> torch.Tensor:
+    """The tensor `name` (transformers' name) as transformers holds it, from the file's `tensor`
+    (its values, in fp32 or the file's float type)."""
+    import torch
+
+    leaf = name.rsplit(".", 2)
+    if name == "model.norm.weight" or (name.endswith(".weight") and leaf[-2] in _PLUS_ONE):
+        return tensor.float() - 1  # in fp32 whatever the file's type: no second rounding
+    if ".linear_attn." not in name:
+        return tensor
+    part = leaf[-1] if leaf[-1] != "weight" else leaf[-2]
+    if part == "A_log":
+        tensor = torch.log(-tensor.float()).to(tensor.dtype)
+    if sizes.per_key == 1:
+        return tensor[:, None] if part == "conv1d" else tensor
+    if part in ("in_proj_qkv", "conv1d"):  # q's and k's rows as they are, then the value heads'
+        split = 2 * sizes.key_heads * sizes.key_head_dim
+        rows = torch.cat((tensor[:split], _grouped(tensor[split:], sizes, sizes.value_head_dim)))
+        return rows[:, None] if part == "conv1d" else rows
+    if part == "in_proj_z":
+        return _grouped(tensor, sizes, sizes.value_head_dim)
+    if part in ("in_proj_a", "in_proj_b", "A_log", "dt_bias"):
+        return _grouped(tensor, sizes, 1)
+    if part == "out_proj":
+        return _grouped(tensor.T, sizes, sizes.value_head_dim).T.contiguous()
+    return tensor
+
+
+def _grouped(rows: torch.Tensor, sizes: DeltaNetSizes, width: int) -> torch.Tensor:
+    """Rows of value heads (`width` rows each) from llama.cpp's tiled order back to transformers'
+    grouped one: [per_key, key_heads, width] → [key_heads, per_key, width]."""
+    rest = rows.shape[1:]
+    tiled = rows.reshape(sizes.per_key, sizes.key_heads, width, *rest)
+    return tiled.transpose(0, 1).reshape(rows.shape).contiguous()
