@@ -1,9 +1,11 @@
 """A tiny Qwen3.5 GGUF file (tests/gguf_qwen35.py: written as llama.cpp's converter writes one)
 run by llama.cpp and by llmcli: that llama.cpp loads and runs the file says the writer writes a
-real `qwen35` file, and the two perplexities on the same text, computed the same way, say that
-llmcli reads it as llama.cpp does. A dev check, not a test: llama.cpp is not a dependency.
+real `qwen35` file (`qwen35moe`, `qwen3next` with --arch), and the two perplexities on the same
+text, computed the same way, say that llmcli reads it as llama.cpp does. A dev check, not a
+test: llama.cpp is not a dependency.
 
     python scripts/gguf_qwen35_llama_cpp.py [--llama-cpp ../shared/llama.cpp] [--half] [--type Q4_0]
+        [--arch qwen3_5|qwen3_5_moe|qwen3_next]
 
 --type: the file quantized by llama.cpp's llama-quantize to that type, and both run on that.
 
@@ -74,10 +76,11 @@ def main() -> None:
     parser.add_argument("--half", action="store_true", help="an F16 file (default F32)")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--type", help="quantize the file with llama-quantize to this type first")
+    parser.add_argument("--arch", default="qwen3_5", choices=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmcli-qwen35-gguf-"))
     os.environ["XDG_CACHE_HOME"] = str(work / "cache")
-    path = write_qwen35_gguf(tiny_qwen35(work / "qwen3_5"), work / "qwen35.gguf", half=args.half)
+    path = write_qwen35_gguf(tiny_qwen35(work / args.arch, args.arch), work / "qwen35.gguf", half=args.half)
     if args.type:
         quantized = work / f"qwen35-{args.type}.gguf"
         command = [str(args.llama_cpp / "llama-quantize"), str(path), str(quantized), args.type]
