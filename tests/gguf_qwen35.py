@@ -212,7 +212,7 @@ def write_qwen35_gguf(
         # The converter keeps the convolution and the router in F32.
         matrix = data.ndim >= 2 and ".ssm_conv1d." not in name and ".ffn_gate_inp." not in name
         array = np.ascontiguousarray(data.numpy().astype(np.float16 if half and matrix else np.float32))
-        if q8_0 and matrix and data.shape[1] % 32 == 0:
+        if q8_0 and matrix and data.shape[-1] % 32 == 0:
             from gguf.quants import quantize
 
             kind = gguf.GGMLQuantizationType.Q8_0
