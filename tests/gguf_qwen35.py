@@ -144,8 +144,9 @@ def write_qwen35_gguf(
 ) -> Path:
     """`folder` (a Qwen3.5 text model saved by transformers, with a byte-level BPE tokenizer)
     as `target`: matrices F16 where `half`, Q8_0 where `q8_0` (as llama.cpp's quantizer makes
-    them: gguf's own quantization), else F32; everything of one dimension and the convolution
-    F32, as the converter keeps them (llama.cpp's convolution takes no other type). `mtp`: an
+    them: gguf's own quantization, the shared expert's gate a vector), else F32; everything of
+    one dimension, the convolution and the router F32, as the converter keeps them (llama.cpp's
+    convolution takes no other type). `mtp`: an
     MTP block after the model's own, as the converter writes Qwen3.5's MTP layer (a `nextn`
     block counted in block_count: here its last layer's tensors again, and the nextn
     projection and norms, random). `metadata` overrides keys (by their whole names; None leaves
@@ -209,6 +210,8 @@ def write_qwen35_gguf(
     for name, data in stored.items():
         if not keep(name):
             continue
+        if q8_0 and ".ffn_gate_inp_shexp." in name:  # as llama.cpp's quantizer writes it back: a vector
+            data = data.reshape(-1)
         # The converter keeps the convolution and the router in F32.
         matrix = data.ndim >= 2 and ".ssm_conv1d." not in name and ".ffn_gate_inp." not in name
         array = np.ascontiguousarray(data.numpy().astype(np.float16 if half and matrix else np.float32))

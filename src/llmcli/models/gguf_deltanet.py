@@ -296,8 +296,21 @@ IMPLIED_BY = {
 }
 
 
+# The shared expert's one-row gate: the converter stores it as transformers' [1, hidden], but
+# llama.cpp's quantizer writes it back as a vector (ggml drops the trailing 1); either is read.
+_SHARED_GATE = ("ffn_gate_inp_shexp.weight", "shared_expert_gate.weight")
+
+
+def fits(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Whether the file's tensor `name` (its name within a block) of `shape` is of the shape
+    its metadata implies (`expected`), the shared expert's gate as a vector too."""
+    return shape == expected or (name == _SHARED_GATE[0] and shape == expected[1:])
+
+
 def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape transformers holds the tensor `name` (its name) in."""
+    if name.endswith(_SHARED_GATE[1]) and len(shape) == 1:
+        return (1, *shape)
     return (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") else shape
 
 
@@ -316,6 +329,8 @@ def restore(name: str, tensor: torch.Tensor, sizes: DeltaNetSizes) -> torch.Tens
     import torch
 
     leaf = name.rsplit(".", 2)
+    if name.endswith(_SHARED_GATE[1]):
+        return tensor.reshape(hf_shape(name, tuple(tensor.shape)))
     if name == "model.norm.weight" or (name.endswith(".weight") and leaf[-2] in _PLUS_ONE):
         return tensor.float() - 1  # in fp32 whatever the file's type: no second rounding
     if ".linear_attn." not in name:

@@ -293,7 +293,7 @@ def check_shapes(table: GGUFTable) -> None:
                 continue  # an MTP head's, not read (mtp_blocks)
             raise _wrongly_shaped(table, f"tensor {entry.name} is past its {blocks} blocks")
         expected = within.get(rest) if in_block else top.get(entry.name)
-        if expected is not None and entry.shape != expected:
+        if expected is not None and not gguf_deltanet.fits(rest, entry.shape, expected):
             settings = gguf_deltanet.IMPLIED_BY.get(rest) if sizes is not None and in_block else None
             raise _wrongly_shaped(
                 table,
