@@ -153,3 +153,35 @@ def test_a_file_contradicting_itself_is_named_in_one_line(
     )
     line = one_error_line(run_cli("generate", "-m", str(damaged), "--engine", "native", "-n", "2", "hi"), 1)
     assert "damaged.gguf" in line and says in line, line
+
+
+@pytest.mark.parametrize("name", ["qwen35moe", "qwen3next"])
+def test_the_files_weights_are_counted_once_as_the_model_holds_them(
+    name: str, folders: dict[str, Path], gguf_files: dict[tuple[str, str], Path]
+) -> None:
+    """What memory estimates and the DeltaNet's checks read (Checkpoint.shapes): the joined
+    tensors under transformers' names, their parts not counted beside them."""
+    from safetensors.torch import load_file
+
+    from llmcli.models.gguf_direct import shapes_of_table
+    from llmcli.models.gguf_table import read_table
+
+    shapes = shapes_of_table(read_table(gguf_files[name, "F32"]))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in shapes
+    assert ("model.layers.0.linear_attn.in_proj_qkvz.weight" in shapes) == (name == "qwen3next")
+    counted = sum(torch.Size(header.shape).numel() for header in shapes.values())
+    assert counted == sum(
+        tensor.numel() for tensor in load_file(folders[name] / "model.safetensors").values()
+    )
+
+
+def test_a_qwen35moe_file_with_an_mtp_block_runs_as_its_folder(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """The converter writes Qwen3.5-MoE's MTP layer (with its experts) as a block past the
+    model's own, as Qwen3.5's: not read yet, the model its blocks before it."""
+    path = write_qwen35_gguf(folders["qwen35moe"], tmp_path / "qwen35moe-MTP.gguf", mtp=True)
+    prompt = ids(40, seed=7)
+    ours, our_tokens = greedy(load(path).model, prompt, 16)
+    theirs, their_tokens = greedy(load(folders["qwen35moe"]).model, prompt, 16)
+    assert (ours - theirs).abs().max().item() < 1e-5 and our_tokens == their_tokens

@@ -533,8 +533,8 @@ def source_of(folder: Path) -> Path:
 
 def shapes_of_table(table: GGUFTable) -> dict[str, TensorHeader]:
     """transformers' name → the file's tensors' shapes, element sizes (2 for blocks: the 16-bit
-    width they are estimated against) and types (Checkpoint.shapes), those it holds in parts
-    (joined_entries) too."""
+    width they are estimated against) and types (Checkpoint.shapes); those it holds in parts
+    (joined_parts) as the model holds them, joined, each weight counted once."""
     widths = {"F32": 4, "F16": 2, "BF16": 2}
     by_name = _by_hf_name(table)
     shapes = {
@@ -546,12 +546,15 @@ def shapes_of_table(table: GGUFTable) -> dict[str, TensorHeader]:
         )
         for name, entry in by_name.items()
     }
-    for name, parts in joined_entries(table, by_name).items():
+    for name, part_names in joined_parts(table, by_name).items():
+        parts = [by_name[part] for part in part_names]
         shape = gguf_deltanet.joined_shape(name, [part.shape for part in parts])
         first = parts[0]
         shapes[name] = TensorHeader(
             list(shape), widths.get(first.type_name, 2), first.type_name, sum(part.nbytes for part in parts)
         )
+        for part in part_names:
+            del shapes[part]
     return shapes
 
 
@@ -564,20 +567,20 @@ def _by_hf_name(table: GGUFTable) -> dict[str, TableEntry]:
     }
 
 
-def joined_entries(table: GGUFTable, by_name: dict[str, TableEntry]) -> dict[str, tuple[TableEntry, ...]]:
+def joined_parts(table: GGUFTable, by_name: dict[str, TableEntry]) -> dict[str, tuple[str, ...]]:
     """transformers' tensors a hybrid file holds in parts (gguf_deltanet.JOINED; Qwen3-Next's
-    in_proj_qkvz too), by their name, → the parts' entries, in order; where every part is there."""
+    in_proj_qkvz too), by their name, → the parts' names, in order; where every part is there."""
     row = by_gguf(table.architecture)
     if row is None or not _is_hybrid(table.architecture):
         return {}
     wanted = gguf_deltanet.JOINED | (gguf_deltanet.GROUPED_JOINED if row.grouped_deltanet_projections else {})
-    found: dict[str, tuple[TableEntry, ...]] = {}
+    found: dict[str, tuple[str, ...]] = {}
     for name in by_name:
         for target, parts in wanted.items():
             if name.endswith(f".{parts[0]}"):
                 prefix = name.removesuffix(parts[0])
                 if all(prefix + part in by_name for part in parts):
-                    found[prefix + target] = tuple(by_name[prefix + part] for part in parts)
+                    found[prefix + target] = tuple(prefix + part for part in parts)
     return found
 
 
@@ -621,7 +624,7 @@ class GGUFTensors:
         self.path = source
         self.table = table or read_table(source)  # checked when the folder was resolved (check_shapes)
         self._by_name = _by_hf_name(self.table)
-        self._joined = joined_entries(self.table, self._by_name)  # read as their parts joined
+        self._joined = joined_parts(self.table, self._by_name)  # read as their parts joined
         self._sizes = deltanet_sizes(self.table)  # a hybrid's: its tensors stored otherwise are restored
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
         # None: every tensor is a copy (private_copies).
@@ -678,7 +681,7 @@ class GGUFTensors:
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         if name in self._joined:
-            parts = [self._stored(entry) for entry in self._joined[name]]
+            parts = [self._stored(self._by_name[part]) for part in self._joined[name]]
             tensor = gguf_deltanet.joined(name, parts, self._sizes)
             return tensor.to(device=self.device, dtype=dtype or self.dtype)
         tensor = self._stored(self.entry(name))
