@@ -1,9 +1,9 @@
 """Families only transformers runs, whose cache layers cannot all be cropped back: a recurrent
 state (Qwen3.5's gated DeltaNet, Nemotron-H's Mamba-2), a short convolution's (LFM2), KV shared
-from other layers (Gemma 4), a sliding window shorter than the prompt (OLMo 3). generate, a chat
-and a server reply exactly what transformers' own `generate` does, greedy in fp32; where a new
-prompt would need the cache cropped back, it starts empty and says so (0 cached tokens), never a
-crash or a 500."""
+from other layers (Gemma 3n; Gemma 4 runs natively now: tests/test_gemma4.py), a sliding window
+shorter than the prompt (OLMo 3). generate, a chat and a server reply exactly what transformers'
+own `generate` does, greedy in fp32; where a new prompt would need the cache cropped back, it
+starts empty and says so (0 cached tokens), never a crash or a 500."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ GREEDY = ["--device", "cpu", "-t", "0", "-n", str(REPLY_TOKENS), "--json"]
 
 # State that cannot be cropped back, one family of each kind through the commands (each costs
 # processes; the last test checks every family in process): gated DeltaNet, Mamba-2, shared KV.
-STATEFUL = ["qwen3_5", "nemotron_h", "gemma4_text"]
+STATEFUL = ["qwen3_5", "nemotron_h", "gemma3n_text"]
 # A window full: a crop needs the positions it has let go. A one-shot reply never crops.
 WINDOWED = ["olmo3"]
 

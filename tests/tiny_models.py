@@ -88,6 +88,27 @@ _LINEAR_ATTENTION = {  # Qwen3.5 and Qwen3-Next: a gated DeltaNet layer, then a 
     "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"],
 }  # fmt: skip
 _SMALL_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# Gemma 4 on the native engine: sliding (window 8) and full layers in turn, the full ones wider
+# (32) with one KV head and keys that are their values, the last two reading the KV of the two
+# before them (one of each kind), per-layer inputs of 8, the shared layers' MLP double wide, and
+# the logits soft-capped. "gemma4_moe" adds 4 experts of 32, 2 per token, beside each MLP.
+# (Gemma 4 ran on transformers alone before: "gemma4_text" was one of FALLBACK_FAMILIES.)
+GEMMA4 = {
+    "num_hidden_layers": 6, "num_kv_shared_layers": 2, "head_dim": 16, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"] * 3, "hidden_size_per_layer_input": 8,
+    "use_double_wide_mlp": True, "final_logit_softcapping": 30.0,
+}  # fmt: skip
+GEMMA4_VARIANTS: dict[str, dict] = {
+    "gemma4": GEMMA4,
+    "gemma4_moe": GEMMA4
+    | {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    # transformers' defaults elsewhere: full layers of 512 wide with their own values, no soft cap.
+    "gemma4_text": {
+        "num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8,
+    },
+}  # fmt: skip
 # Families only transformers runs (none is in models/families.py), each with a cache layer whose
 # state cannot be cropped back: a recurrent or convolution state, KV shared from another layer,
 # a sliding window. Their config class, model class and what a 2-layer model of them needs.
@@ -111,12 +132,8 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
          "mamba_chunk_size": 16, "num_local_experts": 4, "shared_intermediate_size": 64},
     ),
-    "gemma4_text": (  # a sliding layer (window 8) and a full one, and two more reading their KV
-        "Gemma4TextConfig", "Gemma4ForCausalLM",
-        {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
-         "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8},
-    ),
-    "gemma3n_text": (  # Gemma 3n: the same layout, with AltUp and Laurel blocks besides
+    # Gemma 3n: Gemma 4's layout (GEMMA4_VARIANTS' "gemma4_text"), with AltUp and Laurel blocks besides
+    "gemma3n_text": (
         "Gemma3nTextConfig", "Gemma3nForCausalLM",
         {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
          "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8,
@@ -140,8 +157,8 @@ def build_tiny_model(
     special: tuple[str, ...] = (),
     tokenizer_style: str = "bytelevel",
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", or one of
-    FALLBACK_FAMILIES) model with
+    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", one of
+    FALLBACK_FAMILIES, or one of GEMMA4_VARIANTS) model with
     random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
     `chat_template` as its template when it is text."""
     import torch
@@ -197,7 +214,13 @@ def build_tiny_model(
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
         }
-    if arch in FALLBACK_FAMILIES:
+    if arch in GEMMA4_VARIANTS:
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        shape |= GEMMA4_VARIANTS[arch]
+        shape["vocab_size_per_layer_input"] = shape["vocab_size"]  # per-layer inputs: the whole vocabulary
+        config_class, model_class = Gemma4TextConfig, Gemma4ForCausalLM
+    elif arch in FALLBACK_FAMILIES:
         import transformers
 
         config_name, model_name, extra = FALLBACK_FAMILIES[arch]
@@ -217,6 +240,11 @@ def build_tiny_model(
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.
     model = model_class(config_class(**shape, initializer_range=0.2))
+    if arch in GEMMA4_VARIANTS:  # norms, scales and layer scalars away from their init of 1
+        with torch.no_grad():
+            for vector in [*model.parameters(), *model.buffers()]:
+                if vector.dim() == 1 and vector.is_floating_point():
+                    vector.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     folder.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,11 @@ from llmcli.engine.native.plans import (
 from llmcli.engine.native.pool import SlotPool
 
 
+def _rope_sign(half: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """−1 on the first half of a rotated width of 2 × `half`, +1 on the second (Transformer.rope)."""
+    return torch.tensor([-1.0] * half + [1.0] * half, dtype=dtype, device=device)
+
+
 class Transformer:
     def __init__(self, model: Any, context_length: int) -> None:
         weights = family_of(model).weights(model, context_length)
@@ -42,6 +47,7 @@ class Transformer:
         self.rope_scale = weights.rope_scale
         self.local_rope = weights.local_rope
         self.logit_softcap = weights.logit_softcap
+        self.before_blocks = weights.before_blocks
         # In the embedding's dtype, as transformers scales it (Gemma).
         self.embed_scale = (
             torch.tensor(weights.embed_scale, dtype=weights.embedding.dtype, device=weights.embedding.device)
@@ -55,13 +61,30 @@ class Transformer:
         self.residual_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         # Blocks with a state per sequence rather than keys and values (Qwen3.5's linear attention).
         self.recurrent = any(block.attention is None for block in self.blocks)
-        half = self.inv_freq.shape[0]  # head_dim / 2, or less with a partial rotary factor
-        self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
+        # Each RoPE table's sign vector (their widths differ where a kind of layer has wider heads).
+        tables = [self.inv_freq] + ([self.local_rope[0]] if self.local_rope else [])
+        self.rope_signs = {
+            freqs.shape[0]: _rope_sign(freqs.shape[0], self.dtype, self.device) for freqs in tables
+        }
+
+    def _slots(self) -> tuple[list[int | None], list[tuple[int, int]]]:
+        """The cache's layers (slots): each one's window and (KV heads, head width), from the
+        attention that owns it. A block's attention names its slot (`layer`): its own, or the one
+        it reads (Gemma 4's KV sharing: one slot written, several read). A linear-attention
+        block has no attention: its slot holds a state (RecurrentCache)."""
+        shape = self.shape
+        windows: list[int | None] = [None] * shape.layers
+        shapes = [(shape.kv_heads, shape.head_dim)] * shape.layers
+        for block in self.blocks:
+            if block.attention is not None:
+                attention = block.attention
+                windows[attention.layer] = attention.window
+                shapes[attention.layer] = (attention.shape.kv_heads, attention.shape.head_dim)
+        return windows, shapes
 
     def new_cache(self, context_length: int, pool: SlotPool | None = None) -> KVCache:
         shape = self.shape
-        # A linear-attention block has no attention: its slot holds a state (RecurrentCache).
-        windows = [block.attention.window if block.attention else None for block in self.blocks]
+        windows, shapes = self._slots()
         return (RecurrentCache if self.recurrent else KVCache)(
             shape.layers,
             shape.kv_heads,
@@ -71,14 +94,17 @@ class Transformer:
             self.device,
             windows,
             pool,
+            shapes=shapes,
         )
 
     def new_pool(self, context_length: int) -> SlotPool:
         """A pool for several sequences' caches (pool.py): one attention call per layer for them all."""
         shape = self.shape
-        rings = [ring_size(block.attention.window, context_length) for block in self.blocks]
-        pooled = [ring is None for ring in rings]
-        return SlotPool(shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device)
+        windows, shapes = self._slots()
+        pooled = [ring_size(window, context_length) is None for window in windows]
+        return SlotPool(
+            shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device, shapes=shapes
+        )
 
     def rope(
         self, positions: torch.Tensor, table: tuple[torch.Tensor, float] | None = None
@@ -91,7 +117,7 @@ class Transformer:
         freqs = positions.float()[:, None, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * scale).to(self.dtype)
-        return cos, (angles.sin() * scale).to(self.dtype) * self.rope_sign
+        return cos, (angles.sin() * scale).to(self.dtype) * self.rope_signs[inv_freq.shape[0]]
 
     def forward(self, tokens: torch.Tensor, plan: Plan) -> torch.Tensor:
         """`tokens` [T] through every block; logits [1 or T, vocab] as the plan asks."""
@@ -102,6 +128,8 @@ class Transformer:
         h = F.embedding(tokens, embedding) if isinstance(embedding, torch.Tensor) else embedding.rows(tokens)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.before_blocks is not None:
+            self.before_blocks(tokens, h)
         h = h.to(self.residual_dtype)
         for block in self.blocks:
             h = block(h, *ropes[block.rope], plan)

@@ -76,10 +76,13 @@ class KVCache:
         device: torch.device,
         windows: list[int | None] | None = None,
         pool: SlotPool | None = None,
+        shapes: list[tuple[int, int]] | None = None,
     ) -> None:
         """`pool`: hold the layers without a ring in a slot of this pool (pool.py), beside other
-        sequences' caches, rather than in tensors of its own."""
+        sequences' caches, rather than in tensors of its own. `shapes`: each layer's (KV heads,
+        head width) where they differ between layers (Gemma 4's full layers are wider)."""
         self.shape = (kv_heads, head_dim)
+        self.shapes = shapes or [self.shape] * layers
         self.windows = windows or [None] * layers
         self.rings = [ring_size(window, context_length) for window in self.windows]
         # Every position below `written` − ring may be overwritten in a ring: the furthest any
@@ -88,8 +91,8 @@ class KVCache:
         self.context_length = context_length
         self.dtype = dtype
         self.device = device
-        self.keys: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
-        self.values: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
+        self.keys: list[torch.Tensor] = [self._empty(0, layer) for layer in range(layers)]
+        self.values: list[torch.Tensor] = [self._empty(0, layer) for layer in range(layers)]
         self.capacity = 0
         self.length = 0
         self.storage_version = next(_STORAGE_VERSIONS)
@@ -116,11 +119,11 @@ class KVCache:
             for layer, old in enumerate(store):
                 ring = self.rings[layer]
                 if ring is not None:  # made once, at its full size, and never moved
-                    store[layer] = old if old.shape[1] else self._empty(ring)
+                    store[layer] = old if old.shape[1] else self._empty(ring, layer)
                     continue
                 if self.pool is not None:
                     continue  # the pool's slot, below
-                new = self._empty(capacity)
+                new = self._empty(capacity, layer)
                 new[:, : self.length] = old[:, : self.length]
                 store[layer] = new  # one layer at a time: the old tensor goes before the next is made
         if self.pool is not None:
@@ -139,7 +142,7 @@ class KVCache:
             if ring is None:
                 self.keys[layer], self.values[layer] = self.pool.view(layer, self.slot)
             elif self.keys[layer].shape[1] == 0:  # its own, made once at its full size
-                self.keys[layer], self.values[layer] = self._empty(ring), self._empty(ring)
+                self.keys[layer], self.values[layer] = self._empty(ring, layer), self._empty(ring, layer)
         self.capacity = self.pool.capacity
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,21 +253,24 @@ class KVCache:
         """Bytes the keys and values take once the cache holds `positions` tokens: the bucket
         they fall in for each layer, a ring layer's whole ring."""
         bucket = self.bucket_for(max(positions, 1))
-        return sum(self._position_bytes() * (ring or bucket) for ring in self.rings)
+        return sum(self._position_bytes(layer) * (ring or bucket) for layer, ring in enumerate(self.rings))
 
     def ring_bytes(self) -> int:
         """Bytes the ring layers take (their size does not depend on the text's length)."""
-        return sum(self._position_bytes() * ring for ring in self.rings if ring is not None)
+        return sum(
+            self._position_bytes(layer) * ring for layer, ring in enumerate(self.rings) if ring is not None
+        )
 
-    def _position_bytes(self) -> int:
-        return position_bytes(*self.shape, self.dtype)
+    def _position_bytes(self, layer: int) -> int:
+        return position_bytes(*self.shapes[layer], self.dtype)
 
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""
         return bytes_of([*self.keys, *self.values])
 
-    def _empty(self, capacity: int) -> torch.Tensor:
-        return torch.zeros(self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
+    def _empty(self, capacity: int, layer: int) -> torch.Tensor:
+        kv_heads, head_dim = self.shapes[layer]
+        return torch.zeros(kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
 
 
 class RecurrentCache(KVCache):
