@@ -9,6 +9,8 @@ natively: its KV cache crops as any other."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,56 @@ def test_several_sequences_in_one_step_each_equal_it_alone(loaded, folder: Path)
 
 def test_generate_imports_no_transformers_and_replies_as_transformers(dense: Path) -> None:
     check.assert_native_cli_replies_as_transformers(dense, "--engine", "transformers")
+
+
+def damaged_copy(
+    source: Path, destination: Path, config: dict | None = None, drop: str | None = None
+) -> Path:
+    """`source` copied with config.json's values changed by `config` and the tensor `drop` left out."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, destination)
+    settings = json.loads((source / "config.json").read_text()) | (config or {})
+    (destination / "config.json").write_text(json.dumps(settings))
+    if drop is not None:
+        weights = load_file(source / "model.safetensors")
+        del weights[drop]
+        save_file(weights, destination / "model.safetensors", metadata={"format": "pt"})
+    return destination
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        # Layers 4 and 5 (full) share KV, and no full layer comes before them: a later one's.
+        (
+            {
+                "config": {
+                    "layer_types": ["sliding_attention"] * 4 + ["full_attention"] * 2,
+                    "per_layer_config": {},
+                }
+            },
+            "layer 4 (full_attention) read the keys and values of a later layer",
+        ),
+        (
+            {"drop": "model.layers.1.self_attn.k_proj.weight"},
+            "lacks the tensor model.layers.1.self_attn.k_proj.weight",
+        ),
+    ],
+    ids=["kv-sharing-from-a-later-layer", "a-tensor-missing"],
+)
+def test_a_checkpoint_that_cannot_be_laid_out_is_refused_in_one_line_before_it_runs(
+    dense: Path, tmp_path: Path, change: dict, named: str
+) -> None:
+    """Found from config.json and the safetensors headers by the native builder's checks: no
+    weight read, transformers never imported (its loader would name a missing tensor too, after
+    reading the rest)."""
+    from cli_helpers import run_cli, run_reporting_imports
+
+    folder = damaged_copy(dense, tmp_path / "damaged", **change)
+    args = ("generate", "-m", str(folder), "-n", "2", "Hi")
+    proc = run_cli(*args)
+    stderr = proc.stderr.decode()
+    assert proc.returncode != 0 and named in stderr and "Traceback" not in stderr, stderr
+    assert stderr.count("\n") == 1 and proc.stdout == b""
+    assert f"exit {proc.returncode} imported -" in run_reporting_imports(*args).stderr
