@@ -201,3 +201,56 @@ def test_a_checkpoint_that_cannot_be_laid_out_is_refused_in_one_line_before_it_r
     assert proc.returncode != 0 and named in stderr and "Traceback" not in stderr, stderr
     assert stderr.count("\n") == 1 and proc.stdout == b""
     assert f"exit {proc.returncode} imported -" in run_reporting_imports(*args).stderr
+
+
+# configs/: each Gemma 4 size's text model, and its parameters as the model cards count them
+# (E2B and E4B "effective": without the per-layer embedding table; the 12B's card gives none).
+SIZES = {
+    "gemma-4-e2b": ("effective", 2.3, 0.05),
+    "gemma-4-e4b": ("effective", 4.5, 0.15),
+    "gemma-4-12b": ("total", 12.0, 0.5),
+    "gemma-4-26b-a4b": ("total", 25.2, 0.05),
+    "gemma-4-31b": ("total", 30.7, 0.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_each_shipped_size_loads_with_random_weights_on_the_meta_device(name: str) -> None:
+    """transformers builds each on the meta device (no memory) to the card's parameter count;
+    llmcli reads the same config into the same tensors (every name the checkpoint would hold)
+    and the native engine lays out its cache: a slot for each layer computing keys and values,
+    of its kind's shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmcli.engine.native.forward import Transformer
+    from llmcli.models.gemma4_layout import expected_tensors, kv_sources, layer_shapes
+    from llmcli.models.lean_config import LeanConfig
+    from llmcli.models.lean_model import check_computes
+
+    path = Path(__file__).parent.parent / "configs" / f"{name}.json"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    count, billions, within = SIZES[name]
+    parameters = sum(p.numel() for p in model.parameters())
+    if count == "effective":
+        parameters -= model.model.embed_tokens_per_layer.weight.numel()
+    assert parameters / 1e9 == pytest.approx(billions, abs=within)
+
+    config = LeanConfig(json.loads(path.read_text()))
+    check_computes(config)
+    assert set(expected_tensors(config)) == set(model.state_dict()) - {"lm_head.weight"}
+    transformers_config = model.config
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert layer_shapes(config) == [
+        (attn.head_dim, transformers_config.num_attention_heads // attn.num_key_value_groups)
+        for attn in attentions
+    ]
+    net = Transformer(model, 4096)
+    sources = kv_sources(config)
+    writers = [i for i, source in enumerate(sources) if source == i]
+    windows, shapes = net._slots()
+    assert len(shapes) == net.shape.layers == len(writers)
+    assert shapes == [layer_shapes(config)[i][::-1] for i in writers]
+    assert windows == [
+        config.sliding_window if config.layer_types[i] == "sliding_attention" else None for i in writers
+    ]

@@ -70,8 +70,8 @@ class LeanConfig:
         elif row.layer_types == "gemma4":
             from llmcli.models.gemma4_layout import settle
 
-            if self._values.get("use_bidirectional_attention"):
-                raise LeanUnsupported("bidirectional attention (an embedding or vision setting)")
+            if self._values.get("use_bidirectional_attention") == "all":  # "vision": text stays causal
+                raise LeanUnsupported("bidirectional attention over all tokens")
             settle(self._values)
         elif row.layer_types == "linear" and self._values.get("layer_types") is None:
             interval = self._values.get("full_attention_interval", 4)  # Qwen3_5TextConfig's

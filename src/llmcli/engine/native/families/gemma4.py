@@ -45,8 +45,8 @@ gelu = functools.partial(F.gelu, approximate="tanh")
 def check_supported(model: Any, context_length: int) -> None:
     llama.check_supported(model, context_length)  # plain linear layers on one device
     config = model.config
-    if getattr(config, "use_bidirectional_attention", None):
-        raise NotSupported("bidirectional attention")
+    if getattr(config, "use_bidirectional_attention", None) == "all":  # "vision": text stays causal
+        raise NotSupported("bidirectional attention over all tokens")
     if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
         raise NotSupported(f"activation {getattr(config, 'hidden_activation', None)!r}")
     for kind, rope in (config.rope_parameters or {}).items():
