@@ -254,3 +254,12 @@ def test_each_shipped_size_loads_with_random_weights_on_the_meta_device(name: st
     assert windows == [
         config.sliding_window if config.layer_types[i] == "sliding_attention" else None for i in writers
     ]
+
+
+def test_models_show_says_auto_runs_it_natively(dense: Path) -> None:
+    from cli_helpers import run_cli
+
+    shown = json.loads(run_cli("models", "show", str(dense), "--json").stdout)
+    assert shown["engine"]["auto"] == "native" and "Gemma4ForCausalLM" in shown["engine"]["why"]
+    text = run_cli("models", "show", str(dense)).stdout.decode()
+    assert "engine         native under --engine auto" in text

@@ -128,6 +128,7 @@ def show(
         }
         summary["gguf_type"] = checkpoint.gguf_type
         summary["is_gguf"] = is_gguf_spec(spec)
+        summary["engine"] = _engine_under_auto(checkpoint.architecture)
         if json_output:
             _print(json.dumps(summary, indent=2))
             return
@@ -174,10 +175,24 @@ def show(
             f"               KV cache {kv}/token in {kv_dtype}",
             f"sampling       {defaults}",
             f"chat template  {template_line}",
+            f"engine         {summary['engine']['auto']} under --engine auto: {summary['engine']['why']}",
         ]
         if template and template_text:
             lines += ["", template_text]
         _print("\n".join(lines))
+
+
+def _engine_under_auto(architecture: str) -> dict[str, str]:
+    """Which engine `--engine auto` runs the model on, and why, from the families table (a load
+    may still need transformers' path: a checkpoint that comes quantized, bitsandbytes, --offload)."""
+    from llmcli.models.families import family
+
+    row = family(architecture or None)
+    if row is None:
+        return {"auto": "transformers", "why": f"llmcli's own engine does not run {architecture or 'it'}"}
+    if row.native_when_asked:
+        return {"auto": "transformers", "why": "llmcli's own engine runs it only where --engine native asks"}
+    return {"auto": "native", "why": f"{architecture} is a family llmcli's own engine runs"}
 
 
 def _is_the_defaults_conversion(model: str) -> bool:
