@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,11 +21,12 @@ import torch
 import native_checks as check
 from engines import engine_for
 
+from test_serve import Server, served
 from tiny_models import build_tiny_model
 
 VOCAB = 400  # the tiny tokenizer's trained tokens (its specials lie past them)
 CONTEXT = 512
-ARCHS = ["gemma4", "gemma4_moe", "gemma4_text"]
+ARCHS = ["gemma4", "gemma4_moe", "gemma4_text", "gemma4_vision"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -54,8 +57,12 @@ def ids(count: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_auto_builds_it_natively_without_transformers(loaded) -> None:
-    assert getattr(loaded.model, "architecture", None) == "Gemma4ForCausalLM"  # the lean loader's
+def test_auto_builds_it_natively_without_transformers(loaded, folder: Path) -> None:
+    """The lean loader's model: a multimodal checkpoint's text part (gemma4_vision) as a text
+    model's, its vision tower never read."""
+    multimodal = folder.name == "gemma4_vision"
+    architecture = "Gemma4ForConditionalGeneration" if multimodal else "Gemma4ForCausalLM"
+    assert getattr(loaded.model, "architecture", None) == architecture
     assert engine_for(loaded).name == "native"
 
 
@@ -80,6 +87,16 @@ def test_prefill_and_every_decode_step_match_transformers(loaded, reference, sta
     backend = NativeBackend(loaded.model, CONTEXT, static_shapes=static_shapes)
     worst = check.assert_prefill_and_steps_match(backend, reference, ids(80, seed=1))
     print(f"max |native - transformers| over prefill and 16 steps: {worst:.2e}")
+
+
+def test_the_native_engine_runs_the_model_transformers_built_too(reference) -> None:
+    """Over transformers' own modules (where the lean loader does not build: a checkpoint that
+    comes quantized, a tokenizer built in code), a multimodal one's language model included."""
+    from llmcli.engine.native.backend import NativeBackend
+
+    check.assert_prefill_and_steps_match(
+        NativeBackend(reference, CONTEXT), reference, ids(40, seed=9), steps=4
+    )
 
 
 def test_48_greedy_tokens_equal_transformers_generate(loaded, reference) -> None:
@@ -263,3 +280,30 @@ def test_models_show_says_auto_runs_it_natively(dense: Path) -> None:
     assert shown["engine"]["auto"] == "native" and "Gemma4ForCausalLM" in shown["engine"]["why"]
     text = run_cli("models", "show", str(dense)).stdout.decode()
     assert "engine         native under --engine auto" in text
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = build_tiny_model(tmp_path_factory.mktemp("models") / "gemma4_vision", "gemma4_vision")
+    yield from served(folder, tmp_path_factory.mktemp("runtime"), "--parallel", "3")
+
+
+def test_a_server_batches_it_and_refuses_an_image_in_one_line(vision_server: Server) -> None:
+    """The multimodal checkpoint served for text: requests at once each reply as alone (their
+    decode steps batched), and an image, which this text path does not read, is a 400."""
+    client = vision_server.client()
+    prompts = ["Hello there, how are you today?", "What is the capital of France?", "def main():"]
+
+    def ask(prompt: str) -> str:
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0
+        )
+        return reply.choices[0].message.content or ""
+
+    alone = [ask(prompt) for prompt in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(ask, prompts)) == alone
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
+    status, answer = vision_server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "image_url parts are not supported" in answer["error"]["message"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -214,12 +215,16 @@ def build_tiny_model(
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
         }
-    if arch in GEMMA4_VARIANTS:
+    if arch in GEMMA4_VARIANTS or arch == "gemma4_vision":
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-        shape |= GEMMA4_VARIANTS[arch]
+        shape |= GEMMA4_VARIANTS.get(arch, GEMMA4)
         shape["vocab_size_per_layer_input"] = shape["vocab_size"]  # per-layer inputs: the whole vocabulary
         config_class, model_class = Gemma4TextConfig, Gemma4ForCausalLM
+        if (
+            arch == "gemma4_vision"
+        ):  # GEMMA4's text model inside the multimodal checkpoint, a tiny vision tower
+            config_class, model_class = _gemma4_with_vision()
     elif arch in FALLBACK_FAMILIES:
         import transformers
 
@@ -240,17 +245,50 @@ def build_tiny_model(
     torch.manual_seed(seed)
     # A larger init than the default 0.02 gives peaked, varied logits instead of near-ties.
     model = model_class(config_class(**shape, initializer_range=0.2))
-    if arch in GEMMA4_VARIANTS:  # norms, scales and layer scalars away from their init of 1
-        with torch.no_grad():
-            for vector in [*model.parameters(), *model.buffers()]:
-                if vector.dim() == 1 and vector.is_floating_point():
-                    vector.uniform_(0.5, 1.5)
+    if arch in GEMMA4_VARIANTS:
+        _away_from_one(model)
+    if arch == "gemma4_vision":  # its language model the very "gemma4" model, the tower random
+        _away_from_one(model)
+        torch.manual_seed(seed)
+        text = Gemma4ForCausalLM(Gemma4TextConfig(**shape, initializer_range=0.2))
+        _away_from_one(text)
+        model.model.language_model.load_state_dict(text.model.state_dict())
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _away_from_one(model: Any) -> None:
+    """Gemma 4's norms, scales and layer scalars away from their init of 1, so a norm scaling by
+    1 + weight, or a scale left out, shows."""
+    import torch
+
+    with torch.no_grad():
+        for vector in [*model.parameters(), *model.buffers()]:
+            if vector.dim() == 1 and vector.is_floating_point():
+                vector.uniform_(0.5, 1.5)
+
+
+def _gemma4_with_vision() -> tuple[Any, Any]:
+    """Gemma4ForConditionalGeneration's config from a text config's values (a one-layer vision
+    tower of 32, no audio), and the model class."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+
+    def config(initializer_range: float, **text: Any) -> Any:
+        return Gemma4Config(
+            text_config=text | {"initializer_range": initializer_range},
+            vision_config=vision,
+            audio_config=None,
+            initializer_range=initializer_range,
+        )
+
+    return config, Gemma4ForConditionalGeneration
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a made-up revision for the HF cache layout

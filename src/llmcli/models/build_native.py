@@ -110,7 +110,8 @@ def _checked(checkpoint: Checkpoint, plan: LoadPlan) -> NativeChoice:
         if row is not None and row.layer_types == "gemma4" and not checkpoint.read_in_place:
             from llmcli.models.gemma4_layout import check_checkpoint
 
-            check_checkpoint(config, checkpoint.shapes, checkpoint.path)  # its layers' layout and tensors
+            # its layers' layout and tensors
+            check_checkpoint(config, checkpoint.shapes, checkpoint.path, row.text_prefix)
     return NativeChoice(tokenizer, config, tied, notes)
 
 
@@ -134,6 +135,11 @@ def build(checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: E
     with _config_as_written():
         heads = (config.num_attention_heads, config.num_key_value_heads)
         tensors = checkpoint.tensors(plan.dtype, plan.device, heads)
+        row = config.family
+        if row is not None and row.text_prefix != "model":  # a multimodal checkpoint's text part
+            from llmcli.models.text_part import TextPart
+
+            tensors = TextPart(tensors, row.text_prefix)
         model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed)
     return Built(model, choice.tokenizer, notes=list(choice.notes))
 

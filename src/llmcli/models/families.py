@@ -79,6 +79,10 @@ class Family:
     # several sequences at once or replay a graph (Qwen3.5's recurrent state, issue 44's first
     # step; the prefix store's state checkpoints and batched decode are the next).
     native_when_asked: bool = False
+    # Where the language model's tensors lie: "model" (model.layers.…), or a multimodal
+    # checkpoint's text part ("model.language_model", its config in config.json's text_config),
+    # read for text alone (images are refused where they could be given).
+    text_prefix: str = "model"
 
     @property
     def rope_per_kind(self) -> bool:
@@ -217,30 +221,35 @@ _ROWS = (
         native_when_asked=True,
     ),
 )
+# What Gemma4ForCausalLM and the text part of Gemma4ForConditionalGeneration share.
+_GEMMA4: dict[str, Any] = {
+    "runtime": "gemma4",
+    # Gemma4TextConfig's (no query_pre_attn_scalar: its attention scores are not scaled).
+    "config_defaults": {key: value for key, value in _GEMMA.items() if key != "query_pre_attn_scalar"}
+    | {
+        "max_position_embeddings": 131_072,
+        "sliding_window": 512,
+        "num_key_value_heads": 4,
+        "final_logit_softcapping": None,
+        "vocab_size_per_layer_input": 262_144,
+        "hidden_size_per_layer_input": 256,
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "enable_moe_block": False,
+        "use_double_wide_mlp": False,
+        "num_experts": None,
+        "top_k_experts": None,
+        "moe_intermediate_size": None,
+    },
+    "layer_types": "gemma4",
+    "head_norms": True,
+    "activation": _GEMMA_SHAPE["activation"],
+    "ffn_norms": True,
+    "embed_scale": True,
+}
 _ROWS += (
-    Family(
-        "Gemma4ForCausalLM",
-        # Gemma4TextConfig's (no query_pre_attn_scalar: its attention scores are not scaled).
-        config_defaults={key: value for key, value in _GEMMA.items() if key != "query_pre_attn_scalar"}
-        | {
-            "max_position_embeddings": 131_072,
-            "sliding_window": 512,
-            "num_key_value_heads": 4,
-            "final_logit_softcapping": None,
-            "vocab_size_per_layer_input": 262_144,
-            "hidden_size_per_layer_input": 256,
-            "attention_k_eq_v": False,
-            "num_kv_shared_layers": 0,
-            "enable_moe_block": False,
-            "use_double_wide_mlp": False,
-            "num_experts": None,
-            "top_k_experts": None,
-            "moe_intermediate_size": None,
-        },
-        layer_types="gemma4",
-        head_norms=True,
-        **(_GEMMA_SHAPE | {"runtime": "gemma4"}),
-    ),
+    Family("Gemma4ForCausalLM", **_GEMMA4),
+    Family("Gemma4ForConditionalGeneration", **_GEMMA4, text_prefix="model.language_model"),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}
 BY_GGUF: dict[str, Family] = {name: row for row in _ROWS for name in row.gguf}

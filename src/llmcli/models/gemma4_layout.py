@@ -150,10 +150,11 @@ def keys_are_values(config: Any, kind: str) -> bool:
     return bool(getattr(config, "attention_k_eq_v", False)) and kind != SLIDING
 
 
-def check_checkpoint(config: Any, shapes: Mapping[str, Any], where: Any) -> None:
+def check_checkpoint(config: Any, shapes: Mapping[str, Any], where: Any, prefix: str = "model") -> None:
     """A layout that cannot be (BadLayout), or a tensor the config implies that `shapes` (the
-    checkpoint's, by name: no weight read) lacks, named in one line (ModelLoadError)."""
-    missing = next((name for name in expected_tensors(config) if name not in shapes), None)
+    checkpoint's, by name: no weight read) lacks, named in one line (ModelLoadError). `prefix`:
+    where the language model's tensors lie."""
+    missing = next((name for name in expected_tensors(config, prefix) if name not in shapes), None)
     if missing is not None:
         raise ModelLoadError(
             f"{where} lacks the tensor {missing} that its config.json implies",

@@ -59,6 +59,8 @@ class LeanConfig:
 
     def __init__(self, values: dict[str, Any]) -> None:
         row = family((values.get("architectures") or [""])[0])
+        if row is not None and row.text_prefix != "model":  # a multimodal checkpoint's text part
+            values = _text_part(values)
         defaults = row.config_defaults if row is not None else {}
         self._values = {**DEFAULTS, **defaults, **values}
         if self._values.get("num_key_value_heads") is None:
@@ -160,6 +162,13 @@ class LeanConfig:
         if rope["rope_type"] in ("su", "yarn") and row is not None and row.longrope_aliases:
             rope["rope_type"] = "longrope"  # Phi-3's older names for it, as transformers reads them
         return rope
+
+
+def _text_part(values: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json as its language model's: its text_config, under the checkpoint's
+    architecture, with what the outer config says of the whole (a tied head, the special ids)."""
+    outer = ("architectures", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    return {**(values.get("text_config") or {}), **{key: values[key] for key in outer if key in values}}
 
 
 def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:

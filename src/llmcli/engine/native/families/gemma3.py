@@ -117,14 +117,16 @@ def weights(model: Any, context_length: int) -> Weights:
             softcap=getattr(config, "attn_logit_softcapping", None),
         )
         blocks.append(GemmaBlock(layer, attention, shape.eps, "local" if sliding else "global"))
-    return gemma_weights(model, shape, blocks, GemmaRMSNorm(body.norm.weight, shape.eps))
+    norm = GemmaRMSNorm(body.norm.weight, shape.eps)
+    return gemma_weights(body, config, model.lm_head, shape, blocks, norm)
 
 
-def gemma_weights(model: Any, shape: Shape, blocks: list[Any], norm: Any, **extra: Any) -> Weights:
-    """A Gemma's weights around its blocks (Gemma 2, 3 and 4): transformers' own RoPE table per
-    kind of layer, the embedding scaled by its own factor, the logits soft-capped where the config
-    says; `extra`: further fields of Weights."""
-    body, config = model.model, model.config
+def gemma_weights(
+    body: Any, config: Any, head: Any, shape: Shape, blocks: list[Any], norm: Any, **extra: Any
+) -> Weights:
+    """A Gemma's weights around its blocks (Gemma 2, 3 and 4; `body`: its text model, `config`:
+    that model's): transformers' own RoPE table per kind of layer, the embedding scaled by its own
+    factor, the logits soft-capped where the config says; `extra`: further fields of Weights."""
     table = {kind: _rope_table(body.rotary_emb, kind) for kind in set(config.layer_types)}
     full = table.get("full_attention") or table[SLIDING]
     return Weights(
@@ -132,7 +134,7 @@ def gemma_weights(model: Any, shape: Shape, blocks: list[Any], norm: Any, **extr
         embedding=body.embed_tokens.weight,
         blocks=blocks,
         norm=norm,
-        output=projection(model.lm_head),
+        output=projection(head),
         inv_freq=full[0],
         rope_scale=full[1],
         local_rope=table.get(SLIDING),

@@ -44,7 +44,7 @@ gelu = functools.partial(F.gelu, approximate="tanh")
 
 def check_supported(model: Any, context_length: int) -> None:
     llama.check_supported(model, context_length)  # plain linear layers on one device
-    config = model.config
+    config = model.config.get_text_config()
     if getattr(config, "use_bidirectional_attention", None) == "all":  # "vision": text stays causal
         raise NotSupported("bidirectional attention over all tokens")
     if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
@@ -217,8 +217,10 @@ class Gemma4Block:
 
 
 def weights(model: Any, context_length: int) -> Weights:
-    config = model.config
-    body = model.model
+    """The text model's weights: a Gemma4ForConditionalGeneration's language model (transformers'
+    `model.language_model`) as a Gemma4ForCausalLM's."""
+    config = model.config.get_text_config()
+    body = getattr(model.model, "language_model", model.model)
     heads, eps = config.num_attention_heads, config.rms_norm_eps
     dtype = body.embed_tokens.weight.dtype
     kinds, sources = list(config.layer_types), kv_sources(config)
@@ -247,4 +249,4 @@ def weights(model: Any, context_length: int) -> Weights:
     first = attentions[0].shape
     shape = Shape(len(slots), heads, first.kv_heads, first.head_dim, eps)
     norm = Gemma4Norm(body.norm.weight, eps, dtype)
-    return gemma_weights(model, shape, blocks, norm, before_blocks=inputs)
+    return gemma_weights(body, config, model.lm_head, shape, blocks, norm, before_blocks=inputs)
