@@ -307,3 +307,17 @@ def test_a_server_batches_it_and_refuses_an_image_in_one_line(vision_server: Ser
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
     status, answer = vision_server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and "image_url parts are not supported" in answer["error"]["message"]
+
+
+def test_int8_weights_run_natively(folder: Path) -> None:
+    """--quant int8 quantizes every linear layer, the router's and the per-layer inputs' too (8
+    wide here, narrower than torch's CPU int8 kernel reads: it runs dequantized), and each expert:
+    the native engine runs what the quantizer made (it met a router without a weight, and the
+    kernel crashed the process on the narrow layer)."""
+    from cli_helpers import run_cli
+
+    args = ("generate", "-m", str(folder), "--quant", "int8", "-t", "0", "-n", "8", "--json", "Hello")
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(proc.stdout)
+    assert record["engine"] == "native" and record["completion_tokens"] == 8

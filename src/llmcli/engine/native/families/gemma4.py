@@ -77,6 +77,8 @@ class Gemma4Attention(Attention):
     def __init__(
         self, attn: Any, shape: Shape, slot: int, window: int | None, dtype: torch.dtype, source: Any
     ) -> None:
+        # Attention's constructor reads k_proj and v_proj, which a reading layer (and a layer
+        # whose keys are its values) lacks: what the plans read of an attention is set here.
         self.layer, self.shape, self.window = slot, shape, window
         self.scale, self.sinks, self.softcap, self.scored = 1.0, None, None, False
         self.out = projection(attn.o_proj)
@@ -115,22 +117,24 @@ class Gemma4Experts(SparseExperts):
 
     def __init__(self, layer: Any, top_k: int, eps: float, dtype: torch.dtype) -> None:
         router = layer.router
+        # SparseExperts reads the router's rows for the experts' count and device only: this
+        # router runs through its own projection (`route`), which --quant may have quantized.
+        rows = router.per_expert_scale.view(-1, 1)
         super().__init__(
-            SimpleNamespace(
-                gate=SimpleNamespace(weight=router.proj.weight, top_k=top_k), experts=layer.experts
-            ),
+            SimpleNamespace(gate=SimpleNamespace(weight=rows, top_k=top_k), experts=layer.experts),
             normalise=True,
         )
-        hidden = router.proj.weight.shape[1]
-        self.router_scale = router.scale * hidden**-0.5
+        self.router_projection = projection(router.proj)
+        self.router_scale = router.scale * router.proj.in_features**-0.5
         self.per_expert_scale = router.per_expert_scale
         self.router_norm = Gemma4Norm(None, eps, dtype)
         self.input_norm = Gemma4Norm(layer.pre_feedforward_layernorm_2.weight, eps, dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scaled = self.router_norm(x) * self.router_scale
-        weights, chosen = super().route(scaled)
-        return weights * self.per_expert_scale[chosen], chosen
+        scores = self.router_projection(self.router_norm(x) * self.router_scale)
+        weights, chosen = torch.topk(F.softmax(scores.float(), dim=-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.per_expert_scale[chosen]).to(x.dtype), chosen
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -156,7 +160,7 @@ class PerLayerInputs:
         self.layers = layers
         self.table_scale = torch.tensor(self.width**0.5, dtype=self.table.dtype)
         self.projection = projection(body.per_layer_model_projection)
-        self.projection_scale = body.per_layer_model_projection.weight.shape[1] ** -0.5
+        self.projection_scale = body.per_layer_model_projection.in_features**-0.5
         self.norm = Gemma4Norm(body.per_layer_projection_norm.weight, eps, dtype)
         self.current: torch.Tensor | None = None
 
@@ -231,12 +235,12 @@ def weights(model: Any, context_length: int) -> Weights:
     attentions: list[Gemma4Attention] = []
     for index, layer in enumerate(body.layers):
         attn = layer.self_attn
-        head_dim = attn.q_proj.weight.shape[0] // heads
+        head_dim = attn.q_proj.out_features // heads
         window = config.sliding_window if kinds[index] == SLIDING else None
         source = sources[index]
         if source == index:
             slots[index] = len(slots)
-            kv_heads = attn.k_proj.weight.shape[0] // head_dim
+            kv_heads = attn.k_proj.out_features // head_dim
             shape = Shape(0, heads, kv_heads, head_dim, eps)
             attentions.append(Gemma4Attention(attn, shape, slots[index], window, dtype, None))
         else:
