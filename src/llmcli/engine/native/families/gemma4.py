@@ -176,7 +176,13 @@ class Gemma4Block:
     per-layer input after them, the whole layer scaled by its scalar."""
 
     def __init__(
-        self, layer: Any, index: int, attention: Gemma4Attention, config: Any, inputs: PerLayerInputs | None
+        self,
+        layer: Any,
+        index: int,
+        attention: Gemma4Attention,
+        config: Any,
+        inputs: PerLayerInputs | None,
+        first_reader: bool,
     ) -> None:
         eps, dtype = config.rms_norm_eps, layer.input_layernorm.weight.dtype
         self.attention, self.index, self.dtype = attention, index, dtype
@@ -204,8 +210,16 @@ class Gemma4Block:
             self.input_projection = projection(layer.per_layer_projection)
             self.after_input = norm("post_per_layer_input_norm")
         self.scalar = layer.layer_scalar
+        # The first layer reading another's KV: it and every layer after it (all reading) write no
+        # keys or values, so a pass whose logits are its last row's carries that row alone on
+        # (as transformers slices them): 20 of E2B's 35 layers run one row of a prompt, not all.
+        self.last_row_on = first_reader
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Any) -> torch.Tensor:
+        if self.last_row_on and plan.last_only:
+            h = h[-1:]
+        rows = h.shape[0]  # fewer than the pass's after the first reading layer
+        cos, sin = cos[-rows:], sin[-rows:]
         attention = self.attention
         q, k, v = attention.project(self.attention_norm(h), cos, sin)
         h = h + self.after_attention(attention.out(plan.attend(attention, q, k, v)))
@@ -215,7 +229,7 @@ class Gemma4Block:
         h = h + self.after_feed_forward(out)
         if self.inputs is not None:
             assert self.inputs.current is not None
-            gate = gelu(self.input_gate(h.to(self.dtype))) * self.inputs.current[:, self.index]
+            gate = gelu(self.input_gate(h.to(self.dtype))) * self.inputs.current[-rows:, self.index]
             h = h + self.after_input(self.input_projection(gate))
         return h * self.scalar
 
@@ -246,8 +260,9 @@ def weights(model: Any, context_length: int) -> Weights:
         else:
             owner = attentions[source]
             attentions.append(Gemma4Attention(attn, owner.shape, owner.layer, window, dtype, owner))
+    first_reader = next((i for i, source in enumerate(sources) if source != i), None)
     blocks = [
-        Gemma4Block(layer, index, attentions[index], config, inputs)
+        Gemma4Block(layer, index, attentions[index], config, inputs, index == first_reader)
         for index, layer in enumerate(body.layers)
     ]
     first = attentions[0].shape
