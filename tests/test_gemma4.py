@@ -321,3 +321,16 @@ def test_int8_weights_run_natively(folder: Path) -> None:
     assert proc.returncode == 0, proc.stderr.decode()
     record = json.loads(proc.stdout)
     assert record["engine"] == "native" and record["completion_tokens"] == 8
+
+
+def test_kv_bytes_per_token_counts_each_slot_at_its_own_width(loaded) -> None:
+    """What --json, the server's budget and the estimates say a token costs is what the cache
+    holds per position: each layer that computes keys and values at its own width (the full
+    layers wider), none for the layers reading another's."""
+    from llmcli.engine.native.forward import Transformer
+
+    net = Transformer(loaded.model, CONTEXT)
+    _, shapes, kept = net._slots()
+    slots = zip(shapes, kept, strict=True)
+    per_token = sum(2 * heads * width * 4 for (heads, width), keeps in slots if keeps)
+    assert loaded.kv_bytes_per_token == per_token
