@@ -29,6 +29,8 @@ FAMILIES = {
     "Gemma 3 shape (5 sliding layers of 512 per global)": "gemma3-cpu-bench.json",
     "Gemma 2 shape (soft-capped, sliding layers of 512 alternating)": "gemma2-cpu-bench.json",
     "gpt-oss shape (sinks, 32 experts, top-4, window 128)": "gpt-oss-cpu-bench.json",
+    "Gemma 4 E2B shape (wider full layers, 4 of 10 reading KV, per-layer inputs)": "gemma4-cpu-bench.json",
+    "Gemma 4 26B-A4B shape (32 experts, top-4, beside a dense MLP)": "gemma4-moe-cpu-bench.json",
     "Qwen3 dense, the MoE's active size": "qwen3-dense-moe-active-cpu-bench.json",
 }
 # Qwen3.5's published sizes (each checkpoint's text_config; 2B's widths partly guessed) and

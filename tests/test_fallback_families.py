@@ -1,10 +1,10 @@
 """Families only transformers runs, whose cache layers cannot all be cropped back: a recurrent
-state (Nemotron-H's Mamba-2), a short convolution's (LFM2), KV shared from other layers, a
-sliding window shorter than the prompt (OLMo 3). (Those the native engine runs — Qwen3.5 — have
-tests of their own: test_qwen35_cache.py.) generate, a chat
-and a server reply exactly what transformers' own `generate` does, greedy in fp32; where a new
-prompt would need the cache cropped back, it starts empty and says so (0 cached tokens), never a
-crash or a 500."""
+state (Nemotron-H's Mamba-2), a short convolution's (LFM2), KV shared from other layers (Gemma
+3n), a sliding window shorter than the prompt (OLMo 3). (Those the native engine runs have tests
+of their own: Qwen3.5 in test_qwen35*.py, Gemma 4 in test_gemma4.py.) generate, a chat and a
+server reply exactly what transformers' own `generate` does, greedy in fp32; where a new prompt
+would need the cache cropped back, it starts empty and says so (0 cached tokens), never a crash
+or a 500."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ GREEDY = ["--device", "cpu", "-t", "0", "-n", str(REPLY_TOKENS), "--json"]
 
 # State that cannot be cropped back, one family of each kind through the commands (each costs
 # processes; the last test checks every family in process): Mamba-2, shared KV.
-STATEFUL = [arch for arch in ["nemotron_h", "gemma4_text"] if not runs_natively_by_default(arch)]
+STATEFUL = [arch for arch in ["nemotron_h", "gemma3n_text"] if not runs_natively_by_default(arch)]
 FALLBACK_ONLY = sorted(arch for arch in FALLBACK_FAMILIES if not runs_natively_by_default(arch))
 # A window full: a crop needs the positions it has let go. A one-shot reply never crops.
 WINDOWED = ["olmo3"]

@@ -6,17 +6,25 @@ back to the last checkpoint of the recurrent state."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from engines import engine_for
+from native_checks import (
+    ATOL,
+    assert_check_rows_are_decode_steps,
+    assert_greedy_equals_generate,
+    assert_native_cli_replies_as_transformers,
+    assert_prefill_and_steps_match,
+    last_logits,
+    load_lean,
+    transformers_model,
+)
 
 from tiny_models import build_tiny_model
 
-ATOL = 1e-4
 VOCAB = 400  # the tiny tokenizer's trained tokens (its specials lie past them)
 
 
@@ -27,21 +35,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return transformers_model(folder)
 
 
 def load(folder: Path, engine: str):
-    from llmcli.config.settings import LoadSettings
-    from llmcli.models.load import load_model
-    from llmcli.models.resolve import resolve_model
-
-    return load_model(
-        resolve_model(str(folder)),
-        LoadSettings(device="cpu", dtype="fp32", threads=1, engine=engine),
-        lean=True,
-    )
+    return load_lean(folder, engine)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +49,6 @@ def loaded(folder: Path):
 
 def ids(count: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def last_logits(reference, tokens: list[int]) -> torch.Tensor:
-    """transformers' logits for the token after `tokens`, the whole text run at once."""
-    with torch.inference_mode():
-        return reference(torch.tensor([tokens])).logits[0, -1:].float()
 
 
 def test_auto_builds_it_natively_without_transformers(folder: Path, loaded) -> None:
@@ -71,40 +63,14 @@ def test_prefill_and_every_decode_step_match_transformers(loaded, reference) -> 
     transformers' whole-text pass."""
     from llmcli.engine.native.backend import NativeBackend
 
-    backend = NativeBackend(loaded.model, 256)
-    tokens = ids(80, seed=1)
-    logits = backend.prefill(tokens)
-    worst = (logits - last_logits(reference, tokens)).abs().max().item()
-    assert worst < ATOL
-    for _ in range(16):
-        tokens.append(int(logits.argmax()))
-        logits = backend.decode(torch.tensor([tokens[-1]]))
-        step = (logits - last_logits(reference, tokens)).abs().max().item()
-        assert step < ATOL, len(tokens)
-        worst = max(worst, step)
+    worst = assert_prefill_and_steps_match(NativeBackend(loaded.model, 256), reference, ids(80, seed=1))
     print(f"max |native - transformers| over prefill and 16 steps: {worst:.2e}")
 
 
 def test_greedy_tokens_equal_transformers_generate(loaded, reference) -> None:
     from llmcli.engine.native.backend import NativeBackend
 
-    prompt = ids(20, seed=2)
-    with torch.inference_mode():
-        expected = reference.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=32,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-    backend = NativeBackend(loaded.model, 256)
-    logits, produced = backend.prefill(prompt), []
-    for _ in range(len(expected)):
-        produced.append(int(logits.argmax()))
-        logits = backend.decode(torch.tensor([produced[-1]]))
-    assert len(expected) == 32
-    assert produced == expected
+    assert_greedy_equals_generate(NativeBackend(loaded.model, 256), reference, ids(20, seed=2), 32)
 
 
 def test_a_speculative_check_gives_each_row_what_its_decode_step_would(loaded, reference) -> None:
@@ -112,12 +78,7 @@ def test_a_speculative_check_gives_each_row_what_its_decode_step_would(loaded, r
     from llmcli.engine.native.backend import NativeBackend
 
     backend = NativeBackend(loaded.model, 256)
-    prompt, drafted = ids(30, seed=7), ids(5, seed=8)
-    backend.prefill(prompt)
-    rows = backend.score(drafted)
-    for row in range(len(drafted)):
-        expected = last_logits(reference, prompt + drafted[: row + 1])
-        assert (rows[row : row + 1] - expected).abs().max().item() < ATOL, row
+    assert_check_rows_are_decode_steps(backend, reference, ids(30, seed=7), ids(5, seed=8))
 
 
 def test_a_second_turn_from_the_first_turns_cache_equals_the_conversation_prefilled_fresh(
@@ -210,15 +171,7 @@ def test_a_pass_cut_short_goes_back_to_the_checkpoint_before_it(loaded, referenc
 def test_generate_on_the_native_engine_imports_no_transformers_and_replies_as_transformers(
     folder: Path,
 ) -> None:
-    from cli_helpers import run_cli, run_reporting_imports
-
-    args = ["generate", "-m", str(folder), "-t", "0", "-n", "12", "--json", "The capital of France"]
-    result = run_reporting_imports(*args, "--engine", "native")
-    assert "exit 0 imported -" in result.stderr, result.stderr
-    native = json.loads(result.stdout)
-    plain = json.loads(run_cli(*args, "--engine", "transformers").stdout)
-    assert (native["engine"], plain["engine"]) == ("native", "transformers")
-    assert native["text"] == plain["text"] and native["completion_tokens"] == plain["completion_tokens"]
+    assert_native_cli_replies_as_transformers(folder, "--engine", "transformers")
 
 
 def test_fast_asked_for_a_recurrent_model_is_refused_not_dropped(folder: Path) -> None:

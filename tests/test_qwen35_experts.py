@@ -93,8 +93,9 @@ def test_models_show_says_which_engine_runs_it_and_why(folder: Path, tiny_llama:
     proc = run_cli("models", "show", str(folder), "--json")
     assert proc.returncode == 0, proc.stderr.decode()
     shown = json.loads(proc.stdout)["engine"]
-    assert shown == {"auto": "native", "why": "the native engine's Qwen3.5 and Qwen3-Next family"}
+    why = f"the native engine runs {ARCHITECTURES[folder.name]} (Qwen3.5 and Qwen3-Next)"
+    assert shown == {"auto": "native", "why": why}
     llama = json.loads(run_cli("models", "show", str(tiny_llama), "--json").stdout)["engine"]
     assert llama["auto"] == "native" and "Llama" in llama["why"]
     text = run_cli("models", "show", str(folder)).stdout.decode()
-    assert "engine         native under --engine auto (the native engine's Qwen3.5" in text
+    assert "engine         native under --engine auto (the native engine runs Qwen3" in text

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -88,6 +89,27 @@ _LINEAR_ATTENTION = {  # Qwen3.5 and Qwen3-Next: a gated DeltaNet layer, then a 
     "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"],
 }  # fmt: skip
 _SMALL_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# Gemma 4 on the native engine: sliding (window 8) and full layers in turn, the full ones wider
+# (32) with one KV head and keys that are their values, the last two reading the KV of the two
+# before them (one of each kind), per-layer inputs of 8, the shared layers' MLP double wide, and
+# the logits soft-capped. "gemma4_moe" adds 4 experts of 32, 2 per token, beside each MLP.
+# (Gemma 4 ran on transformers alone before: "gemma4_text" was one of FALLBACK_FAMILIES.)
+GEMMA4 = {
+    "num_hidden_layers": 6, "num_kv_shared_layers": 2, "head_dim": 16, "global_head_dim": 32,
+    "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"] * 3, "hidden_size_per_layer_input": 8,
+    "use_double_wide_mlp": True, "final_logit_softcapping": 30.0,
+}  # fmt: skip
+GEMMA4_VARIANTS: dict[str, dict] = {
+    "gemma4": GEMMA4,
+    "gemma4_moe": GEMMA4
+    | {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    # transformers' defaults elsewhere: full layers of 512 wide with their own values, no soft cap.
+    "gemma4_text": {
+        "num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8,
+    },
+}  # fmt: skip
 # Families whose cache layers cannot all be cropped back: a recurrent or convolution state, KV
 # shared from another layer, a sliding window. Their config class, model class and what a 2-layer
 # model of them needs. Those with a row in models/families.py run natively (runs_natively_by_default);
@@ -116,12 +138,8 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
          "mamba_chunk_size": 16, "num_local_experts": 4, "shared_intermediate_size": 64},
     ),
-    "gemma4_text": (  # a sliding layer (window 8) and a full one, and two more reading their KV
-        "Gemma4TextConfig", "Gemma4ForCausalLM",
-        {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
-         "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8},
-    ),
-    "gemma3n_text": (  # Gemma 3n: the same layout, with AltUp and Laurel blocks besides
+    # Gemma 3n: Gemma 4's layout (GEMMA4_VARIANTS' "gemma4_text"), with AltUp and Laurel blocks besides
+    "gemma3n_text": (
         "Gemma3nTextConfig", "Gemma3nForCausalLM",
         {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "head_dim": 16, "sliding_window": 8,
          "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 8,
@@ -165,8 +183,8 @@ def build_tiny_model(
     special: tuple[str, ...] = (),
     tokenizer_style: str = "bytelevel",
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", or one of
-    FALLBACK_FAMILIES) model with
+    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", one of
+    FALLBACK_FAMILIES, or one of GEMMA4_VARIANTS) model with
     random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
     `chat_template` as its template when it is text."""
     import torch
@@ -225,7 +243,17 @@ def build_tiny_model(
     multimodal = MULTIMODAL_FAMILIES.get(arch)
     if multimodal is not None:
         arch = multimodal[2]
-    if arch in FALLBACK_FAMILIES:
+    if arch in GEMMA4_VARIANTS or arch == "gemma4_vision":
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        shape |= GEMMA4_VARIANTS.get(arch, GEMMA4)
+        shape["vocab_size_per_layer_input"] = shape["vocab_size"]  # per-layer inputs: the whole vocabulary
+        config_class, model_class = Gemma4TextConfig, Gemma4ForCausalLM
+        if (
+            arch == "gemma4_vision"
+        ):  # GEMMA4's text model inside the multimodal checkpoint, a tiny vision tower
+            config_class, model_class = _gemma4_with_vision()
+    elif arch in FALLBACK_FAMILIES:
         import transformers
 
         config_name, model_name, extra = FALLBACK_FAMILIES[arch]
@@ -255,12 +283,50 @@ def build_tiny_model(
         text["rope_parameters"] |= {"mrope_section": [1, 1, 0], "mrope_interleaved": True}
         config = config_class(text_config=text, vision_config=_TINY_VISION, initializer_range=0.2)
     model = model_class(config)
+    if arch in GEMMA4_VARIANTS:
+        _away_from_one(model)
+    if arch == "gemma4_vision":  # its language model the very "gemma4" model, the tower random
+        _away_from_one(model)
+        torch.manual_seed(seed)
+        text = Gemma4ForCausalLM(Gemma4TextConfig(**shape, initializer_range=0.2))
+        _away_from_one(text)
+        model.model.language_model.load_state_dict(text.model.state_dict())
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _away_from_one(model: Any) -> None:
+    """Gemma 4's norms, scales and layer scalars away from their init of 1, so a norm scaling by
+    1 + weight, or a scale left out, shows."""
+    import torch
+
+    with torch.no_grad():
+        for vector in [*model.parameters(), *model.buffers()]:
+            if vector.dim() == 1 and vector.is_floating_point():
+                vector.uniform_(0.5, 1.5)
+
+
+def _gemma4_with_vision() -> tuple[Any, Any]:
+    """Gemma4ForConditionalGeneration's config from a text config's values (a one-layer vision
+    tower of 32, no audio), and the model class."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+
+    def config(initializer_range: float, **text: Any) -> Any:
+        return Gemma4Config(
+            text_config=text | {"initializer_range": initializer_range},
+            vision_config=vision,
+            audio_config=None,
+            initializer_range=initializer_range,
+        )
+
+    return config, Gemma4ForConditionalGeneration
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a made-up revision for the HF cache layout

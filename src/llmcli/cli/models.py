@@ -109,6 +109,7 @@ def show(
     with handled_errors():
         from llmcli.models.catalog import model_summary
         from llmcli.models.checkpoint import Checkpoint
+        from llmcli.models.engine_verdict import engine_under_auto
         from llmcli.models.load_plan import settled_load
         from llmcli.models.resolve import default_model_spec, is_gguf_spec
 
@@ -128,6 +129,7 @@ def show(
         }
         summary["gguf_type"] = checkpoint.gguf_type
         summary["is_gguf"] = is_gguf_spec(spec)
+        summary["engine"] = engine_under_auto(checkpoint.architecture)
         if json_output:
             _print(json.dumps(summary, indent=2))
             return

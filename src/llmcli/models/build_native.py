@@ -123,6 +123,11 @@ def _checked(checkpoint: Checkpoint, plan: LoadPlan) -> NativeChoice:
         config = LeanConfig(plan.config)
         tied = config.tie_word_embeddings
         check_computes(config)  # its activation and RoPE, before any weight is read
+        if row is not None and row.layer_types == "gemma4" and not checkpoint.read_in_place:
+            from llmcli.models.gemma4_layout import check_checkpoint
+
+            # its layers' layout and tensors
+            check_checkpoint(config, checkpoint.shapes, checkpoint.path, row.language_model or "model")
     return NativeChoice(tokenizer, config, tied, notes)
 
 

@@ -13,4 +13,4 @@ def engine_under_auto(architecture: str | None) -> dict[str, str]:
     row = family(architecture)
     if row is None:
         return {"auto": "transformers", "why": f"the native engine does not run {architecture or 'it'}"}
-    return {"auto": "native", "why": f"the native engine's {RUNTIMES[row.runtime]} family"}
+    return {"auto": "native", "why": f"the native engine runs {architecture} ({RUNTIMES[row.runtime]})"}

@@ -24,6 +24,7 @@ RUNTIMES: dict[str, str] = {
     "gpt_oss": "gpt-oss",
     "moe": "a sparse MoE",
     "qwen3_5": "Qwen3.5 and Qwen3-Next",
+    "gemma4": "Gemma 4",
 }
 
 
@@ -41,8 +42,10 @@ class Family:
     # and full in turn, the first sliding; "gemma3": as Gemma3TextConfig settles them (every
     # `sliding_window_pattern`-th layer full, a RoPE table per kind of layer, an embedding
     # model's bidirectional attention refused); "linear": as Qwen3_5TextConfig settles them
-    # (every `full_attention_interval`-th layer full attention, the others Gated DeltaNet).
-    layer_types: Literal["alternating", "gemma3", "linear"] | None = None
+    # (every `full_attention_interval`-th layer full attention, the others Gated DeltaNet);
+    # "gemma4": as Gemma4TextConfig settles them (gemma4_layout.py: a head width, KV heads and
+    # RoPE per kind, KV shared across layers).
+    layer_types: Literal["alternating", "gemma3", "linear", "gemma4"] | None = None
     default_rope: Mapping[str, Any] | None = None  # its RoPE where config.json names none
     # RoPE "su" and "yarn" are this family's older names for "longrope" (Phi-3).
     longrope_aliases: bool = False
@@ -85,7 +88,7 @@ class Family:
     @property
     def rope_per_kind(self) -> bool:
         """A RoPE table per kind of layer (Gemma 3's local and global ones)."""
-        return self.layer_types == "gemma3"
+        return self.layer_types in ("gemma3", "gemma4")
 
 
 # What Gemma2Config and Gemma3TextConfig both fill in.
@@ -263,6 +266,36 @@ _ROWS = (
         grouped_deltanet_projections=True,
         gguf=("qwen3next",),
     ),
+)
+# What Gemma4ForCausalLM and the text part of Gemma4ForConditionalGeneration share.
+_GEMMA4: dict[str, Any] = {
+    "runtime": "gemma4",
+    # Gemma4TextConfig's (no query_pre_attn_scalar: its attention scores are not scaled).
+    "config_defaults": {key: value for key, value in _GEMMA.items() if key != "query_pre_attn_scalar"}
+    | {
+        "max_position_embeddings": 131_072,
+        "sliding_window": 512,
+        "num_key_value_heads": 4,
+        "final_logit_softcapping": None,
+        "vocab_size_per_layer_input": 262_144,
+        "hidden_size_per_layer_input": 256,
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "enable_moe_block": False,
+        "use_double_wide_mlp": False,
+        "num_experts": None,
+        "top_k_experts": None,
+        "moe_intermediate_size": None,
+    },
+    "layer_types": "gemma4",
+    "head_norms": True,
+    "activation": _GEMMA_SHAPE["activation"],
+    "ffn_norms": True,
+    "embed_scale": True,
+}
+_ROWS += (
+    Family("Gemma4ForCausalLM", **_GEMMA4),
+    Family("Gemma4ForConditionalGeneration", **_GEMMA4, **_LANGUAGE_MODEL),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}
 BY_GGUF: dict[str, Family] = {name: row for row in _ROWS for name in row.gguf}

@@ -36,7 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
-LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3", "longrope", "yarn"})
+LEAN_ROPE_TYPES = frozenset({"default", "linear", "llama3", "longrope", "yarn", "proportional"})
 
 
 class LeanUnsupported(LlmcliError):
@@ -69,6 +69,12 @@ class LeanConfig:
             return
         if row.layer_types == "gemma3":
             self._gemma3()
+        elif row.layer_types == "gemma4":
+            from llmcli.models.gemma4_layout import settle
+
+            if self._values.get("use_bidirectional_attention") == "all":  # "vision": text stays causal
+                raise LeanUnsupported("bidirectional attention over all tokens")
+            settle(self._values)
         elif row.layer_types == "linear" and self._values.get("layer_types") is None:
             interval = self._values.get("full_attention_interval", 4)  # Qwen3_5TextConfig's
             layers = range(self._values["num_hidden_layers"])
@@ -113,6 +119,19 @@ class LeanConfig:
             rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
         values["rope_parameters"] = ropes
 
+    def for_kind(self, kind: str | None) -> LeanConfig:
+        """This config as one kind of its layers reads it: Gemma 4's full layers have their own
+        head width and KV heads (gemma4_layout.py), which their RoPE table is computed over."""
+        row = self.family
+        if kind is None or row is None or row.layer_types != "gemma4":
+            return self
+        from llmcli.models.gemma4_layout import kind_shape
+
+        head_dim, kv_heads = kind_shape(self, kind)
+        view = LeanConfig.__new__(LeanConfig)
+        view._values = {**self._values, "head_dim": head_dim, "num_key_value_heads": kv_heads}
+        return view
+
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("_values", {})
         if name in values:
@@ -147,13 +166,10 @@ class LeanConfig:
 
 def text_part(values: dict[str, Any]) -> dict[str, Any]:
     """A vision-language checkpoint's config as its language model's: config.json's `text_config`,
-    under the checkpoint's architecture, its head tied to the embedding where the whole's config
-    says so (transformers ties by the whole's, False where it is silent)."""
-    return {
-        **values["text_config"],
-        "architectures": values["architectures"],
-        "tie_word_embeddings": values.get("tie_word_embeddings", False),
-    }
+    under the checkpoint's architecture, with what the outer config says of the whole (a tied
+    head, the special ids). transformers ties the head by the whole's config."""
+    outer = ("architectures", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    return {**values["text_config"], **{key: values[key] for key in outer if key in values}}
 
 
 def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:
@@ -167,6 +183,8 @@ def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> 
         return longrope_frequencies(config, length=None)
     if kind == "yarn":
         return _yarn(config, rope)
+    if kind == "proportional":
+        return _proportional(config, rope), 1.0
     inv_freq = 1.0 / (float(rope["rope_theta"]) ** _exponents(config, rope))
     if kind == "linear":
         inv_freq = inv_freq / float(rope["factor"])
@@ -187,6 +205,18 @@ def _exponents(config: Any, rope: dict[str, Any]) -> torch.Tensor:
     """2i / d for each rotated pair of a head's d rotated dimensions, as transformers computes them."""
     dim = _rotated_width(config, rope)
     return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+
+def _proportional(config: Any, rope: dict[str, Any]) -> torch.Tensor:
+    """Gemma 4's full layers: the first `partial_rotary_factor` of each half of the head turned at
+    the frequencies a whole head's first pairs would have (exponents over the whole width), the
+    rest at frequency 0 (cos 1, sin 0: passed unrotated), as transformers computes it."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    angles = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim
+    rotated = 1.0 / (float(rope["rope_theta"]) ** exponents)
+    inv_freq = torch.cat((rotated, torch.zeros(head_dim // 2 - angles)))
+    return inv_freq / float(rope.get("factor", 1.0))
 
 
 def _yarn(config: Any, rope: dict[str, Any]) -> tuple[torch.Tensor, float]:

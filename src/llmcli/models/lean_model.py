@@ -22,6 +22,9 @@ from llmcli.errors import ModelLoadError
 from llmcli.models.deltanet_layout import deltanet_tensors
 from llmcli.models.families import Family
 from llmcli.models.lean_config import DamagedCheckpoint, LeanConfig, LeanUnsupported, rope_frequencies
+from llmcli.models.lean_modules import Norm
+from llmcli.models.lean_modules import fits_the_stream as _fits_the_stream
+from llmcli.models.lean_modules import linear as _linear
 from llmcli.models.tensor_file import TensorFile
 
 # The architectures whose checkpoints this module reads are the rows of families.py: the Llama
@@ -29,23 +32,6 @@ from llmcli.models.tensor_file import TensorFile
 # norms, Gemma's norms around the MLP, sinks, experts). A checkpoint without a tensor its config
 # implies is damaged (transformers' path names it in one line), not a model without it.
 _MLP = frozenset({"gate_proj", "up_proj", "down_proj"})
-
-
-class Norm(nn.Module):
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An nn.Linear around these tensors. Its constructor is skipped: it would initialise random
-    weights first, and on the meta device that imports torch's compiler (1.2 s, measured)."""
-    layer = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(layer)
-    layer.out_features, layer.in_features = weight.shape
-    layer.weight = nn.Parameter(weight, requires_grad=False)
-    layer.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-    return layer
 
 
 class Rotary:
@@ -174,8 +160,8 @@ def check_computes(config: LeanConfig) -> Family:
     activation = getattr(config, field)
     if activation != expected:
         raise LeanUnsupported(f"its activation {activation!r}")
-    for rope in config.rope_parameters.values() if row.rope_per_kind else (None,):
-        rope_frequencies(config, rope)
+    for kind, rope in config.rope_parameters.items() if row.rope_per_kind else ((None, None),):
+        rope_frequencies(config.for_kind(kind), rope)
     return row
 
 
@@ -195,9 +181,15 @@ def build(
     body.embed_tokens = tensors.embedding(embed_name, packed)
     if row.embed_scale:  # what transformers' scaled embedding says it multiplies its rows by
         body.embed_tokens.scalar_embed_scale = config.hidden_size**0.5
-    body.layers = nn.ModuleList(
-        _layer(tensors, f"model.layers.{i}", stand_ins, config, row) for i in range(config.num_hidden_layers)
-    )
+    if row.layer_types == "gemma4":  # its own layer layout (KV shared, per-layer inputs, experts)
+        from llmcli.models.lean_gemma4 import build_layers
+
+        build_layers(tensors, config, body)
+    else:
+        body.layers = nn.ModuleList(
+            _layer(tensors, f"model.layers.{i}", stand_ins, config, row)
+            for i in range(config.num_hidden_layers)
+        )
     body.norm = Norm(tensors.get("model.norm.weight", _norm_dtype(tensors, row, "norm")))
     body.rotary_emb = rotary
     head_name = embed_name if config.tie_word_embeddings else "lm_head.weight"
@@ -235,24 +227,10 @@ def _gemma_rotary(config: LeanConfig, device: torch.device) -> SimpleNamespace:
     its scaling for the others."""
     tables = SimpleNamespace()
     for kind, rope in config.rope_parameters.items():
-        inv_freq, scaling = rope_frequencies(config, rope)
+        inv_freq, scaling = rope_frequencies(config.for_kind(kind), rope)
         setattr(tables, f"{kind}_inv_freq", inv_freq.to(device))
         setattr(tables, f"{kind}_attention_scaling", scaling)
     return tables
-
-
-# The projections that write the residual stream (their rows are the hidden size); every other
-# one reads it (its columns are).
-_WRITERS = frozenset({"o_proj", "down_proj", "w2", "out_proj"})
-
-
-def _fits_the_stream(name: str, weight: torch.Tensor, hidden: int) -> None:
-    """A projection whose side facing the residual stream is not the hidden size: the checkpoint
-    does not match its config, which transformers' path names in one line (DamagedCheckpoint)."""
-    projection = name.removesuffix(".weight").rsplit(".", 1)[-1]
-    side = weight.shape[-2] if projection in _WRITERS else weight.shape[-1]
-    if side != hidden:
-        raise DamagedCheckpoint(f"a checkpoint whose tensor {name} has the shape {list(weight.shape)}")
 
 
 def _has_bias(config: LeanConfig, row: Family, projection: str) -> bool:

@@ -82,7 +82,11 @@ def _weight_tensors(model: Any) -> Iterator[Any]:
 
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
     """Keys and values of one token in every layer that keeps them: layers × KV heads × head dim ×
-    2 × dtype bytes. A linear-attention layer (Qwen3.5's) keeps a state of a fixed size instead."""
+    2 × dtype bytes. A linear-attention layer (Qwen3.5's) keeps a state of a fixed size instead;
+    Gemma 4's layers differ in width, and those reading another's keep none."""
+    gemma4 = _gemma4_kv_bytes_per_token(config, dtype_bytes)
+    if gemma4 is not None:
+        return gemma4
     text = config.get("text_config") or config
     layers = text.get("num_hidden_layers") or text.get("n_layer") or 0
     kinds = text.get("layer_types")
@@ -94,6 +98,28 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd") or 0) // heads
     return layers * kv_heads * head_dim * 2 * dtype_bytes
+
+
+def _gemma4_kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int | None:
+    """Gemma 4's: each layer that computes keys and values at its own width (gemma4_layout); None
+    for any other family."""
+    from llmcli.models.families import family
+
+    architectures = config.get("architectures") or [None]
+    row = family(architectures[0])
+    if row is None or row.layer_types != "gemma4":
+        return None
+    from llmcli.models.gemma4_layout import kv_sources, layer_shapes
+    from llmcli.models.lean_config import LeanConfig
+
+    lean = LeanConfig(config)
+    sources = kv_sources(lean)
+    shapes = layer_shapes(lean)
+    return sum(
+        2 * kv_heads * head_dim * dtype_bytes
+        for i, (head_dim, kv_heads) in enumerate(shapes)
+        if sources[i] == i
+    )
 
 
 # Estimated -----------------------------------------------------------------------------------------

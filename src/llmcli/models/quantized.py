@@ -48,7 +48,7 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
-        self._matmul = _kernel(kind, packed.device)
+        self._matmul = _kernel(kind, packed.device, self.in_features)
         self._rows_in_out = bias is None  # rows in, the kernel's rows out: nothing to reshape or add
 
     @property
@@ -190,11 +190,21 @@ def _int4_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm(x, layer.packed, layer.group, layer.scales.to(x.dtype))
 
 
-def _kernel(kind: str, device: torch.device) -> Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]:
+# torch's CPU int8 kernel reads its input in blocks of this many columns: on a narrower
+# remainder with 4 rows or more it crashes the process (a segfault: torch 2.x, bf16, 8 or 24
+# columns, measured), where a Gemma 4 tiny model's per-layer input is 8 wide.
+INT8_KERNEL_COLUMNS = 16
+
+
+def _kernel(
+    kind: str, device: torch.device, in_features: int
+) -> Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]:
     if kind == "int4":
         return _int4_mm_cuda if device.type == "cuda" else _int4_mm_cpu
     if device.type == "cuda":
         return _int8_mm_cuda  # torch has no CUDA int8 kernel: llmcli's own Triton GEMV
+    if in_features % INT8_KERNEL_COLUMNS:
+        return _int8_dequantizing_mm
     return _int8_mm if _has_int8_kernel(device.type) else _int8_dequantizing_mm
 
 

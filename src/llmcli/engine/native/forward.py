@@ -31,6 +31,11 @@ from llmcli.engine.native.pool import SlotPool
 from llmcli.engine.native.recurrent_cache import RecurrentCache
 
 
+def _rope_sign(half: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """−1 on the first half of a rotated width of 2 × `half`, +1 on the second (Transformer.rope)."""
+    return torch.tensor([-1.0] * half + [1.0] * half, dtype=dtype, device=device)
+
+
 class Transformer:
     def __init__(self, model: Any, context_length: int) -> None:
         weights = family_of(model).weights(model, context_length)
@@ -43,6 +48,7 @@ class Transformer:
         self.rope_scale = weights.rope_scale
         self.local_rope = weights.local_rope
         self.logit_softcap = weights.logit_softcap
+        self.before_blocks = weights.before_blocks
         # In the embedding's dtype, as transformers scales it (Gemma).
         self.embed_scale = (
             torch.tensor(weights.embed_scale, dtype=weights.embedding.dtype, device=weights.embedding.device)
@@ -61,29 +67,51 @@ class Transformer:
         self.state_bytes = sum(
             block.mixer.shape.state_bytes(self.dtype) for block in self.blocks if block.attention is None
         )
-        half = self.inv_freq.shape[0]  # head_dim / 2, or less with a partial rotary factor
-        self.rope_sign = torch.tensor([-1.0] * half + [1.0] * half, dtype=self.dtype, device=self.device)
+        # Each RoPE table's sign vector (their widths differ where a kind of layer has wider heads).
+        tables = [self.inv_freq] + ([self.local_rope[0]] if self.local_rope else [])
+        self.rope_signs = {
+            freqs.shape[0]: _rope_sign(freqs.shape[0], self.dtype, self.device) for freqs in tables
+        }
+
+    def _slots(self) -> tuple[list[int | None], list[tuple[int, int]], list[bool]]:
+        """The cache's layers (slots): each one's window, (KV heads, head width) and whether it
+        keeps keys and values, from the attention that owns it. A block's attention names its
+        slot (`layer`): its own, or the one it reads (Gemma 4's KV sharing: one slot written,
+        several read; the readers' own slots keep nothing). A linear-attention block has no
+        attention: its slot keeps nothing, its state is held apart (RecurrentCache)."""
+        shape = self.shape
+        windows: list[int | None] = [None] * shape.layers
+        shapes = [(shape.kv_heads, shape.head_dim)] * shape.layers
+        kept = [False] * shape.layers
+        for block in self.blocks:
+            if block.attention is not None:
+                attention = block.attention
+                windows[attention.layer] = attention.window
+                shapes[attention.layer] = (attention.shape.kv_heads, attention.shape.head_dim)
+                kept[attention.layer] = True
+        return windows, shapes, kept
 
     def new_cache(self, context_length: int, pool: SlotPool | None = None) -> KVCache:
         shape = self.shape
-        # A linear-attention block has no attention: it holds a state, not keys and values.
-        windows = [block.attention.window if block.attention else None for block in self.blocks]
-        kv_layers = [block.attention is not None for block in self.blocks]
+        windows, shapes, kept = self._slots()
         args = (shape.layers, shape.kv_heads, shape.head_dim, context_length, self.dtype, self.device)
         if not self.recurrent:
-            return KVCache(*args, windows, pool)
-        return RecurrentCache(*args, windows, pool, kv_layers, state_bytes=self.state_bytes)
+            return KVCache(*args, windows, pool, kept, shapes)
+        return RecurrentCache(*args, windows, pool, kept, shapes, state_bytes=self.state_bytes)
 
     def new_pool(self, context_length: int) -> SlotPool:
         """A pool for several sequences' caches (pool.py): one attention call per layer for them all."""
         shape = self.shape
-        # A ring layer keeps its ring in each cache; a linear-attention layer has no keys and
-        # values at all (its state is held per cache): neither takes room in the pool.
+        # A ring layer keeps its ring in each cache; a layer that keeps no keys and values (its
+        # state is held per cache, or it reads another's) takes no room in the pool either.
+        windows, shapes, kept = self._slots()
         pooled = [
-            block.attention is not None and ring_size(block.attention.window, context_length) is None
-            for block in self.blocks
+            keeps and ring_size(window, context_length) is None
+            for window, keeps in zip(windows, kept, strict=True)
         ]
-        return SlotPool(shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device)
+        return SlotPool(
+            shape.layers, shape.kv_heads, shape.head_dim, pooled, self.dtype, self.device, shapes=shapes
+        )
 
     def rope(
         self, positions: torch.Tensor, table: tuple[torch.Tensor, float] | None = None
@@ -96,7 +124,7 @@ class Transformer:
         freqs = positions.float()[:, None, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * scale).to(self.dtype)
-        return cos, (angles.sin() * scale).to(self.dtype) * self.rope_sign
+        return cos, (angles.sin() * scale).to(self.dtype) * self.rope_signs[inv_freq.shape[0]]
 
     def forward(self, tokens: torch.Tensor, plan: Plan) -> torch.Tensor:
         """`tokens` [T] through every block; logits [1 or T, vocab] as the plan asks."""
@@ -107,6 +135,8 @@ class Transformer:
         h = F.embedding(tokens, embedding) if isinstance(embedding, torch.Tensor) else embedding.rows(tokens)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.before_blocks is not None:
+            self.before_blocks(tokens, h)
         h = h.to(self.residual_dtype)
         for block in self.blocks:
             h = block(h, *ropes[block.rope], plan)

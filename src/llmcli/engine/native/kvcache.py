@@ -81,11 +81,15 @@ class KVCache:
         windows: list[int | None] | None = None,
         pool: SlotPool | None = None,
         kv_layers: list[bool] | None = None,
+        shapes: list[tuple[int, int]] | None = None,
     ) -> None:
         """`pool`: hold the layers without a ring in a slot of this pool (pool.py), beside other
         sequences' caches, rather than in tensors of its own. `kv_layers`: per layer, whether it
-        keeps keys and values (all do by default); one that does not holds empty tensors."""
+        keeps keys and values (all do by default); one that does not (a linear-attention layer,
+        a layer reading another's) holds empty tensors. `shapes`: each layer's (KV heads, head
+        width) where they differ between layers (Gemma 4's full layers are wider)."""
         self.shape = (kv_heads, head_dim)
+        self.shapes = shapes or [self.shape] * layers
         self.windows = windows or [None] * layers
         self.kv_layers = kv_layers or [True] * layers
         self.rings = [ring_size(window, context_length) for window in self.windows]
@@ -95,8 +99,8 @@ class KVCache:
         self.context_length = context_length
         self.dtype = dtype
         self.device = device
-        self.keys: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
-        self.values: list[torch.Tensor] = [self._empty(0) for _ in range(layers)]
+        self.keys: list[torch.Tensor] = [self._empty(0, layer) for layer in range(layers)]
+        self.values: list[torch.Tensor] = [self._empty(0, layer) for layer in range(layers)]
         self.capacity = 0
         self.length = 0
         self.storage_version = next(_STORAGE_VERSIONS)
@@ -125,11 +129,11 @@ class KVCache:
                 if not self.kv_layers[layer]:
                     continue
                 if ring is not None:  # made once, at its full size, and never moved
-                    store[layer] = old if old.shape[1] else self._empty(ring)
+                    store[layer] = old if old.shape[1] else self._empty(ring, layer)
                     continue
                 if self.pool is not None:
                     continue  # the pool's slot, below
-                new = self._empty(capacity)
+                new = self._empty(capacity, layer)
                 new[:, : self.length] = old[:, : self.length]
                 store[layer] = new  # one layer at a time: the old tensor goes before the next is made
         if self.pool is not None:
@@ -149,7 +153,7 @@ class KVCache:
             if self.pool.pooled[layer]:
                 self.keys[layer], self.values[layer] = self.pool.view(layer, self.slot)
             elif ring is not None and self.keys[layer].shape[1] == 0:  # its own, made once at its full size
-                self.keys[layer], self.values[layer] = self._empty(ring), self._empty(ring)
+                self.keys[layer], self.values[layer] = self._empty(ring, layer), self._empty(ring, layer)
         self.capacity = self.pool.capacity
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,25 +271,28 @@ class KVCache:
         they fall in for each layer, a ring layer's whole ring."""
         bucket = self.bucket_for(max(positions, 1))
         return sum(
-            self._position_bytes() * (ring or bucket)
-            for ring, kept in zip(self.rings, self.kv_layers, strict=True)
-            if kept
+            self._position_bytes(layer) * (ring or bucket)
+            for layer, ring in enumerate(self.rings)
+            if self.kv_layers[layer]
         )
 
     def ring_bytes(self) -> int:
         """Bytes the ring layers take (their size does not depend on the text's length)."""
-        return sum(self._position_bytes() * ring for ring in self.rings if ring is not None)
+        return sum(
+            self._position_bytes(layer) * ring for layer, ring in enumerate(self.rings) if ring is not None
+        )
 
     def bytes_beside_pool(self) -> int:
         """Bytes a pooled sequence holds in tensors of its own, whatever its length: its rings."""
         return self.ring_bytes()
 
-    def _position_bytes(self) -> int:
-        return position_bytes(*self.shape, self.dtype)
+    def _position_bytes(self, layer: int) -> int:
+        return position_bytes(*self.shapes[layer], self.dtype)
 
     def nbytes(self) -> int:
         """Bytes the keys and values take now (the figure the benchmarks report)."""
         return bytes_of([*self.keys, *self.values])
 
-    def _empty(self, capacity: int) -> torch.Tensor:
-        return torch.zeros(self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
+    def _empty(self, capacity: int, layer: int) -> torch.Tensor:
+        kv_heads, head_dim = self.shapes[layer]
+        return torch.zeros(kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)

@@ -73,6 +73,10 @@ class CausalChunk:
         self.cache, self.start = cache, cache.length
         cache.ensure(self.start + count)
         self.positions = torch.arange(self.start, self.start + count, device=device)
+        # Each ring layer's window before the chunk, read once and the chunk written once: a
+        # layer reading another's slot (Gemma 4's shared KV) comes after the owner has written
+        # the chunk over that window.
+        self.before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, layer = self.cache, attention.layer
@@ -81,8 +85,10 @@ class CausalChunk:
             return attention.attend_causal(q, keys, values)
         # Read before writing: a chunk longer than the slack overwrites the window before it.
         assert attention.window is not None
-        before_k, before_v = cache.recent(layer, self.start, attention.window - 1)
-        cache.write_ring(layer, k, v, self.positions)
+        if layer not in self.before:
+            self.before[layer] = cache.recent(layer, self.start, attention.window - 1)
+            cache.write_ring(layer, k, v, self.positions)
+        before_k, before_v = self.before[layer]
         return attention.attend_causal(q, torch.cat((before_k, k), dim=1), torch.cat((before_v, v), dim=1))
 
     def finish(self) -> None:

@@ -48,15 +48,22 @@ class SlotPool:
         pooled: list[bool],
         dtype: torch.dtype,
         device: torch.device,
+        shapes: list[tuple[int, int]] | None = None,
     ) -> None:
-        """`pooled`: per layer, whether it lives here (a ring layer does not)."""
+        """`pooled`: per layer, whether it lives here (a ring layer does not). `shapes`: each
+        layer's (KV heads, head width) where they differ between layers."""
         self.shape = (kv_heads, head_dim)
+        self.shapes = shapes or [self.shape] * layers
         self.pooled = pooled
         self.dtype, self.device = dtype, device
         self.slots = 0  # allocated
         self.capacity = 0
-        self.keys: list[torch.Tensor | None] = [self._empty(0, 0) if p else None for p in pooled]
-        self.values: list[torch.Tensor | None] = [self._empty(0, 0) if p else None for p in pooled]
+        self.keys: list[torch.Tensor | None] = [
+            self._empty(0, 0, i) if p else None for i, p in enumerate(pooled)
+        ]
+        self.values: list[torch.Tensor | None] = [
+            self._empty(0, 0, i) if p else None for i, p in enumerate(pooled)
+        ]
         self.caches: list[PooledCache] = []  # attached, their slot their index
 
     def attach(self, cache: PooledCache) -> int:
@@ -72,7 +79,7 @@ class SlotPool:
             for layer, old in enumerate(store):
                 if old is None:
                     continue
-                new = self._empty(slots, capacity)
+                new = self._empty(slots, capacity, layer)
                 new[: self.slots, :, : self.capacity] = old
                 store[layer] = new  # one layer at a time: the old tensor goes before the next is made
         self.slots, self.capacity = slots, capacity
@@ -85,12 +92,12 @@ class SlotPool:
         return keys[slot], values[slot]
 
     def bytes_for(self, slots: int, capacity: int) -> int:
-        return position_bytes(*self.shape, self.dtype) * slots * capacity * sum(self.pooled)
+        pooled = [shape for shape, pooled in zip(self.shapes, self.pooled, strict=True) if pooled]
+        return sum(position_bytes(*shape, self.dtype) for shape in pooled) * slots * capacity
 
     def nbytes(self) -> int:
         return self.bytes_for(self.slots, self.capacity)
 
-    def _empty(self, slots: int, capacity: int) -> torch.Tensor:
-        return torch.zeros(
-            slots, self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device
-        )
+    def _empty(self, slots: int, capacity: int, layer: int) -> torch.Tensor:
+        kv_heads, head_dim = self.shapes[layer]
+        return torch.zeros(slots, kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)

@@ -64,3 +64,6 @@ class Weights:
     local_rope: tuple[torch.Tensor, float] | None = None
     embed_scale: float | None = None  # the embedding is multiplied by this (Gemma: √hidden)
     logit_softcap: float | None = None  # logits through cap · tanh(logit / cap) (Gemma 2)
+    # Run once a pass on the tokens and their (scaled) embeddings before the blocks: Gemma 4's
+    # per-layer inputs, which its blocks then read.
+    before_blocks: Callable[[torch.Tensor, torch.Tensor], None] | None = None

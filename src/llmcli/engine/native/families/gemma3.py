@@ -103,7 +103,6 @@ def weights(model: Any, context_length: int) -> Weights:
         eps=config.rms_norm_eps,
     )
     body = model.model
-    rotary = body.rotary_emb
     kinds = config.layer_types
     blocks = []
     for index, layer in enumerate(body.layers):
@@ -118,17 +117,28 @@ def weights(model: Any, context_length: int) -> Weights:
             softcap=getattr(config, "attn_logit_softcapping", None),
         )
         blocks.append(GemmaBlock(layer, attention, shape.eps, "local" if sliding else "global"))
-    table = {kind: _rope_table(rotary, kind) for kind in set(kinds)}  # transformers' own, per kind
+    norm = GemmaRMSNorm(body.norm.weight, shape.eps)
+    return gemma_weights(body, config, model.lm_head, shape, blocks, norm)
+
+
+def gemma_weights(
+    body: Any, config: Any, head: Any, shape: Shape, blocks: list[Any], norm: Any, **extra: Any
+) -> Weights:
+    """A Gemma's weights around its blocks (Gemma 2, 3 and 4; `body`: its text model, `config`:
+    that model's): transformers' own RoPE table per kind of layer, the embedding scaled by its own
+    factor, the logits soft-capped where the config says; `extra`: further fields of Weights."""
+    table = {kind: _rope_table(body.rotary_emb, kind) for kind in set(config.layer_types)}
     full = table.get("full_attention") or table[SLIDING]
     return Weights(
         shape=shape,
         embedding=body.embed_tokens.weight,
         blocks=blocks,
-        norm=GemmaRMSNorm(body.norm.weight, shape.eps),
-        output=projection(model.lm_head),
+        norm=norm,
+        output=projection(head),
         inv_freq=full[0],
         rope_scale=full[1],
         local_rope=table.get(SLIDING),
         embed_scale=float(body.embed_tokens.scalar_embed_scale),
         logit_softcap=getattr(config, "final_logit_softcapping", None),
+        **extra,
     )
