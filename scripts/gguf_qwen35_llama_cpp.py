@@ -1,9 +1,11 @@
 """A tiny Qwen3.5 GGUF file (tests/gguf_qwen35.py: written as llama.cpp's converter writes one)
 run by llama.cpp and by llmcli: that llama.cpp loads and runs the file says the writer writes a
-real `qwen35` file, and the two perplexities on the same text, computed the same way, say that
-llmcli reads it as llama.cpp does. A dev check, not a test: llama.cpp is not a dependency.
+real `qwen35` file (`qwen35moe`, `qwen3next` with --arch), and the two perplexities on the same
+text, computed the same way, say that llmcli reads it as llama.cpp does. A dev check, not a
+test: llama.cpp is not a dependency.
 
     python scripts/gguf_qwen35_llama_cpp.py [--llama-cpp ../shared/llama.cpp] [--half] [--type Q4_0]
+        [--arch qwen3_5|qwen3_5_moe|qwen3_next] [--quant none]
 
 --type: the file quantized by llama.cpp's llama-quantize to that type, and both run on that.
 
@@ -32,7 +34,7 @@ from gguf_qwen35 import tiny_qwen35, write_qwen35_gguf
 from tiny_models import CORPUS
 
 
-def llmcli_perplexities(path: Path, text: str, context: int) -> tuple[list[float], int]:
+def llmcli_perplexities(path: Path, text: str, context: int, quant: str) -> tuple[list[float], int]:
     """The perplexity after each chunk (over the chunks so far, as llama-perplexity prints it),
     and the text's token count."""
     from llmcli.config.settings import LoadSettings
@@ -40,7 +42,7 @@ def llmcli_perplexities(path: Path, text: str, context: int) -> tuple[list[float
     from llmcli.models.load import load_model
     from llmcli.models.resolve import resolve_model
 
-    settings = LoadSettings(device="cpu", dtype="fp32", threads=2, engine="native")
+    settings = LoadSettings(device="cpu", dtype="fp32", threads=2, engine="native", quant=quant)
     loaded = load_model(resolve_model(str(path)), settings, lean=True)
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     first, total, count, after = context // 2, 0.0, 0, []
@@ -74,10 +76,12 @@ def main() -> None:
     parser.add_argument("--half", action="store_true", help="an F16 file (default F32)")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--type", help="quantize the file with llama-quantize to this type first")
+    parser.add_argument("--arch", default="qwen3_5", choices=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+    parser.add_argument("--quant", default="auto", help="llmcli's --quant (none: a quantized file's floats)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmcli-qwen35-gguf-"))
     os.environ["XDG_CACHE_HOME"] = str(work / "cache")
-    path = write_qwen35_gguf(tiny_qwen35(work / "qwen3_5"), work / "qwen35.gguf", half=args.half)
+    path = write_qwen35_gguf(tiny_qwen35(work / args.arch, args.arch), work / "qwen35.gguf", half=args.half)
     if args.type:
         quantized = work / f"qwen35-{args.type}.gguf"
         command = [str(args.llama_cpp / "llama-quantize"), str(path), str(quantized), args.type]
@@ -87,7 +91,7 @@ def main() -> None:
     text_file = work / "text.txt"
     text_file.write_text(text)
     theirs = llama_cpp_perplexities(args.llama_cpp / "llama-perplexity", path, text_file, args.context)
-    ours, count = llmcli_perplexities(path, text, args.context)
+    ours, count = llmcli_perplexities(path, text, args.context, args.quant)
     print(f"{count} tokens by llmcli's tokenizer; perplexity after each chunk of {args.context}:")
     for chunk, (their, our) in enumerate(zip(theirs, ours, strict=False), start=1):
         print(f"  [{chunk}] llama.cpp {their:.4f}  llmcli {our:.4f}  ({100 * (our / their - 1):+.3f} %)")

@@ -1,12 +1,16 @@
-"""A Qwen3.5 folder written as a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes one
-(its Qwen3_5TextModel: architecture `qwen35`), with gguf's own writer and tensor-name table, for
-tests and scripts: llmcli's reader is held to what llama.cpp's converter does, written here from
-its source independently of the reader (models/gguf_deltanet.py undoes it).
+"""A Qwen3.5, Qwen3.5-MoE or Qwen3-Next folder written as a GGUF file the way llama.cpp's
+convert_hf_to_gguf.py writes one (its Qwen3_5TextModel, Qwen3_5MoeTextModel and Qwen3NextModel:
+architectures `qwen35`, `qwen35moe` and `qwen3next`), with gguf's own writer and tensor-name
+table, for tests and scripts: llmcli's reader is held to what llama.cpp's converter does, written
+here from its source independently of the reader (models/gguf_deltanet.py undoes it).
 
 The converter's transforms: every norm but the DeltaNet's gated one stored plus one; A_log as
 −exp(A_log) (`ssm_a`); dt_bias as `ssm_dt.bias`; the convolution squeezed to [channels, kernel];
-value heads reordered from grouped-by-key-head to tiled where a key head serves several; the
-DeltaNet's sizes under `ssm.*`, and RoPE's rotated width and (text) sections."""
+for Qwen3.5 (dense and MoE), value heads reordered from grouped-by-key-head to tiled where a key
+head serves several, and RoPE's (text) sections; for Qwen3-Next, its in_proj_qkvz split into
+`attn_qkv` (every head's q, every k, every v) and `attn_gate` (every z), its in_proj_ba kept
+(`ssm_ba`); the experts stacked per matrix (Qwen2MoeModel's merge), their counts and widths under
+`expert_*`; the DeltaNet's sizes under `ssm.*`, RoPE's rotated width."""
 
 from __future__ import annotations
 
@@ -28,6 +32,14 @@ def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: i
     return split.transpose(dim, dim + 1).reshape(shape)
 
 
+# The converter of each architecture: its `general.architecture`, and whether it tiles value heads.
+ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": ("qwen35", True),
+    "Qwen3_5MoeForCausalLM": ("qwen35moe", True),
+    "Qwen3NextForCausalLM": ("qwen3next", False),
+}
+
+
 def converted(
     name: str, tensor: torch.Tensor, config: Mapping[str, Any], back: bool = False
 ) -> tuple[str, torch.Tensor]:
@@ -36,9 +48,10 @@ def converted(
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
     key_dim, width = key_heads * config["linear_key_head_dim"], config["linear_value_head_dim"]
     per_key = value_heads // key_heads
+    tiles = ARCHITECTURES[config["architectures"][0]][1]
     if back:  # tiled is grouped with the two counts swapped: the same reshape undoes it
         key_heads, per_key = per_key, key_heads
-    if per_key > 1 and ".linear_attn." in name:
+    if tiles and per_key > 1 and ".linear_attn." in name:
         if ".in_proj_qkv." in name or ".conv1d." in name:  # q and k, then the value heads
             data = tensor.reshape(tensor.shape[0], -1)
             values = tiled(data[2 * key_dim :], 0, key_heads, per_key, width)
@@ -60,16 +73,34 @@ def converted(
     return name, tensor
 
 
-def tiny_qwen35(folder: Path) -> Path:
+def split_qkvz(tensor: torch.Tensor, config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3NextModel's split of in_proj_qkvz ([q, k, v, z] rows of each key head in turn) into
+    attn_qkv (every head's q, then every k, then every v) and attn_gate (every z)."""
+    heads, key_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    values = config["linear_num_value_heads"] // heads * config["linear_value_head_dim"]
+    hidden = tensor.shape[1]
+    q, k, v, z = torch.split(tensor.reshape(heads, -1, hidden), [key_dim, key_dim, values, values], 1)
+    return torch.cat([part.reshape(-1, hidden) for part in (q, k, v)]), z.reshape(-1, hidden)
+
+
+def tiny_qwen35(folder: Path, arch: str = "qwen3_5") -> Path:
     """tests/tiny_models.py's Qwen3.5 (2 key heads serving 4 value heads: the file reorders them)
-    with every weight a value fp16 holds, so that an F16 file holds the folder's model exactly,
-    and random norms, A_log and dt_bias (transformers starts the norms at zero, where a norm
-    stored plus one and read back without the one taken off would still read as the folder's)."""
+    — or its `arch`, "qwen3_5_moe" or "qwen3_next" (every layer sparse here, as llama.cpp's
+    `qwen3next` has no dense one) — with every weight a value fp16 holds, so that an F16 file
+    holds the folder's model exactly, and random norms, A_log and dt_bias (transformers starts
+    the norms at zero, where a norm stored plus one and read back without the one taken off
+    would still read as the folder's)."""
     from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiny_models import build_tiny_model
 
-    build_tiny_model(folder, "qwen3_5")
+    build_tiny_model(folder, arch)
+    if arch == "qwen3_next":
+        config = AutoConfig.from_pretrained(folder)
+        config.mlp_only_layers = []
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     weights = load_file(folder / "model.safetensors")
     generator = torch.Generator().manual_seed(3)
     for name, tensor in weights.items():
@@ -113,8 +144,9 @@ def write_qwen35_gguf(
 ) -> Path:
     """`folder` (a Qwen3.5 text model saved by transformers, with a byte-level BPE tokenizer)
     as `target`: matrices F16 where `half`, Q8_0 where `q8_0` (as llama.cpp's quantizer makes
-    them: gguf's own quantization), else F32; everything of one dimension and the convolution
-    F32, as the converter keeps them (llama.cpp's convolution takes no other type). `mtp`: an
+    them: gguf's own quantization, the shared expert's gate a vector), else F32; everything of
+    one dimension, the convolution and the router F32, as the converter keeps them (llama.cpp's
+    convolution takes no other type). `mtp`: an
     MTP block after the model's own, as the converter writes Qwen3.5's MTP layer (a `nextn`
     block counted in block_count: here its last layer's tensors again, and the nextn
     projection and norms, random). `metadata` overrides keys (by their whole names; None leaves
@@ -128,7 +160,7 @@ def write_qwen35_gguf(
     assert kinds == [("linear_attention", "full_attention")[(i + 1) % interval == 0] for i in range(layers)]
     rope = config["rope_parameters"]
     rotated = int(config["head_dim"] * rope.get("partial_rotary_factor", 0.25))
-    arch = "qwen35"
+    arch, tiles = ARCHITECTURES[config["architectures"][0]]
     values: dict[str, Any] = {
         f"{arch}.block_count": layers + mtp,
         f"{arch}.context_length": config["max_position_embeddings"],
@@ -141,7 +173,6 @@ def write_qwen35_gguf(
         f"{arch}.attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
         f"{arch}.rope.freq_base": rope["rope_theta"],
         f"{arch}.rope.dimension_count": rotated,
-        f"{arch}.rope.dimension_sections": [*rope.get("mrope_section", _sections(rotated // 2)), 0],
         f"{arch}.ssm.conv_kernel": config["linear_conv_kernel_dim"],
         f"{arch}.ssm.state_size": config["linear_key_head_dim"],
         f"{arch}.ssm.group_count": config["linear_num_key_heads"],
@@ -150,6 +181,8 @@ def write_qwen35_gguf(
         f"{arch}.full_attention_interval": interval,
         "general.file_type": 7 if q8_0 else 1 if half else 0,
         **({f"{arch}.nextn_predict_layers": 1} if mtp else {}),
+        **_expert_metadata(arch, config),
+        **_rope_sections(arch, rope, rotated),
         **_tokenizer_metadata(folder, config),
     }
     values.update(metadata or {})
@@ -157,12 +190,14 @@ def write_qwen35_gguf(
     writer = gguf.GGUFWriter(str(target), arch)
     for key, value in values.items():
         writer.add_key_value(key, value, *_gguf_type(value))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     stored: dict[str, torch.Tensor] = {}
-    for hf, tensor in load_file(folder / "model.safetensors").items():
+    for hf, tensor in _converter_input(load_file(folder / "model.safetensors"), config).items():
         renamed, data = converted(hf, tensor.float(), config)
         name = names.get_name(renamed, try_suffixes=(".weight", ".bias"))
         assert name is not None, renamed
+        if ".attn_qkv." in name and not tiles:  # Qwen3-Next's in_proj_qkvz, split in two
+            data, stored[name.replace(".attn_qkv.", ".attn_gate.")] = split_qkvz(data, config)
         stored[name] = data
         if mtp and name.startswith(f"blk.{layers - 1}."):
             assert kinds[-1] == "full_attention"  # an MTP layer is one
@@ -175,9 +210,12 @@ def write_qwen35_gguf(
     for name, data in stored.items():
         if not keep(name):
             continue
-        matrix = data.ndim == 2 and ".ssm_conv1d." not in name  # the converter keeps the conv in F32
+        if q8_0 and ".ffn_gate_inp_shexp." in name:  # as llama.cpp's quantizer writes it back: a vector
+            data = data.reshape(-1)
+        # The converter keeps the convolution and the router in F32.
+        matrix = data.ndim >= 2 and ".ssm_conv1d." not in name and ".ffn_gate_inp." not in name
         array = np.ascontiguousarray(data.numpy().astype(np.float16 if half and matrix else np.float32))
-        if q8_0 and matrix and data.shape[1] % 32 == 0:
+        if q8_0 and matrix and data.shape[-1] % 32 == 0:
             from gguf.quants import quantize
 
             kind = gguf.GGMLQuantizationType.Q8_0
@@ -189,6 +227,44 @@ def write_qwen35_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def _converter_input(weights: dict[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors as the converter's modify_tensors sees them: Qwen3-Next's in_proj_qkvz under
+    the name the tensor map gives attn_qkv, and each layer's experts stacked, one tensor per
+    matrix ([experts, out, in]), as Qwen2MoeModel merges them."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        head, dot, rest = name.partition(".mlp.experts.")
+        if dot:  # model.layers.N.mlp.experts.E.gate_proj.weight
+            expert, matrix = rest.split(".", 1)
+            experts.setdefault(f"{head}.mlp.experts.{matrix}", {})[int(expert)] = tensor
+        else:
+            out[name.replace(".in_proj_qkvz.", ".in_proj_qkv.")] = tensor
+    for name, each in experts.items():
+        assert sorted(each) == list(range(config["num_experts"])), name
+        out[name] = torch.stack([each[expert] for expert in range(len(each))])
+    return out
+
+
+def _expert_metadata(arch: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What the converter writes of a MoE's experts (TextModel's counts, Qwen2MoeModel's widths)."""
+    if "num_experts" not in config:
+        return {}
+    return {
+        f"{arch}.expert_count": config["num_experts"],
+        f"{arch}.expert_used_count": config["num_experts_per_tok"],
+        f"{arch}.expert_feed_forward_length": config["moe_intermediate_size"],
+        f"{arch}.expert_shared_feed_forward_length": config["shared_expert_intermediate_size"],
+    }
+
+
+def _rope_sections(arch: str, rope: Mapping[str, Any], rotated: int) -> dict[str, Any]:
+    """Qwen3.5's converters (_Qwen35MRopeMixin) write RoPE's sections; Qwen3-Next's does not."""
+    if arch == "qwen3next":
+        return {}
+    return {f"{arch}.rope.dimension_sections": [*rope.get("mrope_section", _sections(rotated // 2)), 0]}
 
 
 def _sections(pairs: int) -> list[int]:

@@ -161,7 +161,7 @@ def test_a_file_contradicting_itself_is_named_in_one_line(
     assert "damaged.gguf" in line and says in line, line
 
 
-@pytest.mark.parametrize("architecture", ["qwen35moe", "qwen3next"])
+@pytest.mark.parametrize("architecture", ["nemotron_h", "granitehybrid"])
 def test_a_hybrid_architecture_llmcli_cannot_run_yet_is_named_in_one_line(
     architecture: str, folder: Path, tmp_path: Path
 ) -> None:

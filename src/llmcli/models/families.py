@@ -233,7 +233,14 @@ _ROWS = (
         mxfp4_on_cpu=True,
     ),
     Family("Qwen3_5ForCausalLM", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE, gguf=("qwen35",)),
-    Family("Qwen3_5MoeForCausalLM", "qwen3_5", _QWEN3_5_MOE, **_QWEN3_5_SHAPE, **_SHARED_EXPERTS),
+    Family(
+        "Qwen3_5MoeForCausalLM",
+        "qwen3_5",
+        _QWEN3_5_MOE,
+        **_QWEN3_5_SHAPE,
+        **_SHARED_EXPERTS,
+        gguf=("qwen35moe",),
+    ),
     # Their vision-language checkpoints, of which the native engine runs the language model.
     Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _QWEN3_5, **_QWEN3_5_SHAPE, **_LANGUAGE_MODEL),
     Family(
@@ -257,6 +264,7 @@ _ROWS = (
         **_QWEN3_5_SHAPE,
         **_SHARED_EXPERTS,
         grouped_deltanet_projections=True,
+        gguf=("qwen3next",),
     ),
 )
 # What Gemma4ForCausalLM and the text part of Gemma4ForConditionalGeneration share.

@@ -1,11 +1,11 @@
 """A GGUF file read as it is: its tensors straight from the file, nothing converted on disk.
 
 For the architectures the native engine runs (llama.cpp's `llama`, which Mistral's files use
-too, `qwen2`, `qwen3`, and Qwen3.5's `qwen35`, whose DeltaNet tensors gguf_deltanet.py puts back
-in transformers' layout), a GGUF file's small parts are written once beside its fingerprint in
-llmcli's cache — config.json (from the file's metadata), the tokenizer and chat template
-(transformers' own GGUF tokenizer conversion, once), and a note of where the file is — and its
-weights are read from the file itself at every load:
+too, `qwen2`, `qwen3`, and Qwen3.5's `qwen35`, `qwen35moe` and `qwen3next`, whose DeltaNet and
+expert tensors gguf_deltanet.py puts back in transformers' layout), a GGUF file's small parts are
+written once beside its fingerprint in llmcli's cache — config.json (from the file's metadata),
+the tokenizer and chat template (transformers' own GGUF tokenizer conversion, once), and a note
+of where the file is — and its weights are read from the file itself at every load:
 
 - F32, F16 and BF16 tensors as they are;
 - Q4_0, Q4_1 and Q4_K tensors as int4 codes on groups of 32, the file's own blocks
@@ -131,7 +131,9 @@ def deltanet_sizes(table: GGUFTable) -> gguf_deltanet.DeltaNetSizes | None:
     sizes contradict each other is refused, naming the key."""
     if not _is_hybrid(table.architecture):
         return None
-    sizes, problem = gguf_deltanet.sizes_of(lambda name: table.metadata.get(f"{table.architecture}.{name}"))
+    tiled = not by_gguf(table.architecture).grouped_deltanet_projections  # Qwen3-Next's are grouped
+    key = lambda name: table.metadata.get(f"{table.architecture}.{name}")  # noqa: E731
+    sizes, problem = gguf_deltanet.sizes_of(key, tiled)
     if sizes is None:
         raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
     return sizes
@@ -181,6 +183,9 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
             )
         return value
 
+    row = by_gguf(arch)
+    sparse = row is not None and row.shared_expert  # a MoE file: its dense width may be left out
+    dense_width = key("expert_feed_forward_length") if sparse else None
     heads = count("attention.head_count")
     hidden = count("embedding_length")
     if heads <= 0 or hidden <= 0:
@@ -193,7 +198,7 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         "architectures": [by_gguf(arch).architecture],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": count("feed_forward_length"),
+        "intermediate_size": count("feed_forward_length", dense_width),
         "num_hidden_layers": count("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": count("attention.head_count_kv", heads),
@@ -226,6 +231,12 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
         if problem is not None:
             raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
         config |= gguf_deltanet.config_fields(key, sizes, config["head_dim"], config["num_hidden_layers"])
+        config["model_type"] = gguf_deltanet.MODEL_TYPES[arch]
+        if sparse:
+            experts, problem = gguf_deltanet.expert_fields(key, row.grouped_deltanet_projections)
+            if experts is None:
+                raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
+            config |= experts
         rope = {"rope_type": "default", "rope_theta": config["rope_theta"]} | config.pop("rope_scaling", {})
         config["rope_parameters"] = rope | {"partial_rotary_factor": config.pop("partial_rotary_factor")}
     return config
@@ -282,7 +293,7 @@ def check_shapes(table: GGUFTable) -> None:
                 continue  # an MTP head's, not read (mtp_blocks)
             raise _wrongly_shaped(table, f"tensor {entry.name} is past its {blocks} blocks")
         expected = within.get(rest) if in_block else top.get(entry.name)
-        if expected is not None and entry.shape != expected:
+        if expected is not None and not gguf_deltanet.fits(rest, entry.shape, expected):
             settings = gguf_deltanet.IMPLIED_BY.get(rest) if sizes is not None and in_block else None
             raise _wrongly_shaped(
                 table,
@@ -298,9 +309,10 @@ def check_shapes(table: GGUFTable) -> None:
 def _required(table: GGUFTable, config: dict[str, Any], block: int) -> list[str]:
     """The tensors block `block` must hold, by their name within it, as llama.cpp's loader
     requires them: a Llama block's and what its family adds, or a hybrid's by its layer kind."""
-    if _is_hybrid(table.architecture):
-        return sorted(gguf_deltanet.REQUIRED[config["layer_types"][block]])
     row = by_gguf(table.architecture)
+    if _is_hybrid(table.architecture):
+        kind = config["layer_types"][block]
+        return sorted(gguf_deltanet.required(kind, row.shared_expert, row.grouped_deltanet_projections))
     return sorted(_REQUIRED_IN_A_BLOCK | (row.gguf_required if row is not None else frozenset()))
 
 
@@ -521,18 +533,55 @@ def source_of(folder: Path) -> Path:
 
 def shapes_of_table(table: GGUFTable) -> dict[str, TensorHeader]:
     """transformers' name → the file's tensors' shapes, element sizes (2 for blocks: the 16-bit
-    width they are estimated against) and types (Checkpoint.shapes)."""
+    width they are estimated against) and types (Checkpoint.shapes); those it holds in parts
+    (joined_parts) as the model holds them, joined, each weight counted once."""
     widths = {"F32": 4, "F16": 2, "BF16": 2}
-    return {
+    by_name = _by_hf_name(table)
+    shapes = {
         name: TensorHeader(
             list(gguf_deltanet.hf_shape(name, entry.shape)),
             widths.get(entry.type_name, 2),
             entry.type_name,
             entry.nbytes,
         )
-        for entry in table.tensors.values()
-        if (name := hf_name(entry.name, table.architecture)) and not in_mtp_block(table, entry.name)
+        for name, entry in by_name.items()
     }
+    for name, part_names in joined_parts(table, by_name).items():
+        parts = [by_name[part] for part in part_names]
+        shape = gguf_deltanet.joined_shape(name, [part.shape for part in parts])
+        first = parts[0]
+        shapes[name] = TensorHeader(
+            list(shape), widths.get(first.type_name, 2), first.type_name, sum(part.nbytes for part in parts)
+        )
+        for part in part_names:
+            del shapes[part]
+    return shapes
+
+
+def _by_hf_name(table: GGUFTable) -> dict[str, TableEntry]:
+    """The file's tensors the model reads, by transformers' name (an MTP block's left out)."""
+    return {
+        hf: entry
+        for entry in table.tensors.values()
+        if (hf := hf_name(entry.name, table.architecture)) and not in_mtp_block(table, entry.name)
+    }
+
+
+def joined_parts(table: GGUFTable, by_name: dict[str, TableEntry]) -> dict[str, tuple[str, ...]]:
+    """transformers' tensors a hybrid file holds in parts (gguf_deltanet.JOINED; Qwen3-Next's
+    in_proj_qkvz too), by their name, → the parts' names, in order; where every part is there."""
+    row = by_gguf(table.architecture)
+    if row is None or not _is_hybrid(table.architecture):
+        return {}
+    wanted = gguf_deltanet.JOINED | (gguf_deltanet.GROUPED_JOINED if row.grouped_deltanet_projections else {})
+    found: dict[str, tuple[str, ...]] = {}
+    for name in by_name:
+        for target, parts in wanted.items():
+            if name.endswith(f".{parts[0]}"):
+                prefix = name.removesuffix(parts[0])
+                if all(prefix + part in by_name for part in parts):
+                    found[prefix + target] = tuple(prefix + part for part in parts)
+    return found
 
 
 _COPIED_BELOW = 1 << 20  # bytes
@@ -574,12 +623,8 @@ class GGUFTensors:
         self.dtype, self.device = dtype, device
         self.path = source
         self.table = table or read_table(source)  # checked when the folder was resolved (check_shapes)
-        arch = self.table.architecture
-        self._by_name = {
-            hf: entry
-            for entry in self.table.tensors.values()
-            if (hf := hf_name(entry.name, arch)) and not in_mtp_block(self.table, entry.name)
-        }
+        self._by_name = _by_hf_name(self.table)
+        self._joined = joined_parts(self.table, self._by_name)  # read as their parts joined
         self._sizes = deltanet_sizes(self.table)  # a hybrid's: its tensors stored otherwise are restored
         # Copy-on-write: torch takes a writable array; nothing is ever written through it.
         # None: every tensor is a copy (private_copies).
@@ -589,7 +634,7 @@ class GGUFTensors:
         self._heads = {"q_proj": heads[0], "k_proj": heads[1]}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._by_name
+        return name in self._by_name or name in self._joined
 
     def entry(self, name: str) -> TableEntry:
         from llmcli.models.lean_config import DamagedCheckpoint
@@ -627,12 +672,19 @@ class GGUFTensors:
         projection = name.rsplit(".", 2)[-2]
         return self._heads.get(projection)
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        entry = self.entry(name)
+    def _stored(self, entry: TableEntry) -> torch.Tensor:
+        """The tensor's values as stored (float types as they are, blocks dequantized)."""
         # A small tensor (a norm) read through the mapping maps its neighbours' pages too: the
         # demo's 61 norms brought 38 MB of the file into the process. Those are copied instead.
         raw = self.read(entry).reshape(-1) if entry.nbytes < _COPIED_BELOW else self.raw(entry)
-        tensor = _values(raw, entry)
+        return _values(raw, entry)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name in self._joined:
+            parts = [self._stored(self._by_name[part]) for part in self._joined[name]]
+            tensor = gguf_deltanet.joined(name, parts, self._sizes)
+            return tensor.to(device=self.device, dtype=dtype or self.dtype)
+        tensor = self._stored(self.entry(name))
         heads = self.rows_heads(name)
         if heads is not None:
             tensor = unpermute_rows(tensor, heads).contiguous()
