@@ -141,9 +141,12 @@ def _config_as_written() -> Iterator[None]:
         raise LeanUnsupported(f"its config.json as written ({type(error).__name__}: {error})") from None
 
 
-def build(checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: ExactCodes | None) -> Built:
+def build(
+    checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: ExactCodes | None, mtp: bool = False
+) -> Built:
     """The model, its linear layers the quantizer reads from `exact` (a GGUF file's blocks) left
-    as stand-ins. LeanUnsupported or DamagedCheckpoint where the files turn out otherwise."""
+    as stand-ins (`mtp`: with its MTP module, lean_model.build). LeanUnsupported or
+    DamagedCheckpoint where the files turn out otherwise."""
     from llmcli.models.lean_model import build as build_lean
 
     config = choice.config
