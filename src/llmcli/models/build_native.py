@@ -54,6 +54,35 @@ class NativeChoice:
     notes: tuple[str, ...] = ()  # said after the context's note
 
 
+# The architectures whose MTP module the native engine runs as a drafter (engine/native/mtp.py).
+MTP_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM"})
+
+
+def require_mtp_head(checkpoint: Checkpoint, settings: LoadSettings, lean: bool) -> None:
+    """--speculative mtp: refused in one line, from the tensors' names and the settings before
+    any weight is read, where the checkpoint has no MTP module or the native builder would not
+    build the model with it."""
+    from llmcli.errors import UsageError
+
+    if not any(name.startswith("mtp.") for name in checkpoint.shapes):
+        raise UsageError(
+            f"{checkpoint.name} has no MTP head (no mtp.* tensors) for --speculative mtp to draft with",
+            "use --speculative lookup, or a draft model (--speculative draft --draft-model MODEL)",
+        )
+    if checkpoint.architecture not in MTP_ARCHITECTURES:
+        raise UsageError(
+            f"--speculative mtp: llmcli drafts with the MTP heads of {', '.join(sorted(MTP_ARCHITECTURES))} "
+            f"only, and {checkpoint.name} is {checkpoint.architecture or 'of no architecture named'}",
+            "use --speculative lookup",
+        )
+    row = family(checkpoint.architecture)
+    native = settings.engine == "native" or (
+        settings.engine != "transformers" and row is not None and not row.native_when_asked
+    )
+    if not lean or not native:
+        raise UsageError("--speculative mtp drafts on the native engine", "add --engine native")
+
+
 def note_for(why: LeanUnsupported) -> Refusal:
     """The note a reason makes, as the user reads it."""
     note = f"loading through transformers (a slower start): the lean loader does not read {why}"
@@ -159,7 +188,7 @@ def build(
             from llmcli.models.language_model import LanguageModelTensors
 
             tensors = LanguageModelTensors(tensors, language_model)
-        model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed)
+        model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed, mtp)
     return Built(model, choice.tokenizer, notes=list(choice.notes))
 
 
