@@ -270,3 +270,18 @@ def test_a_server_started_with_mtp_drafts_per_request(models: dict[str, Path], t
             "POST", "/v1/chat/completions", json.dumps({**body, "speculative": "mtp"}).encode()
         )
     assert status == 400 and "--speculative mtp" in refused["error"]["message"]
+
+
+def test_sampled_drafts_carry_the_distribution_each_was_drawn_from(models: dict[str, Path]) -> None:
+    """A sampled draft gives the acceptance rule its q: one row per token, the token drawn
+    from it; and the head's chained entries are cropped after each draft."""
+    loaded = load(models["random"])
+    engine = engine_for(loaded, backend="native")
+    drafter = MtpDrafter(engine, MtpHead(loaded.model.mtp, engine.backend.net, 1024))
+    prompt = ids(16, seed=4)
+    engine.prefill(prompt)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    draft = drafter.propose([*prompt, 7], 4, params, torch.Generator().manual_seed(0))
+    assert draft.probs is not None and draft.probs.shape[0] == len(draft.tokens) == 4
+    assert all(float(row[token]) > 0 for row, token in zip(draft.probs, draft.tokens, strict=True))
+    assert drafter.head.cache.length == len(prompt)  # an entry per position the model has run
