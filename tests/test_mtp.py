@@ -251,8 +251,9 @@ def test_mtp_where_it_cannot_draft_is_refused_in_one_line(
 
 
 def test_a_server_started_with_mtp_drafts_per_request(models: dict[str, Path], tmp_path: Path) -> None:
-    """The same reply with and without the head's drafts, the drafts reported; a server started
-    without the head answers a request for it with a 400 in OpenAI's shape."""
+    """The same reply with and without the head's drafts, the drafts reported; a call asking for
+    them goes through that server; a server started without the head answers a request for it
+    with a 400 in OpenAI's shape, and a call asking for them loads the model in-process."""
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24, "temperature": 0}
     extra = ("--engine", "native", "--speculative", "mtp", "--draft-tokens", "3")
     with serving(models["predicting"], tmp_path / "with", *extra) as server:
@@ -261,6 +262,8 @@ def test_a_server_started_with_mtp_drafts_per_request(models: dict[str, Path], t
         status, plain = server.raw(
             "POST", "/v1/chat/completions", json.dumps({**body, "speculative": "off"}).encode()
         )
+        through = call_with_mtp(models["predicting"], server.runtime)
+    assert through["server"] is not None and through["speculative"]["method"] == "mtp"
     assert status == 200 and plain["timings"]["speculative"] is None
     assert drafted["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
     stats = drafted["timings"]["speculative"]
@@ -269,7 +272,20 @@ def test_a_server_started_with_mtp_drafts_per_request(models: dict[str, Path], t
         status, refused = server.raw(
             "POST", "/v1/chat/completions", json.dumps({**body, "speculative": "mtp"}).encode()
         )
+        here = call_with_mtp(models["predicting"], server.runtime)
     assert status == 400 and "--speculative mtp" in refused["error"]["message"]
+    assert here["server"] is None and here["text"] == through["text"]
+
+
+def call_with_mtp(folder: Path, runtime: Path) -> dict:
+    """`generate --speculative mtp --json` where the servers of `runtime` may serve it."""
+    args = ["-m", str(folder), "--device", "cpu", "--dtype", "fp32", "--engine", "native", "-t", "0"]
+    result = run_cli(
+        "generate", *args, "-n", "12", "--json", "--speculative", "mtp", "Hello",
+        env={"XDG_RUNTIME_DIR": str(runtime)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()
+    return json.loads(result.stdout)
 
 
 def test_sampled_drafts_carry_the_distribution_each_was_drawn_from(models: dict[str, Path]) -> None:
