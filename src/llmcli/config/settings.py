@@ -325,8 +325,8 @@ class SpeculativeSettings:
         flags=("--speculative",),
         help="Draft several tokens and check them in one pass; the output stays the same. lookup: "
         "drafts from the text itself (rewriting, editing, extracting from piped input); draft: a "
-        "smaller model (--draft-model); mtp: the model's own multi-token-prediction head (Qwen3.5, "
-        "--engine native); off. Default: off ($LLMCLI_SPECULATIVE, config file).",
+        "smaller model (--draft-model); mtp: the model's own multi-token-prediction head (Qwen3.5, on "
+        "the native engine); off. Default: off ($LLMCLI_SPECULATIVE, config file).",
         panel=SPECULATIVE,
         layered=True,
         key="speculative",

@@ -109,7 +109,7 @@ def _mtp_drafter(loaded: LoadedModel, engine: Engine | None) -> MtpDrafter:
     if mtp is None:
         raise UsageError(
             f"{loaded.name} was loaded without its MTP head: --speculative mtp is asked for at the start",
-            "start again with --speculative mtp --engine native",
+            "start again with --speculative mtp",
         )
     if engine is None or not isinstance(engine.backend, NativeBackend):
         raise UsageError(
