@@ -171,7 +171,7 @@ def test_the_head_computes_what_qwen3_5s_modules_assembled_compute(models: dict[
     backend.net.hidden_tap = lambda plan, normed: rows.append(normed)
     backend.prefill(tokens)  # in pieces: the cache checkpoints its states one token before the end
     hidden = torch.cat(rows)
-    head = MtpHead(loaded.model.mtp, backend.net, 256)
+    head = MtpHead(loaded.model, backend.net, 256)
     out, logits = head.run(torch.tensor(tokens[1:]), hidden[:-1])
     assert (out - expected_out).abs().max().item() < ATOL
     assert (logits - expected_logits[-1:]).abs().max().item() < ATOL
@@ -196,7 +196,7 @@ def test_drafts_never_change_the_greedy_output(models: dict[str, Path], kind: st
     plain = engine_for(loaded, backend="native")
     engine = engine_for(loaded, backend="native")
     engine.speculation = Speculation(
-        MtpDrafter(engine, MtpHead(loaded.model.mtp, engine.backend.net, 1024)), DraftLength(3)
+        MtpDrafter(engine, MtpHead(loaded.model, engine.backend.net, 1024)), DraftLength(3)
     )
     prompt = ids(20, seed=2)
     for turn in range(2):
@@ -293,7 +293,7 @@ def test_sampled_drafts_carry_the_distribution_each_was_drawn_from(models: dict[
     from it; and the head's chained entries are cropped after each draft."""
     loaded = load(models["random"])
     engine = engine_for(loaded, backend="native")
-    drafter = MtpDrafter(engine, MtpHead(loaded.model.mtp, engine.backend.net, 1024))
+    drafter = MtpDrafter(engine, MtpHead(loaded.model, engine.backend.net, 1024))
     prompt = ids(16, seed=4)
     engine.prefill(prompt)
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)

@@ -117,7 +117,7 @@ def _mtp_drafter(loaded: LoadedModel, engine: Engine | None) -> MtpDrafter:
             f"{engine.name if engine is not None else 'another'}",
             "add --engine native",
         )
-    return MtpDrafter(engine, MtpHead(mtp, engine.backend.net, engine.context_length))
+    return MtpDrafter(engine, MtpHead(loaded.model, engine.backend.net, engine.context_length))
 
 
 def _draft_source(

@@ -49,6 +49,7 @@ import torch
 
 from llmcli.engine.native.families.gemma3 import GemmaRMSNorm
 from llmcli.engine.native.families.qwen3_5 import GatedAttention, GatedBlock
+from llmcli.engine.native.families.shared_expert import feed_forward
 from llmcli.engine.native.kvcache import KVCache
 from llmcli.engine.native.layers import projection
 from llmcli.engine.native.plans import CausalChunk
@@ -58,10 +59,11 @@ if TYPE_CHECKING:
 
 
 class MtpHead:
-    """The MTP module over its own KV cache, beside `net` (the main model: its embedding, RoPE
-    and lm_head)."""
+    """`model`'s MTP module (`model.mtp`, models/lean_model.py) over its own KV cache, beside
+    `net` (the main model: its embedding, RoPE and lm_head)."""
 
-    def __init__(self, mtp: Any, net: Transformer, context_length: int) -> None:
+    def __init__(self, model: Any, net: Transformer, context_length: int) -> None:
+        mtp = model.mtp
         self.net = net
         eps = net.shape.eps
         self.embedding_norm = GemmaRMSNorm(mtp.pre_fc_norm_embedding.weight, eps)
@@ -69,7 +71,10 @@ class MtpHead:
         self.fc = projection(mtp.fc)
         shape = dataclasses.replace(net.shape, layers=1)
         layer = mtp.layers[0]
-        self.block = GatedBlock(layer, GatedAttention(layer.self_attn, shape, 0, norm=GemmaRMSNorm), eps)
+        attention = GatedAttention(layer.self_attn, shape, 0, norm=GemmaRMSNorm)
+        # Its MLP as the body's layers have theirs: dense, or experts beside a shared one.
+        mlp = feed_forward(layer.mlp, bool(getattr(model.config, "norm_topk_prob", True)))
+        self.block = GatedBlock(layer, attention, eps, mlp)
         self.norm = GemmaRMSNorm(mtp.norm.weight, eps)
         self.cache = KVCache(1, shape.kv_heads, shape.head_dim, context_length, net.dtype, net.device)
 
