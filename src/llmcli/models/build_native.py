@@ -54,8 +54,10 @@ class NativeChoice:
     notes: tuple[str, ...] = ()  # said after the context's note
 
 
-# The architectures whose MTP module the native engine runs as a drafter (engine/native/mtp.py).
-MTP_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM"})
+# The architectures whose MTP module the native engine runs as a drafter (engine/native/mtp.py):
+# Qwen3.5 dense, as a text model or as the vision-language checkpoints Qwen publishes (their
+# `mtp.*` lies beside `model.language_model.*`, under the same names).
+MTP_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"})
 
 
 def require_mtp_head(checkpoint: Checkpoint, settings: LoadSettings, lean: bool) -> None:
