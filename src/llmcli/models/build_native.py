@@ -77,12 +77,8 @@ def require_mtp_head(checkpoint: Checkpoint, settings: LoadSettings, lean: bool)
             f"only, and {checkpoint.name} is {checkpoint.architecture or 'of no architecture named'}",
             "use --speculative lookup",
         )
-    row = family(checkpoint.architecture)
-    native = settings.engine == "native" or (
-        settings.engine != "transformers" and row is not None and not row.native_when_asked
-    )
-    if not lean or not native:
-        raise UsageError("--speculative mtp drafts on the native engine", "add --engine native")
+    if not lean or settings.engine == "transformers":  # auto runs these natively
+        raise UsageError("--speculative mtp drafts on the native engine", "use --engine native or auto")
 
 
 def note_for(why: LeanUnsupported) -> Refusal:
