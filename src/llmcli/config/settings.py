@@ -308,7 +308,7 @@ class LoadSettings:
         return self
 
 
-SPECULATIVE_METHODS = ("off", "lookup", "draft")
+SPECULATIVE_METHODS = ("off", "lookup", "draft", "mtp")
 THINK_MODES = ("show", "hide", "off")
 MOST_DRAFT_TOKENS = 64
 MOST_BEAMS = 64  # --num-beams: beam search keeps this many sequences at most
@@ -316,15 +316,17 @@ MOST_BEAMS = 64  # --num-beams: beam search keeps this many sequences at most
 
 @dataclass(frozen=True)
 class SpeculativeSettings:
-    """Speculative decoding: off, lookup (drafts from the context's own n-grams), or draft (a
-    smaller model with the same vocabulary; "self" is the model's own int4 copy)."""
+    """Speculative decoding: off, lookup (drafts from the context's own n-grams), draft (a
+    smaller model with the same vocabulary; "self" is the model's own int4 copy), or mtp (the
+    model's own multi-token-prediction head: Qwen3.5's, on the native engine)."""
 
     method: str = setting(
         "off",
         flags=("--speculative",),
         help="Draft several tokens and check them in one pass; the output stays the same. lookup: "
         "drafts from the text itself (rewriting, editing, extracting from piped input); draft: a "
-        "smaller model (--draft-model); off. Default: off ($LLMCLI_SPECULATIVE, config file).",
+        "smaller model (--draft-model); mtp: the model's own multi-token-prediction head (Qwen3.5, on "
+        "the native engine); off. Default: off ($LLMCLI_SPECULATIVE, config file).",
         panel=SPECULATIVE,
         layered=True,
         key="speculative",
@@ -359,6 +361,11 @@ class SpeculativeSettings:
             raise UsageError(
                 "--speculative draft needs a draft model",
                 "add --draft-model MODEL (same tokenizer) or --draft-model self (the model's int4 copy)",
+            )
+        if self.method == "mtp" and self.draft_model:
+            raise UsageError(
+                "--speculative mtp drafts with the model's own MTP head, not with --draft-model",
+                "leave --draft-model out, or use --speculative draft",
             )
         return self
 

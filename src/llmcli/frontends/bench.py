@@ -14,6 +14,7 @@ from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
 
 if TYPE_CHECKING:
+    from llmcli.engine.loop import Engine
     from llmcli.engine.speculative import Speculation
     from llmcli.models.load import LoadedModel
 
@@ -35,13 +36,16 @@ class BenchRequest:
 
 
 def run(request: BenchRequest) -> int:
+    mtp = request.speculative.method == "mtp"
+    if request.config and mtp:  # before the weights are made
+        raise UsageError("--speculative mtp drafts with a checkpoint's MTP head: random weights have none")
     if request.config:
         from llmcli.models.load import load_random
 
         with terminal.status(f"Building {request.config} with random weights…"):
             loaded = load_random(request.config, request.load)
     else:
-        loaded = load_with_feedback(request.model, request.load, lean=_lean(request))
+        loaded = load_with_feedback(request.model, request.load, lean=_lean(request), mtp=mtp)
     engine = engine_with_feedback(loaded)
     if request.speculative.method != "off":
         return _run_speculative(request, loaded, engine)
@@ -69,6 +73,8 @@ def _lean(request: BenchRequest) -> bool:
     """Whether the model may load as `generate` loads it (lean: what the native engine runs, and
     the weights figure `generate --json` gives), not through transformers: only when no contender
     needs transformers' model (model.generate, its compiled path, batches, a draft)."""
+    if request.speculative.method == "mtp":
+        return True  # the MTP head drafts on the native engine only (its bench has no generate)
     if request.with_generate or request.with_compiled or request.concurrency is not None:
         return False
     if request.speculative.method != "off":
@@ -86,7 +92,7 @@ def _run_speculative(request: BenchRequest, loaded: LoadedModel, plain) -> int:
     from llmcli.frontends.bench_tasks import COPY_TASK, FREE_FORM
 
     speculating = engine_with_feedback(loaded)  # its own cache and graphs, the same weights
-    speculating.speculation = _speculation(request, loaded)
+    speculating.speculation = _speculation(request, loaded, speculating)
     with terminal.status("Measuring…"):
         report = run_speculative_bench(
             loaded,
@@ -133,10 +139,10 @@ def _run_concurrency(request: BenchRequest, loaded: LoadedModel, engine) -> int:
     return EXIT_OK
 
 
-def _speculation(request: BenchRequest, loaded: LoadedModel) -> Speculation | None:
+def _speculation(request: BenchRequest, loaded: LoadedModel, engine: Engine) -> Speculation | None:
     speculative = request.speculative
     if not request.config:
-        return speculation_with_feedback(loaded, request.model, speculative, request.load)
+        return speculation_with_feedback(loaded, request.model, speculative, request.load, engine)
     if speculative.method == "lookup":
         return speculation_with_feedback(loaded, None, speculative, request.load)
     if speculative.draft_model != "self":

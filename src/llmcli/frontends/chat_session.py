@@ -47,7 +47,7 @@ HELP = f"""\
 /help                 this list
 /system [TEXT | -]    show, set (or with "-" clear) the system prompt
 /set KEY VALUE        {", ".join(SETTABLE)}
-                      ("none" unsets seed and stop); speculative off|lookup|draft; think_budget N
+                      ("none" unsets seed and stop); speculative off|lookup|draft|mtp; think_budget N
 /show                 settings, model, device, context used
 /stats                the last reply's timings, and the session's totals
 /reset                clear the conversation and its cache

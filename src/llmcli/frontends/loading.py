@@ -13,6 +13,7 @@ from llmcli.frontends import terminal
 if TYPE_CHECKING:
     from llmcli.engine.loop import Engine
     from llmcli.engine.speculative import Speculation
+    from llmcli.engine.speculative.drafters import MtpDrafter
     from llmcli.models.load import LoadedModel
 
 
@@ -23,9 +24,13 @@ def announce_conversion(path: Path, read_in_place: bool) -> None:
         terminal.note(f"Converting {path.name} once into llmcli's cache (later loads are fast)…")
 
 
-def load_with_feedback(model_spec: str | None, settings: LoadSettings, lean: bool = False) -> LoadedModel:
+def load_with_feedback(
+    model_spec: str | None, settings: LoadSettings, lean: bool = False, mtp: bool = False
+) -> LoadedModel:
     """`lean`: the caller needs only what the native engine runs (no transformers model: no
-    beam search), so a Llama-family folder may load without transformers."""
+    beam search), so a Llama-family folder may load without transformers. `mtp`: with the
+    model's MTP head (--speculative mtp), refused in one line before any weight is read where
+    the checkpoint has none."""
     from llmcli.models.busy_cores import open_window
 
     open_window()  # how busy the machine is, measured over the load rather than slept through
@@ -38,10 +43,14 @@ def load_with_feedback(model_spec: str | None, settings: LoadSettings, lean: boo
 
     # No spinner while resolving: a download or a GGUF conversion shows its own progress bar.
     resolved = resolve_model(model_spec, allow_pickle=settings.allow_pickle, on_convert=announce_conversion)
+    if mtp:
+        from llmcli.models.build_native import require_mtp_head
+
+        require_mtp_head(resolved, settings, lean)
     with terminal.status(f"Loading {resolved.name}…"):
         from llmcli.models.load import load_model
 
-        loaded = load_model(resolved, settings, lean=lean)
+        loaded = load_model(resolved, settings, lean=lean, mtp=mtp)
     for note in loaded.notes:
         terminal.note(note)
     return loaded
@@ -61,9 +70,15 @@ def engine_with_feedback(loaded: LoadedModel) -> Engine:
 
 
 def speculation_with_feedback(
-    loaded: LoadedModel, model_spec: str | None, speculative: SpeculativeSettings, settings: LoadSettings
+    loaded: LoadedModel,
+    model_spec: str | None,
+    speculative: SpeculativeSettings,
+    settings: LoadSettings,
+    engine: Engine | None = None,
 ) -> Speculation | None:
-    """What `engine.speculation` should be for these settings; a draft model is loaded now."""
+    """What `engine.speculation` should be for these settings; a draft model is loaded now.
+    `engine`: the one that will speculate, which the MTP head drafts beside (it reads the
+    model's hidden states from that engine's passes)."""
     from llmcli.engine.speculative import Speculation
     from llmcli.engine.speculative.drafters import LookupDrafter, ModelDrafter, check_same_vocabulary
     from llmcli.engine.speculative.schedule import DraftLength
@@ -73,11 +88,36 @@ def speculation_with_feedback(
     length = DraftLength(speculative.draft_tokens)
     if speculative.method == "lookup":
         return Speculation(LookupDrafter(), length)
+    if speculative.method == "mtp":
+        return Speculation(_mtp_drafter(loaded, engine), length)
     draft_spec, draft_settings = _draft_source(loaded, model_spec, speculative.draft_model or "", settings)
     drafting = load_with_feedback(draft_spec, draft_settings)
     name = "self (int4)" if speculative.draft_model == "self" else drafting.name
     check_same_vocabulary(loaded.tokenizer, drafting.tokenizer, name)
     return Speculation(ModelDrafter(engine_with_feedback(drafting), name), length)
+
+
+def _mtp_drafter(loaded: LoadedModel, engine: Engine | None) -> MtpDrafter:
+    """The MTP head over `engine`'s passes; refused in one line where the model was loaded
+    without it (a chat asked for it after a start without --speculative mtp) or runs elsewhere
+    than on the native engine."""
+    from llmcli.engine.native.backend import NativeBackend
+    from llmcli.engine.native.mtp import MtpHead
+    from llmcli.engine.speculative.drafters import MtpDrafter
+
+    mtp = getattr(loaded.model, "mtp", None)
+    if mtp is None:
+        raise UsageError(
+            f"{loaded.name} was loaded without its MTP head: --speculative mtp is asked for at the start",
+            "start again with --speculative mtp",
+        )
+    if engine is None or not isinstance(engine.backend, NativeBackend):
+        raise UsageError(
+            "--speculative mtp drafts on the native engine, and this model runs on "
+            f"{engine.name if engine is not None else 'another'}",
+            "add --engine native",
+        )
+    return MtpDrafter(engine, MtpHead(loaded.model, engine.backend.net, engine.context_length))
 
 
 def _draft_source(

@@ -88,7 +88,7 @@ class InProcessTarget:
                 raise UsageError("drafting needs a draft model: start chat with --draft-model MODEL or self")
             settings = dataclasses.replace(self._speculative, method=method).validate()
             self._speculations[method] = speculation_with_feedback(
-                self.loaded, self._model_spec, settings, self._load
+                self.loaded, self._model_spec, settings, self._load, self.engine
             )
         return self._speculations[method]
 

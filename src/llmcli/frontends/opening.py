@@ -28,4 +28,5 @@ def open_target(
     from llmcli.frontends.loading import load_with_feedback
     from llmcli.frontends.local import InProcessTarget
 
-    return InProcessTarget(load_with_feedback(model, load, lean=lean), model, load, speculative)
+    loaded = load_with_feedback(model, load, lean=lean, mtp=speculative.method == "mtp")
+    return InProcessTarget(loaded, model, load, speculative)

@@ -138,10 +138,14 @@ def _loaded(record: ServerRecord, spec: str) -> ServerRecord | None:
 
 
 def _drafts_as_asked(record: ServerRecord, speculative: SpeculativeSettings | None) -> bool:
-    """Lookup is asked per request; drafting with a model needs the server to hold that model."""
-    if speculative is None or speculative.method != "draft":
+    """Lookup is asked per request; drafting with a model needs the server to hold that model,
+    and with the MTP head a server started with it (its record says so as its draft model)."""
+    if speculative is None or speculative.method not in ("draft", "mtp"):
         return True
-    return record.draft_model == speculative.draft_model
+    from llmcli.server.runtime import MTP_DRAFTER
+
+    asked = MTP_DRAFTER if speculative.method == "mtp" else speculative.draft_model
+    return record.draft_model == asked
 
 
 class RemoteTarget:

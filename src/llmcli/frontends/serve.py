@@ -30,7 +30,7 @@ from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
-from llmcli.server.runtime import RecordWriter, model_identity
+from llmcli.server.runtime import MTP_DRAFTER, RecordWriter, model_identity
 
 DEFAULT_PORT = 8471
 # Generations at once by default on a CPU: 4 streams decode at 2.6× one stream's aggregate on
@@ -133,7 +133,8 @@ def _load_and_serve(
     # against 141 in the thread that loaded it.
     worker = ComputeThread()
     try:
-        loaded, engine = worker.submit(_load, model_spec, request.load).result()
+        mtp = request.speculative.method == "mtp"
+        loaded, engine = worker.submit(_load, model_spec, request.load, mtp).result()
     except Exception as error:
         if request.idle_exit_s is not None:  # a keep-alive server: the next call says why, once
             from llmcli.server.runtime import write_failure
@@ -167,6 +168,10 @@ def _load_and_serve(
         speculations["draft"] = worker.submit(
             _privately, speculation_with_feedback, loaded, model_spec, speculative, request.load
         ).result()
+    if speculative.method == "mtp":  # beside the one engine (a recurrent model: one sequence at once)
+        speculations["mtp"] = worker.submit(
+            speculation_with_feedback, loaded, model_spec, speculative, request.load, engine
+        ).result()
     served.speculative = speculative.method
     served.slots = Slots(engine, parallel, worker, kv_memory if parallel > 1 else None)
     worker.on_step = served.metrics.step_sequences.observe
@@ -189,7 +194,8 @@ def _load_and_serve(
     # asyncio's "socket.send() raised exception." when a client left mid-stream is not ours to
     # print: the generation stops at its next token, and the access log says how it ended.
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    record.ready(loaded.name, speculative.draft_model if speculative.method == "draft" else None)
+    drafter = {"draft": speculative.draft_model, "mtp": MTP_DRAFTER}.get(speculative.method)
+    record.ready(loaded.name, drafter)
     clock.record = record
     idle_exit = request.idle_exit_s
     stops = "Ctrl-C stops"
@@ -238,8 +244,9 @@ def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
     from llmcli.engine.native.backend import NativeBackend
 
     native = isinstance(engine.backend, NativeBackend)
+    one_cache = request.speculative.method in ("draft", "mtp")  # a drafter that holds one cache
     if request.parallel is None:
-        alone = not native or engine.device.type != "cpu" or request.speculative.method == "draft"
+        alone = not native or engine.device.type != "cpu" or one_cache
         if alone:
             if request.kv_memory is not None:
                 raise UsageError(
@@ -255,9 +262,11 @@ def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
             f"--parallel {request.parallel} needs the native engine; this model runs on transformers'",
             "leave --parallel out (one generation at a time)",
         )
-    if request.parallel > 1 and request.speculative.method == "draft":
+    if request.parallel > 1 and one_cache:
+        method = request.speculative.method
+        holder = "the draft model" if method == "draft" else "the MTP head"
         raise UsageError(
-            "--parallel and --speculative draft do not combine: the draft model holds one cache",
+            f"--parallel and --speculative {method} do not combine: {holder} holds one cache",
             "use --speculative lookup, or leave --parallel out",
         )
     return request.parallel
@@ -285,10 +294,10 @@ def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
     return min(whole_context, free // 4) if free else whole_context
 
 
-def _load(model_spec: str, settings: LoadSettings) -> tuple[Any, Any]:
+def _load(model_spec: str, settings: LoadSettings, mtp: bool) -> tuple[Any, Any]:
     # Lean where it can (nothing the server runs needs transformers' model): a --keep-alive
     # server is up in about the time of an in-process call, not after transformers' load.
-    loaded = _privately(load_with_feedback, model_spec, settings, lean=True)
+    loaded = _privately(load_with_feedback, model_spec, settings, lean=True, mtp=mtp)
     return loaded, engine_with_feedback(loaded)
 
 

@@ -54,6 +54,33 @@ class NativeChoice:
     notes: tuple[str, ...] = ()  # said after the context's note
 
 
+# The architectures whose MTP module the native engine runs as a drafter (engine/native/mtp.py):
+# Qwen3.5 dense, as a text model or as the vision-language checkpoints Qwen publishes (their
+# `mtp.*` lies beside `model.language_model.*`, under the same names).
+MTP_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"})
+
+
+def require_mtp_head(checkpoint: Checkpoint, settings: LoadSettings, lean: bool) -> None:
+    """--speculative mtp: refused in one line, from the tensors' names and the settings before
+    any weight is read, where the checkpoint has no MTP module or the native builder would not
+    build the model with it."""
+    from llmcli.errors import UsageError
+
+    if not any(name.startswith("mtp.") for name in checkpoint.shapes):
+        raise UsageError(
+            f"{checkpoint.name} has no MTP head (no mtp.* tensors) for --speculative mtp to draft with",
+            "use --speculative lookup, or a draft model (--speculative draft --draft-model MODEL)",
+        )
+    if checkpoint.architecture not in MTP_ARCHITECTURES:
+        raise UsageError(
+            f"--speculative mtp: llmcli drafts with the MTP heads of {', '.join(sorted(MTP_ARCHITECTURES))} "
+            f"only, and {checkpoint.name} is {checkpoint.architecture or 'of no architecture named'}",
+            "use --speculative lookup",
+        )
+    if not lean or settings.engine == "transformers":  # auto runs these natively
+        raise UsageError("--speculative mtp drafts on the native engine", "use --engine native or auto")
+
+
 def note_for(why: LeanUnsupported) -> Refusal:
     """The note a reason makes, as the user reads it."""
     note = f"loading through transformers (a slower start): the lean loader does not read {why}"
@@ -141,9 +168,12 @@ def _config_as_written() -> Iterator[None]:
         raise LeanUnsupported(f"its config.json as written ({type(error).__name__}: {error})") from None
 
 
-def build(checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: ExactCodes | None) -> Built:
+def build(
+    checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: ExactCodes | None, mtp: bool = False
+) -> Built:
     """The model, its linear layers the quantizer reads from `exact` (a GGUF file's blocks) left
-    as stand-ins. LeanUnsupported or DamagedCheckpoint where the files turn out otherwise."""
+    as stand-ins (`mtp`: with its MTP module, lean_model.build). LeanUnsupported or
+    DamagedCheckpoint where the files turn out otherwise."""
     from llmcli.models.lean_model import build as build_lean
 
     config = choice.config
@@ -156,7 +186,7 @@ def build(checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice, exact: E
             from llmcli.models.language_model import LanguageModelTensors
 
             tensors = LanguageModelTensors(tensors, language_model)
-        model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed)
+        model = build_lean(tensors, config, _read_by_quantizer(exact, plan), packed, mtp)
     return Built(model, choice.tokenizer, notes=list(choice.notes))
 
 

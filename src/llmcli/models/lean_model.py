@@ -166,13 +166,19 @@ def check_computes(config: LeanConfig) -> Family:
 
 
 def build(
-    tensors: TensorSource, config: LeanConfig, stand_ins: frozenset[str] = frozenset(), packed: bool = False
+    tensors: TensorSource,
+    config: LeanConfig,
+    stand_ins: frozenset[str] = frozenset(),
+    packed: bool = False,
+    mtp: bool = False,
 ) -> LeanCausalLM:
     """The model from `tensors`, in their dtype on their device. `stand_ins`: linear layers
     (by module name) whose weights are never read, because the quantizer reads them from a GGUF
     file's blocks (its 4-bit codes as they are, the others into int8): they get stand-ins of
     their shape (`is_stand_in`), which the quantizer replaces. `packed`: the quantizer will run,
-    on a CPU (TensorSource.embedding)."""
+    on a CPU (TensorSource.embedding). `mtp`: the checkpoint's multi-token-prediction module
+    (`mtp.*`, Qwen3.5's) is read too, as `model.mtp`, for --speculative mtp; it is left unread
+    otherwise (transformers drops it too)."""
     row = check_computes(config)
     device = tensors.device
     rotary = _gemma_rotary(config, device) if row.rope_per_kind else _rotary(tensors, config, device)
@@ -200,7 +206,31 @@ def build(
     else:  # a tied table kept packed is read again for the head (which the quantizer replaces);
         # an untied head that is absent is refused: transformers' path names the missing tensor
         lm_head = _linear(tensors.get(head_name), None)
-    return LeanCausalLM(config, body, lm_head)
+    model = LeanCausalLM(config, body, lm_head)
+    if mtp:
+        model.mtp = _mtp_module(tensors, config, row, stand_ins)
+    return model
+
+
+def _mtp_module(
+    tensors: TensorSource, config: LeanConfig, row: Family, stand_ins: frozenset[str]
+) -> nn.Module:
+    """Qwen3.5's MTP module under the checkpoint's own names (engine/native/mtp.py says what it
+    computes): `fc` [hidden, 2 × hidden], its three norms, and one full-attention decoder layer
+    as the body's (`layers[0]`, its q_proj doubled with the gate). A checkpoint with more than
+    one such layer is refused naming it: the drafter runs one."""
+    if "mtp.layers.1.input_layernorm.weight" in tensors:
+        raise LeanUnsupported("an MTP module of more than one layer (mtp.layers.1)")
+    module = nn.Module()
+    fc = tensors.get("mtp.fc.weight")
+    if list(fc.shape) != [config.hidden_size, 2 * config.hidden_size]:
+        raise DamagedCheckpoint(f"a checkpoint whose tensor mtp.fc.weight has the shape {list(fc.shape)}")
+    module.fc = _linear(fc, None)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        setattr(module, name, Norm(tensors.get(f"mtp.{name}.weight")))
+    layer = _layer(tensors, "mtp.layers.0", stand_ins, config, row, full_attention=True)
+    module.layers = nn.ModuleList([layer])
+    return module
 
 
 def _norm_dtype(tensors: TensorSource, row: Family, name: str) -> torch.dtype | None:
@@ -255,8 +285,16 @@ def _implied(tensors: TensorSource, name: str, implied: bool) -> torch.Tensor | 
 
 
 def _layer(
-    tensors: TensorSource, prefix: str, stand_ins: frozenset[str], config: LeanConfig, row: Family
+    tensors: TensorSource,
+    prefix: str,
+    stand_ins: frozenset[str],
+    config: LeanConfig,
+    row: Family,
+    full_attention: bool = False,
 ) -> nn.Module:
+    """One decoder layer; `full_attention`: whatever the config's layer kinds say at its index
+    (an MTP module's layer, which the body's kinds do not list)."""
+
     def linear(name: str) -> nn.Linear:
         module = f"{prefix}.{name}"
         read = tensors.stand_in if module in stand_ins else tensors.get
@@ -273,7 +311,7 @@ def _layer(
         if weight is not None:
             setattr(layer, name, Norm(weight))
     kinds, index = config.layer_types, int(prefix.rsplit(".", 1)[-1])
-    if row.layer_types == "linear" and kinds[index] == "linear_attention":
+    if row.layer_types == "linear" and kinds[index] == "linear_attention" and not full_attention:
         layer.linear_attn = _linear_attention(tensors, f"{prefix}.linear_attn", row, linear)
     else:
         layer.self_attn = _attention(tensors, prefix, config, row, linear)

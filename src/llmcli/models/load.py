@@ -87,18 +87,21 @@ def eos_ids(*sources: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(checkpoint: Checkpoint, settings: LoadSettings, lean: bool = False) -> LoadedModel:
+def load_model(
+    checkpoint: Checkpoint, settings: LoadSettings, lean: bool = False, mtp: bool = False
+) -> LoadedModel:
     """The one load pipeline: plan (pure, over the checkpoint) → choose the builder → build →
     quantize → one LoadedModel. `lean`: the native builder builds a family the native engine runs,
     without transformers, where it can (build_native.py); its reason where it cannot is a note,
-    and transformers' builder builds with the same plan."""
+    and transformers' builder builds with the same plan. `mtp`: the native builder reads the
+    checkpoint's MTP module too (--speculative mtp)."""
     plan = plan_load(checkpoint, settings)
     generation_config = checkpoint.generation_config  # checked before either builder reads the folder
     choice = build_native.choose(checkpoint, plan, settings) if lean else Refusal()
     from_blocks = plan.native_quant is not None and checkpoint.source == "gguf"
     exact = checkpoint.exact_codes() if from_blocks else None  # read once: both builders and the quantizer
     try:
-        built, choice = _build(checkpoint, plan, choice, exact)
+        built, choice = _build(checkpoint, plan, choice, exact, mtp)
     except torch.OutOfMemoryError as error:
         raise out_of_memory_error(checkpoint, plan.settings, plan.config, plan.device, plan.dtype) from error
     quant, quant_backend = built.quant, built.quant_backend
@@ -134,7 +137,11 @@ def load_model(checkpoint: Checkpoint, settings: LoadSettings, lean: bool = Fals
 
 
 def _build(
-    checkpoint: Checkpoint, plan: LoadPlan, choice: NativeChoice | Refusal, exact: ExactCodes | None
+    checkpoint: Checkpoint,
+    plan: LoadPlan,
+    choice: NativeChoice | Refusal,
+    exact: ExactCodes | None,
+    mtp: bool = False,
 ) -> tuple[Built, NativeChoice | Refusal]:
     """The model from the builder chosen, and the choice as it stands: a reason the native
     builder finds only while reading the files (a tensor they lack, an activation or RoPE it does
@@ -142,7 +149,7 @@ def _build(
     if isinstance(choice, NativeChoice):
         _configure_threads(plan)
         try:
-            return build_native.build(checkpoint, plan, choice, exact), choice
+            return build_native.build(checkpoint, plan, choice, exact, mtp), choice
         except DamagedCheckpoint:
             choice = Refusal()
         except LeanUnsupported as why:

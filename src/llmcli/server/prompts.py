@@ -108,7 +108,9 @@ def jobs_for(
         sampling = replace(sampling, max_new_tokens=max(room, 1))  # a prompt with no room: refused below
     method = body.speculative or served.speculative
     if method not in served.speculations:
-        raise RequestError(400, "this server has no draft model: start it with --draft-model", "speculative")
+        start = "--speculative mtp" if method == "mtp" else "--draft-model"
+        drafter = "MTP head to draft with" if method == "mtp" else "draft model"
+        raise RequestError(400, f"this server has no {drafter}: start it with {start}", "speculative")
     output = tools.output if tools is not None else None
     if body.response_format is not None:
         try:

@@ -88,7 +88,7 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     model: str | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)  # choices, generated at once where the server runs several
-    speculative: Literal["off", "lookup", "draft"] | None = None  # llmcli's: default, the server's
+    speculative: Literal["off", "lookup", "draft", "mtp"] | None = None  # llmcli's: default, the server's
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text) → added to its logit, -100…100
     stream: bool = False

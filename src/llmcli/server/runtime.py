@@ -41,6 +41,9 @@ LOADING, READY = "loading", "ready"
 
 Note = Callable[[str], None]
 
+# The record's draft model of a server started with --speculative mtp: no model spec is spelled so.
+MTP_DRAFTER = "<the model's MTP head>"
+
 
 @dataclass(frozen=True)
 class ServerRecord:
@@ -100,7 +103,9 @@ class RecordWriter:
             "model_path": loaded_path(model_spec),
             "model_identity": model_identity(model_spec),
             "load": {name: asdict(load)[name] for name in _MATCHING_SETTINGS},
-            "draft_model": None,  # what `--speculative draft` through this server drafts with
+            # What `--speculative draft` through this server drafts with (MTP_DRAFTER: it was
+            # started with --speculative mtp, the model's own head).
+            "draft_model": None,
             "needs_key": False,  # started with --api-key: a client without one is refused
             "idle_exit_s": None,  # a keep-alive server stops after this long without a request
             **facts,

@@ -11,6 +11,7 @@ configuration branches and no Python work that does not launch a kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,6 +68,10 @@ class Transformer:
         self.state_bytes = sum(
             block.mixer.shape.state_bytes(self.dtype) for block in self.blocks if block.attention is None
         )
+        # A drafter that reads the model's own hidden states (the MTP head, mtp.py) sets this:
+        # each pass hands it the plan and every row's final-norm output, the rows the logits
+        # come from. None (the rule): only the rows the logits need are normed.
+        self.hidden_tap: Callable[[Plan, torch.Tensor], None] | None = None
         # Each RoPE table's sign vector (their widths differ where a kind of layer has wider heads).
         tables = [self.inv_freq] + ([self.local_rope[0]] if self.local_rope else [])
         self.rope_signs = {
@@ -131,20 +136,28 @@ class Transformer:
         ropes = {"global": self.rope(plan.positions)}
         if self.local_rope is not None:
             ropes["local"] = self.rope(plan.positions, self.local_rope)
-        embedding = self.embedding
-        h = F.embedding(tokens, embedding) if isinstance(embedding, torch.Tensor) else embedding.rows(tokens)
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
+        h = self.embed(tokens)
         if self.before_blocks is not None:
             self.before_blocks(tokens, h)
         h = h.to(self.residual_dtype)
         for block in self.blocks:
             h = block(h, *ropes[block.rope], plan)
         plan.finish()
-        logits = self.output(self.norm(h[-1:] if plan.last_only else h))
+        tap = self.hidden_tap
+        normed = self.norm(h[-1:] if plan.last_only and tap is None else h)
+        if tap is not None:
+            tap(plan, normed)
+            normed = normed[-1:] if plan.last_only else normed
+        logits = self.output(normed)
         if self.logit_softcap is not None:  # in the model's dtype, as transformers caps them
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits.float()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows for `tokens` [T], scaled as the family says, in its dtype."""
+        embedding = self.embedding
+        h = F.embedding(tokens, embedding) if isinstance(embedding, torch.Tensor) else embedding.rows(tokens)
+        return h * self.embed_scale if self.embed_scale is not None else h
 
     # The passes the backend runs, by name --------------------------------------------------
 

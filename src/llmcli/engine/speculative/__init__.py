@@ -37,5 +37,15 @@ class SpeculativeStats:
     drafted: int = 0  # drafted tokens the model checked
     accepted: int = 0  # of those, the ones that became output
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Of the drafted tokens checked, the share accepted; None where none was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
+
     def as_dict(self) -> dict[str, object]:
-        return {"method": self.method, "drafted": self.drafted, "accepted": self.accepted}
+        return {
+            "method": self.method,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+        }
