@@ -1,8 +1,10 @@
-"""--speculative mtp: a Qwen3.5 model drafts with its own multi-token-prediction head.
+"""--speculative mtp: a Qwen3.5 (dense or MoE) or Qwen3-Next model drafts with its own
+multi-token-prediction head.
 
-The tiny Qwen3.5 model gets an MTP module in the published checkpoints' layout (tensors made
-here: transformers has no MTP module, it drops `mtp.*` at load). The head's forward is checked
-against one assembled from transformers' own Qwen3.5 layer and norms, in fp32; the drafts
+The tiny models get an MTP module in the published checkpoints' layout (tensors made here:
+transformers has no MTP module, it drops `mtp.*` at load; an MoE one's layer has the body's
+experts and shared expert). The head's forward is checked against one assembled from
+transformers' own layer and norms of the model's family, in fp32; the drafts
 never change the output (greedy, 64 tokens, equal to decoding without them), with a random head
 (drafts rejected) and with a head that is often right (drafts accepted, and checks cut inside
 their run: the recurrent state goes back to a row inside the check); the acceptance rate comes
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -40,16 +43,19 @@ ATOL = 1e-4
 VOCAB = 400  # the tiny tokenizer's trained tokens (its specials lie past them)
 
 
-def add_mtp_head(folder: Path, seed: int = 0, predicting: bool = False) -> Path:
+def add_mtp_head(folder: Path, seed: int = 0, predicting: bool = False, stacked: bool = False) -> Path:
     """The model's safetensors file with an MTP module added, shaped as Qwen3.5's (one gated
-    full-attention layer; vLLM's Qwen3_5MultiTokenPredictor reads these names), random. With
-    `predicting`, a head that is often right: the model's layers are made to add little (their
-    output projections scaled by LAYERS_SCALE), so it is close to a bigram model of its
-    embedding and head, and the head computes that very bigram step from the next token (fc
-    passes its embedding through, the MTP layer adds nothing, the MTP norm is the model's)."""
+    full-attention layer; vLLM's Qwen3_5MultiTokenPredictor reads these names), random. Its MLP
+    is shaped as the body's full-attention layer's: dense, or an MoE model's router, experts
+    (one tensor per expert, or with `stacked` in transformers 5's [experts, …] layout, as
+    Qwen3.5-MoE's release stores them) and gated shared expert. With `predicting`, a head that
+    is often right: the model's layers are made to add little (their output projections scaled
+    by LAYERS_SCALE), so it is close to a bigram model of its embedding and head, and the head
+    computes that very bigram step from the next token (fc passes its embedding through, the
+    MTP layer adds nothing, the MTP norm is the model's)."""
     config = json.loads((folder / "config.json").read_text())
     config = config.get("text_config", config)  # a vision-language checkpoint's language model
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    hidden = config["hidden_size"]
     heads, kv_heads, head_dim = (
         config["num_attention_heads"],
         config["num_key_value_heads"],
@@ -60,8 +66,15 @@ def add_mtp_head(folder: Path, seed: int = 0, predicting: bool = False) -> Path:
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * 0.2
 
+    path = folder / "model.safetensors"
+    model = load_file(path)
     layer = "mtp.layers.0"
-    writers = (f"{layer}.self_attn.o_proj.weight", f"{layer}.mlp.down_proj.weight")
+    body_mlp = f"layers.{config['layer_types'].index('full_attention')}.mlp."
+    mlp = {
+        f"{layer}.mlp.{name.split(body_mlp, 1)[1]}": rand(*tensor.shape)
+        for name, tensor in model.items()
+        if body_mlp in name
+    }
     tensors = {
         "mtp.fc.weight": rand(hidden, 2 * hidden),
         "mtp.pre_fc_norm_embedding.weight": rand(hidden),
@@ -72,28 +85,51 @@ def add_mtp_head(folder: Path, seed: int = 0, predicting: bool = False) -> Path:
         f"{layer}.self_attn.q_proj.weight": rand(2 * heads * head_dim, hidden),  # query and gate
         f"{layer}.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
         f"{layer}.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-        writers[0]: rand(hidden, heads * head_dim),
+        f"{layer}.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
         f"{layer}.self_attn.q_norm.weight": rand(head_dim),
         f"{layer}.self_attn.k_norm.weight": rand(head_dim),
-        f"{layer}.mlp.gate_proj.weight": rand(inter, hidden),
-        f"{layer}.mlp.up_proj.weight": rand(inter, hidden),
-        writers[1]: rand(hidden, inter),
-    }
-    path = folder / "model.safetensors"
-    model = load_file(path)
+    } | (stacked_experts(mlp) if stacked else mlp)
     if predicting:
         for name in model:
-            if name.startswith("model.layers.") and name.endswith(
+            if name.startswith(("model.layers.", "model.language_model.layers.")) and name.endswith(
                 ("out_proj.weight", "o_proj.weight", "down_proj.weight")
             ):
                 model[name] = model[name] * LAYERS_SCALE
         tensors["mtp.fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
         tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)
-        tensors["mtp.norm.weight"] = model["model.norm.weight"].clone()
-        for name in writers:
-            tensors[name] = torch.zeros_like(tensors[name])
+        norm = (
+            "model.language_model.norm.weight"
+            if "text_config" in json.loads((folder / "config.json").read_text())
+            else "model.norm.weight"
+        )
+        tensors["mtp.norm.weight"] = model[norm].clone()
+        for name in tensors:  # what the MTP layer writes into its stream: nothing
+            if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+                tensors[name] = torch.zeros_like(tensors[name])
     save_file(model | tensors, path, metadata={"format": "pt"})
     return folder
+
+
+def stacked_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with each layer's per-expert matrices (`….experts.{e}.{gate,up,down}_proj.weight`)
+    as transformers 5 stacks them: `experts.gate_up_proj` [experts, 2 × inter, hidden] and
+    `experts.down_proj` [experts, hidden, inter]; the other tensors (stacked ones too) as they are."""
+    per_expert = re.compile(r"(.*)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+    out = {name: tensor for name, tensor in weights.items() if not per_expert.fullmatch(name)}
+    matrices: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # block → kind → expert → matrix
+    for name, tensor in weights.items():
+        found = per_expert.fullmatch(name)
+        if found:
+            matrices.setdefault(found[1], {}).setdefault(found[3], {})[int(found[2])] = tensor
+    for block, kinds in matrices.items():
+        gate, up, down = (
+            [by_expert[e] for e in sorted(by_expert)] for by_expert in map(kinds.get, ("gate", "up", "down"))
+        )
+        out[f"{block}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat(pair) for pair in zip(gate, up, strict=True)]
+        )
+        out[f"{block}.experts.down_proj"] = torch.stack(down)
+    return out
 
 
 # The predicting head's model: its layers still change the tokens (a state rolled back wrong
@@ -109,6 +145,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "random": add_mtp_head(build_tiny_model(root / "random", "qwen3_5")),
         "predicting": add_mtp_head(build_tiny_model(root / "predicting", "qwen3_5"), predicting=True),
         "vision-language": add_mtp_head(build_tiny_model(root / "vl", "qwen3_5_vl")),
+        # Qwen3.5-MoE: the MTP layer's experts stacked as Qwen's release stores them, or one
+        # tensor each as transformers saves them; Qwen3-Next's module is the same as Qwen3.5-MoE's.
+        "moe-plain": build_tiny_model(root / "moe-plain", "qwen3_5_moe"),
+        "moe": add_mtp_head(build_tiny_model(root / "moe", "qwen3_5_moe"), stacked=True),
+        "moe-predicting": add_mtp_head(
+            build_tiny_model(root / "moe-predicting", "qwen3_5_moe"), predicting=True
+        ),
+        "moe-vision-language": add_mtp_head(
+            build_tiny_model(root / "moe-vl", "qwen3_5_moe_vl"), stacked=True
+        ),
+        "next": add_mtp_head(build_tiny_model(root / "next", "qwen3_next")),
     }
 
 
@@ -123,11 +170,12 @@ def ids(count: int, seed: int) -> list[int]:
 
 def reference_mtp(folder: Path, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The MTP module's outputs after its norm [T − 1, hidden] and logits [T − 1, vocab] over
-    `tokens`, built from transformers' Qwen3.5 modules: the model's final-norm hidden states,
-    then fc over [norm(embedding of the next token), norm(hidden)], one full-attention decoder
-    layer with causal attention at positions 0…T − 2, the MTP norm and the model's lm_head."""
+    `tokens`, built from the model's own transformers modules (Qwen3.5's, Qwen3.5-MoE's,
+    Qwen3-Next's): the model's final-norm hidden states, then fc over [norm(embedding of the
+    next token), norm(hidden)], one full-attention decoder layer of the body's class (its MLP
+    as the body's) with causal attention at positions 0…T − 2, the MTP norm and the model's
+    lm_head."""
     from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     config = model.config
@@ -137,13 +185,15 @@ def reference_mtp(folder: Path, tokens: list[int]) -> tuple[torch.Tensor, torch.
         if k.startswith("mtp.")
     }
     full = config.layer_types.index("full_attention")
-    layer = Qwen3_5DecoderLayer(config, full).eval()
+    layer = type(model.model.layers[full])(config, full).eval()
     layer.load_state_dict(
-        {k.removeprefix("layers.0."): v for k, v in weights.items() if k.startswith("layers.0.")}
+        stacked_experts(
+            {k.removeprefix("layers.0."): v for k, v in weights.items() if k.startswith("layers.0.")}
+        )
     )
     norms = {}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norms[name] = type(model.model.norm)(config.hidden_size, eps=config.rms_norm_eps)
         norms[name].weight.data.copy_(weights[f"{name}.weight"])
     with torch.inference_mode():
         ids_tensor = torch.tensor([tokens])
@@ -154,17 +204,20 @@ def reference_mtp(folder: Path, tokens: list[int]) -> tuple[torch.Tensor, torch.
         )
         x = torch.nn.functional.linear(both, weights["fc.weight"])[None]
         count = x.shape[1]
-        positions = torch.arange(count).view(1, 1, -1).expand(3, 1, -1)
+        positions = torch.arange(count)[None]  # Qwen3.5's rotary spreads it over its three sections
         rope = model.model.rotary_emb(x, positions)
         causal = torch.full((count, count), float("-inf")).triu(1)[None, None]
         out = norms["norm"](layer(x, position_embeddings=rope, attention_mask=causal))[0]
         return out, model.lm_head(out)
 
 
-def test_the_head_computes_what_qwen3_5s_modules_assembled_compute(models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("kind", ["random", "moe", "moe-predicting", "next"])
+def test_the_head_computes_what_qwen3_5s_modules_assembled_compute(
+    models: dict[str, Path], kind: str
+) -> None:
     """Every row after the MTP norm, and the last row's logits, within 1e-4 of the reference;
     run in two pieces (its cache kept between) as in one."""
-    folder = models["random"]
+    folder = models[kind]
     tokens = ids(24, seed=1)
     expected_out, expected_logits = reference_mtp(folder, tokens)
     loaded = load(folder)
@@ -190,7 +243,10 @@ def generate(engine: Engine, prompt: list[int], tokenizer, count: int = 64):
     return generation.result
 
 
-@pytest.mark.parametrize("kind", ["random", "predicting", "vision-language"])
+@pytest.mark.parametrize(
+    "kind",
+    ["random", "predicting", "vision-language", "moe", "moe-predicting", "moe-vision-language", "next"],
+)
 def test_drafts_never_change_the_greedy_output(models: dict[str, Path], kind: str) -> None:
     """64 greedy tokens equal to decoding without drafts, three drafted every round, over two
     turns (the second from the first's cache); the cache holds what it would without drafts."""
@@ -208,7 +264,7 @@ def test_drafts_never_change_the_greedy_output(models: dict[str, Path], kind: st
         assert engine.cached_ids == plain.cached_ids and engine.backend.length == len(engine.cached_ids)
         stats = got.stats.speculative
         assert stats is not None and stats.method == "mtp" and stats.drafted > 0
-        if kind != "predicting":
+        if not kind.endswith("predicting"):
             assert stats.accepted < stats.drafted
         else:  # accepted runs, and rejections inside them: the state went back within a check
             assert 0 < stats.accepted < stats.drafted, (stats.accepted, stats.drafted)
@@ -222,10 +278,13 @@ def generate_json(folder: Path, *extra: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_generate_json_reports_the_acceptance_rate_and_the_same_text(models: dict[str, Path]) -> None:
-    """Under auto (the native engine runs Qwen3.5) and --engine native alike."""
-    plain = generate_json(models["predicting"], "--engine", "native")
-    drafted = generate_json(models["predicting"], "--speculative", "mtp", "--draft-tokens", "3")
+@pytest.mark.parametrize("kind", ["predicting", "moe-predicting"])
+def test_generate_json_reports_the_acceptance_rate_and_the_same_text(
+    models: dict[str, Path], kind: str
+) -> None:
+    """Under auto (the native engine runs Qwen3.5 and Qwen3.5-MoE) and --engine native alike."""
+    plain = generate_json(models[kind], "--engine", "native")
+    drafted = generate_json(models[kind], "--speculative", "mtp", "--draft-tokens", "3")
     assert plain["speculative"] is None
     assert (
         drafted["text"] == plain["text"] and drafted["completion_tokens"] == plain["completion_tokens"] == 64
@@ -239,6 +298,7 @@ def test_generate_json_reports_the_acceptance_rate_and_the_same_text(models: dic
     ("model", "extra", "words"),
     [
         ("plain", ("--engine", "native"), "has no MTP head (no mtp.* tensors)"),
+        ("moe-plain", ("--engine", "native"), "has no MTP head (no mtp.* tensors)"),
         ("random", ("--engine", "transformers"), "--speculative mtp drafts on the native engine"),
         ("random", ("--engine", "native", "--draft-model", "self"), "not with --draft-model"),
     ],

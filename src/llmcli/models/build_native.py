@@ -55,9 +55,18 @@ class NativeChoice:
 
 
 # The architectures whose MTP module the native engine runs as a drafter (engine/native/mtp.py):
-# Qwen3.5 dense, as a text model or as the vision-language checkpoints Qwen publishes (their
-# `mtp.*` lies beside `model.language_model.*`, under the same names).
-MTP_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"})
+# Qwen3.5 dense and MoE, as a text model or as the vision-language checkpoints Qwen publishes
+# (their `mtp.*` lies beside `model.language_model.*`, under the same names), and Qwen3-Next,
+# whose module is the same (vLLM's qwen3_next_mtp.py); an MoE one's layer has the body's MLP.
+MTP_ARCHITECTURES = frozenset(
+    {
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3NextForCausalLM",
+    }
+)
 
 
 def require_mtp_head(checkpoint: Checkpoint, settings: LoadSettings, lean: bool) -> None:

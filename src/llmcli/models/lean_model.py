@@ -217,7 +217,8 @@ def _mtp_module(
 ) -> nn.Module:
     """Qwen3.5's MTP module under the checkpoint's own names (engine/native/mtp.py says what it
     computes): `fc` [hidden, 2 × hidden], its three norms, and one full-attention decoder layer
-    as the body's (`layers[0]`, its q_proj doubled with the gate). A checkpoint with more than
+    as the body's (`layers[0]`, its q_proj doubled with the gate; in Qwen3.5-MoE and Qwen3-Next,
+    the body's experts and shared expert, as `_layer` reads them). A checkpoint with more than
     one such layer is refused naming it: the drafter runs one."""
     if "mtp.layers.1.input_layernorm.weight" in tensors:
         raise LeanUnsupported("an MTP module of more than one layer (mtp.layers.1)")

@@ -16,6 +16,11 @@ Tensors (one MTP layer in every Qwen3.5/3.6 release, `mtp_num_hidden_layers: 1`)
                      self_attn.{q_proj (query and gate, doubled), k_proj, v_proj, o_proj, q_norm,
                      k_norm}, post_attention_layernorm, mlp.{gate,up,down}_proj (experts in MoE)
     mtp.norm.weight                                                     [hidden]
+In Qwen3.5-MoE and Qwen3-Next (vLLM's qwen3_next_mtp.py: the same module) the layer's MLP is
+the body's sparse block: mlp.gate (the router), mlp.experts (one tensor per expert, or stacked
+`experts.gate_up_proj`/`experts.down_proj` as Qwen3.5-MoE's release stores the body's too; vLLM's
+Qwen3_5MultiTokenPredictor.load_weights reads both), mlp.shared_expert.* and
+mlp.shared_expert_gate; the loader reads it as a body layer's (models/lean_model.py: _layer).
 Every norm is Qwen3.5's (1 + weight) RMSNorm. The embedding and lm_head are the main model's
 (`mtp_use_dedicated_embeddings` is false; vLLM and SGLang read `embed_tokens`/`lm_head` into it).
 
