@@ -264,17 +264,22 @@ def decode_step(
     rows = hidden.shape[0]
     mixed, z, b, a = _project(weights, hidden)
     window = torch.cat((states.conv, mixed[:, :, None]), dim=-1)  # [B, conv_dim, kernel]
-    # The same depthwise convolution as prefill's, over the last `kernel` inputs: one output each.
-    convolved = F.silu(F.conv1d(window.to(weights.conv.dtype), weights.conv[:, None], groups=shape.conv_dim))
-    convolved = convolved[..., 0].to(hidden.dtype)
-    q, k, v = _split_heads(shape, convolved)
+    # The same depthwise convolution as prefill's, over the last `kernel` inputs: one output
+    # each, as a product and a sum (a convolution call costs more than it computes here),
+    # summed in fp32 and rounded once, as the convolution rounds in a half-width dtype.
+    convolved = (window.float() * weights.conv.float()).sum(-1).to(weights.conv.dtype)
+    q, k, v = _split_heads(shape, F.silu(convolved).to(hidden.dtype))
     g, beta = _gates(weights, a, b)
     q, k = _normalised(q, k)
+    # The state is decayed into one new tensor that the write then lands on in place (one 1 MB
+    # buffer a layer rather than three): `states` itself is never written.
     recurrent = states.recurrent * g.exp()[..., None, None]
-    remembered = (k[..., None, :] @ recurrent).squeeze(-2)  # what the state recalls for k
+    flat = recurrent.view(-1, *recurrent.shape[-2:])  # [B·heads, dk, dv]
+    keys = k.reshape(-1, 1, k.shape[-1])
+    remembered = torch.bmm(keys, flat).view(v.shape)  # what the state recalls for k
     written = (v.float() - remembered) * beta.float()[..., None]
-    recurrent = recurrent + k[..., :, None] * written[..., None, :]
-    out = (q[..., None, :] @ recurrent).squeeze(-2)
+    flat.baddbmm_(keys.transpose(-1, -2), written.view(-1, 1, written.shape[-1]))
+    out = torch.bmm(q.reshape(-1, 1, q.shape[-1]), flat).view(v.shape)
     return _output(weights, out.to(hidden.dtype), z, rows), DeltaNetState(window[..., 1:], recurrent)
 
 
@@ -291,9 +296,9 @@ def _split_heads(shape: DeltaNetShape, convolved: torch.Tensor) -> tuple[torch.T
     rows = convolved.shape[0]
     q, k, v = convolved.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
     repeats = shape.value_heads // shape.key_heads
-    q, k = (
-        x.reshape(rows, shape.key_heads, shape.key_head_dim).repeat_interleave(repeats, dim=1) for x in (q, k)
-    )
+    q, k = (x.reshape(rows, shape.key_heads, shape.key_head_dim) for x in (q, k))
+    if repeats > 1:  # a copy of each: not made where every key head serves one value head
+        q, k = (x.repeat_interleave(repeats, dim=1) for x in (q, k))
     return q, k, v.reshape(rows, shape.value_heads, shape.value_head_dim)
 
 
