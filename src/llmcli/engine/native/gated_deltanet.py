@@ -239,19 +239,31 @@ def prefill(
     run one after another give what the whole prompt run at once gives."""
     shape = weights.shape
     tokens = hidden.shape[0]
+    if tokens == 1:  # the step's arithmetic, not a chunk of 64 padded around one token
+        return decode_step(weights, hidden, state)
     mixed, z, b, a = _project(weights, hidden)
-    # The convolution over the state's last inputs then the piece's: output t sees inputs t−k+1..t.
-    window = torch.cat((state.conv[0], mixed.transpose(0, 1)), dim=-1)
-    convolved = F.silu(
-        F.conv1d(window[None].to(weights.conv.dtype), weights.conv[:, None], groups=shape.conv_dim)
-    )
-    q, k, v = _split_heads(shape, convolved[0].transpose(0, 1).to(hidden.dtype))
+    # The convolution over the state's last inputs then the piece's: output t sees inputs
+    # t−k+1..t. Inputs along the rows [k − 1 + T, conv_dim], as the projection gives them.
+    window = torch.cat((state.conv[0].transpose(0, 1), mixed))
+    q, k, v = _split_heads(shape, _convolved(window, weights.conv, tokens).to(hidden.dtype))
     g, beta = _gates(weights, a, b)
     # The rule per value head: [heads, T, d], as the chunks' matrix products want them.
     out, recurrent = _chunked_rule(*(x.transpose(0, 1) for x in (q, k, v, g, beta)), state.recurrent[0])
-    kept = window[:, window.shape[-1] - (shape.conv_kernel - 1) :]
-    new_state = DeltaNetState(kept[None].clone(), recurrent[None])
+    kept = window[tokens:].transpose(0, 1).clone(memory_format=torch.contiguous_format)
+    new_state = DeltaNetState(kept[None], recurrent[None])
     return _output(weights, out.transpose(0, 1).to(hidden.dtype), z, tokens), new_state
+
+
+def _convolved(window: torch.Tensor, conv: torch.Tensor, tokens: int) -> torch.Tensor:
+    """silu of the depthwise causal convolution of `window` [k − 1 + T, channels] by `conv`
+    [channels, k]: [T, channels]. A product-sum per tap over whole rows (a grouped conv1d call
+    spends more on its layout than on these few products), summed in fp32 and rounded once to
+    the weights' dtype, as the convolution rounds in a half-width one."""
+    taps = conv.float()
+    total = window[:tokens].float() * taps[:, 0]
+    for tap in range(1, conv.shape[-1]):
+        total.addcmul_(window[tap : tap + tokens], taps[:, tap])
+    return F.silu(total.to(conv.dtype))
 
 
 def decode_step(
@@ -353,12 +365,14 @@ def _chunked_rule(
     q_from_start = q * decay.exp()[..., None]
     k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
     chunk_decay = decay[..., -1].exp()[..., None, None]
-    state = state.float()
+    # A copy the chunks then update in place (the caller's state is left as it was): one
+    # buffer, not three new ones a chunk.
+    state = state.float().clone()
     out = values.new_empty(values.shape)
     for i in range(values.shape[1]):
         corrected = values[:, i] - state_keys[:, i] @ state
-        out[:, i] = q_from_start[:, i] @ state + within[:, i] @ corrected
-        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ corrected
+        out[:, i] = torch.baddbmm(q_from_start[:, i] @ state, within[:, i], corrected)
+        state.mul_(chunk_decay[:, i]).baddbmm_(k_to_end[:, i].transpose(-1, -2), corrected)
     return out.view(heads, -1, v.shape[-1])[:, :length], state
 
 
