@@ -259,10 +259,10 @@ def _convolved(window: torch.Tensor, conv: torch.Tensor, tokens: int) -> torch.T
     [channels, k]: [T, channels]. A product-sum per tap over whole rows (a grouped conv1d call
     spends more on its layout than on these few products), summed in fp32 and rounded once to
     the weights' dtype, as the convolution rounds in a half-width one."""
-    taps = conv.float()
-    total = window[:tokens].float() * taps[:, 0]
+    taps = conv.float().t().contiguous()  # [k, channels]: each tap's weights a contiguous row
+    total = window[:tokens].float() * taps[0]
     for tap in range(1, conv.shape[-1]):
-        total.addcmul_(window[tap : tap + tokens], taps[:, tap])
+        total.addcmul_(window[tap : tap + tokens], taps[tap])
     return F.silu(total.to(conv.dtype))
 
 
