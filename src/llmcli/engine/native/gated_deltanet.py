@@ -239,19 +239,31 @@ def prefill(
     run one after another give what the whole prompt run at once gives."""
     shape = weights.shape
     tokens = hidden.shape[0]
+    if tokens == 1:  # the step's arithmetic, not a chunk of 64 padded around one token
+        return decode_step(weights, hidden, state)
     mixed, z, b, a = _project(weights, hidden)
-    # The convolution over the state's last inputs then the piece's: output t sees inputs t−k+1..t.
-    window = torch.cat((state.conv[0], mixed.transpose(0, 1)), dim=-1)
-    convolved = F.silu(
-        F.conv1d(window[None].to(weights.conv.dtype), weights.conv[:, None], groups=shape.conv_dim)
-    )
-    q, k, v = _split_heads(shape, convolved[0].transpose(0, 1).to(hidden.dtype))
+    # The convolution over the state's last inputs then the piece's: output t sees inputs
+    # t−k+1..t. Inputs along the rows [k − 1 + T, conv_dim], as the projection gives them.
+    window = torch.cat((state.conv[0].transpose(0, 1), mixed))
+    q, k, v = _split_heads(shape, _convolved(window, weights.conv, tokens).to(hidden.dtype))
     g, beta = _gates(weights, a, b)
     # The rule per value head: [heads, T, d], as the chunks' matrix products want them.
     out, recurrent = _chunked_rule(*(x.transpose(0, 1) for x in (q, k, v, g, beta)), state.recurrent[0])
-    kept = window[:, window.shape[-1] - (shape.conv_kernel - 1) :]
-    new_state = DeltaNetState(kept[None].clone(), recurrent[None])
+    kept = window[tokens:].transpose(0, 1).clone(memory_format=torch.contiguous_format)
+    new_state = DeltaNetState(kept[None], recurrent[None])
     return _output(weights, out.transpose(0, 1).to(hidden.dtype), z, tokens), new_state
+
+
+def _convolved(window: torch.Tensor, conv: torch.Tensor, tokens: int) -> torch.Tensor:
+    """silu of the depthwise causal convolution of `window` [k − 1 + T, channels] by `conv`
+    [channels, k]: [T, channels]. A product-sum per tap over whole rows (a grouped conv1d call
+    spends more on its layout than on these few products), summed in fp32 and rounded once to
+    the weights' dtype, as the convolution rounds in a half-width one."""
+    taps = conv.float().t().contiguous()  # [k, channels]: each tap's weights a contiguous row
+    total = window[:tokens].float() * taps[0]
+    for tap in range(1, conv.shape[-1]):
+        total.addcmul_(window[tap : tap + tokens], taps[tap])
+    return F.silu(total.to(conv.dtype))
 
 
 def decode_step(
@@ -264,17 +276,22 @@ def decode_step(
     rows = hidden.shape[0]
     mixed, z, b, a = _project(weights, hidden)
     window = torch.cat((states.conv, mixed[:, :, None]), dim=-1)  # [B, conv_dim, kernel]
-    # The same depthwise convolution as prefill's, over the last `kernel` inputs: one output each.
-    convolved = F.silu(F.conv1d(window.to(weights.conv.dtype), weights.conv[:, None], groups=shape.conv_dim))
-    convolved = convolved[..., 0].to(hidden.dtype)
-    q, k, v = _split_heads(shape, convolved)
+    # The same depthwise convolution as prefill's, over the last `kernel` inputs: one output
+    # each, as a product and a sum (a convolution call costs more than it computes here),
+    # summed in fp32 and rounded once, as the convolution rounds in a half-width dtype.
+    convolved = (window.float() * weights.conv.float()).sum(-1).to(weights.conv.dtype)
+    q, k, v = _split_heads(shape, F.silu(convolved).to(hidden.dtype))
     g, beta = _gates(weights, a, b)
     q, k = _normalised(q, k)
+    # The state is decayed into one new tensor that the write then lands on in place (one 1 MB
+    # buffer a layer rather than three): `states` itself is never written.
     recurrent = states.recurrent * g.exp()[..., None, None]
-    remembered = (k[..., None, :] @ recurrent).squeeze(-2)  # what the state recalls for k
+    flat = recurrent.view(-1, *recurrent.shape[-2:])  # [B·heads, dk, dv]
+    keys = k.reshape(-1, 1, k.shape[-1])
+    remembered = torch.bmm(keys, flat).view(v.shape)  # what the state recalls for k
     written = (v.float() - remembered) * beta.float()[..., None]
-    recurrent = recurrent + k[..., :, None] * written[..., None, :]
-    out = (q[..., None, :] @ recurrent).squeeze(-2)
+    flat.baddbmm_(keys.transpose(-1, -2), written.view(-1, 1, written.shape[-1]))
+    out = torch.bmm(q.reshape(-1, 1, q.shape[-1]), flat).view(v.shape)
     return _output(weights, out.to(hidden.dtype), z, rows), DeltaNetState(window[..., 1:], recurrent)
 
 
@@ -291,9 +308,9 @@ def _split_heads(shape: DeltaNetShape, convolved: torch.Tensor) -> tuple[torch.T
     rows = convolved.shape[0]
     q, k, v = convolved.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
     repeats = shape.value_heads // shape.key_heads
-    q, k = (
-        x.reshape(rows, shape.key_heads, shape.key_head_dim).repeat_interleave(repeats, dim=1) for x in (q, k)
-    )
+    q, k = (x.reshape(rows, shape.key_heads, shape.key_head_dim) for x in (q, k))
+    if repeats > 1:  # a copy of each: not made where every key head serves one value head
+        q, k = (x.repeat_interleave(repeats, dim=1) for x in (q, k))
     return q, k, v.reshape(rows, shape.value_heads, shape.value_head_dim)
 
 
@@ -348,12 +365,14 @@ def _chunked_rule(
     q_from_start = q * decay.exp()[..., None]
     k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
     chunk_decay = decay[..., -1].exp()[..., None, None]
-    state = state.float()
+    # A copy the chunks then update in place (the caller's state is left as it was): one
+    # buffer, not three new ones a chunk.
+    state = state.float().clone()
     out = values.new_empty(values.shape)
     for i in range(values.shape[1]):
         corrected = values[:, i] - state_keys[:, i] @ state
-        out[:, i] = q_from_start[:, i] @ state + within[:, i] @ corrected
-        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ corrected
+        out[:, i] = torch.baddbmm(q_from_start[:, i] @ state, within[:, i], corrected)
+        state.mul_(chunk_decay[:, i]).baddbmm_(k_to_end[:, i].transpose(-1, -2), corrected)
     return out.view(heads, -1, v.shape[-1])[:, :length], state
 
 
