@@ -32,12 +32,12 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache" / "llmcli" / "gguf"
 
 
-def load(path: Path):
+def load(path: Path, engine: str = "native"):
     from llmcli.config.settings import LoadSettings
     from llmcli.models.load import load_model
     from llmcli.models.resolve import resolve_model
 
-    settings = LoadSettings(device="cpu", dtype="fp32", threads=1, engine="native", quant="auto")
+    settings = LoadSettings(device="cpu", dtype="fp32", threads=1, engine=engine, quant="auto")
     return load_model(resolve_model(str(path)), settings, lean=True)
 
 
@@ -65,6 +65,23 @@ def test_a_file_is_read_in_place_and_runs_as_its_folder(
     theirs, their_tokens = greedy(reference, prompt, 24)
     assert (ours - theirs).abs().max().item() < (1e-4 if half else 1e-5)
     assert our_tokens == their_tokens
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_transformers_path_reads_the_file_as_its_folder(
+    variant: str, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """On transformers (--engine transformers, and beam search): built from the file's config,
+    its logits transformers' own on the folder."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_gemma4_gguf(folders[variant], tmp_path / "gemma4.gguf")
+    loaded = load(path, engine="transformers")
+    assert type(loaded.model).__name__ == "Gemma4ForCausalLM"
+    reference = AutoModelForCausalLM.from_pretrained(folders[variant], dtype=torch.float32).eval()
+    prompt = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert (loaded.model(prompt).logits - reference(prompt).logits).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -919,7 +919,9 @@ def gguf_transformers_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
-    heads = (config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads)
+    # Read from the dict: Gemma 4's config refuses its KV heads as one number (they differ per layer).
+    kv_heads = config.to_dict().get("num_key_value_heads")
+    heads = (config.num_attention_heads, kv_heads or config.num_attention_heads)
     tensors = tensors_of(heads)
     if tensors.rope_factors() is not None:
         raise ModelLoadError(
