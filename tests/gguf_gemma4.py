@@ -30,12 +30,14 @@ def write_gemma4_gguf(
     target: Path,
     *,
     half: bool = False,
+    q8_0: bool = False,
     metadata: Mapping[str, Any] | None = None,
     keep: Callable[[str], bool] = lambda name: True,
 ) -> Path:
     """`folder` (a Gemma 4 text model saved by transformers) as `target`: matrices F16 where
-    `half`, else F32, everything of one dimension F32; `metadata` overrides keys (None leaves one
-    out); tensors kept by `keep` (their names in the file)."""
+    `half`, Q8_0 where `q8_0` (gguf's own quantization), else F32, everything of one dimension
+    F32; `metadata` overrides keys (None leaves one out); tensors kept by `keep` (their names in
+    the file)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -101,7 +103,12 @@ def write_gemma4_gguf(
     factors[:turned] = 1.0
     stored["rope_freqs.weight"] = factors
     for name, data in stored.items():
-        if keep(name):
+        if keep(name) and q8_0 and data.ndim == 2 and data.shape[-1] % 32 == 0:
+            from gguf.quants import quantize
+
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quantize(data.numpy(), kind), raw_dtype=kind)
+        elif keep(name):
             matrix = data.ndim >= 2
             writer.add_tensor(
                 name, np.ascontiguousarray(data.numpy().astype(np.float16 if half and matrix else np.float32))

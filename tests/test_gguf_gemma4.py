@@ -115,3 +115,11 @@ def test_a_file_contradicting_itself_is_named_in_one_line(
     )
     line = one_error_line(run_cli("generate", "-m", str(damaged), "--engine", "native", "-n", "2", "hi"), 1)
     assert "damaged.gguf" in line and says in line, line
+
+
+def test_a_quantized_file_is_refused_in_one_line(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Not read yet (the native Gemma 4 engine keeps no quantized embedding), and transformers'
+    converter fails on these files: named, rather than an unexpected error."""
+    path = write_gemma4_gguf(folders["dense"], tmp_path / "quantized.gguf", q8_0=True)
+    line = one_error_line(run_cli("generate", "-m", str(path), "-n", "2", "hi"), 1)
+    assert "quantized.gguf: a quantized Gemma 4 file (tensor" in line and "Q8_0" in line, line
