@@ -30,7 +30,7 @@ def test_gguf_names_map_back_to_their_row() -> None:
     for row in ROWS:
         assert all(by_gguf(name) is row for name in row.gguf), row.architecture
         assert not (row.gguf_permuted or row.gguf_required) or row.gguf, row.architecture
-    assert sorted(BY_GGUF) == ["llama", "qwen2", "qwen3", "qwen35", "qwen35moe", "qwen3next"]
+    assert sorted(BY_GGUF) == ["gemma4", "llama", "qwen2", "qwen3", "qwen35", "qwen35moe", "qwen3next"]
 
 
 def test_a_rows_fields_agree() -> None:

@@ -294,7 +294,7 @@ _GEMMA4: dict[str, Any] = {
     "embed_scale": True,
 }
 _ROWS += (
-    Family("Gemma4ForCausalLM", **_GEMMA4),
+    Family("Gemma4ForCausalLM", **_GEMMA4, gguf=("gemma4",)),
     Family("Gemma4ForConditionalGeneration", **_GEMMA4, **_LANGUAGE_MODEL),
 )
 FAMILIES: dict[str, Family] = {row.architecture: row for row in _ROWS}

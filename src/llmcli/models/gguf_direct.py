@@ -35,7 +35,7 @@ import numpy as np
 
 from llmcli.atomic import folder_written_atomically, write_text_atomically
 from llmcli.errors import ModelLoadError
-from llmcli.models import gguf_deltanet
+from llmcli.models import gguf_deltanet, gguf_gemma4
 from llmcli.models.families import by_gguf
 from llmcli.models.gguf_cache import (
     NAME_FILE,
@@ -90,6 +90,8 @@ _FILE_HINT = (
 def hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
     """transformers' name for a GGUF tensor of a file of `architecture` (blk.3.attn_q.weight →
     model.layers.3.self_attn.q_proj.weight); None for one its layout has no place for."""
+    if architecture == "gemma4":
+        return gguf_gemma4.hf_name(gguf_name)
     if gguf_name.startswith("blk.") and _is_hybrid(architecture):
         block, _, rest = gguf_name.removeprefix("blk.").partition(".")
         within = gguf_deltanet.BLOCK_NAMES.get(rest)
@@ -154,6 +156,15 @@ def reads_directly(table: GGUFTable) -> bool:
     )
     if next(unplaced, None) is not None:
         return False
+    quantized = next((e for e in table.tensors.values() if e.type_name not in FLOAT_TYPES), None)
+    if table.architecture == "gemma4" and quantized is not None:
+        # The native Gemma 4 engine takes no embedding kept in its blocks nor int4 codes yet, and
+        # transformers' converter fails on the per-layer widths of these files: refused by name.
+        raise ModelLoadError(
+            f"{table.path}: a quantized Gemma 4 file (tensor {quantized.name} is {quantized.type_name}), "
+            "which llmcli does not read yet",
+            "use an F32, F16 or BF16 file of the model",
+        )
     for entry in table.tensors.values():
         if entry.type_name not in READABLE_TYPES:
             raise ModelLoadError(
@@ -183,6 +194,8 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
             )
         return value
 
+    if arch == "gemma4":
+        return _gemma4_config(table, key, count)
     row = by_gguf(arch)
     sparse = row is not None and row.shared_expert  # a MoE file: its dense width may be left out
     dense_width = key("expert_feed_forward_length") if sparse else None
@@ -242,6 +255,42 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
     return config
 
 
+def _gemma4_config(table: GGUFTable, key: Callable[..., Any], count: Callable[..., int]) -> dict[str, Any]:
+    """config.json for a Gemma 4 file: its layout per layer (gguf_gemma4.py) as Gemma4TextConfig's."""
+    factors = table.tensors.get(ROPE_FACTORS)
+    values = None if factors is None else _values(read_table_bytes(table, factors), factors).tolist()
+    fields, problem = gguf_gemma4.config_fields(key, table.tensors, values)
+    if fields is None:
+        raise ModelLoadError(f"{table.path}: {problem}", _FILE_HINT)
+    embed, per_layer = (
+        table.tensors.get("token_embd.weight"),
+        table.tensors.get("per_layer_token_embd.weight"),
+    )
+    meta = table.metadata
+    return {
+        "architectures": [by_gguf(table.architecture).architecture],
+        "model_type": "gemma4_text",
+        "hidden_size": count("embedding_length"),
+        "num_hidden_layers": count("block_count"),
+        "num_attention_heads": count("attention.head_count"),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": count("context_length", 131_072),
+        "vocab_size": embed.shape[0] if embed else len(meta.get("tokenizer.ggml.tokens", [])),
+        "vocab_size_per_layer_input": per_layer.shape[0] if per_layer else 0,
+        "tie_word_embeddings": "output.weight" not in table.tensors,
+        "attention_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        **fields,
+    }
+
+
+def read_table_bytes(table: GGUFTable, entry: TableEntry) -> np.ndarray:
+    """A small tensor's bytes, read from its file (no mapping kept)."""
+    return np.fromfile(table.path, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
+
+
 # YaRN's settings a GGUF file may hold beyond its factor and pretraining length, in transformers'
 # names; llama.cpp's attention and extrapolation multipliers have none there, and are refused.
 _YARN_KEYS = {"rope.scaling.yarn_beta_fast": "beta_fast", "rope.scaling.yarn_beta_slow": "beta_slow"}
@@ -281,6 +330,10 @@ def check_shapes(table: GGUFTable) -> None:
     fit; a missing norm would run as another model. ModelLoadError naming the tensor."""
     config = config_of(table)
     blocks = config["num_hidden_layers"]
+    if table.architecture == "gemma4":  # its layers differ: their shapes and tensors, layer by layer
+        _check_gemma4_shapes(table, config)
+        _require(table, gguf_gemma4.required(config), blocks)
+        return
     within, top = _expected_shapes(config)
     sizes = deltanet_sizes(table)
     if sizes is not None:
@@ -301,7 +354,36 @@ def check_shapes(table: GGUFTable) -> None:
                 f"implies {list(expected)}" + (f" (by its {settings})" if settings else ""),
             )
     names = ["token_embd.weight", "output_norm.weight"]
-    for name in names + [f"blk.{i}.{part}" for i in range(blocks) for part in _required(table, config, i)]:
+    _require(
+        table,
+        names + [f"blk.{i}.{part}" for i in range(blocks) for part in _required(table, config, i)],
+        blocks,
+    )
+
+
+def _check_gemma4_shapes(table: GGUFTable, config: dict[str, Any]) -> None:
+    """A Gemma 4 file's block tensors the shapes its metadata implies, layer by layer."""
+    shapes = [
+        _expected_shapes(layer)[0] | gguf_gemma4.own_shapes(config)
+        for layer in gguf_gemma4.layer_settings(config)
+    ]
+    for entry in table.tensors.values():
+        block, _, rest = entry.name.removeprefix("blk.").partition(".")
+        if not (entry.name.startswith("blk.") and block.isdigit()):
+            continue
+        if int(block) >= len(shapes):
+            raise _wrongly_shaped(table, f"tensor {entry.name} is past its {len(shapes)} blocks")
+        expected = shapes[int(block)].get(rest)
+        if expected is not None and tuple(entry.shape) != expected:
+            raise _wrongly_shaped(
+                table,
+                f"tensor {entry.name} has the shape {list(entry.shape)}, "
+                f"where its metadata implies {list(expected)}",
+            )
+
+
+def _require(table: GGUFTable, names: list[str], blocks: int) -> None:
+    for name in names:
         if name not in table.tensors:
             raise _wrongly_shaped(table, f"tensor {name} is missing (its metadata names {blocks} blocks)")
 
@@ -714,7 +796,8 @@ class GGUFTensors:
         return BlockEmbedding(blocks, entry.type_name, entry.shape[1], self.dtype)
 
     def rope_factors(self) -> torch.Tensor | None:
-        entry = self.table.tensors.get(ROPE_FACTORS)
+        """Llama 3.1's scaling; Gemma 4's rope_freqs is its proportional RoPE, read into its config."""
+        entry = None if self.table.architecture == "gemma4" else self.table.tensors.get(ROPE_FACTORS)
         return None if entry is None else _values(self.raw(entry), entry).float()
 
     def linears_of(self, types: frozenset[str], inverted: bool = False) -> frozenset[str]:
@@ -845,7 +928,9 @@ def gguf_transformers_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
-    heads = (config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads)
+    # Read from the dict: Gemma 4's config refuses its KV heads as one number (they differ per layer).
+    kv_heads = config.to_dict().get("num_key_value_heads")
+    heads = (config.num_attention_heads, kv_heads or config.num_attention_heads)
     tensors = tensors_of(heads)
     if tensors.rope_factors() is not None:
         raise ModelLoadError(
