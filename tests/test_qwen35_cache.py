@@ -218,3 +218,26 @@ def test_another_slots_running_cache_gives_its_checkpoint_rather_than_a_prefill(
     reused, rows, _ = turn(slots[1], second)
     assert reused == 32 and store.restored == 0  # copied from the running slot, not a host copy
     torch.testing.assert_close(rows[0][None], transformers_logits(reference, second), rtol=0, atol=ATOL)
+
+
+@torch.inference_mode()
+def test_a_servers_slices_of_a_prompt_keep_one_token_back_only_at_the_prompts_end(loaded) -> None:
+    """A server prefills a long prompt in slices (scheduler.TakingTurns), each a pass of its
+    own: only the last keeps a checkpoint one token before its end (where a retry resumes);
+    one before each slice's end would cost a pass of one token per slice and serve nothing."""
+    from llmcli.engine.scheduler import PREFILL_SLICE, ComputeThread, TakingTurns
+
+    compute = ComputeThread()
+    try:
+        backend = NativeBackend(loaded.model, 1024)
+        prompt = conversations(seed=50)[0] * 6  # longer than two slices
+        assert len(prompt) > 2 * PREFILL_SLICE
+        with compute.generation():
+            logits = TakingTurns(backend, compute).prefill(prompt)
+        points = set(backend.cache.points)
+        assert len(prompt) - 1 in points and len(prompt) in points
+        assert not {PREFILL_SLICE - 1, 2 * PREFILL_SLICE - 1} & points
+        fresh = NativeBackend(loaded.model, 1024).prefill(prompt)
+        torch.testing.assert_close(logits, fresh, rtol=0, atol=1e-5)
+    finally:
+        compute.shutdown()

@@ -238,7 +238,15 @@ class TakingTurns:
         logits = None
         for start in range(0, len(ids), PREFILL_SLICE):
             piece = ids[start : start + PREFILL_SLICE]
-            logits = self.compute.run(_Pass(call=lambda piece=piece: self.inner.prefill(piece)))
+            # The native engine is told which slice ends the prompt: a recurrent state is kept
+            # one token before the prompt's end (a retry resumes there), not before each slice's.
+            ends = start + PREFILL_SLICE >= len(ids)
+            call = (
+                (lambda piece=piece, ends=ends: self.inner.prefill(piece, ends_prompt=ends))
+                if self._joins
+                else (lambda piece=piece: self.inner.prefill(piece))
+            )
+            logits = self.compute.run(_Pass(call=call))
         assert logits is not None, "a prefill of nothing"
         return logits
 

@@ -69,7 +69,9 @@ class NativeBackend:
         return self.cache.length
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> torch.Tensor:
+    def prefill(self, ids: list[int], ends_prompt: bool = True) -> torch.Tensor:
+        """`ends_prompt`: false for a slice of a longer prompt (a server's, scheduler.py), whose
+        end is not where a retry resumes."""
         if self.graphs is not None and len(ids) == 1 and self.cache.length > 0:
             # One token after a cache (a draft model catching up): the decode step's graph.
             token = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -80,22 +82,26 @@ class NativeBackend:
             return self._replay_rows(ids)[-1:].clone()
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         if isinstance(self.cache, RecurrentCache):
-            return self._prefill_with_checkpoints(tokens, self.cache)
+            return self._prefill_with_checkpoints(tokens, self.cache, ends_prompt)
         for chunk in tokens.split(PREFILL_CHUNK):
             logits = self.net.prefill(chunk, self.cache)
         return logits
 
-    def _prefill_with_checkpoints(self, tokens: torch.Tensor, cache: RecurrentCache) -> torch.Tensor:
+    def _prefill_with_checkpoints(
+        self, tokens: torch.Tensor, cache: RecurrentCache, ends_prompt: bool
+    ) -> torch.Tensor:
         """The prompt in pieces, the linear layers' states kept as checkpoints where each ends:
         where the text held ended, every multiple of the cache's interval, and one token before
         the prompt's end and at it (recurrent_cache.py says why there). One before the end: the
         same prompt again (a retry, another choice) must run at least its last token for the
-        next one's logits, so it resumes there."""
+        next one's logits, so it resumes there; a slice that does not end the prompt
+        (`ends_prompt` false) has no such point, which would cost a pass of one token."""
         cache.checkpoint()
         start, end = cache.length, cache.length + tokens.shape[0]
         while cache.length < end:
             boundary = (cache.length // cache.interval + 1) * cache.interval
-            stop = min(boundary, end - 1) if cache.length < end - 1 else end
+            last = end - 1 if ends_prompt and cache.length < end - 1 else end
+            stop = min(boundary, last)
             logits = self.net.prefill(tokens[cache.length - start : stop - start], cache)
             cache.checkpoint()
         return logits
