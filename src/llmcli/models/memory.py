@@ -84,35 +84,38 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
     """Keys and values of one token in every layer that keeps them: layers × KV heads × head dim ×
     2 × dtype bytes. A linear-attention layer (Qwen3.5's) keeps a state of a fixed size instead;
     Gemma 4's layers differ in width, and those reading another's keep none."""
-    gemma4 = _gemma4_kv_bytes_per_token(config, dtype_bytes)
-    if gemma4 is not None:
-        return gemma4
+    per_layer = _per_layer_kv_bytes_per_token(config, dtype_bytes)
+    if per_layer is not None:
+        return per_layer
     text = config.get("text_config") or config
     layers = text.get("num_hidden_layers") or text.get("n_layer") or 0
     kinds = text.get("layer_types")
     if isinstance(kinds, list) and kinds:
         layers = sum(kind != "linear_attention" for kind in kinds)
-    elif "linear_num_value_heads" in text:  # Qwen3.5's default: every `interval`th layer full
-        layers //= text.get("full_attention_interval") or 4
     heads = text.get("num_attention_heads") or text.get("n_head") or 1
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd") or 0) // heads
     return layers * kv_heads * head_dim * 2 * dtype_bytes
 
 
-def _gemma4_kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int | None:
-    """Gemma 4's: each layer that computes keys and values at its own width (gemma4_layout); None
-    for any other family."""
+def _per_layer_kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int | None:
+    """A family whose layers differ, from its layer kinds as the native loader settles them
+    (lean_config.py: a config.json may leave them to its class's defaults): Qwen3.5's full
+    layers alone (every `full_attention_interval`th by default), or each Gemma 4 layer that
+    computes keys and values at its own width (gemma4_layout). None for any other family."""
     from llmcli.models.families import family
 
     architectures = config.get("architectures") or [None]
     row = family(architectures[0])
-    if row is None or row.layer_types != "gemma4":
+    if row is None or row.layer_types not in ("linear", "gemma4"):
         return None
     from llmcli.models.gemma4_layout import kv_sources, layer_shapes
     from llmcli.models.lean_config import LeanConfig
 
     lean = LeanConfig(config)
+    if row.layer_types == "linear":
+        full = sum(kind != "linear_attention" for kind in lean.layer_types)
+        return full * lean.num_key_value_heads * lean.head_dim * 2 * dtype_bytes
     sources = kv_sources(lean)
     shapes = layer_shapes(lean)
     return sum(
