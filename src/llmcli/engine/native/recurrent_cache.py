@@ -53,7 +53,7 @@ class SavedRecurrent(SavedCache):
         return super().nbytes() + _state_bytes(self.states, self.points)
 
     def resumable(self, length: int) -> int:
-        return _resumable(length, self.length, self.states, self.points, {})
+        return _resumable(length, self.length, self.states, len(self.states), self.points, {})
 
 
 class RecurrentCache(KVCache):
@@ -109,13 +109,13 @@ class RecurrentCache(KVCache):
     def resumable(self, length: int) -> int:
         """The longest prefix, at most `length` tokens, a crop keeps: `length` where the states
         have seen exactly that, else the last checkpoint (or check row) at or before it."""
-        return _resumable(length, self.length, self.states, self.points, self._common_rows())
+        rows = self._common_rows()
+        return _resumable(length, self.length, self.states, len(self.linear_layers), self.points, rows)
 
     def crop(self, length: int) -> None:
         keep = self.resumable(length)
         if keep > 0 and not self._states_at(keep):
-            point = self._common_rows().get(keep) or self.points[keep]
-            self.states = {layer: (state, keep) for layer, state in point.items()}
+            self.states = {layer: (state, keep) for layer, state in self._point_at(keep).items()}
         super().crop(keep)
         self.rows.clear()
         if self.length == 0:
@@ -125,6 +125,13 @@ class RecurrentCache(KVCache):
 
     def _states_at(self, length: int) -> bool:
         return _states_at(self.states, length, len(self.linear_layers))
+
+    def _point_at(self, length: int) -> Point:
+        """Every linear layer's state after `length` tokens (a length `resumable` gave): the
+        states held, the last check's row there, or the checkpoint there."""
+        if self._states_at(length):
+            return {layer: state for layer, (state, _) in self.states.items()}
+        return self._common_rows().get(length) or self.points[length]
 
     def _common_rows(self) -> dict[int, Point]:
         """The last check's per-row states held by every linear layer, by length."""
@@ -156,10 +163,7 @@ class RecurrentCache(KVCache):
         keep = source.resumable(min(length, source.length))
         if keep == 0:
             return 0
-        if source._states_at(keep):
-            point = {layer: state for layer, (state, _) in source.states.items()}
-        else:
-            point = source._common_rows().get(keep) or source.points[keep]
+        point = source._point_at(keep)
         points = {position: kept for position, kept in source.points.items() if position <= keep}
         if super().copy_prefix(source, keep) == 0:  # emptied this cache first (crop(0))
             return 0
@@ -191,13 +195,16 @@ def _resumable(
     length: int,
     held: int,
     states: dict[int, tuple[DeltaNetState, int]],
+    layers: int,
     points: dict[int, Point],
     rows: dict[int, Point],
 ) -> int:
+    """`length` (at most `held`) where the `layers` linear layers' states have seen exactly
+    that, else the last checkpoint or check row at or before it; 0 where there is none."""
     length = min(length, held)
     if length == 0:
         return 0
-    if length == held and states and all(seen == held for _, seen in list(states.values())):
+    if length == held and layers and _states_at(states, held, layers):
         return length
     return max((position for position in [*list(points), *rows] if position <= length), default=0)
 
