@@ -21,12 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from llmcli.engine.control_text import Prompt, guard_of, mark, parse
 from llmcli.engine.detok import decode_exact
+from llmcli.engine.image_markers import inside_image
 from llmcli.engine.prompt_bounds import refuse_unfittable
+from llmcli.engine.prompt_images import encode_with_images, held_text, images_in, refuse_images
 from llmcli.engine.reasoning import closing_text, opens_thinking, thinking_of
 from llmcli.errors import ContextOverflowError, LlmcliError
 
 if TYPE_CHECKING:
+    from llmcli.engine.image_rows import ImageTable
     from llmcli.engine.tools import ToolRequest
+    from llmcli.models.vision.encoder import ImageInput
 
 Message = dict[str, Any]
 
@@ -50,8 +54,22 @@ TEMPLATE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 def _template_view(messages: list[Message]) -> list[dict[str, Any]]:
     """Only what templates know about: our own keys (e.g. "interrupted") stay out, and so do
-    keys whose value is None (templates test for a key, and would write "None")."""
-    return [{key: m[key] for key in TEMPLATE_KEYS if m.get(key) is not None} for m in messages]
+    keys whose value is None (templates test for a key, and would write "None"). An image part
+    reaches the template as {"type": "image"}: where it goes, never its bytes."""
+    return [
+        {
+            key: _parts_view(m[key]) if key == "content" else m[key]
+            for key in TEMPLATE_KEYS
+            if m.get(key) is not None
+        }
+        for m in messages
+    ]
+
+
+def _parts_view(content: Any) -> Any:
+    if not isinstance(content, list):
+        return content
+    return [{"type": "image"} if part.get("type") == "image" else part for part in content]
 
 
 def render_chat(
@@ -169,13 +187,19 @@ def prompt_ids(
     options: dict[str, Any] | None = None,
     context_length: int | None = None,
     continue_final: bool = False,
+    images: ImageTable | None = None,
 ) -> list[int]:
     """Token ids for a one-shot prompt: the chat template when the model has one, unless `raw`.
     Only `raw` lets the text's `<|…|>` become control tokens. With `context_length`, text that
     cannot fit is refused before it is tokenized. `continue_final`: see `render_prompt` (plain
-    text ends with the last message anyway)."""
+    text ends with the last message anyway). `images`: the model's table of images, where it
+    reads them (image parts in the messages are placed by its template: prompt_images.py)."""
     if context_length is not None:
         refuse_unfittable(tokenizer, [_text_of(m) for m in messages], context_length)
+    if raw or not has_chat_template(tokenizer):
+        refuse_images(
+            messages, "an image needs the model's chat template to place it (--raw sends text only)"
+        )
     if raw:
         text = "\n\n".join(m["content"] for m in messages)
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -189,11 +213,13 @@ def prompt_ids(
     prompt = render_prompt(
         tokenizer, messages, think_off=think_off, options=options, continue_final=continue_final
     )
-    return prompt.encode(tokenizer)
+    return encode_with_images(tokenizer, prompt, images_in(messages), images, context_length=context_length)
 
 
 def _text_of(message: Message) -> str:
     content = message.get("content")
+    if isinstance(content, list):  # text and image parts: the text
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return content if isinstance(content, str) else str(content or "")
 
 
@@ -207,27 +233,41 @@ def _added_around(tokenizer: Any) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def ids_for_text(tokenizer: Any, held: list[int], prompt: Prompt | str) -> list[int]:
+def ids_for_text(
+    tokenizer: Any,
+    held: list[int],
+    prompt: Prompt | str,
+    images: list[ImageInput] | None = None,
+    table: ImageTable | None = None,
+) -> list[int]:
     """Token ids for `text` that keep the longest prefix of `held` whose text `text` starts with.
 
     The held ids are what the model saw (its own sampled tokens included), so they are kept
     as they are; only the remainder of `text` is tokenized. A binary search finds the prefix,
-    so a long chat costs a few decodes, not one per token.
+    so a long chat costs a few decodes, not one per token. `images`: those of the messages
+    rendered, in order; an image held reads as its marker (prompt_images.held_text), so a chat
+    keeps it, and only the images after the prefix are placed anew.
     """
     if isinstance(prompt, str):
         prompt = Prompt(((prompt, False),))
     text = prompt.text
-    low, high = 0, len(held)  # decode(held[:low]) is a prefix of text; find the largest such
-    if text.startswith(decode_exact(tokenizer, held)):
+
+    def read(ids: list[int]) -> str:
+        return held_text(tokenizer, ids, table, decode_exact)
+
+    low, high = 0, len(held)  # read(held[:low]) is a prefix of text; find the largest such
+    if text.startswith(read(held)):
         low = high
     while low < high:
         middle = (low + high + 1) // 2
-        if text.startswith(decode_exact(tokenizer, held[:middle])):
+        if text.startswith(read(held[:middle])):
             low = middle
         else:
             high = middle - 1
-    covered = len(decode_exact(tokenizer, held[:low]))
-    return held[:low] + prompt.encode(tokenizer, covered)
+    while inside_image(held, low):
+        low -= 1  # never a part of an image: all of it, or none
+    covered = len(read(held[:low]))
+    return held[:low] + encode_with_images(tokenizer, prompt, images or [], table, covered)
 
 
 def exchange_starts(messages: list[Message]) -> list[int]:

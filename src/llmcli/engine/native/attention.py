@@ -33,6 +33,10 @@ class Attention:
     `window`: a sliding-window layer's span, each query attending to that many positions up to
     and including its own (None: all of them)."""
 
+    # Whether an image's rows see each other both ways in a prefill here: set on the model's
+    # layers where it reads images so (models/vision/encoder.py `bidirectional`).
+    sees_images_whole = False
+
     def __init__(
         self,
         attn: Any,
@@ -137,18 +141,24 @@ class Attention:
         out = out.view(shape.kv_heads, groups, rows, shape.head_dim).permute(2, 0, 1, 3)
         return out.reshape(rows, -1)
 
-    def attend_causal(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def attend_causal(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, both_ways: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tokens q [heads, T, d] that are the last T of `keys`/`values`, each attending to
-        everything up to itself: [T, heads × d], before the output projection."""
+        everything up to itself: [T, heads × d], before the output projection. `both_ways`
+        [T, T]: pairs of the chunk's rows that also see each other ahead (an image's rows,
+        where the model reads an image whole: Gemma), window or not, as transformers ORs them."""
         start = keys.shape[1] - q.shape[1]
         # A chunk after `start` cached tokens: row i sees positions ≤ start + i. From an empty
         # cache that is plain causal attention, which has the fastest kernels.
         mask = None
         windowed = self.window is not None and keys.shape[1] > self.window
-        if (start > 0 and q.shape[1] > 1) or windowed:
+        if (start > 0 and q.shape[1] > 1) or windowed or both_ways is not None:
             mask = torch.ones(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device).tril(start)
             if windowed:  # and positions > its own − window
                 mask &= ~torch.ones_like(mask).tril(start - self.window)
+            if both_ways is not None:
+                mask[:, start:] |= both_ways
         if self.scored:
             return self._causal_scored(q, keys, values, mask, start)
         out = F.scaled_dot_product_attention(

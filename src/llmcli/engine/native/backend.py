@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
+from llmcli.engine.image_markers import inside_image
 from llmcli.engine.native.forward import Transformer
 from llmcli.engine.native.graphs import StepGraphs
 from llmcli.engine.native.kvcache import SavedCache
 from llmcli.engine.native.pool import SlotPool
 from llmcli.engine.native.recurrent_cache import RecurrentCache
-from llmcli.errors import UsageError
+from llmcli.errors import LlmcliError, UsageError
 
 # Long prompts are prefilled in chunks: attention after cached tokens needs a mask of chunk ×
 # cached positions (and, on kernels without grouped-query support, scores as large), which a
@@ -22,6 +23,24 @@ PREFILL_CHUNK = 1024
 # replay a graph padded to the next of these sizes: run eagerly they would cost a few hundred
 # launches, several decode steps' worth on a GPU (measured: 7.5× a 1B decode step for 2 tokens).
 GRAPHED_ROWS = (2, 4, 8, 16)
+
+
+def chunk_ends(ids: list[int], size: int) -> list[int]:
+    """Where the prefill chunks of `ids` end: every `size` tokens, moved back to the start of an
+    image its end would cut (an image's rows may attend to each other both ways: Gemma), or on
+    past an image longer than a chunk."""
+    ends, at = [], 0
+    while at < len(ids):
+        end = min(at + size, len(ids))
+        while inside_image(ids, end):
+            end -= 1
+        if end == at:  # an image longer than a chunk: whole, in one
+            end = at + size
+            while inside_image(ids, end):
+                end += 1
+        ends.append(end)
+        at = end
+    return ends
 
 
 class NativeBackend:
@@ -80,15 +99,29 @@ class NativeBackend:
             # A copy: the graph's output is overwritten by its next replay, and the loop keeps
             # the prompt's logits (prefill_logits).
             return self._replay_rows(ids)[-1:].clone()
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         if isinstance(self.cache, RecurrentCache):
-            return self._prefill_with_checkpoints(tokens, self.cache, ends_prompt)
-        for chunk in tokens.split(PREFILL_CHUNK):
-            logits = self.net.prefill(chunk, self.cache)
+            return self._prefill_with_checkpoints(ids, self.cache, ends_prompt)
+        start = 0
+        for end in chunk_ends(ids, PREFILL_CHUNK):
+            logits = self._pass(ids[start:end])
+            start = end
         return logits
 
+    def _pass(self, ids: list[int]) -> torch.Tensor:
+        """One prefill pass of `ids` after what is cached; an image's markers among them
+        (engine/image_rows.py) are looked up in the model's table of images."""
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        table = self.net.images
+        images = None
+        if table is not None:
+            cache = self.cache
+            images = table.resolve(ids, cache.length, cache.rope_shift, self.device, self.net.dtype)
+        elif ids and min(ids) < 0:
+            raise LlmcliError("this model reads text only: its prompt cannot hold an image")
+        return self.net.prefill(tokens, self.cache, images)
+
     def _prefill_with_checkpoints(
-        self, tokens: torch.Tensor, cache: RecurrentCache, ends_prompt: bool
+        self, ids: list[int], cache: RecurrentCache, ends_prompt: bool
     ) -> torch.Tensor:
         """The prompt in pieces, the linear layers' states kept as checkpoints where each ends:
         where the text held ended, every multiple of the cache's interval, and one token before
@@ -97,17 +130,19 @@ class NativeBackend:
         next one's logits, so it resumes there; a slice that does not end the prompt
         (`ends_prompt` false) has no such point, which would cost a pass of one token."""
         cache.checkpoint()
-        start, end = cache.length, cache.length + tokens.shape[0]
+        start, end = cache.length, cache.length + len(ids)
         while cache.length < end:
             boundary = (cache.length // cache.interval + 1) * cache.interval
             last = end - 1 if ends_prompt and cache.length < end - 1 else end
             stop = min(boundary, last)
-            logits = self.net.prefill(tokens[cache.length - start : stop - start], cache)
+            logits = self._pass(ids[cache.length - start : stop - start])
             cache.checkpoint()
         return logits
 
     @torch.inference_mode()
     def score(self, ids: list[int]) -> torch.Tensor:
+        if ids and min(ids) < 0:  # drafts are sampled tokens; a scored prompt is text
+            raise LlmcliError("a prompt with an image cannot be scored token by token")
         if self._graphed_rows(len(ids)):
             return self._replay_rows(ids)
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -117,7 +152,9 @@ class NativeBackend:
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         position = self.cache.length
         self.cache.ensure(position + 1)
-        if self.static_shapes:
+        # After an image that moved text positions (Qwen's multimodal RoPE) the step runs eagerly:
+        # a graph replays the positions of the slots it writes.
+        if self.static_shapes and not self.cache.shifts:
             self._token.copy_(token.view(1))
             self._position.fill_(position)
             bucket = self.cache.bucket_for(position + 1)
@@ -140,7 +177,7 @@ class NativeBackend:
 
     def _graphed_rows(self, count: int) -> int | None:
         """The padded row count a pass of `count` tokens replays, or None: run it eagerly."""
-        if self.graphs is None or count < 2:
+        if self.graphs is None or count < 2 or self.cache.shifts:
             return None
         rows = next((size for size in GRAPHED_ROWS if size >= count), None)
         if rows is None or self.cache.length + rows > self.cache.context_length:

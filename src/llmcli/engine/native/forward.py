@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llmcli.engine.image_rows import ImageTable, PassImages
 from llmcli.engine.native.families import family_of
 from llmcli.engine.native.kvcache import KVCache, ring_size
 from llmcli.engine.native.plans import (
@@ -50,6 +51,10 @@ class Transformer:
         self.local_rope = weights.local_rope
         self.logit_softcap = weights.logit_softcap
         self.before_blocks = weights.before_blocks
+        self.rope_axes = weights.rope_axes
+        # The images of this model's prompts (engine/image_rows.py), where it reads images: set
+        # by the loader; the backends over these weights share it.
+        self.images: ImageTable | None = None
         # In the embedding's dtype, as transformers scales it (Gemma).
         self.embed_scale = (
             torch.tensor(weights.embed_scale, dtype=weights.embedding.dtype, device=weights.embedding.device)
@@ -124,19 +129,31 @@ class Transformer:
         """cos and signed sin [T, 1, head_dim] for these positions (shaped once a pass to broadcast
         over heads, not once a layer), computed as transformers computes cos and sin (sin negated
         on its first half, for `rotate`); from `table` (frequencies and scale) where given, else
-        the model's own."""
+        the model's own. Positions [3, T] (image rows in Qwen's multimodal RoPE): each frequency
+        turns by the one of its axis (`rope_axes`)."""
         inv_freq, scale = table if table is not None else (self.inv_freq, self.rope_scale)
-        freqs = positions.float()[:, None, None] * inv_freq
+        if positions.dim() == 2:
+            assert self.rope_axes is not None, "positions over three axes for a model with one"
+            freqs = positions.float()[self.rope_axes].T[:, None, :] * inv_freq
+        else:
+            freqs = positions.float()[:, None, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * scale).to(self.dtype)
         return cos, (angles.sin() * scale).to(self.dtype) * self.rope_signs[inv_freq.shape[0]]
 
-    def forward(self, tokens: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """`tokens` [T] through every block; logits [1 or T, vocab] as the plan asks."""
-        ropes = {"global": self.rope(plan.positions)}
+    def forward(self, tokens: torch.Tensor, plan: Plan, images: PassImages | None = None) -> torch.Tensor:
+        """`tokens` [T] through every block; logits [1 or T, vocab] as the plan asks. `images`:
+        what the markers among them stand for (image_rows.py); their rows' embeddings replace
+        the embedded tokens' there, after the family's scaling, as transformers merges them."""
+        at = plan.positions if plan.rope_positions is None else plan.rope_positions
+        ropes = {"global": self.rope(at)}
         if self.local_rope is not None:
-            ropes["local"] = self.rope(plan.positions, self.local_rope)
+            ropes["local"] = self.rope(at, self.local_rope)
+        if images is not None:
+            tokens = images.tokens
         h = self.embed(tokens)
+        if images is not None and images.rows.numel():
+            h = h.index_copy(0, images.rows, images.embeddings.to(h.dtype))
         if self.before_blocks is not None:
             self.before_blocks(tokens, h)
         h = h.to(self.residual_dtype)
@@ -161,9 +178,9 @@ class Transformer:
 
     # The passes the backend runs, by name --------------------------------------------------
 
-    def prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache: KVCache, images: PassImages | None = None) -> torch.Tensor:
         """Run `ids` [T] after what `cache` holds; logits [1, vocab] for the token after them."""
-        return self.forward(ids, CausalChunk(cache, ids.shape[0], self.device))
+        return self.forward(ids, CausalChunk(cache, ids.shape[0], self.device, images), images)
 
     def decode(
         self, token: torch.Tensor, position: int | torch.Tensor, cache: KVCache, bucket: int | None = None

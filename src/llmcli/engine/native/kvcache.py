@@ -55,6 +55,7 @@ class SavedCache:
     written: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    shifts: tuple[tuple[int, int], ...] = ()  # KVCache.shifts
 
     def nbytes(self) -> int:
         return bytes_of([*self.keys, *self.values])
@@ -103,6 +104,11 @@ class KVCache:
         self.values: list[torch.Tensor] = [self._empty(0, layer) for layer in range(layers)]
         self.capacity = 0
         self.length = 0
+        # Where text positions stop being the cache's indices: (from index, shift) after each
+        # image whose rows span fewer RoPE positions than rows (Qwen's multimodal RoPE; the
+        # table in engine/image_rows.py lays them out). The token at index i takes position
+        # i + the last shift from at or before i; empty for text alone.
+        self.shifts: list[tuple[int, int]] = []
         self.storage_version = next(_STORAGE_VERSIONS)
         self.pool = pool
         self.slot = pool.attach(self) if pool is not None else None
@@ -218,6 +224,17 @@ class KVCache:
         if length == 0:
             self.written = 0
         self.length = length
+        if self.shifts:
+            self.shifts = [shift for shift in self.shifts if shift[0] <= length]
+
+    @property
+    def rope_shift(self) -> int:
+        """What the next token's RoPE position adds to its index (`shifts`)."""
+        return self.shifts[-1][1] if self.shifts else 0
+
+    def shift_from(self, index: int, shift: int) -> None:
+        if shift != self.rope_shift:
+            self.shifts.append((index, shift))
 
     def _rings_hold_window_before(self, length: int) -> bool:
         """Whether every ring still holds the positions a token at `length` attends to: none
@@ -235,7 +252,7 @@ class KVCache:
             end = self.keys[layer].shape[1] if ring is not None else self.length
             keys.append(self.keys[layer][:, :end].to("cpu", copy=True))
             values.append(self.values[layer][:, :end].to("cpu", copy=True))
-        return SavedCache(self.length, self.written, keys, values)
+        return SavedCache(self.length, self.written, keys, values, tuple(self.shifts))
 
     @torch.inference_mode()  # the cache's tensors were made in inference mode
     def restore(self, saved: SavedCache) -> None:
@@ -246,6 +263,7 @@ class KVCache:
             for layer, copy in enumerate(copies):
                 store[layer][:, : copy.shape[1]].copy_(copy)
         self.length, self.written = saved.length, saved.written
+        self.shifts = list(saved.shifts)
 
     @torch.inference_mode()
     def copy_prefix(self, source: KVCache, length: int) -> int:
@@ -264,6 +282,7 @@ class KVCache:
                 if self.kv_layers[layer]:
                     store[layer][:, :length].copy_(copy[:, :length])
         self.length = length
+        self.shifts = [shift for shift in source.shifts if shift[0] <= length]
         return length
 
     def bytes_for(self, positions: int) -> int:

@@ -3,7 +3,9 @@ cache and which of them each row attends to. The layer loop (forward.py) is writ
 plan is what differs between a prefill, a decode step, a graphed step and a speculative check,
 and each exists for an exactness or a speed rule, said in its docstring.
 
-A plan gives the pass's `positions` (RoPE), `attend` (per layer: q, k, v → attention output,
+A plan gives the pass's `positions` (cache slots, and RoPE unless `rope_positions` differ:
+after an image in Qwen's multimodal RoPE, text moves back; an image's own rows take [3, T]
+positions over its grid), `attend` (per layer: q, k, v → attention output,
 before the output projection), `finish` (the cache's new length, where the plan owns it) and
 `last_only` (the logits of the last row only).
 
@@ -19,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from llmcli.engine.image_rows import PassImages
 from llmcli.engine.native.attention import Attention
 from llmcli.engine.native.kvcache import KVCache
 from llmcli.engine.native.pool import SlotPool
@@ -26,6 +29,7 @@ from llmcli.engine.native.pool import SlotPool
 
 class Plan(Protocol):
     positions: torch.Tensor
+    rope_positions: torch.Tensor | None
     last_only: bool
 
     def attend(
@@ -69,10 +73,23 @@ class CausalChunk:
 
     last_only = True
 
-    def __init__(self, cache: KVCache, count: int, device: torch.device) -> None:
+    def __init__(
+        self, cache: KVCache, count: int, device: torch.device, images: PassImages | None = None
+    ) -> None:
         self.cache, self.start = cache, cache.length
         cache.ensure(self.start + count)
         self.positions = torch.arange(self.start, self.start + count, device=device)
+        self.rope_positions = _shifted(self.positions, cache)
+        # Images in the chunk (image_rows.py): rows the forward replaces, their RoPE positions,
+        # and where the model asks, each image's rows attending to each other both ways.
+        self.images = images
+        self.both_ways: torch.Tensor | None = None
+        if images is not None:
+            if images.rope_positions is not None:
+                self.rope_positions = images.rope_positions
+            if images.groups is not None:
+                groups = images.groups
+                self.both_ways = (groups[:, None] == groups[None, :]) & (groups >= 0)[:, None]
         # Each ring layer's window before the chunk, read once and the chunk written once: a
         # layer reading another's slot (Gemma 4's shared KV) comes after the owner has written
         # the chunk over that window.
@@ -80,19 +97,32 @@ class CausalChunk:
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, layer = self.cache, attention.layer
+        both_ways = self.both_ways if attention.sees_images_whole else None
         if cache.rings[layer] is None:
             keys, values = cache.write(layer, k, v)  # up to and including these tokens
-            return attention.attend_causal(q, keys, values)
+            return attention.attend_causal(q, keys, values, both_ways)
         # Read before writing: a chunk longer than the slack overwrites the window before it.
         assert attention.window is not None
         if layer not in self.before:
             self.before[layer] = cache.recent(layer, self.start, attention.window - 1)
             cache.write_ring(layer, k, v, self.positions)
         before_k, before_v = self.before[layer]
-        return attention.attend_causal(q, torch.cat((before_k, k), dim=1), torch.cat((before_v, v), dim=1))
+        keys, values = torch.cat((before_k, k), dim=1), torch.cat((before_v, v), dim=1)
+        return attention.attend_causal(q, keys, values, both_ways)
 
     def finish(self) -> None:
-        self.cache.length = self.start + self.positions.shape[0]
+        end = self.start + self.positions.shape[0]
+        self.cache.length = end
+        if self.images is not None:
+            for index, shift in self.images.shifts:
+                self.cache.shift_from(index, shift)
+
+
+def _shifted(positions: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+    """The RoPE positions of text at these cache positions, where an image moved them
+    (KVCache.shifts); None where they are the positions themselves."""
+    shift = cache.rope_shift
+    return positions + shift if shift else None
 
 
 class ExactDecode:
@@ -104,6 +134,7 @@ class ExactDecode:
     def __init__(self, cache: KVCache, position: int, device: torch.device) -> None:
         self.cache, self.span = cache, position + 1
         self.positions = torch.tensor([position], device=device)
+        self.rope_positions = _shifted(self.positions, cache)
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ring = self.cache.rings[attention.layer]
@@ -128,6 +159,10 @@ class SequencesStep:
     def __init__(self, steps: list[ExactDecode]) -> None:
         self.steps = steps
         self.positions = torch.cat([step.positions for step in steps])
+        self.rope_positions = None
+        if any(step.rope_positions is not None for step in steps):
+            at = [step.positions if step.rope_positions is None else step.rope_positions for step in steps]
+            self.rope_positions = torch.cat(at)
         self.pooled = PooledRows.of([step.cache for step in steps], self.positions)
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,6 +185,7 @@ class BucketStep:
     a fixed buffer). The caller advances the cache's length."""
 
     last_only = True
+    rope_positions = None  # the backend does not replay a graph after an image moved positions
 
     def __init__(self, cache: KVCache, position: torch.Tensor, bucket: int) -> None:
         self.cache, self.positions, self.bucket = cache, position, bucket
@@ -180,6 +216,7 @@ class PerRowCheck:
         self.cache, self.start, self.buckets, self.device = cache, cache.length, buckets, device
         cache.ensure(self.start + count)
         self.positions = torch.arange(self.start, self.start + count, device=device)
+        self.rope_positions = _shifted(self.positions, cache)
 
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, layer = self.cache, attention.layer
@@ -217,6 +254,7 @@ class RowsInOneCall:
     the cache's length."""
 
     last_only = False
+    rope_positions = None  # as BucketStep's
 
     def __init__(self, cache: KVCache, positions: torch.Tensor, span: int) -> None:
         self.cache, self.positions, self.span = cache, positions, span

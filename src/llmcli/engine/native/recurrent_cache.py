@@ -146,7 +146,7 @@ class RecurrentCache(KVCache):
         kv = super().save()
         states = {layer: (_to(state, "cpu"), seen) for layer, (state, seen) in self.states.items()}
         points = {length: _point_to(point, "cpu") for length, point in self.points.items()}
-        return SavedRecurrent(kv.length, kv.written, kv.keys, kv.values, states, points)
+        return SavedRecurrent(kv.length, kv.written, kv.keys, kv.values, kv.shifts, states, points)
 
     def restore(self, saved: SavedCache) -> None:
         assert isinstance(saved, SavedRecurrent)

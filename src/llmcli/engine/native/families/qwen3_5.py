@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmcli.engine.native.attention import Attention
-from llmcli.engine.native.families.base import Layer, Weights
+from llmcli.engine.native.families.base import Layer, Weights, mrope_axes
 from llmcli.engine.native.families.gemma3 import GemmaRMSNorm
 from llmcli.engine.native.families.llama import check_supported as check_llama
 from llmcli.engine.native.families.moe import check_stacked_experts
@@ -80,7 +80,8 @@ def weights(model: Any, context_length: int) -> Weights:
     # A GGUF file's table kept packed (models/gguf_embedding.py) is read row by row.
     table = body.embed_tokens
     embedding = table.weight if isinstance(table, torch.nn.Embedding) else table
-    return Weights(shape, embedding, blocks, final_norm, projection(model.lm_head), *rope)
+    axes = mrope_axes(getattr(config, "rope_parameters", None), rope[0].shape[0], rope[0].device)
+    return Weights(shape, embedding, blocks, final_norm, projection(model.lm_head), *rope, rope_axes=axes)
 
 
 class GatedAttention(Attention):

@@ -1,0 +1,31 @@
+"""An image's place in a prompt's token ids, as ids: each entry of an image's placeholder is a
+marker, a negative id naming the image and the entry, so that everything that compares, crops,
+keeps or restores token ids (the prefix store, chat turns, the server's kept conversations)
+tells two images apart without knowing about images, and the same image in a later prompt
+matches. Torch-free: a chat through a server compares them too.
+
+    marker = −(1 + k · ENTRIES + entry)   (k: the image's number in its table, image_rows.py)
+"""
+
+from __future__ import annotations
+
+ENTRIES = 1 << 20  # placeholder entries one image may have (a 4K image in Qwen's patches: ~12k)
+
+
+def marker(number: int, entry: int) -> int:
+    return -(1 + number * ENTRIES + entry)
+
+
+def split(marker: int) -> tuple[int, int]:
+    """(the image's number, the entry) a marker names."""
+    return divmod(-marker - 1, ENTRIES)
+
+
+def same_image(first: int, second: int) -> bool:
+    """Whether two markers name entries of one image."""
+    return split(first)[0] == split(second)[0]
+
+
+def inside_image(ids: list[int], at: int) -> bool:
+    """Whether a cut of `ids` at `at` falls between two entries of one image."""
+    return 0 < at < len(ids) and ids[at] < 0 and ids[at - 1] < 0 and same_image(ids[at - 1], ids[at])
