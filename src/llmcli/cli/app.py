@@ -104,6 +104,15 @@ def generate(
     raw: Annotated[
         bool, typer.Option("--raw", help="Send the text as-is, without the chat template.")
     ] = False,
+    images: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--image",
+            help="An image for a model that reads them (PNG, JPEG, GIF, WebP, BMP), placed before "
+            "the text by the chat template. Repeatable; - reads one from stdin (the prompt then "
+            "comes from the arguments).",
+        ),
+    ] = None,
     json_output: JsonOption = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print a timing summary on stderr.")] = False,
     sampling: SamplingSettings,
@@ -143,7 +152,11 @@ def generate(
     _check_think_budget(effective, num_beams)
     constrained = _output_format(output, effective.speculative, num_beams)
     tools = _tools(tool_settings, constrained, effective.speculative, num_beams, raw, batch)
+    if images and raw:
+        raise UsageError("--image needs the chat template to place the image, and --raw turns it off")
     if batch is not None:
+        if images:
+            raise UsageError("--image goes with one prompt; --batch reads its prompts from a file")
         if prompt:
             raise UsageError("--batch reads the prompts from its file: give no prompt arguments")
         if batch_size < 1:
@@ -172,6 +185,7 @@ def generate(
     code = run(
         GenerateRequest(
             prompt_words=tuple(prompt or ()),
+            images=tuple(images or ()),
             model=effective.model,
             system=system,
             raw=raw,

@@ -46,12 +46,15 @@ def runs_natively(loaded: LoadedModel) -> bool:
 def backend_for(loaded: LoadedModel) -> Backend:
     cuda = loaded.device.type == "cuda"
     if runs_natively(loaded):
+        from llmcli.engine.image_rows import table_of
         from llmcli.engine.native.backend import NativeBackend
 
         graphs = cuda and loaded.fast is not False
-        return NativeBackend(
+        backend = NativeBackend(
             loaded.model, loaded.context_length, graphs=graphs, static_shapes=bool(loaded.fast)
         )
+        backend.net.images = table_of(loaded)
+        return backend
     from llmcli.engine.hf import TransformersBackend
 
     return TransformersBackend(

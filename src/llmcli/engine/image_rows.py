@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -203,3 +204,16 @@ class ImageTable:
             rope_positions=torch.tensor(positions, device=device).T.contiguous() if grids else None,
             shifts=tuple(shifts),
         )
+
+
+def table_of(loaded: Any) -> ImageTable | None:
+    """The table of images of a loaded model (models/load.py LoadedModel), made on first use;
+    None where the model reads text only."""
+    vision = loaded.vision
+    if vision is None:
+        return None
+    if vision.table is None:
+        from llmcli.models.vision.load import LazyEncoder
+
+        vision.table = ImageTable(LazyEncoder(vision), vision.pad_id)
+    return vision.table

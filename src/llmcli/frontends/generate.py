@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from llmcli.config.settings import LoadSettings, RemoteSettings, SamplingSettings, SpeculativeSettings
 from llmcli.engine.reasoning import REASONING
@@ -26,6 +26,7 @@ from llmcli.frontends.tools import call_record
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
     from llmcli.engine.tools import ToolRequest
+    from llmcli.models.vision.encoder import ImageInput
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class GenerateRequest:
     think_budget: int | None = None  # thinking tokens at most (in-process: a server has no budget)
     tools: ToolRequest | None = None  # --tools, read already
     tools_from_stdin: bool = False  # --tools -: stdin held the tools, not the prompt
+    images: tuple[str, ...] = ()  # --image: paths, or - for stdin
 
 
 def read_stdin(stream: BinaryIO | None) -> str:
@@ -55,6 +57,28 @@ def read_stdin(stream: BinaryIO | None) -> str:
     if stream is None or stream.isatty():
         return ""
     return decode(read_stream(stream, PROMPT_BYTES, "stdin"), "stdin")
+
+
+def read_images(paths: tuple[str, ...], stdin: BinaryIO | None) -> list[ImageInput]:
+    """--image's files (- : stdin, once), read and size-checked; decoded later, where the
+    model's processor takes them (a bad image is refused before anything is prefilled)."""
+    from llmcli.models.vision.encoder import ImageInput
+    from llmcli.models.vision.image_file import read_image_file
+
+    if paths.count("-") > 1:
+        raise UsageError("--image - reads stdin, which holds one image: give it once")
+    images = []
+    for path in paths:
+        if path != "-":
+            images.append(read_image_file(path))
+            continue
+        if stdin is None or stdin.isatty():
+            raise UsageError("--image - reads an image from stdin, and stdin is a terminal: pipe one in")
+        from llmcli.models.vision.image_file import MAX_FILE_BYTES
+        from llmcli.reading import read_stream
+
+        images.append(ImageInput(read_stream(stdin, MAX_FILE_BYTES, "stdin"), "stdin"))
+    return images
 
 
 def assemble_prompt(words: tuple[str, ...], stdin_text: str) -> str:
@@ -72,7 +96,9 @@ def assemble_prompt(words: tuple[str, ...], stdin_text: str) -> str:
 def run(request: GenerateRequest) -> int:
     """Find the target, generate, print. Returns the exit code; raises LlmcliError on failure."""
     stdin = sys.stdin.buffer if sys.stdin is not None else None
-    prompt = assemble_prompt(request.prompt_words, "" if request.tools_from_stdin else read_stdin(stdin))
+    images = read_images(request.images, stdin)
+    stdin_text = "" if request.tools_from_stdin or "-" in request.images else read_stdin(stdin)
+    prompt = assemble_prompt(request.prompt_words, stdin_text)
     # Beam search and a thinking budget run on the loaded model itself.
     in_process = request.num_beams > 1 or request.think_budget is not None
     target = open_target(
@@ -83,7 +109,10 @@ def run(request: GenerateRequest) -> int:
         in_process,
         lean=request.num_beams == 1,  # beam search runs on a transformers model
     )
-    messages = [{"role": "user", "content": prompt}]
+    content: str | list[dict[str, Any]] = prompt
+    if images:  # before the text, as the models' own examples place them
+        content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": prompt}]
+    messages = [{"role": "user", "content": content}]
     if request.system:
         messages.insert(0, {"role": "system", "content": request.system})
     method, output = request.speculative.method, request.output

@@ -20,6 +20,7 @@ from llmcli.frontends.loading import engine_with_feedback, speculation_with_feed
 from llmcli.frontends.target import Ask, Outcome
 
 if TYPE_CHECKING:
+    from llmcli.engine.image_rows import ImageTable
     from llmcli.engine.loop import Engine, Generation, GenerationResult
     from llmcli.engine.speculative import Speculation
     from llmcli.engine.structured import OutputFormat
@@ -115,12 +116,29 @@ class InProcessTarget:
             think_off=ask.think_off,
             options=options,
             context_length=self.loaded.context_length,
+            images=self.images(messages),
         )
         params = self.params(ask.sampling)
         if ask.num_beams > 1:
             self._beams = True
             return BeamReply(self.loaded, ids, params, ask.num_beams)
         return self.generate(ids, params, ask.speculative, output, ask.think_budget, turn)
+
+    def images(self, messages: list[dict[str, Any]]) -> ImageTable | None:
+        """The model's table of images where its messages hold images it can read; a clear
+        refusal where they hold images it cannot."""
+        from llmcli.engine.image_rows import table_of
+        from llmcli.engine.prompt_images import images_in, refuse_images
+
+        if not images_in(messages):
+            return None
+        table = table_of(self.loaded)
+        if table is None:
+            refuse_images(messages, f"{self.name} reads text only")
+        if self.engine.name != "native":
+            why = "images are read on the native engine only, and this model runs on transformers"
+            refuse_images(messages, why)
+        return table
 
     def tool_turn(self, messages: list[dict[str, Any]], tools: ToolRequest | None) -> ToolTurn:
         from llmcli.engine.tools.turn import tool_turn
@@ -189,6 +207,8 @@ class LocalReply:
         self.generation = generation
         self.params = params
         self.stream = ReplyStream(tokenizer, prompt, reader)
+        # The tokens the prompt's images take (their placeholders' markers: engine/image_markers.py).
+        self.image_tokens = sum(token < 0 for token in prompt)
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return self.stream.split(self.generation)
@@ -207,6 +227,7 @@ class LocalReply:
             outcome.raw_text = self.stream.thinking.said(raw)  # as generated: the chat keeps it whole
         if calls and outcome.finish_reason == "stop":
             outcome.finish_reason = "tool_calls"
+        outcome.image_tokens = self.image_tokens
         return outcome
 
 

@@ -199,7 +199,7 @@ class RemoteTarget:
         if ask.raw:
             body["prompt"] = "\n\n".join(m["content"] for m in ask.messages)
             return RemoteReply(self.client, "completions", body, ask.output, most)
-        body["messages"] = ask.messages
+        body["messages"] = [openai_message(message) for message in ask.messages]
         if ask.think_off:  # as vLLM and llmcli's server read it
             body["chat_template_kwargs"] = {"enable_thinking": False}
         if ask.tools is not None:
@@ -514,3 +514,31 @@ class RemoteHistory:
 
         exchanges = len(exchange_starts(self.messages))
         return f"{plural(exchanges, 'exchange')} · context {context} tokens"
+
+
+def openai_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as OpenAI's API carries it: an image part (its bytes, here) as an `image_url`
+    part holding a data URL, which a server reads without fetching anything."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [_openai_part(part) for part in content]
+    return {**message, "content": parts}
+
+
+def _openai_part(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") != "image":
+        return part
+    import base64
+
+    data = part["image"].data
+    url = f"data:{_media_type(data)};base64,{base64.b64encode(data).decode('ascii')}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _media_type(data: bytes) -> str:
+    """The image's type from its first bytes (the server checks the bytes themselves)."""
+    for start, kind in ((b"\x89PNG", "png"), (b"\xff\xd8", "jpeg"), (b"GIF8", "gif"), (b"BM", "bmp")):
+        if data.startswith(start):
+            return f"image/{kind}"
+    return "image/webp" if data[8:12] == b"WEBP" else "image/png"

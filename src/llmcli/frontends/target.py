@@ -29,6 +29,7 @@ class Outcome:
     completion_tokens: int | None = None
     prefilled_tokens: int | None = None
     cached_tokens: int | None = None
+    image_tokens: int | None = None  # of prompt_tokens, those the images take (None: not known)
     ttft_s: float | None = None
     prefill_tok_s: float | None = None
     decode_tok_s: float | None = None

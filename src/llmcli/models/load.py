@@ -30,6 +30,7 @@ from llmcli.models.memory import (
     kv_bytes_per_token,
     measured_weight_bytes,
 )
+from llmcli.models.vision.load import VisionSource, vision_source
 
 if TYPE_CHECKING:
     from llmcli.models.built import Built
@@ -54,6 +55,7 @@ class LoadedModel:
     fast: bool | None = None  # --fast/--no-fast as asked; the engine decides what it means for it
     engine: str = "auto"  # --engine as asked: auto, native or transformers
     weights_file: Path | None = None  # the GGUF file read in place, which a server watches for changes
+    vision: VisionSource | None = None  # its vision part, where it reads images (built on the first)
 
     @property
     def has_chat_template(self) -> bool:
@@ -133,6 +135,16 @@ def load_model(
         fast=plan.settings.fast,
         engine=plan.settings.engine,
         weights_file=checkpoint.gguf_file,
+        vision=_vision(checkpoint, plan, tokenizer, model),
+    )
+
+
+def _vision(checkpoint: Checkpoint, plan: LoadPlan, tokenizer: Any, model: Any) -> VisionSource | None:
+    """The checkpoint's vision part, where llmcli reads images of its kind (vision/load.py)."""
+    if checkpoint.source == "gguf":
+        return None  # a GGUF file's vision part is a file of its own (mmproj), not in this one
+    return vision_source(
+        checkpoint.architecture, checkpoint.path, plan.dtype, plan.device, tokenizer, model.config
     )
 
 
