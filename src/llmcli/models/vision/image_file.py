@@ -105,11 +105,9 @@ def open_image(image: ImageInput, max_pixels: int = MAX_PIXELS) -> CheckedImage:
         picture.load()
         upright = ImageOps.exif_transpose(picture)
         rgb = _to_rgb(upright)
-    except Image.DecompressionBombError:
+    except Image.DecompressionBombError as error:
         # Pillow's own limit, met inside a format's reader (a GIF frame reaching past the screen).
-        raise ImageError(
-            f"{where}: declares more than {_megapixels(max_pixels)} megapixels", _SCALE_DOWN
-        ) from None
+        raise ImageError(f"{where}: declares more pixels than are decoded ({error})", _SCALE_DOWN) from None
     except _DECODE_ERRORS as error:
         raise ImageError(f"{where}: a damaged or truncated {picture.format} file ({error})") from None
     return CheckedImage(
@@ -128,11 +126,10 @@ def _open_header(data: bytes, where: str) -> Image.ImageFile.ImageFile:
     """The file opened by the opener of its format (its header read, no pixel decoded), as
     `Image.open` opens it but without Pillow's process-wide pixel limit, which would warn on
     stderr or refuse without saying the size; `open_image` compares the size itself."""
-    from PIL import BmpImagePlugin, GifImagePlugin, Image, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+    from PIL import Image
 
-    assert (
-        BmpImagePlugin and GifImagePlugin and JpegImagePlugin and PngImagePlugin and WebPImagePlugin
-    )  # registered
+    _register_openers()
+
     prefix = data[:16]
     for name in FORMATS:
         factory, accepts = Image.OPEN[name]
@@ -145,6 +142,14 @@ def _open_header(data: bytes, where: str) -> Image.ImageFile.ImageFile:
             # Its first bytes say this format and its header breaks off or contradicts itself.
             raise ImageError(f"{where}: a damaged or truncated {name} file ({error})") from None
     raise ImageError(f"{where}: {_what_else(data)} ({_READ})")
+
+
+def _register_openers() -> None:
+    """Importing a format's plugin registers its opener in `Image.OPEN` (Pillow imports the
+    plugins only inside `Image.open`)."""
+    from PIL import BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+
+    del BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
 
 def _what_else(data: bytes) -> str:
