@@ -74,7 +74,7 @@ class ImageTable:
         a bad image is refused before anything is prefilled)."""
         from llmcli.models.vision.image_file import open_image
 
-        checked = open_image(image, **({"max_pixels": self.max_pixels} if self.max_pixels else {}))
+        checked = open_image(image) if self.max_pixels is None else open_image(image, self.max_pixels)
         with self._lock:
             number = self._by_digest.get(checked.digest)
             if number is not None and number in self._by_number:

@@ -74,10 +74,10 @@ def read_images(paths: tuple[str, ...], stdin: BinaryIO | None) -> list[ImageInp
             continue
         if stdin is None or stdin.isatty():
             raise UsageError("--image - reads an image from stdin, and stdin is a terminal: pipe one in")
-        from llmcli.models.vision.image_file import MAX_FILE_BYTES
+        from llmcli.models.vision.image_file import IMAGE_BYTES
         from llmcli.reading import read_stream
 
-        images.append(ImageInput(read_stream(stdin, MAX_FILE_BYTES, "stdin"), "stdin"))
+        images.append(ImageInput(read_stream(stdin, IMAGE_BYTES, "stdin"), "stdin"))
     return images
 
 
