@@ -281,7 +281,7 @@ def exchange_starts(messages: list[Message]) -> list[int]:
 class Exchange:
     """What one turn added, for /undo and /retry."""
 
-    user: str
+    user: str | list[dict[str, Any]]  # the message's text, or its text and images
     reply: str
     finish_reason: str
 
@@ -301,6 +301,9 @@ class Conversation:
     ids: list[int] = field(default_factory=list)
     think_off: bool = False  # a reasoning model answers without thinking (chat --think off)
     tools: ToolRequest | None = None  # tools the replies may call (chat --functions)
+    # The model's table of images (image_rows.py), where its messages may hold images: an image
+    # held reads as its marker, so a later turn keeps it cached, never encodes it again.
+    images: ImageTable | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -321,13 +324,13 @@ class Conversation:
         prompt = render_prompt(
             self.tokenizer, messages, add_generation_prompt, self.think_off and add_generation_prompt, options
         )
-        return ids_for_text(self.tokenizer, self.ids, prompt)
+        return ids_for_text(self.tokenizer, self.ids, prompt, images_in(messages), self.images)
 
     def exchange_starts(self) -> list[int]:
         return exchange_starts(self.messages)
 
     def prompt_for(
-        self, user_text: str, reply_room: int, steps: list[Message] | None = None
+        self, user_text: str | list[dict[str, Any]], reply_room: int, steps: list[Message] | None = None
     ) -> tuple[list[int], int]:
         """Prompt ids for a new user message (and the tool calls and results of this turn so
         far, `steps`), and how many oldest exchanges had to be dropped.
@@ -336,8 +339,9 @@ class Conversation:
         plus `reply_room` tokens must fit in the context; the oldest exchanges go first, the
         system prompt always stays.
         """
+        user_words = _text_of({"content": user_text})
         refuse_unfittable(
-            self.tokenizer, [user_text, *(_text_of(m) for m in steps or [])], self.context_length
+            self.tokenizer, [user_words, *(_text_of(m) for m in steps or [])], self.context_length
         )
         user = {"role": "user", "content": user_text}
         starts = [*self.exchange_starts(), len(self.messages)]
@@ -355,7 +359,7 @@ class Conversation:
 
     def commit(
         self,
-        user_text: str,
+        user_text: str | list[dict[str, Any]],
         prompt: list[int],
         dropped: int,
         reply: str,
