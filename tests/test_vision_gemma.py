@@ -6,6 +6,7 @@ the vision tensors alone."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 import sys
@@ -68,9 +69,9 @@ def hf_tokenizer(folder: Path):
 
 def processed(
     folder: Path, hf_tokenizer, image: Image.Image, marker: str
-) -> tuple[list[int], dict[str, Any]]:
-    """transformers' processor on the template's marker alone and the image: the ids it expands
-    the marker to, and the inputs its model reads. Gemma 3's is Gemma3Processor itself with the
+) -> tuple[str, list[int], dict[str, Any]]:
+    """transformers' processor on the template's marker alone and the image: the text and ids it
+    expands the marker to, and the inputs its model reads. Gemma 3's is Gemma3Processor itself with the
     PIL image processor; Gemma4Processor does not construct without a video processor, which
     needs torchvision, so its own replace_image_token expands the marker for the count its PIL
     image processor gives."""
@@ -82,7 +83,11 @@ def processed(
         rows = GEMMA_VISION[folder.name]["config"]["mm_tokens_per_image"]
         processor = Gemma3Processor(image_processor, hf_tokenizer, image_seq_length=rows)
         out = processor(text=marker, images=[image], add_special_tokens=False, return_tensors="pt")
-        return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"]}
+        return (
+            processor.full_image_sequence,
+            out["input_ids"][0].tolist(),
+            {"pixel_values": out["pixel_values"]},
+        )
     assert type(image_processor).__name__ == "Gemma4ImageProcessorPil"
     out = image_processor(images=[image], return_tensors="pt")
     tokens = SimpleNamespace(
@@ -90,7 +95,7 @@ def processed(
     )
     text = Gemma4Processor.replace_image_token(tokens, out, 0)
     inputs = {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"]}
-    return hf_tokenizer.encode(text, add_special_tokens=False), inputs
+    return text, hf_tokenizer.encode(text, add_special_tokens=False), inputs
 
 
 def image_features(reference, inputs: dict[str, Any]) -> torch.Tensor:
@@ -106,8 +111,9 @@ def test_rows_and_placeholder_equal_transformers(
 ) -> None:
     image = image_of(size)
     prepared = encoder.prepare(image)
-    ids, inputs = processed(folder, hf_tokenizer, image, encoder.template_text)
+    text, ids, inputs = processed(folder, hf_tokenizer, image, encoder.template_text)
     assert list(prepared.placeholder.ids) == ids
+    assert encoder.placeholder_text(prepared) == text
     assert prepared.placeholder.image_token_id == reference.config.image_token_id
     for name, value in inputs.items():
         assert torch.equal(prepared.inputs[name], value), name
@@ -139,8 +145,12 @@ def test_which_layers_let_an_image_attend_both_ways(folder: Path, encoder, refer
     assert encoder.bidirectional
     if folder.name == "gemma3_vl":  # every layer (a sliding one within its window)
         assert encoder.bidirectional_layers == tuple(range(text.num_hidden_layers))
-    else:  # use_bidirectional_attention "vision": the sliding layers alone
+    else:  # use_bidirectional_attention "vision": the sliding layers alone; unset: none
         assert encoder.bidirectional_layers == (0, 2, 4)
+        config = copy.deepcopy(reference.config)
+        config.text_config.use_bidirectional_attention = None
+        causal = Gemma4Vision(config, reference.state_dict(), LeanTokenizer(folder))
+        assert not causal.bidirectional and causal.bidirectional_layers == ()
 
 
 def test_loading_reads_the_vision_tensors_alone(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:

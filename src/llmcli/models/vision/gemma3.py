@@ -68,6 +68,15 @@ class Gemma3Vision(CheckpointVision):
         image = config.image_token_index
         ids = [*margin, config.boi_token_index, *[image] * rows, config.eoi_token_index, *margin]
         self.placeholder = Placeholder(ids=tuple(ids), image_token_id=image)
+        edges = (token_text(tokenizer, config.boi_token_index), token_text(tokenizer, config.eoi_token_index))
+        image_text = token_text(tokenizer, image) * rows
+        self.expansion = f"{IMAGE_MARGIN}{edges[0]}{image_text}{edges[1]}{IMAGE_MARGIN}"
+
+    def placeholder_text(self, prepared: PreparedImage) -> str:
+        """The text Gemma3Processor writes for `template_text` (`full_image_sequence`): a prompt
+        tokenized with it in the marker's place is transformers' ids, blank lines merged with
+        the text around as its tokenizer merges them."""
+        return self.expansion
 
     def prepare(self, image: Image.Image) -> PreparedImage:
         pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"]

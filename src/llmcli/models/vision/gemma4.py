@@ -72,6 +72,7 @@ class Gemma4Vision(CheckpointVision):
         self.template_text = token_text(tokenizer, config.image_token_id)
         self.image_token_id = config.image_token_id
         self.edges = (config.boi_token_id, config.eoi_token_id)
+        self.edge_texts = tuple(token_text(tokenizer, edge) for edge in self.edges)
 
     def prepare(self, image: Image.Image) -> PreparedImage:
         processed = self.processor(images=[image], return_tensors="pt")
@@ -85,6 +86,12 @@ class Gemma4Vision(CheckpointVision):
             "image_position_ids": processed["image_position_ids"],
         }
         return PreparedImage(placeholder=placeholder, inputs=inputs)
+
+    def placeholder_text(self, prepared: PreparedImage) -> str:
+        """The text Gemma4Processor.replace_image_token writes for `template_text` (special
+        tokens alone, so tokenizing it gives `placeholder.ids` in any context)."""
+        rows = prepared.placeholder.ids.count(self.image_token_id)
+        return f"{self.edge_texts[0]}{self.template_text * rows}{self.edge_texts[1]}"
 
     def encode(self, prepared: PreparedImage) -> torch.Tensor:
         """Gemma4Model.get_image_features' rows for the image (what its forward scatters into the
