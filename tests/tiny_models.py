@@ -164,6 +164,61 @@ _TINY_VISION = {
 }  # fmt: skip
 
 
+# Gemma vision-language checkpoints whose vision part llmcli runs (models/vision/gemma3.py and
+# gemma4.py): the model class of the whole, the text arch its language model is, the image tokens
+# its tokenizer names (special, with tokenizer_config.json's names for them) and which of them the
+# chat template writes for an image, a tiny vision tower, and the image processor's settings.
+GEMMA_VISION: dict[str, dict[str, Any]] = {
+    "gemma3_vl": {
+        "model": "Gemma3ForConditionalGeneration",
+        "text": "gemma3_text",
+        "tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                   "image_token": "<image_soft_token>"},
+        "marker": "boi_token",
+        # SigLIP on 32 × 32 images in patches of 8: a 4 × 4 grid pooled to 2 × 2 rows
+        "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                   "num_attention_heads": 2, "image_size": 32, "patch_size": 8, "vision_use_head": False},
+        "config": {"mm_tokens_per_image": 4},
+        "processor": {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 32, "width": 32},
+                      "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None,
+                      "image_seq_length": 4, "processor_class": "Gemma3Processor"},
+    },
+    "gemma4_vl": {
+        "model": "Gemma4ForConditionalGeneration",
+        "text": "gemma4",
+        "tokens": {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>"},
+        "marker": "image_token",
+        # patches of 4 pooled 3 × 3: at most 70 rows (the fewest the processor allows) of 630 patches,
+        # an image resized to about 100 × 100 (or one side up to 210 patches); the pooled rows
+        # standardized, as the released towers do
+        "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                   "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4,
+                   "pooling_kernel_size": 3, "position_embedding_size": 256, "standardize": True},
+        "config": {"text": {"use_bidirectional_attention": "vision"}},
+        "processor": {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4,
+                      "pooling_kernel_size": 3, "max_soft_tokens": 70, "image_seq_length": 70,
+                      "processor_class": "Gemma4Processor"},
+    },
+}  # fmt: skip
+TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+
+
+def gemma_vision_template(marker: str) -> str:
+    """Gemma's chat template, shortened: turns of `user` and `model`, a message's parts in order,
+    `marker` where a part is an image."""
+    return (
+        "{% for message in messages %}"
+        "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] | trim }}"
+        "{% else %}{% for item in message['content'] %}"
+        "{% if item['type'] == 'image' %}{{ '" + marker + "' }}"
+        "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "{{ '<end_of_turn>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    )
+
+
 def runs_natively_by_default(arch: str) -> bool:
     """Whether auto loads a FALLBACK_FAMILIES `arch` on the native engine: its model class has a
     row in the families table that auto picks."""
@@ -184,7 +239,7 @@ def build_tiny_model(
     tokenizer_style: str = "bytelevel",
 ) -> Path:
     """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", one of
-    FALLBACK_FAMILIES, or one of GEMMA4_VARIANTS) model with
+    FALLBACK_FAMILIES, GEMMA4_VARIANTS, MULTIMODAL_FAMILIES or GEMMA_VISION) model with
     random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
     `chat_template` as its template when it is text."""
     import torch
@@ -203,12 +258,19 @@ def build_tiny_model(
         Qwen3MoeForCausalLM,
     )
 
+    vision = GEMMA_VISION.get(arch)
+    if vision is not None:  # its turn and image tokens special, its template Gemma's
+        special += TURN_TOKENS + tuple(vision["tokens"].values())
+        chat_template = gemma_vision_template(vision["tokens"][vision["marker"]])
+        arch = vision["text"]
     tokenizer = train_tokenizer(style=tokenizer_style, added=added, special=special)
+    if vision is not None:
+        tokenizer.eos_token = "<end_of_turn>"
     if not chat_template:
         tokenizer.chat_template = None
     elif isinstance(chat_template, str):
         tokenizer.chat_template = chat_template
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     shape = {
         "vocab_size": len(tokenizer),
@@ -282,6 +344,8 @@ def build_tiny_model(
         # frequencies of a head's rotated quarter (text positions are one position in each).
         text["rope_parameters"] |= {"mrope_section": [1, 1, 0], "mrope_interleaved": True}
         config = config_class(text_config=text, vision_config=_TINY_VISION, initializer_range=0.2)
+    if vision is not None:
+        config, model_class = _gemma_vision(vision, config, tokenizer)
     model = model_class(config)
     if arch in GEMMA4_VARIANTS:
         _away_from_one(model)
@@ -296,7 +360,56 @@ def build_tiny_model(
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if vision is not None:
+        _save_gemma_vision_files(folder, vision)
     return folder
+
+
+def _gemma_vision(vision: dict[str, Any], text: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """The whole model's config around the text model's `text` (a tiny vision tower beside it, its
+    image tokens the tokenizer's), and the model class."""
+    import transformers
+
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in vision["tokens"].items()}
+    text_config = text.to_dict() | vision["config"].get("text", {})
+    model_class = getattr(transformers, vision["model"])
+    if vision["text"] == "gemma3_text":
+        config = transformers.Gemma3Config(
+            text_config=text_config,
+            vision_config=vision["vision"],
+            mm_tokens_per_image=vision["config"]["mm_tokens_per_image"],
+            boi_token_index=ids["boi_token"],
+            eoi_token_index=ids["eoi_token"],
+            image_token_index=ids["image_token"],
+            initializer_range=0.2,
+        )
+        return config, model_class
+    config = transformers.Gemma4Config(
+        text_config=text_config,
+        vision_config=vision["vision"],
+        audio_config=None,
+        boi_token_id=ids["boi_token"],
+        eoi_token_id=ids["eoi_token"],
+        image_token_id=ids["image_token"],
+        initializer_range=0.2,
+    )
+    return config, model_class
+
+
+def _save_gemma_vision_files(folder: Path, vision: dict[str, Any]) -> None:
+    """The image tokens named in tokenizer_config.json (as Gemma's released tokenizers name them:
+    transformers' processors read them so), and the image processor's settings: Gemma 3's flat in
+    preprocessor_config.json as its released folders have them, Gemma 4's in
+    processor_config.json as transformers 5 saves them."""
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | vision["tokens"], indent=2))
+    settings = vision["processor"]
+    if vision["text"] == "gemma3_text":
+        (folder / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
+        return
+    outer = {"image_seq_length": settings["image_seq_length"], "processor_class": settings["processor_class"]}
+    inner = {key: value for key, value in settings.items() if key not in outer}
+    (folder / "processor_config.json").write_text(json.dumps(outer | {"image_processor": inner}, indent=2))
 
 
 def _away_from_one(model: Any) -> None:
