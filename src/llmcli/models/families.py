@@ -109,6 +109,21 @@ _GEMMA_SHAPE: dict[str, Any] = {
     "ffn_norms": True,
     "embed_scale": True,
 }
+
+# What Gemma3ForCausalLM and the text part of Gemma3ForConditionalGeneration share.
+_GEMMA3: dict[str, Any] = {
+    "config_defaults": _GEMMA
+    | {
+        "max_position_embeddings": 131_072,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    },
+    "layer_types": "gemma3",
+    "head_norms": True,
+    **_GEMMA_SHAPE,
+}
 # What Qwen3_5TextConfig fills in (Qwen3_5MoeTextConfig and Qwen3NextConfig too), and how
 # their rows read the checkpoint.
 _QWEN3_5: dict[str, Any] = {
@@ -181,20 +196,10 @@ _ROWS = (
         biases="none",
         longrope_aliases=True,
     ),
-    Family(
-        "Gemma3ForCausalLM",
-        config_defaults=_GEMMA
-        | {
-            "max_position_embeddings": 131_072,
-            "sliding_window_pattern": 6,
-            "final_logit_softcapping": None,
-            "attn_logit_softcapping": None,
-            "use_bidirectional_attention": False,
-        },
-        layer_types="gemma3",
-        head_norms=True,
-        **_GEMMA_SHAPE,
-    ),
+    Family("Gemma3ForCausalLM", **_GEMMA3),
+    # Its text part, where Google's release (and transformers' save) keep it; the vision tower is
+    # read on the first image (models/vision/gemma3.py).
+    Family("Gemma3ForConditionalGeneration", **_GEMMA3, language_model="language_model.model"),
     Family(
         "Gemma2ForCausalLM",
         config_defaults=_GEMMA

@@ -147,7 +147,8 @@ class Attention:
         """Tokens q [heads, T, d] that are the last T of `keys`/`values`, each attending to
         everything up to itself: [T, heads × d], before the output projection. `both_ways`
         [T, T]: pairs of the chunk's rows that also see each other ahead (an image's rows,
-        where the model reads an image whole: Gemma), window or not, as transformers ORs them."""
+        where the model reads an image whole: Gemma), still within a sliding window, as
+        transformers masks them."""
         start = keys.shape[1] - q.shape[1]
         # A chunk after `start` cached tokens: row i sees positions ≤ start + i. From an empty
         # cache that is plain causal attention, which has the fastest kernels.
@@ -155,10 +156,10 @@ class Attention:
         windowed = self.window is not None and keys.shape[1] > self.window
         if (start > 0 and q.shape[1] > 1) or windowed or both_ways is not None:
             mask = torch.ones(q.shape[1], keys.shape[1], dtype=torch.bool, device=q.device).tril(start)
+            if both_ways is not None:  # the chunk's last T keys; its last rows, where only they ask
+                mask[:, keys.shape[1] - both_ways.shape[1] :] |= both_ways[-q.shape[1] :]
             if windowed:  # and positions > its own − window
                 mask &= ~torch.ones_like(mask).tril(start - self.window)
-            if both_ways is not None:
-                mask[:, start:] |= both_ways
         if self.scored:
             return self._causal_scored(q, keys, values, mask, start)
         out = F.scaled_dot_product_attention(

@@ -117,7 +117,7 @@ class NativeBackend:
             cache = self.cache
             images = table.resolve(ids, cache.length, cache.rope_shift, self.device, self.net.dtype)
             if images is not None and images.groups is not None:
-                self.net.read_images_whole(bool(getattr(table.encoder, "bidirectional_sliding_only", False)))
+                self.net.read_images_whole(table.encoder.bidirectional_layers)
         elif ids and min(ids) < 0:
             raise LlmcliError("this model reads text only: its prompt cannot hold an image")
         return self.net.prefill(tokens, self.cache, images)

@@ -101,12 +101,13 @@ class Transformer:
                 kept[attention.layer] = True
         return windows, shapes, kept
 
-    def read_images_whole(self, sliding_only: bool) -> None:
-        """Let an image's rows attend to each other both ways in a prefill, in every attention
-        layer (Gemma 3) or the sliding ones (Gemma 4), as the model's vision part says."""
-        for block in self.blocks:
-            if block.attention is not None and (not sliding_only or block.attention.window is not None):
-                block.attention.sees_images_whole = True
+    def read_images_whole(self, layers: tuple[int, ...]) -> None:
+        """Let an image's rows attend to each other both ways in a prefill in these layers
+        (Gemma 3: all; Gemma 4: its sliding ones), as the model's vision part says."""
+        for index in layers:
+            attention = self.blocks[index].attention
+            if attention is not None:
+                attention.sees_images_whole = True
 
     def new_cache(self, context_length: int, pool: SlotPool | None = None) -> KVCache:
         shape = self.shape

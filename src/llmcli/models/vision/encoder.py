@@ -55,9 +55,11 @@ class VisionEncoder(Protocol):
     # Qwen: "<|vision_start|><|image_pad|><|vision_end|>", SmolVLM: "<image>"): the text that
     # `placeholder.ids` replace.
     template_text: str
-    # Whether an image's rows attend to each other both ways during a prefill (Gemma 3: every
-    # layer; Gemma 4: its sliding layers), rather than causally as text does.
+    # Whether an image's rows attend to each other both ways during a prefill, rather than
+    # causally as text does, and in which decoder layers (Gemma 3: every layer; Gemma 4: its
+    # sliding ones, each still within its window).
     bidirectional: bool
+    bidirectional_layers: tuple[int, ...]
 
     def prepare(self, image: Image.Image) -> PreparedImage:
         """The image (decoded, RGB, checked: image_file.py) through the processor."""

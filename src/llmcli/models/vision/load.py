@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     from llmcli.models.vision.encoder import PreparedImage, VisionEncoder
 
 # architecture → (module under llmcli.models.vision, class)
-ENCODERS: dict[str, tuple[str, str]] = {}
+ENCODERS: dict[str, tuple[str, str]] = {
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3Vision"),
+    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4Vision"),
+}
 
 
 @dataclass
@@ -42,7 +45,8 @@ class VisionSource:
             if self._encoder is None:
                 module, name = ENCODERS[self.architecture]
                 kind = getattr(importlib.import_module(f"llmcli.models.vision.{module}"), name)
-                self._encoder = kind.from_folder(self.folder, self.dtype, self.device, self.tokenizer)
+                folder, tokenizer = self.folder, self.tokenizer
+                self._encoder = kind.from_folder(folder, self.dtype, self.device, tokenizer=tokenizer)
             return self._encoder
 
 
