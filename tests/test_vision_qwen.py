@@ -1,6 +1,6 @@
 """Qwen's vision part (models/vision/qwen_vl.py) and multimodal RoPE (models/vision/mrope.py),
 held to transformers on tiny random checkpoints of each family (Qwen3.5 dense and MoE,
-Qwen2.5-VL): an image's rows equal to the whole model's `get_image_features` in fp32, its
+Qwen2.5-VL, Qwen3-VL): an image's rows equal to the whole model's `get_image_features` in fp32, its
 placeholder as Qwen's processors expand the template's marker, the prompt's [3, T] positions and
 the next token's position as `get_rope_index` lays them out, and the cos/sin as the text model's
 rotary embedding computes them."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from llmcli.errors import UsageError
+from llmcli.errors import ModelLoadError, UsageError
 from llmcli.models.lean_tokenizer import LeanTokenizer
 from llmcli.models.vision.mrope import image_runs, prompt_positions, rope_cos_sin
 from llmcli.models.vision.qwen_vl import TEMPLATE_TEXT, QwenVisionEncoder, read_vision_tensors
@@ -51,15 +51,24 @@ def noise(width: int, height: int, seed: int = 0) -> Image.Image:
 @pytest.mark.parametrize("size", SIZES)
 def test_rows_equal_transformers_image_features(encoder: QwenVisionEncoder, reference, size) -> None:
     prepared = encoder.prepare(noise(*size))
-    rows = encoder.encode(prepared)
+    rows, deepstack = encoder.encode_with_deepstack(prepared)
     with torch.no_grad():
-        (expected,) = reference.get_image_features(**prepared.inputs).pooler_output
-    assert (
-        rows.shape
-        == expected.shape
-        == (len(prepared.placeholder.ids) - 2, reference.config.text_config.hidden_size)
-    )
-    torch.testing.assert_close(rows, expected, rtol=0, atol=1e-5)
+        expected = reference.get_image_features(**prepared.inputs)
+    hidden = reference.config.text_config.hidden_size
+    assert rows.shape == (len(prepared.placeholder.ids) - 2, hidden)
+    torch.testing.assert_close(rows, expected.pooler_output[0], rtol=0, atol=1e-5)
+    # Qwen3-VL's rows for its first decoder layers: one set per deepstack block of its tower
+    layers = reference.config.vision_config.to_dict().get("deepstack_visual_indexes", [])
+    assert len(deepstack) == len(layers)
+    for given, (wanted,) in zip(deepstack, getattr(expected, "deepstack_features", None) or [], strict=True):
+        torch.testing.assert_close(given, wanted, rtol=0, atol=1e-5)
+    if not layers:
+        torch.testing.assert_close(encoder.encode(prepared), rows, rtol=0, atol=0)
+        return
+    # Without its deepstack rows Qwen3-VL's decoder would answer, wrongly: encode alone refuses.
+    with pytest.raises(ModelLoadError, match="deepstack") as refused:
+        encoder.encode(prepared)
+    assert "\n" not in str(refused.value)
 
 
 def qwen_processor(folder: Path, image_processor, tokenizer):

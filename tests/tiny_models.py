@@ -164,9 +164,10 @@ _TINY_VISION = {
 }  # fmt: skip
 # Vision-language checkpoints whose vision tower llmcli runs (models/vision/qwen_vl.py): the
 # multimodal families above, and those whose text part has no row in the native engine's table
-# (Qwen2.5-VL's is Qwen2 with multimodal RoPE).
+# (Qwen2.5-VL's is Qwen2 with multimodal RoPE, Qwen3-VL's Qwen3 with it and deepstack rows).
 VISION_FAMILIES: dict[str, tuple[str, str, str]] = MULTIMODAL_FAMILIES | {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3"),
 }
 # Each tiny checkpoint's image processor: patches of 4, merged 2×2, images resized to between 1 and
 # 16 merged patches (but for a long thin one: its short side one merged patch). Qwen3.5 spells the
@@ -177,7 +178,8 @@ _QWEN3_VISION = (_TINY_VISION, {"mrope_section": [1, 1, 0], "mrope_interleaved":
 # Per text family: its tiny vision tower, its multimodal RoPE sections as the released configs
 # carry them (Qwen3.5: interleaved over the 2 frequencies of a head's rotated quarter; Qwen2.5-VL:
 # chunked over a whole head's 8), and its preprocessor_config.json. Qwen2.5-VL's tower: a windowed
-# block (windows of 2×2 merged patches), then a full one.
+# block (windows of 2×2 merged patches), then a full one. Qwen3-VL's: two blocks, each giving
+# deepstack rows (for the decoder's two layers), interleaved over a whole head's 8 frequencies.
 _VISION_PARTS: dict[str, tuple[dict, dict, dict]] = {
     "qwen3_5": _QWEN3_VISION,
     "qwen3_5_moe": _QWEN3_VISION,
@@ -186,6 +188,11 @@ _VISION_PARTS: dict[str, tuple[dict, dict, dict]] = {
          "out_hidden_size": 64, "window_size": 16, "fullatt_block_indexes": [1], "initializer_range": 0.2},
         {"mrope_section": [2, 3, 3]},
         {"min_pixels": 64, "max_pixels": 1024, "patch_size": 4},
+    ),
+    "qwen3": (
+        _TINY_VISION | {"depth": 2, "deepstack_visual_indexes": [0, 1]},
+        {"mrope_section": [3, 3, 2], "mrope_interleaved": True},
+        _QWEN3_PREPROCESSOR,
     ),
 }  # fmt: skip
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -232,8 +239,8 @@ def build_tiny_model(
     special: tuple[str, ...] = (),
     tokenizer_style: str = "bytelevel",
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", one of
-    FALLBACK_FAMILIES, or one of GEMMA4_VARIANTS) model with
+    """Save a 2-layer `arch` ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text",
+    one of FALLBACK_FAMILIES, VISION_FAMILIES or GEMMA4_VARIANTS) model with
     random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
     `chat_template` as its template when it is text."""
     import torch
@@ -248,6 +255,8 @@ def build_tiny_model(
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -275,6 +284,8 @@ def build_tiny_model(
         "pad_token_id": pad,
         "bos_token_id": pad,
     }
+    if arch == "qwen3":
+        shape["head_dim"] = 16
     if arch == "qwen3_moe":  # 4 experts of 48, 2 per token
         shape |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16}
     if arch == "gpt_oss":  # a sliding layer (window 8) and a full one, 4 experts of 64, 2 per token
@@ -317,6 +328,7 @@ def build_tiny_model(
         config_class, model_class = {
             "llama": (LlamaConfig, LlamaForCausalLM),
             "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM),
             "phi3": (Phi3Config, Phi3ForCausalLM),
             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
             "gpt_oss": (GptOssConfig, GptOssForCausalLM),

@@ -41,7 +41,7 @@ class QwenVisionFamily:
     # ones' (Qwen3-VL and Qwen3.5 normalise to [-1, 1] and allow 256 to 16384 patches of 16).
     processor_defaults: dict[str, Any] = field(default_factory=dict)
     # Qwen3-VL: rows from some of the tower's blocks are added to the first decoder layers'
-    # outputs at the image's positions (the engine's part, not yet done: encode refuses).
+    # outputs at the image's positions (the engine does not yet: encode refuses).
     deepstack: bool = False
 
 
@@ -139,19 +139,30 @@ class QwenVisionEncoder:
 
     def encode(self, prepared: PreparedImage) -> torch.Tensor:
         """The merger's rows for the image [merged patches, decoder hidden], as transformers'
-        `get_image_features` gives them."""
-        import torch
-
+        `get_image_features` gives them. Refused for Qwen3-VL, whose decoder needs its deepstack
+        rows too (`encode_with_deepstack`): its rows alone would answer wrongly, not fail."""
         if self.family.deepstack:
             raise ModelLoadError(
-                "Qwen3-VL's images also feed its first decoder layers (deepstack), which the native engine "
-                "does not do yet"
+                "Qwen3-VL's images also feed its first decoder layers (deepstack rows), which llmcli's "
+                "decoder does not take yet"
             )
+        return self._tower_output(prepared).pooler_output
+
+    def encode_with_deepstack(self, prepared: PreparedImage) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Qwen3-VL: the image's rows, and for decoder layers 0, 1, … the rows added to each
+        one's output at the image's positions (transformers' `deepstack_features`, one per
+        `deepstack_visual_indexes` entry); no such rows for the other families."""
+        output = self._tower_output(prepared)
+        return output.pooler_output, list(getattr(output, "deepstack_features", None) or [])
+
+    def _tower_output(self, prepared: PreparedImage) -> Any:
+        import torch
+
         tower = self.tower
         with torch.inference_mode():
             pixels = prepared.inputs["pixel_values"].to(device=tower.device, dtype=tower.dtype)
             grid = prepared.inputs["image_grid_thw"].to(tower.device)
-            return tower(pixels, grid_thw=grid).pooler_output
+            return tower(pixels, grid_thw=grid, return_dict=True)
 
 
 TOKENS = (VISION_START, IMAGE_PAD, VISION_END)
