@@ -7,6 +7,7 @@ rotary embedding computes them."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -263,3 +264,34 @@ def test_cos_sin_of_wider_sections_equal_transformers(family: str) -> None:
     cos, sin = rope_cos_sin(positions, rotary.inv_freq, rope["mrope_section"], interleaved)
     torch.testing.assert_close(cos, expected_cos[0], rtol=0, atol=0)
     torch.testing.assert_close(sin, expected_sin[0], rtol=0, atol=0)
+
+
+def test_a_config_and_tensors_named_under_the_tower_build_the_same_encoder(folder: Path, encoder) -> None:
+    """How a GGUF mmproj reader feeds the encoder: config.json's values, the tower's tensors by
+    their names under it, the processor's settings; no folder."""
+    config = json.loads((folder / "config.json").read_text())
+    tensors = {name.split("visual.", 1)[1]: tensor for name, tensor in read_vision_tensors(folder).items()}
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    built = QwenVisionEncoder(config, tensors, processor_settings=settings, dtype=torch.float32)
+    prepared = built.prepare(noise(64, 48))
+    assert prepared.placeholder == encoder.prepare(noise(64, 48)).placeholder
+    torch.testing.assert_close(
+        built.encode_with_deepstack(prepared)[0], encoder.encode_with_deepstack(prepared)[0]
+    )
+
+
+def test_without_settings_the_processor_is_the_released_ones_for_the_towers_patches(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    built = QwenVisionEncoder(config, read_vision_tensors(folder))
+    processor = built.processor
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (4, 2, 2)
+    released_pixels = (3136, 12845056) if folder.name == "qwen2_5_vl" else (65536, 16777216)
+    assert (processor.size.shortest_edge, processor.size.longest_edge) == released_pixels
+
+
+def test_a_processor_cut_for_another_tower_is_refused_in_one_line(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    settings = json.loads((folder / "preprocessor_config.json").read_text()) | {"patch_size": 14}
+    with pytest.raises(ModelLoadError, match="patch_size is 14, the vision tower's 4") as refused:
+        QwenVisionEncoder(config, read_vision_tensors(folder), processor_settings=settings)
+    assert "\n" not in str(refused.value)

@@ -37,8 +37,9 @@ MAX_ASPECT_RATIO = 200
 
 @dataclass(frozen=True)
 class QwenVisionFamily:
-    # The image processor's settings where a folder has no preprocessor config: the released
-    # ones' (Qwen3-VL and Qwen3.5 normalise to [-1, 1] and allow 256 to 16384 patches of 16).
+    # The image processor's settings where there is no preprocessor config (a GGUF mmproj has
+    # none): the released checkpoints' (Qwen2.5-VL: CLIP's normalisation, 4 to 16384 merged
+    # patches of 28 × 28 pixels; Qwen3-VL and Qwen3.5: to [-1, 1], 64 to 16384 of 32 × 32).
     processor_defaults: dict[str, Any] = field(default_factory=dict)
     # Qwen3-VL: rows from some of the tower's blocks are added to the first decoder layers'
     # outputs at the image's positions (the engine does not yet: encode refuses).
@@ -51,7 +52,7 @@ _QWEN3_PROCESSOR = {
     "image_std": [0.5, 0.5, 0.5],
 }
 FAMILIES: dict[str, QwenVisionFamily] = {
-    "Qwen2_5_VLForConditionalGeneration": QwenVisionFamily(),
+    "Qwen2_5_VLForConditionalGeneration": QwenVisionFamily({"min_pixels": 3136, "max_pixels": 12845056}),
     "Qwen3_5ForConditionalGeneration": QwenVisionFamily(_QWEN3_PROCESSOR),
     "Qwen3_5MoeForConditionalGeneration": QwenVisionFamily(_QWEN3_PROCESSOR),
     "Qwen3VLForConditionalGeneration": QwenVisionFamily(_QWEN3_PROCESSOR, deepstack=True),
