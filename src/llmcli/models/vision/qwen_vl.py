@@ -56,7 +56,6 @@ FAMILIES: dict[str, QwenVisionFamily] = {
     "Qwen3_5ForConditionalGeneration": QwenVisionFamily(_QWEN3_PROCESSOR),
     "Qwen3_5MoeForConditionalGeneration": QwenVisionFamily(_QWEN3_PROCESSOR),
     "Qwen3VLForConditionalGeneration": QwenVisionFamily(_QWEN3_PROCESSOR, deepstack=True),
-    "Qwen3VLMoeForConditionalGeneration": QwenVisionFamily(_QWEN3_PROCESSOR, deepstack=True),
 }
 
 
