@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from test_qwen35 import (  # noqa: F401  (collected here, on this module's fixtures)
     load,
@@ -22,7 +21,7 @@ from test_qwen35 import (  # noqa: F401  (collected here, on this module's fixtu
 )
 
 from test_serve import Server, served
-from tiny_models import MULTIMODAL_FAMILIES, build_tiny_model
+from tiny_models import MULTIMODAL_FAMILIES, build_tiny_model, vision_language_model
 
 
 @pytest.fixture(scope="module", params=sorted(MULTIMODAL_FAMILIES))
@@ -33,10 +32,7 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def reference(folder: Path):
     """transformers' whole model, vision tower and all, as the checkpoint names it."""
-    import transformers
-
-    model_class = getattr(transformers, MULTIMODAL_FAMILIES[folder.name][1])
-    return model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    return vision_language_model(folder)
 
 
 @pytest.fixture(scope="module")

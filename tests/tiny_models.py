@@ -153,15 +153,71 @@ FALLBACK_FAMILIES: dict[str, tuple[str, str, dict]] = {
 }  # fmt: skip
 # Vision-language checkpoints whose text part the native engine runs: the config class and model
 # class of the whole, the text family (above) its language model is, and a vision tower of
-# 1 tiny block (its weights are saved, never run by llmcli).
+# 1 tiny block; their tokenizers hold Qwen's vision tokens, their templates write an image's marker.
 MULTIMODAL_FAMILIES: dict[str, tuple[str, str, str]] = {
     "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
     "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
 }
 _TINY_VISION = {
     "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
-    "out_hidden_size": 64, "num_position_embeddings": 16,
+    "out_hidden_size": 64, "num_position_embeddings": 16, "initializer_range": 0.2,
 }  # fmt: skip
+# Vision-language checkpoints whose vision tower llmcli runs (models/vision/qwen_vl.py): the
+# multimodal families above, and those whose text part has no row in the native engine's table
+# (Qwen2.5-VL's is Qwen2 with multimodal RoPE, Qwen3-VL's Qwen3 with it and deepstack rows).
+VISION_FAMILIES: dict[str, tuple[str, str, str]] = MULTIMODAL_FAMILIES | {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3"),
+}
+# Each tiny checkpoint's image processor: patches of 4, merged 2×2, images resized to between 1 and
+# 16 merged patches (but for a long thin one: its short side one merged patch). Qwen3.5 spells the
+# bounds as Qwen3-VL's released preprocessor_config.json does, Qwen2.5-VL as its own.
+_QWEN3_PREPROCESSOR = {"size": {"shortest_edge": 64, "longest_edge": 1024}, "image_mean": [0.5] * 3,
+                       "image_std": [0.5] * 3, "patch_size": 4}  # fmt: skip
+_QWEN3_VISION = (_TINY_VISION, {"mrope_section": [1, 1, 0], "mrope_interleaved": True}, _QWEN3_PREPROCESSOR)
+# Per text family: its tiny vision tower, its multimodal RoPE sections as the released configs
+# carry them (Qwen3.5: interleaved over the 2 frequencies of a head's rotated quarter; Qwen2.5-VL:
+# chunked over a whole head's 8), and its preprocessor_config.json. Qwen2.5-VL's tower: a windowed
+# block (windows of 2×2 merged patches), then a full one. Qwen3-VL's: two blocks, each giving
+# deepstack rows (for the decoder's two layers), interleaved over a whole head's 8 frequencies.
+_VISION_PARTS: dict[str, tuple[dict, dict, dict]] = {
+    "qwen3_5": _QWEN3_VISION,
+    "qwen3_5_moe": _QWEN3_VISION,
+    "qwen2": (
+        {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+         "out_hidden_size": 64, "window_size": 16, "fullatt_block_indexes": [1], "initializer_range": 0.2},
+        {"mrope_section": [2, 3, 3]},
+        {"min_pixels": 64, "max_pixels": 1024, "patch_size": 4},
+    ),
+    "qwen3": (
+        _TINY_VISION | {"depth": 2, "deepstack_visual_indexes": [0, 1]},
+        {"mrope_section": [3, 3, 2], "mrope_interleaved": True},
+        _QWEN3_PREPROCESSOR,
+    ),
+}  # fmt: skip
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+# The Qwen template's image branch, shortened: an image part becomes the marker the processor
+# expands (one <|image_pad|> per merged patch).
+VISION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def vision_language_model(folder: Path) -> Any:
+    """transformers' whole model of a VISION_FAMILIES checkpoint that build_tiny_model saved in a
+    folder named after its arch, vision tower and all, in fp32: the reference."""
+    import torch
+    import transformers
+
+    model_class = getattr(transformers, VISION_FAMILIES[folder.name][1])
+    return model_class.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 # Gemma vision-language checkpoints whose vision part llmcli runs (models/vision/gemma3.py and
@@ -238,8 +294,8 @@ def build_tiny_model(
     special: tuple[str, ...] = (),
     tokenizer_style: str = "bytelevel",
 ) -> Path:
-    """Save a 2-layer `arch` ("llama", "qwen2", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text", one of
-    FALLBACK_FAMILIES, GEMMA4_VARIANTS, MULTIMODAL_FAMILIES or GEMMA_VISION) model with
+    """Save a 2-layer `arch` ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "gemma3_text",
+    one of FALLBACK_FAMILIES, VISION_FAMILIES, GEMMA_VISION or GEMMA4_VARIANTS) model with
     random weights and a trained tokenizer of `tokenizer_style` (train_tokenizer), with
     `chat_template` as its template when it is text."""
     import torch
@@ -254,6 +310,8 @@ def build_tiny_model(
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -263,6 +321,10 @@ def build_tiny_model(
         special += TURN_TOKENS + tuple(vision["tokens"].values())
         chat_template = gemma_vision_template(vision["tokens"][vision["marker"]])
         arch = vision["text"]
+    multimodal = VISION_FAMILIES.get(arch)
+    if multimodal is not None:
+        special += VISION_TOKENS
+        chat_template = VISION_TEMPLATE if chat_template is True else chat_template
     tokenizer = train_tokenizer(style=tokenizer_style, added=added, special=special)
     if vision is not None:
         tokenizer.eos_token = "<end_of_turn>"
@@ -284,6 +346,8 @@ def build_tiny_model(
         "pad_token_id": pad,
         "bos_token_id": pad,
     }
+    if arch == "qwen3":
+        shape["head_dim"] = 16
     if arch == "qwen3_moe":  # 4 experts of 48, 2 per token
         shape |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16}
     if arch == "gpt_oss":  # a sliding layer (window 8) and a full one, 4 experts of 64, 2 per token
@@ -302,7 +366,6 @@ def build_tiny_model(
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
         }
-    multimodal = MULTIMODAL_FAMILIES.get(arch)
     if multimodal is not None:
         arch = multimodal[2]
     if arch in GEMMA4_VARIANTS or arch == "gemma4_vision":
@@ -327,6 +390,7 @@ def build_tiny_model(
         config_class, model_class = {
             "llama": (LlamaConfig, LlamaForCausalLM),
             "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM),
             "phi3": (Phi3Config, Phi3ForCausalLM),
             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
             "gpt_oss": (GptOssConfig, GptOssForCausalLM),
@@ -340,10 +404,17 @@ def build_tiny_model(
 
         config_class, model_class = (getattr(transformers, name) for name in multimodal[:2])
         text = config.to_dict()
-        # Qwen-VL's multimodal RoPE sections, as the released configs carry them: over the 2
-        # frequencies of a head's rotated quarter (text positions are one position in each).
-        text["rope_parameters"] |= {"mrope_section": [1, 1, 0], "mrope_interleaved": True}
-        config = config_class(text_config=text, vision_config=_TINY_VISION, initializer_range=0.2)
+        tower, mrope, preprocessor = _VISION_PARTS[arch]
+        text["rope_parameters"] |= mrope
+        start, pad, end = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+        config = config_class(
+            text_config=text,
+            vision_config=tower,
+            image_token_id=pad,
+            vision_start_token_id=start,
+            vision_end_token_id=end,
+            initializer_range=0.2,
+        )
     if vision is not None:
         config, model_class = _gemma_vision(vision, config, tokenizer)
     model = model_class(config)
@@ -362,6 +433,13 @@ def build_tiny_model(
     tokenizer.save_pretrained(folder)
     if vision is not None:
         _save_gemma_vision_files(folder, vision)
+    if multimodal is not None:
+        processor = {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+        }
+        (folder / "preprocessor_config.json").write_text(json.dumps(processor | preprocessor))
     return folder
 
 
