@@ -20,9 +20,9 @@ import torch
 from PIL import Image
 
 from native_checks import load_lean
-from tiny_models import GEMMA_VISION, build_tiny_model
+from tiny_models import GEMMA_VISION, MULTIMODAL_FAMILIES, build_tiny_model
 
-FAMILIES = sorted(GEMMA_VISION)
+FAMILIES = sorted(GEMMA_VISION) + sorted(MULTIMODAL_FAMILIES)
 ATOL = 1e-4
 STEPS = 4
 

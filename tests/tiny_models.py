@@ -418,6 +418,10 @@ def build_tiny_model(
     if vision is not None:
         config, model_class = _gemma_vision(vision, config, tokenizer)
     model = model_class(config)
+    projector = getattr(getattr(model, "model", None), "multi_modal_projector", None)
+    if projector is not None and hasattr(projector, "mm_input_projection_weight"):
+        with torch.no_grad():  # Gemma 3's projection starts at zero: every image would be the same rows
+            projector.mm_input_projection_weight.normal_(0.0, 0.2)
     if arch in GEMMA4_VARIANTS:
         _away_from_one(model)
     if arch == "gemma4_vision":  # its language model the very "gemma4" model, the tower random

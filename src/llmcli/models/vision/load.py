@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 ENCODERS: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3Vision"),
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4Vision"),
+    "Qwen3_5ForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
 }
 
 
