@@ -20,6 +20,7 @@ from llmcli.config.escapes import unescape
 from llmcli.config.settings import SPECULATIVE_METHODS, THINK_MODES, PromptSettings, SamplingSettings
 from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError, UsageError
+from llmcli.frontends.attachments import dropped_image_path
 from llmcli.frontends.formats import format_command, unfinished_value
 from llmcli.frontends.functions import describe_call
 from llmcli.frontends.target import Outcome, known
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # torch-free at import: a chat through a server never loads i
     from llmcli.engine.tools import ToolCall, ToolRequest
     from llmcli.frontends.functions import Functions
     from llmcli.frontends.protocols import ChatHistory, Target
+    from llmcli.models.vision.encoder import ImageInput
 
 LENGTH_CUT = "cut by the token limit (/set max_new_tokens N for longer replies)"
 CUT = ("interrupted", "error")  # replies kept as far as they came: Ctrl-C, a server that stopped
@@ -51,7 +53,8 @@ HELP = f"""\
 /show                 settings, model, device, context used
 /stats                the last reply's timings, and the session's totals
 /reset                clear the conversation and its cache
-/undo                 drop the last exchange
+/undo                 drop the last exchange (or the image attached last)
+/image PATH           attach an image to your next message (a path pasted alone does too)
 /retry                generate the last reply again
 /format [json | schema FILE | off]
                       replies as JSON (an object), or JSON valid under a schema; off: text
@@ -69,6 +72,7 @@ COMMANDS = (
     "/stats",
     "/reset",
     "/undo",
+    "/image",
     "/retry",
     "/format",
     "/think",
@@ -116,6 +120,7 @@ class TurnReport:
     reasoning: str | None = None  # a reasoning model's thinking (the reply is the answer alone)
     reasoning_tokens: int | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # id, name, arguments, result
+    image_tokens: int | None = None  # of prompt_tokens, those the chat's images take (None: not known)
 
     @classmethod
     def of(cls, outcome: Outcome, context_used: int, context_length: int, dropped: int) -> TurnReport:
@@ -133,6 +138,7 @@ class TurnReport:
             prefill_tok_s=_rounded(outcome.prefill_tok_s),
             decode_tok_s=_rounded(outcome.decode_tok_s),
             finish_reason=outcome.finish_reason,
+            image_tokens=outcome.image_tokens,
             context_used=context_used,
             context_length=context_length,
             dropped_exchanges=dropped,
@@ -261,6 +267,9 @@ class ChatSession:
         self.functions = functions  # chat --functions: tools the replies may call
         self.history.tools = functions.request(0, False) if functions else None
         self.last_turn: TurnReport | None = None
+        # Images attached for the next message (/image, or a path pasted alone): sent with it,
+        # kept if its turn fails, taken back one by one by /undo.
+        self.attached: list[ImageInput] = []
         self.totals = SessionTotals()
         self.failed = False  # any turn or command that ended in an error, for scripted exit codes
         self.ended = False  # Ctrl-D at a call's approval: the chat ends after this turn
@@ -273,11 +282,18 @@ class ChatSession:
 
     # Turns ------------------------------------------------------------------------------------
 
-    def turn(self, user_text: str) -> TurnReport | None:
+    def turn(self, user_text: str | list[dict[str, Any]]) -> TurnReport | None:
         """One exchange: the user's message, then replies until one calls no tool (with
         --functions, each call is run or declined and its result read by the next). On any
         failure the conversation is as it was before, and usable."""
         history, steps = self.history, []
+        path = dropped_image_path(user_text) if isinstance(user_text, str) else None
+        if path is not None:
+            self._attach(path)
+            return None
+        if self.attached and isinstance(user_text, str):
+            images = [{"type": "image", "image": image} for image in self.attached]
+            user_text = [*images, {"type": "text", "text": user_text}]
         for round_ in range(MOST_TOOL_ROUNDS + 1):
             tools = self.functions.request(round_, round_ == MOST_TOOL_ROUNDS) if self.functions else None
             asked = self._reply(user_text, steps, tools)
@@ -306,6 +322,7 @@ class ChatSession:
             ]
             self._report(outcome, dropped, results)
         history.commit(outcome, steps)
+        self.attached = []  # sent, and kept in the conversation
         report = self._report(outcome, dropped, [])
         if self.output is not None and outcome.finish_reason not in CUT and not outcome.value_complete:
             limit = (outcome.sampling or {}).get("max_new_tokens") or self.sampling.max_new_tokens
@@ -314,7 +331,7 @@ class ChatSession:
         return report
 
     def _reply(
-        self, user_text: str, steps: list[dict[str, Any]], tools: ToolRequest | None
+        self, user_text: str | list[dict[str, Any]], steps: list[dict[str, Any]], tools: ToolRequest | None
     ) -> tuple[Outcome, int] | None:
         """One reply, streamed to the view: its outcome and how many exchanges were dropped to
         fit, or None when it failed (said already, the conversation as before)."""
@@ -402,6 +419,12 @@ class ChatSession:
         name = ALIASES.get(name.lower(), name.lower())
         argument = argument.strip()
         handler = getattr(self, f"_cmd_{name[1:]}", None) if name in COMMANDS else None
+        if handler is None and (path := dropped_image_path(line)) is not None:
+            try:  # an image's path dropped on the prompt (it starts with "/" too)
+                self._attach(path)
+            except LlmcliError as error:
+                self._fail(error.one_line())
+            return True
         if handler is None:
             close = difflib.get_close_matches(name, COMMANDS + tuple(ALIASES), n=1, cutoff=0.5)
             hint = f" — did you mean {close[0]}?" if close else ""
@@ -491,7 +514,31 @@ class ChatSession:
         self.history.reset()
         self.view.info("conversation cleared")
 
+    def _cmd_image(self, argument: str) -> None:
+        self._attach(_one_path(argument, "/image PATH"))
+
+    def _attach(self, path: Path) -> None:
+        """Read and check the image now (a bad one is refused at once, naming it); it goes
+        with the next message."""
+        from llmcli.models.vision.image_file import open_image, read_image_file
+
+        refusal = self.target.image_refusal()
+        if refusal is not None:
+            raise UsageError(f"image {path}: {refusal}")
+        image = read_image_file(path)
+        checked = open_image(image)
+        self.attached.append(image)
+        count = f", {len(self.attached)} images" if len(self.attached) > 1 else ""
+        self.view.info(
+            f"attached {path} ({checked.width}×{checked.height}{count}): it goes with your next "
+            "message · /undo takes it back"
+        )
+
     def _cmd_undo(self, _: str) -> None:
+        if self.attached:
+            image = self.attached.pop()
+            self.view.info(f"took back the image {image.label}")
+            return
         dropped = self.history.undo()
         if dropped is None:
             self.view.info("nothing to undo")
@@ -605,6 +652,8 @@ def _one_path(argument: str, usage: str) -> Path:
     return Path(argument)
 
 
-def _preview(text: str, width: int = 60) -> str:
+def _preview(text: str | list[dict[str, Any]], width: int = 60) -> str:
+    if isinstance(text, list):  # a message with images: its text, each image as [image]
+        text = " ".join(part.get("text", "[image]") for part in text)
     flat = " ".join(text.split())
     return flat if len(flat) <= width else flat[: width - 1] + "…"

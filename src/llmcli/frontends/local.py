@@ -132,13 +132,17 @@ class InProcessTarget:
 
         if not images_in(messages):
             return None
-        table = table_of(self.loaded)
-        if table is None:
-            refuse_images(messages, f"{self.name} reads text only")
+        refusal = self.image_refusal()
+        if refusal is not None:
+            refuse_images(messages, refusal)
+        return table_of(self.loaded)
+
+    def image_refusal(self) -> str | None:
+        if self.loaded.vision is None:
+            return f"{self.name} reads text only"
         if self.engine.name != "native":
-            why = "images are read on the native engine only, and this model runs on transformers"
-            refuse_images(messages, why)
-        return table
+            return "images are read on the native engine only, and this model runs on transformers"
+        return None
 
     def tool_turn(self, messages: list[dict[str, Any]], tools: ToolRequest | None) -> ToolTurn:
         from llmcli.engine.tools.turn import tool_turn
@@ -266,7 +270,7 @@ class LocalHistory:
         self.engine = target.engine
         self.conversation = Conversation(target.loaded.tokenizer, target.context_length, system=system)
         self.think_budget: int | None = None
-        self._pending: tuple[str, list[int], int] | None = None
+        self._pending: tuple[str | list[dict[str, Any]], list[int], int] | None = None
 
     @property
     def system(self) -> str | None:
@@ -306,9 +310,15 @@ class LocalHistory:
         return max(1, min(params.max_new_tokens, self.target.context_length // 4))
 
     def prepare(
-        self, user_text: str, sampling: SamplingSettings, steps: list[dict[str, Any]] | None = None
+        self,
+        user_text: str | list[dict[str, Any]],
+        sampling: SamplingSettings,
+        steps: list[dict[str, Any]] | None = None,
     ) -> int:
         params = self.target.params(sampling)
+        table = self.target.images([{"role": "user", "content": user_text}])
+        if table is not None:  # from the first image on: the chat's images are kept by content
+            self.conversation.images = table
         prompt, dropped = self.conversation.prompt_for(user_text, self.reply_room(params), steps)
         self._pending = (user_text, prompt, dropped)
         return dropped
@@ -360,7 +370,7 @@ class LocalHistory:
     def set_system(self, text: str | None) -> None:
         self.conversation.set_system(text)
 
-    def undo(self, keep_cache: bool = False) -> tuple[str, str] | None:
+    def undo(self, keep_cache: bool = False) -> tuple[str | list[dict[str, Any]], str] | None:
         """Drop the last exchange; (user, reply) or None. The cache is cropped back, unless the
         same message is about to be asked again (/retry: its prompt is still cached)."""
         last = self.conversation.undo()
@@ -370,7 +380,7 @@ class LocalHistory:
             self._crop_cache_to_conversation()
         return last.user, last.reply
 
-    def restore(self, user: str, reply: str) -> None:
+    def restore(self, user: str | list[dict[str, Any]], reply: str) -> None:
         """Put back an exchange that /retry took out, when the new attempt failed."""
         self.conversation.messages += [
             {"role": "user", "content": user},

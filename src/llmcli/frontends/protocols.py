@@ -84,6 +84,11 @@ class Target(Protocol):
     engine_name: str
     caveat: str | None  # what this target cannot do that a chat should hear about, once
 
+    def image_refusal(self) -> str | None:
+        """Why this target's model cannot read an image; None where it can (or a server will
+        say, when the image reaches it)."""
+        ...
+
     def facts(self) -> dict[str, Any]:
         """What --json reports about the model and how it is loaded."""
         ...

@@ -164,6 +164,9 @@ class RemoteTarget:
     def is_llmcli(self) -> bool:
         return self.info is not None
 
+    def image_refusal(self) -> str | None:
+        return None  # the server says, in its protocol's 400, when the image reaches it
+
     @property
     def caveat(self) -> str | None:
         if self.is_llmcli:
@@ -426,7 +429,7 @@ class RemoteHistory:
         self.messages: list[dict[str, Any]] = []
         self.think_off = False  # sent as chat_template_kwargs
         self.think_budget: int | None = None  # refused: the OpenAI API has no field for it
-        self._pending: str | None = None
+        self._pending: str | list[dict[str, Any]] | None = None
         self._steps: list[dict[str, Any]] = []  # this turn's tool calls and results so far
         self.tools: ToolRequest | None = None  # sent with each request (ask's choice of them)
         self._last_used = 0
@@ -438,7 +441,10 @@ class RemoteHistory:
     pending_tokens = 0  # counted by the server
 
     def prepare(
-        self, user_text: str, sampling: SamplingSettings, steps: list[dict[str, Any]] | None = None
+        self,
+        user_text: str | list[dict[str, Any]],
+        sampling: SamplingSettings,
+        steps: list[dict[str, Any]] | None = None,
     ) -> int:
         self._pending, self._steps = user_text, list(steps or [])
         return 0  # the server fits the conversation to its context, or refuses it

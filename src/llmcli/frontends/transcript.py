@@ -8,6 +8,7 @@ not know is refused as well, never ignored.
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ def read_transcript(path: Path, settable: tuple[str, ...]) -> Transcript:
 
 
 def write_transcript(path: Path, data: dict[str, Any]) -> None:
+    data = {**data, "messages": [_saved(message) for message in data.get("messages", [])]}
     try:
         # Whole or not at all: /save over an earlier transcript never leaves half of either.
         write_text_atomically(path.expanduser(), json.dumps(data, ensure_ascii=False, indent=2) + "\n")
@@ -86,7 +88,9 @@ def _messages(data: dict[str, Any], where: str) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or message.get("role") not in MESSAGE_KEYS:
             raise _wrong(where, field, "an object with a role of user, assistant or tool")
         _known(message, MESSAGE_KEYS[message["role"]], f"{where}: {field}")
-        if not isinstance(message.get("content"), str):
+        if message["role"] == "user" and isinstance(message.get("content"), list):
+            message["content"] = _loaded_parts(message["content"], f"{field}.content", where)
+        elif not isinstance(message.get("content"), str):
             raise _wrong(where, f"{field}.content", "a text")
         if "interrupted" in message and not isinstance(message["interrupted"], bool):
             raise _wrong(where, f"{field}.interrupted", "true or false")
@@ -127,3 +131,39 @@ def _known(record: dict[str, Any], known: set[str], where: str) -> None:
 
 def _wrong(where: str, field: str, expected: str) -> UsageError:
     return UsageError(f"{where}: {field} must be {expected}", "fix the file, or /save a new one")
+
+
+def _saved(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as a transcript holds it: an image part as its bytes in base64, and its label."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": [_saved_part(part) for part in content]}
+
+
+def _saved_part(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") != "image":
+        return part
+    image = part["image"]
+    return {"type": "image", "label": image.label, "data": base64.b64encode(image.data).decode("ascii")}
+
+
+def _loaded_parts(parts: list[Any], field: str, where: str) -> list[dict[str, Any]]:
+    """A user message's text and image parts, as /save wrote them."""
+    from llmcli.models.vision.encoder import ImageInput
+
+    loaded: list[dict[str, Any]] = []
+    for position, part in enumerate(parts):
+        here = f"{field}[{position}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            loaded.append({"type": "text", "text": part["text"]})
+        elif kind == "image" and isinstance(part.get("data"), str) and isinstance(part.get("label"), str):
+            try:
+                data = base64.b64decode(part["data"], validate=True)
+            except ValueError:
+                raise _wrong(where, f"{here}.data", "an image's bytes in base64") from None
+            loaded.append({"type": "image", "image": ImageInput(data, part["label"])})
+        else:
+            raise _wrong(where, here, '{"type": "text", "text"} or {"type": "image", "label", "data"}')
+    return loaded

@@ -1,0 +1,157 @@
+"""An image in a chat and on the command line: its rows stay cached across turns (the vision
+tower runs once per image), a chat's later turn equals a fresh prefill of the whole, two images
+are told apart by content; `generate --image` and `chat`'s /image and pasted paths, each bad
+image refused in one line naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines import engine_for
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.conversation import Conversation
+from llmcli.engine.image_rows import table_of
+from llmcli.models.vision.encoder import ImageInput
+from native_checks import load_lean
+from test_vision_engine import png
+
+from cli_helpers import one_error_line, run_cli
+from tiny_models import build_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
+
+
+@pytest.fixture(scope="module", params=["gemma3_vl", "qwen3_5_vl"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("vision-chat") / request.param, request.param)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder: Path) -> Any:
+    return load_lean(folder, "native")
+
+
+def with_image(text: str, data: bytes, label: str) -> list[dict[str, Any]]:
+    return [{"type": "image", "image": ImageInput(data, label)}, {"type": "text", "text": text}]
+
+
+def test_an_image_is_encoded_once_and_its_rows_stay_cached_across_turns(loaded: Any) -> None:
+    table = table_of(loaded)
+    encoded: list[int] = []
+    encoder = table.encoder.source.encoder()
+    real_encode = encoder.encode
+    encoder.encode = lambda prepared: encoded.append(1) or real_encode(prepared)  # counts, runs the real one
+    try:
+        engine = engine_for(loaded)
+        conversation = Conversation(loaded.tokenizer, loaded.context_length, images=table)
+        turns = [with_image("what is it?", png(36, 28, 7), "photo.png"), "and the colour?", "thanks"]
+        results = []
+        for message in turns:
+            prompt, dropped = conversation.prompt_for(message, GREEDY.max_new_tokens)
+            generation = engine.generate(prompt, GREEDY, loaded.tokenizer)
+            list(generation)
+            result = generation.result
+            conversation.commit(message, prompt, dropped, result.text, result.token_ids, result.finish_reason)
+            results.append((prompt, result))
+        assert len(encoded) == 1
+        first_prompt, _ = results[0]
+        image_end = max(at for at, token in enumerate(first_prompt) if token < 0) + 1
+        for prompt, result in results[1:]:
+            assert prompt[:image_end] == first_prompt[:image_end]  # the image held as it was
+            assert result.stats.cached_tokens >= image_end
+        # The last turn, run whole on a fresh engine, gives the same tokens.
+        prompt, result = results[-1]
+        fresh = engine_for(loaded).generate(prompt, GREEDY, loaded.tokenizer)
+        list(fresh)
+        assert fresh.result.token_ids == result.token_ids
+    finally:
+        del encoder.encode
+
+
+def test_two_images_are_told_apart_and_the_same_image_matches(loaded: Any) -> None:
+    from llmcli.engine.conversation import prompt_ids
+
+    table = table_of(loaded)
+
+    def ids(data: bytes, label: str) -> list[int]:
+        return prompt_ids(
+            loaded.tokenizer, [{"role": "user", "content": with_image("hi", data, label)}], images=table
+        )
+
+    first, again, other = (
+        ids(png(30, 30, 1), "a.png"),
+        ids(png(30, 30, 1), "b.png"),
+        ids(png(30, 30, 2), "c.png"),
+    )
+    assert first == again  # the same bytes: the same markers, so a cached prefix matches
+    assert first != other and len(first) == len(other)  # the same size, another image: no match
+
+
+def test_generate_with_an_image_reports_its_tokens(folder: Path, tmp_path: Path) -> None:
+    picture = tmp_path / "photo.png"
+    picture.write_bytes(png(33, 21, 3))
+    proc = run_cli(
+        "generate",
+        "-m",
+        str(folder),
+        "--image",
+        str(picture),
+        "describe it",
+        "--json",
+        "-n",
+        "3",
+        "--temperature",
+        "0",
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(proc.stdout)
+    assert record["image_tokens"] > 0 and record["prompt_tokens"] > record["image_tokens"]
+    from_stdin = run_cli(
+        "generate",
+        "-m",
+        str(folder),
+        "--image",
+        "-",
+        "describe it",
+        "--json",
+        "-n",
+        "3",
+        "--temperature",
+        "0",
+        stdin=picture.read_bytes(),
+    )
+    assert from_stdin.returncode == 0, from_stdin.stderr.decode()
+    assert json.loads(from_stdin.stdout)["text"] == record["text"]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [(b"not an image at all", "not an image"), (b"", "empty"), (png(20, 20, 0)[:60], "")],
+)
+def test_a_bad_image_is_refused_in_one_line_naming_it(
+    folder: Path, tmp_path: Path, content: bytes, says: str
+) -> None:
+    picture = tmp_path / "bad.png"
+    picture.write_bytes(content)
+    line = one_error_line(run_cli("generate", "-m", str(folder), "--image", str(picture), "hi"), 2)
+    assert str(picture) in line and says in line
+
+
+def test_chat_attaches_an_image_by_command_or_pasted_path(folder: Path, tmp_path: Path) -> None:
+    picture = tmp_path / "my photo.png"
+    picture.write_bytes(png(24, 24, 5))
+    script = f"/image {picture}\n/undo\n'{picture}'\nwhat is it?\nand now?\n"
+    proc = run_cli(
+        "chat", "-m", str(folder), "--json", "-n", "3", "--temperature", "0", stdin=script.encode()
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    turns = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert len(turns) == 2
+    assert turns[0]["image_tokens"] > 0
+    assert turns[1]["cached_tokens"] >= turns[0]["prompt_tokens"] - 1
+    err = proc.stderr.decode()
+    assert err.count("attached") == 2 and "took back the image" in err
