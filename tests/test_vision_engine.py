@@ -130,3 +130,42 @@ def test_prefill_and_every_step_match_transformers(loaded: Any, reference: Any) 
     theirs = reference_logits(reference, real + steps[:-1], inputs)[len(real) - 1 :]
     for step, (ours, transformers_row) in enumerate(zip(mine, theirs, strict=True)):
         assert (ours - transformers_row).abs().max().item() < ATOL, f"step {step}"
+
+
+def test_a_prompt_resumed_anywhere_gives_the_logits_of_the_whole(loaded: Any) -> None:
+    """The prefix store may resume a prompt at any point its cache can go back to (inside an
+    image too: a recurrent state's checkpoint may fall there): the rest run then gives the
+    whole's logits, RoPE positions and both-ways rows found again from the cache."""
+    from llmcli.engine.choose import backend_for
+    from llmcli.engine.conversation import prompt_ids
+    from llmcli.engine.image_rows import table_of
+
+    ids = prompt_ids(loaded.tokenizer, two_images_asked(), images=table_of(loaded))
+    backend = backend_for(loaded)
+    if hasattr(backend.cache, "interval"):
+        backend.cache.interval = 3  # checkpoints every 3 tokens: resumes inside the images
+    whole = backend.prefill(ids)
+    resumed_inside = 0
+    for cut in range(len(ids) - 1, 0, -2):
+        backend.crop(cut)
+        kept = backend.length
+        resumed_inside += 0 < kept < len(ids) and ids[kept] < 0 and ids[kept - 1] < 0
+        logits = backend.prefill(ids[kept:])
+        assert (logits - whole).abs().max().item() < ATOL, f"resumed at {kept}"
+    assert resumed_inside > 0
+
+
+def test_image_positions_equal_transformers_rope_index(loaded: Any, reference: Any) -> None:
+    from llmcli.engine.conversation import prompt_ids
+    from llmcli.engine.image_rows import table_of
+
+    if not hasattr(reference.model, "get_rope_index"):
+        pytest.skip("one position per token: no multimodal RoPE")
+    table = table_of(loaded)
+    ids = prompt_ids(loaded.tokenizer, two_images_asked(), images=table)
+    real, inputs = reference_inputs(table, ids)
+    expected, _ = reference.model.get_rope_index(
+        torch.tensor([real]), inputs["image_mask"], image_grid_thw=inputs["image_grid_thw"]
+    )
+    ours = table.resolve(ids, 0, 0, torch.device("cpu"), torch.float32).rope_positions
+    assert torch.equal(ours, expected[:, 0])

@@ -19,7 +19,7 @@ from PIL import Image
 
 from llmcli.errors import ModelLoadError, UsageError
 from llmcli.models.lean_tokenizer import LeanTokenizer
-from llmcli.models.vision.mrope import image_runs, prompt_positions, rope_cos_sin
+from llmcli.models.vision.mrope import rope_cos_sin
 from llmcli.models.vision.qwen_vl import TEMPLATE_TEXT, QwenVisionEncoder, read_vision_tensors
 
 from tiny_models import VISION_FAMILIES, build_tiny_model, vision_language_model
@@ -174,40 +174,6 @@ def transformers_rope_index(reference, ids: list[int], grids: list[Grid]):
     return positions[:, 0], int(delta)
 
 
-def test_positions_and_next_position_equal_get_rope_index(reference, mrope_prompts) -> None:
-    image_token_id = reference.config.image_token_id
-    for ids, grids in mrope_prompts:
-        positions, next_position = prompt_positions(len(ids), image_runs(ids, image_token_id, grids))
-        if not grids:  # transformers lays out no text-only prompt: its positions are 0 … T-1
-            assert torch.equal(positions, torch.arange(len(ids)).expand(3, -1)) and next_position == len(ids)
-            continue
-        expected, delta = transformers_rope_index(reference, ids, grids)
-        assert torch.equal(positions, expected)
-        # transformers places a token generated after the prompt at the cache's length + delta
-        assert next_position == len(ids) + delta
-
-
-def test_a_prompt_continued_from_its_prefix_takes_the_positions_of_the_whole(
-    reference, mrope_prompts
-) -> None:
-    """A chat turn after an image: its rows start where the kept prefix's next position is."""
-    ids, grids = mrope_prompts[2]
-    runs = image_runs(ids, reference.config.image_token_id, grids)
-    whole, whole_next = prompt_positions(len(ids), runs)
-    cut = runs[1][0] - 2  # in the text between the two images
-    head, head_next = prompt_positions(cut, runs[:1])
-    tail, tail_next = prompt_positions(len(ids) - cut, [(runs[1][0] - cut, runs[1][1])], start=head_next)
-    assert torch.equal(torch.cat([head, tail], dim=1), whole) and tail_next == whole_next
-
-
-def test_image_runs_refuse_a_run_its_grid_does_not_fill(reference, mrope_prompts) -> None:
-    ids, grids = mrope_prompts[1]
-    with pytest.raises(ValueError, match="fewer"):
-        image_runs(ids, reference.config.image_token_id, [(1, 4, 4)])
-    with pytest.raises(ValueError, match="2 images"):
-        image_runs(ids, reference.config.image_token_id, grids * 2)
-
-
 def test_cos_sin_equal_the_text_models_rotary_embedding(reference, mrope_prompts) -> None:
     rotary = reference.model.language_model.rotary_emb
     rope = reference.config.text_config.rope_parameters
@@ -216,7 +182,11 @@ def test_cos_sin_equal_the_text_models_rotary_embedding(reference, mrope_prompts
     interleaved = rope.get("mrope_interleaved", False)
     assert interleaved == (not isinstance(reference, _qwen2_5_vl_class()))
     for ids, grids in mrope_prompts:
-        positions, _ = prompt_positions(len(ids), image_runs(ids, reference.config.image_token_id, grids))
+        positions, _ = (
+            transformers_rope_index(reference, ids, grids)
+            if grids
+            else (torch.arange(len(ids)).expand(3, -1), 0)
+        )
         probe = torch.zeros(1, len(ids), 1)
         expected_cos, expected_sin = rotary(probe, positions[:, None])
         cos, sin = rope_cos_sin(
@@ -259,7 +229,7 @@ def test_cos_sin_of_wider_sections_equal_transformers(family: str) -> None:
     )
     rotary = rotary_class(config)
     assert rotary.inv_freq.numel() == 8
-    positions, _ = prompt_positions(30, [(3, (1, 3, 5)), (20, (1, 2, 3))], start=4)
+    positions = torch.randint(0, 40, (3, 30), generator=torch.Generator().manual_seed(0))
     expected_cos, expected_sin = rotary(torch.zeros(1, 30, 1), positions[:, None])
     cos, sin = rope_cos_sin(positions, rotary.inv_freq, rope["mrope_section"], interleaved)
     torch.testing.assert_close(cos, expected_cos[0], rtol=0, atol=0)

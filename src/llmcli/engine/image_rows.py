@@ -18,6 +18,8 @@ import torch
 from llmcli.engine.image_markers import ENTRIES, marker, split
 from llmcli.errors import LlmcliError
 from llmcli.models.vision.encoder import ImageInput, PreparedImage, VisionEncoder
+from llmcli.models.vision.mrope import image_extent
+from llmcli.models.vision.mrope import image_rows as image_layout
 
 # Images kept with their processed pixels and (once encoded) their rows. A marker of an image
 # dropped here is refused if a pass still needs it; the prompt that named it tokenizes it again.
@@ -153,7 +155,7 @@ class ImageTable:
         grids = any(self._image(t).prepared.placeholder.grid for t in ids if t < 0)
         positions: list[tuple[int, int, int]] = []
         text = start + shift  # the position the next text token takes
-        image_start: dict[int, int] = {}  # an image's number → the position its rows start at
+        layouts: dict[int, torch.Tensor] = {}  # an image's number → its rows' positions [3, rows]
         shifts: list[tuple[int, int]] = []
         for index, token in enumerate(ids):
             if token >= 0:
@@ -182,15 +184,14 @@ class ImageTable:
                 text += 1
                 continue
             # Qwen's multimodal RoPE: the rows laid over the image's (time, height, width) from
-            # the position it starts at; text after it goes on past its largest extent. Until
+            # the position it starts at (mrope.py); text after it goes on past its extent. Until
             # then text positions move one a row, so a pass that starts inside an image (a resume
             # there) finds the image's start `row` back.
-            frames, height, width = grid
-            first = image_start.setdefault(number, text - row)
-            along = (row // (height * width), (row // width) % height, row % width)
-            positions.append((first + along[0], first + along[1], first + along[2]))
+            if number not in layouts:
+                layouts[number] = image_layout(text - row, grid)
+            positions.append(tuple(layouts[number][:, row].tolist()))
             if row == len(image.row_of) - 1:
-                text = first + max(frames, height, width)
+                text = int(layouts[number][0, 0]) + image_extent(grid)
                 shifts.append((start + index + 1, text - (start + index + 1)))
             else:
                 text += 1

@@ -70,21 +70,3 @@ class Weights:
     # Qwen-VL's multimodal RoPE: which of an image row's three positions (time, height, width)
     # each frequency of the table turns by (mrope_axes); None: one position per token.
     rope_axes: torch.Tensor | None = None
-
-
-def mrope_axes(rope_parameters: dict | None, frequencies: int, device: torch.device) -> torch.Tensor | None:
-    """The axis each of `frequencies` RoPE frequencies reads in Qwen-VL's multimodal RoPE, as
-    transformers lays `mrope_section` out: interleaved (Qwen3-VL, Qwen3.5: T H W T H W …, the
-    heights and widths only over their sections' share) or in consecutive sections (Qwen2-VL,
-    Qwen2.5-VL). Text positions are one position in all three: plain RoPE."""
-    section = (rope_parameters or {}).get("mrope_section")
-    if not section:
-        return None
-    axes = torch.zeros(frequencies, dtype=torch.long)
-    if (rope_parameters or {}).get("mrope_interleaved"):
-        for axis in (1, 2):
-            axes[axis : section[axis] * 3 : 3] = axis
-    else:
-        axes[section[0] : section[0] + section[1]] = 1
-        axes[section[0] + section[1] :] = 2
-    return axes.to(device)

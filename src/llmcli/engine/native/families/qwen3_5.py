@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmcli.engine.native.attention import Attention
-from llmcli.engine.native.families.base import Layer, Weights, mrope_axes
+from llmcli.engine.native.families.base import Layer, Weights
 from llmcli.engine.native.families.gemma3 import GemmaRMSNorm
 from llmcli.engine.native.families.llama import check_supported as check_llama
 from llmcli.engine.native.families.moe import check_stacked_experts
@@ -43,6 +43,7 @@ from llmcli.engine.native.gated_deltanet import (
 from llmcli.engine.native.layers import Shape, projection, rotate
 from llmcli.engine.native.plans import CausalChunk, ExactDecode, PerRowCheck, SequencesStep
 from llmcli.errors import LlmcliError
+from llmcli.models.vision.mrope import mrope_axes
 
 if TYPE_CHECKING:
     from llmcli.engine.native.plans import Plan
@@ -80,7 +81,10 @@ def weights(model: Any, context_length: int) -> Weights:
     # A GGUF file's table kept packed (models/gguf_embedding.py) is read row by row.
     table = body.embed_tokens
     embedding = table.weight if isinstance(table, torch.nn.Embedding) else table
-    axes = mrope_axes(getattr(config, "rope_parameters", None), rope[0].shape[0], rope[0].device)
+    # Qwen3.5's multimodal RoPE turns its frequencies interleaved, whatever the config says (as
+    # transformers' rotary embedding does); text alone is one position on every axis.
+    section = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+    axes = mrope_axes(section, rope[0].shape[0], interleaved=True).to(rope[0].device) if section else None
     return Weights(shape, embedding, blocks, final_norm, projection(model.lm_head), *rope, rope_axes=axes)
 
 
