@@ -234,6 +234,11 @@ class Generation:
         self._choose = choose
         # A grammar and log-probabilities follow one token at a time: no drafts.
         speculation = engine.speculation if self._constraint is None and self.logprobs is None else None
+        if speculation is not None and not speculation.drafter.free and any(t < 0 for t in self._prompt_ids):
+            # A draft model or an MTP head reads the prompt's tokens, and an image is none: this
+            # reply decodes plainly, and says so (`speculative` null); a command that asked for
+            # both was refused before (frontends/local.py).
+            speculation = None
         if speculation is None:
             return producers.plain(engine, logits, choose)
         speculation.drafter.start(self._prompt_ids)

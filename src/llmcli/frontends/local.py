@@ -159,6 +159,11 @@ class InProcessTarget:
         think_budget: int | None = None,
         tools: ToolTurn | None = None,
     ) -> LocalReply:
+        if speculative in ("draft", "mtp") and any(token < 0 for token in ids):
+            raise UsageError(
+                f"--speculative {speculative} drafts from the prompt's tokens, and an image is none: "
+                "use lookup or off with an image"
+            )
         self.engine.speculation = self.speculation(speculative)
         tokenizer = self.loaded.tokenizer
         if think_budget is not None and thinking_of(tokenizer) is None:

@@ -77,7 +77,10 @@ class LookupDrafter:
             if len(context) > n:
                 after = self._after[n].get(tuple(context[-n:]))
                 if after is not None:
-                    return Draft(context[after : after + limit])
+                    drafted = context[after : after + limit]
+                    # Up to an image's marker: an image is not a token to sample (image_markers.py).
+                    cut = next((i for i, token in enumerate(drafted) if token < 0), len(drafted))
+                    return Draft(drafted[:cut])
         return Draft([])
 
     def _index(self, context: list[int]) -> None:
