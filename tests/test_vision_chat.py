@@ -155,3 +155,23 @@ def test_chat_attaches_an_image_by_command_or_pasted_path(folder: Path, tmp_path
     assert turns[1]["cached_tokens"] >= turns[0]["prompt_tokens"] - 1
     err = proc.stderr.decode()
     assert err.count("attached") == 2 and "took back the image" in err
+
+
+def test_an_image_the_context_cannot_hold_is_refused_naming_it(folder: Path, tmp_path: Path) -> None:
+    picture = tmp_path / "wide.png"
+    picture.write_bytes(png(64, 48, 4))
+    line = one_error_line(
+        run_cli("generate", "-m", str(folder), "--ctx", "16", "--image", str(picture), "hi"), 1
+    )
+    assert str(picture) in line and "context" in line
+
+
+def test_an_image_for_a_text_model_or_with_a_drafting_model_is_refused(
+    folder: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    picture = tmp_path / "photo.png"
+    picture.write_bytes(png(20, 20, 6))
+    line = one_error_line(run_cli("generate", "-m", str(tiny_model), "--image", str(picture), "hi"), 1)
+    assert str(picture) in line and "reads text only" in line
+    line = one_error_line(run_cli("generate", "-m", str(folder), "--image", str(picture), "--raw", "hi"), 2)
+    assert "--raw" in line

@@ -102,7 +102,15 @@ def encode_with_images(
                 "send a smaller image, or fewer",
             )
         at = end
-    return ids + prompt.encode(tokenizer, at)
+    ids += prompt.encode(tokenizer, at)
+    if context_length is not None and len(ids) > context_length:
+        names = ", ".join(image.label for image in images)
+        raise LlmcliError(
+            f"the prompt with its {'image' if len(images) == 1 else 'images'} ({names}) needs {len(ids)} "
+            f"tokens, and the context holds {context_length}",
+            "send a smaller image, or fewer",
+        )
+    return ids
 
 
 def held_text(tokenizer: Any, held: Sequence[int], table: ImageTable | None, decode: Any) -> str:
