@@ -331,6 +331,20 @@ def test_openai_routes_images_through_the_server(server: Server, route: str) -> 
         still_serving(server)
 
 
+@pytest.mark.parametrize(
+    ("part", "words"),
+    [
+        ({"type": "image_url", "image_url": DATA_URL}, 'an image_url part is {"type": "image_url"'),
+        ({"type": "image_url", "image_url": {"url": DATA_URL, "size": 3}}, "image_url.size is not supported"),
+        ({"type": "image", "image": {"data": PNG_B64}}, "image parts are not supported here"),
+    ],
+)
+def test_a_malformed_image_part_is_a_400_that_says_its_shape(server: Server, part: dict, words: str) -> None:
+    status, answer = server.raw("POST", "/v1/chat/completions", json.dumps(chat(ASK, part)).encode())
+    assert status == 400 and words in answer["error"]["message"], answer
+    assert answer["error"]["message"].startswith("messages.0.content: ")
+
+
 def test_anthropic_images_and_their_count_through_the_server(server: Server) -> None:
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     url_image = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}

@@ -20,7 +20,7 @@ import binascii
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.errors import UsageError
@@ -44,7 +44,7 @@ class ImageRef:
 
     label: str
     kind: str
-    data: bytes | None = None
+    data: bytes | None = field(default=None, repr=False)  # never megabytes in an error's text
     url: str | None = None
 
 

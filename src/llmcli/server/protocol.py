@@ -203,6 +203,16 @@ class CallIn(BaseModel):
     function: CalledFunction
 
 
+def _check_image_url(image: Any) -> None:
+    """An image_url part's object, said plainly where it is wrong (pydantic's union of the
+    content's shapes would name the first shape it tried, `str`)."""
+    if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+        raise ValueError('an image_url part is {"type": "image_url", "image_url": {"url": "data:…"}}')
+    unknown = sorted(set(image) - {"url", "detail"})
+    if unknown:
+        raise ValueError(f"image_url.{unknown[0]} is not supported here")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -220,6 +230,8 @@ class ChatMessage(BaseModel):
                 continue  # read by another protocol's adapter
             if kind not in ("text", "image_url"):  # input_audio, file: refused, never dropped
                 raise ValueError(f"{kind} parts are not supported here (text and image_url are)")
+            if kind == "image_url":
+                _check_image_url(part.get("image_url"))
         return value
 
     def text(self) -> str:
