@@ -188,6 +188,7 @@ class Images(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), ImageHandler)
         self.asked: list[str] = []
+        self.stopping = threading.Event()
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}{path}"
@@ -204,6 +205,15 @@ class ImageHandler(BaseHTTPRequestHandler):
             self._send(bytes(CAP + 1), declared=True)
         elif self.path == "/big-undeclared.png":  # no Content-Length: only reading finds its size
             self._send(bytes(CAP + 1), declared=False)
+        elif self.path == "/drip.png":  # a byte at a time, each in time, until the client leaves
+            self.send_response(200)
+            self.end_headers()
+            while not self.server.stopping.wait(0.05):
+                try:
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                except OSError:
+                    return
         elif self.path == "/to-ftp":  # urllib follows ftp: by itself (file: it refuses)
             self.send_response(302)
             self.send_header("Location", "ftp://127.0.0.1/photo.png")
@@ -231,6 +241,7 @@ def image_host() -> Iterator[Images]:
     thread = threading.Thread(target=host.serve_forever, daemon=True)
     thread.start()
     yield host
+    host.stopping.set()
     host.shutdown()
     host.server_close()
 
@@ -273,6 +284,7 @@ def test_a_text_only_model_refuses_a_remote_image_without_fetching_it(image_host
         ("/big-declared.png", f"over {CAP} bytes"),
         ("/big-undeclared.png", f"over {CAP} bytes"),
         ("/to-ftp", "not http(s)"),
+        ("/drip.png", "took over 0.5 s"),
         ("/missing.png", "answered 404"),
     ],
 )
@@ -280,7 +292,8 @@ def test_a_fetch_that_fails_or_runs_past_the_cap_is_refused(
     image_host: Images, path: str, words: str
 ) -> None:
     with pytest.raises(LlmcliError) as refused:
-        fetch(image_host.url(path), "messages[0].content[0]", cap=CAP, timeout_s=30)
+        timeout_s = 0.5 if "drip" in path else 30  # a dripping host is held to half a second in all
+        fetch(image_host.url(path), "messages[0].content[0]", cap=CAP, timeout_s=timeout_s)
     assert words in refused.value.message and refused.value.message.startswith("messages[0].content[0]: ")
     assert fetch(image_host.url("/photo.png"), "x", cap=len(PNG)) == PNG  # the cap itself is allowed
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -157,24 +158,33 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
 
 def fetch(url: str, label: str, cap: int = MAX_FETCHED_BYTES, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
     """The image at an http(s) URL, at most `cap` bytes: a larger Content-Length is refused
-    before the body is read, and a body that runs past it as it is read."""
+    before the body is read, and a body that runs past it as it is read. `timeout_s` bounds the
+    whole fetch, not each read alone (a server sending a byte at a time would hold it for ever)."""
     if not url.startswith(REMOTE_SCHEMES):
         raise ImageRefused(f"{label}: only http(s) URLs are fetched")
     opener = urllib.request.build_opener(_HttpOnlyRedirects)
     too_large = ImageRefused(f"{label}: the image at its URL is over {cap} bytes")
+    too_slow = ImageRefused(f"{label}: fetching its URL took over {timeout_s:g} s")
+    deadline = time.monotonic() + timeout_s
     try:
         with opener.open(url, timeout=timeout_s) as response:
             declared = response.headers.get("Content-Length")
             if declared is not None and declared.isdigit() and int(declared) > cap:
                 raise too_large
-            data = response.read(cap + 1)
+            data = bytearray()
+            while len(data) <= cap and (chunk := response.read1(64 << 10)):
+                data += chunk
+                if time.monotonic() > deadline:
+                    raise too_slow
     except urllib.error.HTTPError as error:
         raise ImageRefused(f"{label}: fetching its URL answered {error.code} {error.reason}") from None
     except (urllib.error.URLError, OSError, ValueError) as error:
         reason = getattr(error, "reason", None) or error
+        if isinstance(reason, TimeoutError):
+            raise too_slow from None
         raise ImageRefused(f"{label}: its URL could not be fetched ({reason})") from None
     if len(data) > cap:
         raise too_large
     if not data:
         raise ImageRefused(f"{label}: its URL gave no bytes")
-    return data
+    return bytes(data)
