@@ -121,12 +121,15 @@ def test_tool_use_blocks_validate_and_a_tool_result_is_read(server: Server) -> N
     assert after.usage.input_tokens > message.usage.input_tokens  # the call and its result were read
 
 
+PNG = {"type": "base64", "media_type": "image/png", "data": "AAAA"}  # read, then refused: a text model
+
+
 @pytest.mark.parametrize(
     ("body", "words"),
     [
         ({"messages": ASK}, "max_tokens"),
         (
-            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": PNG}]}]},
             "image blocks are not supported",
         ),
         ({"max_tokens": 5, "messages": ASK, "temperature": "hot"}, "temperature"),

@@ -73,13 +73,16 @@ def test_function_calls_validate_and_a_conversation_continues(server: Server) ->
     assert follow.usage.input_tokens_details.cached_tokens > 0  # the earlier turn stayed in the cache
 
 
+PNG = "data:image/png;base64,AAAA"  # read, then refused: a text model
+
+
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
         ({"input": "hi", "previous_response_id": "resp_nowhere"}, 404, "no stored response"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "web_search tools are not supported"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": PNG}]}]},
             400,
             "input_image",
         ),

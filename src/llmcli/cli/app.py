@@ -562,6 +562,15 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    allow_image_urls: Annotated[
+        bool,
+        typer.Option(
+            "--allow-image-urls",
+            help="Fetch the http(s) image URLs requests name (each capped in size and time). Off "
+            "by default: a server that fetches what a request names can be made to reach any "
+            "address it can (SSRF); images then come as base64 in the request.",
+        ),
+    ] = False,
     max_queue: Annotated[
         int,
         typer.Option(
@@ -629,6 +638,7 @@ def serve(
             speculative=effective.speculative,
             allowed_hosts=tuple(allowed_hosts or ()),
             cors=tuple(cors or ()),
+            allow_image_urls=allow_image_urls,
             max_queue=max_queue,
             parallel=parallel,
             kv_memory=kv_memory_bytes,

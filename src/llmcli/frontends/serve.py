@@ -50,6 +50,7 @@ class ServeRequest:
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     allowed_hosts: tuple[str, ...] = ()  # names a Host header may carry besides the address
     cors: tuple[str, ...] = ()  # web origins allowed to call it
+    allow_image_urls: bool = False  # fetch the http(s) image URLs requests name (an SSRF otherwise)
     max_queue: int = 16  # generations waiting for the worker, at most
     parallel: int | None = None  # generations at once (None: _parallel's default)
     kv_memory: int | None = None  # bytes their caches may hold together (None: kv_memory_default)
@@ -153,6 +154,7 @@ def _load_and_serve(
         host=request.host,
         allowed_hosts=request.allowed_hosts,
         cors=request.cors,
+        allow_image_urls=request.allow_image_urls,
         max_queue=request.max_queue,
         quiet=request.quiet,
         instance=record.instance,

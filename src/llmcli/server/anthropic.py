@@ -6,9 +6,10 @@
 `content_block_delta` with `text_delta` / `thinking_delta` / `input_json_delta`,
 `content_block_stop`, `message_delta` with the stop reason and usage, `message_stop`).
 `POST /v1/messages/count_tokens` renders the prompt and counts it. A final assistant message
-is a prefill: the reply continues its text. Errors come in Anthropic's shape. Image and
-document blocks are refused (a text model); earlier `thinking` blocks are not shown to the
-model again (as Anthropic's API drops them from earlier turns).
+is a prefill: the reply continues its text. Errors come in Anthropic's shape. An image block
+in a user turn (base64, or a url source: server/images.py) is taken where the model reads
+images; a file source and document blocks are refused; earlier `thinking` blocks are not shown
+to the model again (as Anthropic's API drops them from earlier turns).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response
 from llmcli.server.blocks import Blocks, Step
 from llmcli.server.events import Encoder, Failed, Outcome, Piece, Usage, call_input
+from llmcli.server.images import ImageRef, from_base64, from_url, image_part, image_token_count
 from llmcli.server.prompts import chat_prompt
 from llmcli.server.translate import Body, Part, read_body, validated
 
@@ -43,8 +45,8 @@ class AnthropicError(LlmcliError):
 
 
 class Block(Part):
-    """A content block: text, tool_use, tool_result (its content text or blocks), thinking; the
-    adapter refuses the other kinds (image, document)."""
+    """A content block: text, image, tool_use, tool_result (its content text or blocks),
+    thinking; the adapter refuses the other kinds (document)."""
 
     type: str
     text: str | None = None
@@ -122,8 +124,8 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await read_body(request, CountRequest, AnthropicError)
         asked, prefill = _chat_request(body | {"max_tokens": 1})
-        ids, _ = await chat_prompt(served, asked, prefill)
-        return {"input_tokens": len(ids)}
+        ids, turn = await chat_prompt(served, asked, prefill)
+        return {"input_tokens": len(ids) + image_token_count(turn.messages)}
 
 
 def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:
@@ -133,7 +135,7 @@ def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:
 
     messages = _system(body.get("system"))
     for position, message in enumerate(body.get("messages") or []):
-        messages += _turn(message, f"messages.{position}")
+        messages += _turn(message, position)
     prefill = _prefill(messages)
     asked: dict[str, Any] = {
         "messages": messages,
@@ -191,19 +193,23 @@ def _system(system: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": system}]
 
 
-def _turn(message: Any, where: str) -> list[dict[str, Any]]:
+def _turn(message: Any, position: int) -> list[dict[str, Any]]:
     """One Messages turn as OpenAI messages: a user's tool_result blocks become tool messages,
-    an assistant's tool_use blocks its tool_calls."""
+    an assistant's tool_use blocks its tool_calls, a user's image blocks image parts."""
+    where = f"messages.{position}"
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise AnthropicError(f"{where}: a message has the role user or assistant")
     role, content = message["role"], message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    text, calls, results = "", [], []
-    for block in content or []:
+    text, calls, results, parts = "", [], [], []
+    for index, block in enumerate(content or []):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             text += block.get("text") or ""
+            parts.append({"type": "text", "text": block.get("text") or ""})
+        elif kind == "image" and role == "user":
+            parts.append(image_part(_image(block.get("source"), f"messages[{position}].content[{index}]")))
         elif kind == "tool_use":
             arguments = json.dumps(block.get("input") or {})
             calls.append(
@@ -215,15 +221,31 @@ def _turn(message: Any, where: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # earlier thinking is not shown to the model again
+        elif kind == "image":
+            raise AnthropicError(f"{where}: image blocks are taken in user turns only")
         else:
-            raise AnthropicError(f"{where}: {kind} blocks are not supported here (a text model)")
+            raise AnthropicError(f"{where}: {kind} blocks are not supported here")
     shaped: list[dict[str, Any]] = [*results]
-    if text or calls or not results:
-        turn: dict[str, Any] = {"role": role, "content": text}
+    images = any(part["type"] == "image" for part in parts)
+    if text or calls or images or not results:
+        turn: dict[str, Any] = {"role": role, "content": parts if images else text}
         if calls:
             turn["tool_calls"] = calls
         shaped.append(turn)
     return shaped
+
+
+def _image(source: Any, label: str) -> ImageRef:
+    """An image block's source: base64 with its media type, or a URL; a file is refused (no
+    files API here)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return from_base64(source["data"], label, "image blocks", str(source.get("media_type")))
+    if kind == "url" and isinstance(source.get("url"), str):
+        return from_url(source["url"], label, "image blocks")
+    if kind == "file":
+        raise AnthropicError(f"{label}: an image's file source is not supported here: there is no files API")
+    raise AnthropicError(f"{label}: an image block's source is base64 (media_type, data) or a url")
 
 
 def _text_of(block: Any, where: str) -> str:

@@ -3,8 +3,9 @@
 `/api/chat` and `/api/generate` become an OpenAI chat (or, with `raw`, text) request, answered by
 the same code as `/v1/`, its events encoded as Ollama's: one object, or NDJSON lines (Ollama
 streams by default). Options map to llmcli's sampling settings; an option, field or content that
-is not honoured is a 400 that says so (`images` for a text model, `num_ctx` over the loaded
-context, `suffix`, `template`, `context`, any other field), never dropped. `keep_alive` is
+is not honoured is a 400 that says so (`images` for a text model or with `raw`, `num_ctx` over the
+loaded context, `suffix`, `template`, `context`, any other field), never dropped. A message's
+`images` (base64: server/images.py) come before its text, as Ollama puts them. `keep_alive` is
 accepted (the model stays loaded for the server's life), except 0, which would unload it.
 `/api/tags`, `/api/show`, `/api/ps` and `/api/version` describe the one loaded model.
 """
@@ -26,6 +27,7 @@ from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response, completion_response
 from llmcli.server.events import Encoder, Failed, Outcome, Piece, Usage, call_input
+from llmcli.server.images import from_base64, image_part
 from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
@@ -150,7 +152,7 @@ def install_ollama(app: FastAPI, served: Served) -> None:
                 "llmcli.context_length": loaded.context_length,
                 "llmcli.engine": served.engine.name,
             },
-            "capabilities": ["completion", "tools"],
+            "capabilities": ["completion", "tools", *(["vision"] if served.reads_images else [])],
         }
 
     @app.post("/api/chat")
@@ -226,9 +228,10 @@ def _chat_request(served: Served, body: dict[str, Any]) -> dict[str, Any]:
     for position, message in enumerate(body.get("messages") or []):
         if not isinstance(message, dict):
             raise OllamaError(f"messages[{position}] is an object")
-        if message.get("images"):
-            raise OllamaError("this server's model reads text only: images are not supported")
-        shaped: dict[str, Any] = {"role": message.get("role"), "content": message.get("content") or ""}
+        content = _with_images(message.get("content") or "", message.get("images"), f"messages[{position}].")
+        if not isinstance(content, str) and message.get("role") != "user":
+            raise OllamaError(f"messages[{position}]: images are taken in user messages only")
+        shaped: dict[str, Any] = {"role": message.get("role"), "content": content}
         if message.get("tool_calls"):
             shaped["tool_calls"] = []
             for number, call in enumerate(message["tool_calls"]):
@@ -254,17 +257,26 @@ def _generate_request(served: Served, body: dict[str, Any]) -> dict[str, Any]:
     for name in REFUSED_FIELDS:
         if body.get(name):
             raise OllamaError(f"{name} is not supported here")
-    if body.get("images"):
-        raise OllamaError("this server's model reads text only: images are not supported")
-    prompt = body.get("prompt") or ""
+    prompt = _with_images(body.get("prompt") or "", body.get("images"), "")
     if body.get("raw"):
         if body.get("system"):  # raw: no template to put a system prompt in
             raise OllamaError("system needs the chat template, and raw turns it off: send one of them")
+        if not isinstance(prompt, str):  # raw: no template to put an image's tokens in
+            raise OllamaError("images need the chat template, and raw turns it off: send one of them")
         return {"prompt": prompt, **_sampling(served, body)}
     messages = [{"role": "user", "content": prompt}]
     if body.get("system"):
         messages.insert(0, {"role": "system", "content": body["system"]})
     return {"messages": messages, **_sampling(served, body)}
+
+
+def _with_images(text: str, images: list[str] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's text, or its images then its text as neutral parts (server/images.py), each
+    image named `{where}images[i]`."""
+    if not images:
+        return text
+    parts = [image_part(from_base64(data, f"{where}images[{i}]", "images")) for i, data in enumerate(images)]
+    return [*parts, {"type": "text", "text": text}] if text else parts
 
 
 async def _answer(

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmcli.config.settings import SamplingSettings
 from llmcli.engine.reasoning import thinking_of
 from llmcli.errors import LlmcliError
+from llmcli.server.images import refs_in, resolve
 from llmcli.server.protocol import ChatRequest, CompletionRequest, _Sampling
 from llmcli.server.state import RequestError, Served, Ticket
 from llmcli.server.worker import Job
@@ -47,11 +48,13 @@ async def chat_prompt(
             raise RequestError(400, message, "reasoning_effort")
         options["reasoning_effort"] = body.reasoning_effort
 
+    messages = await with_images(served, body)
+
     def tokenize() -> tuple[list[int], ToolTurn]:
         loaded = served.loaded
         tokenizer = loaded.tokenizer
         try:
-            turn = tool_turn(tokenizer, body.chat_messages(), tools, loaded.vocab_size, loaded.eos_token_ids)
+            turn = tool_turn(tokenizer, messages, tools, loaded.vocab_size, loaded.eos_token_ids)
             ids = prompt_ids(
                 tokenizer,
                 turn.messages,
@@ -65,6 +68,21 @@ async def chat_prompt(
         return ids, turn
 
     return await on_worker(served, tokenize)
+
+
+async def with_images(served: Served, body: ChatRequest) -> list[dict[str, Any]]:
+    """The request's messages in the neutral form, each image read (a bad one refused by its
+    label), then refused or fetched as the server allows (images.resolve), off the event loop."""
+    try:
+        messages = body.chat_messages()
+    except LlmcliError as error:
+        raise RequestError(400, error.message, "messages") from None
+    if next(refs_in(messages), None) is None:
+        return messages
+    try:
+        return await asyncio.to_thread(resolve, messages, served.reads_images, served.allow_image_urls)
+    except LlmcliError as error:
+        raise RequestError(400, error.message, "messages") from None
 
 
 async def completion_prompts(served: Served, body: CompletionRequest) -> list[list[int]]:

@@ -13,12 +13,21 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    InstanceOf,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from llmcli.config.declare import declarations, field_types
 from llmcli.config.settings import SAMPLING_NUMBERS, SamplingSettings
 from llmcli.errors import UsageError
 from llmcli.server.client import OPENAI_NAMES
+from llmcli.server.images import ImageRef, from_url, image_part, refuse_detail
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
@@ -105,7 +114,8 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     def _text_only(self) -> _Sampling:
         """A lone UTF-16 surrogate (valid JSON, "\\ud800") is not text: no tokenizer takes it."""
         try:
-            json.dumps(self.model_dump(), ensure_ascii=False).encode("utf-8")
+            # An image's bytes are not text: they are left out (`default`).
+            json.dumps(self.model_dump(), ensure_ascii=False, default=lambda _: None).encode("utf-8")
         except UnicodeEncodeError as error:
             bad = error.object[error.start : error.end].encode("unicode_escape").decode()
             raise ValueError(
@@ -155,6 +165,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    detail: str | None = None  # refused unless "auto" (ChatMessage.parts)
+
+
+class ImageUrlPart(BaseModel):
+    """OpenAI's image part: a data URL, or an http(s) URL (fetched only where the server allows)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class ImagePart(BaseModel):
+    """An image another protocol's adapter has read (server/images.py): never sent as JSON."""
+
+    type: Literal["image"]
+    image: InstanceOf[ImageRef]
+
+
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -172,27 +203,61 @@ class CallIn(BaseModel):
     function: CalledFunction
 
 
+def _check_image_url(image: Any) -> None:
+    """An image_url part's object, said plainly where it is wrong (pydantic's union of the
+    content's shapes would name the first shape it tried, `str`)."""
+    if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+        raise ValueError('an image_url part is {"type": "image_url", "image_url": {"url": "data:…"}}')
+    unknown = sorted(set(image) - {"url", "detail"})
+    if unknown:
+        raise ValueError(f"image_url.{unknown[0]} is not supported here")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageUrlPart | ImagePart] | None = None
     tool_calls: list[CallIn] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
+    def _known_parts_only(cls, value: Any) -> Any:
         for part in value if isinstance(value, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":  # image_url, input_audio, file: refused, never dropped
-                raise ValueError(f"this server's model reads text only: {kind} parts are not supported")
+            if kind == "image" and isinstance(part.get("image"), ImageRef):
+                continue  # read by another protocol's adapter
+            if kind not in ("text", "image_url"):  # input_audio, file: refused, never dropped
+                raise ValueError(f"{kind} parts are not supported here (text and image_url are)")
+            if kind == "image_url":
+                _check_image_url(part.get("image_url"))
         return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def parts(self, position: int) -> str | list[dict[str, Any]]:
+        """The content in the neutral form (server/images.py): its text, or, where it holds an
+        image, its parts, each image an ImageRef named `messages[position].content[i]`."""
+        content = self.content
+        if not isinstance(content, list) or all(isinstance(part, TextPart) for part in content):
+            return self.text()
+        if self.role != "user":
+            raise UsageError(f"messages[{position}]: images are taken in user messages only")
+        parts: list[dict[str, Any]] = []
+        for index, part in enumerate(content):
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+            elif isinstance(part, ImagePart):
+                parts.append(image_part(part.image))
+            else:
+                label = f"messages[{position}].content[{index}]"
+                refuse_detail(part.image_url.detail, label)
+                parts.append(image_part(from_url(part.image_url.url, label, "image_url parts")))
+        return parts
 
 
 class ChatRequest(_Sampling):
@@ -239,11 +304,13 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages for the template, in the neutral form (server/images.py); a bad image
+        is a UsageError naming it."""
         roles = {"developer": "system"}  # OpenAI's newer name for the system role
         messages: list[dict[str, Any]] = []
-        for message in self.messages:
+        for position, message in enumerate(self.messages):
             role = roles.get(message.role, message.role)
-            shaped: dict[str, Any] = {"role": role, "content": message.text()}
+            shaped: dict[str, Any] = {"role": role, "content": message.parts(position)}
             if message.tool_calls:
                 shaped["tool_calls"] = [call.model_dump() for call in message.tool_calls]
             if message.role == "tool":

@@ -6,8 +6,9 @@ thinking, a `message` with `output_text`, `function_call`s), or the Responses ev
 (`response.created`, `response.output_item.added`, `response.output_text.delta`,
 `response.function_call_arguments.delta`, …, `response.completed`). Responses are kept in memory
 (the newest 256, unless `store: false`), so `previous_response_id` continues a conversation; the
-KV cache reuses its prefix as for any re-sent chat. Fields that are not honoured (non-function
-tools, image and file inputs, `include`, `truncation: auto`) are refused.
+KV cache reuses its prefix as for any re-sent chat. An `input_image` (a data URL, or an http(s)
+URL: server/images.py) is taken where the model reads images. Fields that are not honoured
+(non-function tools, file inputs and `file_id` images, `include`, `truncation: auto`) are refused.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from llmcli.server.events import (
     Piece,
     Usage,
 )
+from llmcli.server.images import ImageRef, from_url, image_part, refuse_detail
 from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_body, validated
 
@@ -48,7 +50,7 @@ class ResponsesError(LlmcliError):
 
 
 class ContentPart(Part):
-    type: str  # input_text, output_text (or text) are read; the others (images, files) refused
+    type: str  # input_text, output_text (or text), input_image are read; the others (files) refused
     text: str | None = None
 
 
@@ -170,7 +172,8 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
     for position, item in enumerate(items or []):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _text(item.get("content"), position)})
+            role = item.get("role")
+            messages.append({"role": role, "content": _content(item.get("content"), position, role)})
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id"),
@@ -191,16 +194,35 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _text(content: Any, position: int) -> str:
+def _content(content: Any, position: int, role: Any) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or, where it holds an input_image, its parts in the
+    neutral form (server/images.py)."""
     if isinstance(content, str):
         return content
-    text = ""
-    for part in content or []:
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(content or []):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise ResponsesError(f"input[{position}]: {kind} parts are not supported here (a text model)")
-        text += part.get("text") or ""
-    return text
+        if kind == "input_image" and role == "user":
+            parts.append(image_part(_image(part, f"input[{position}].content[{index}]")))
+        elif kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text") or ""})
+        else:
+            taken = " (images are taken in user messages)" if kind == "input_image" else ""
+            raise ResponsesError(f"input[{position}]: {kind} parts are not supported here{taken}")
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def _image(part: dict[str, Any], label: str) -> ImageRef:
+    """An input_image: its image_url (a data URL, or http(s)); a file_id is refused (no files API)."""
+    if part.get("file_id") is not None:
+        raise ResponsesError(f"{label}: an input_image's file_id is not supported (no files API here)")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise ResponsesError(f"{label}: an input_image has an image_url (data:image/png;base64,…)")
+    refuse_detail(part.get("detail"), label)
+    return from_url(url, label, "input_image parts")
 
 
 def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:

@@ -42,6 +42,10 @@ class Served:
     allowed_hosts: tuple[str, ...] = ()
     cors: tuple[str, ...] = ()
     max_queue: int = 16  # generations waiting for the worker, at most: beyond, a 503
+    # Whether the loaded model reads images: the one place every route asks (server/images.py
+    # refuses each image of a request by its label where it does not).
+    reads_images: bool = False
+    allow_image_urls: bool = False  # --allow-image-urls: a request's http(s) image URLs are fetched
     quiet: bool = False  # no access log
     metrics: Metrics = field(default_factory=Metrics)
     waiting: int = 0  # generations submitted and not started yet
