@@ -280,7 +280,12 @@ def _renamed_tensors(
     from llmcli.models.gguf_direct import _values, read_table_bytes
 
     stored = {name: _values(read_table_bytes(table, entry), entry) for name, entry in table.tensors.items()}
-    join_cut_parts(stored, layout)
+    missing = join_cut_parts(stored, layout)
+    if missing:
+        raise ModelLoadError(
+            f"{table.path} has no tensor {missing[0]}",
+            "the file is incomplete or was written by another converter",
+        )
     forward, _ = _renumberers(deepstack)
     renamed = {}
     for name, tensor in stored.items():

@@ -142,20 +142,30 @@ def split_suffix(name: str) -> tuple[str, str]:
     return name, ""
 
 
-def join_cut_parts(tensors: dict[str, torch.Tensor], layout: ProjectorLayout) -> None:
+def join_cut_parts(tensors: dict[str, torch.Tensor], layout: ProjectorLayout) -> list[str]:
     """Join in place what the converter cut: q/k/v back into qkv (rows, in that order), the two
-    frames of the patch embedding back into one Conv3d kernel (its time axis, 2)."""
+    frames of the patch embedding back into one Conv3d kernel (its time axis, 2). Returns the
+    parts missing beside a present sibling (nothing joined there)."""
     import torch
 
-    if layout.joins_frames and PATCH_EMBEDDING + ".weight.1" in tensors:
-        frames = [tensors.pop(PATCH_EMBEDDING + ".weight"), tensors.pop(PATCH_EMBEDDING + ".weight.1")]
-        tensors[PATCH_EMBEDDING + ".weight"] = torch.stack(frames, dim=2)
+    missing = []
+    frames = [PATCH_EMBEDDING + ".weight", PATCH_EMBEDDING + ".weight.1"]
+    if layout.joins_frames and frames[0] in tensors:
+        if frames[1] in tensors:
+            tensors[frames[0]] = torch.stack([tensors[frames[0]], tensors.pop(frames[1])], dim=2)
+        elif tensors[frames[0]].ndim == 4:  # one 2-D kernel: the second frame's is missing
+            missing.append(frames[1])
     if not layout.joins_qkv:
-        return
-    for name in [name for name in tensors if re.fullmatch(r"v\.blk\.\d+\.attn_q\.(weight|bias)", name)]:
-        parts = [name.replace(".attn_q.", f".attn_{part}.") for part in "qkv"]
-        if all(part in tensors for part in parts):  # a missing one is named by the tensor check
-            tensors[name.replace(".attn_q.", ".attn_qkv.")] = torch.cat([tensors.pop(part) for part in parts])
+        return missing
+    cut = [name for name in tensors if re.fullmatch(r"v\.blk\.\d+\.attn_[qkv]\.(weight|bias)", name)]
+    for name in sorted({re.sub(r"\.attn_[qkv]\.", ".attn_{}.", name) for name in cut}):
+        parts = [name.format(part) for part in "qkv"]
+        absent = [part for part in parts if part not in tensors]
+        if absent:
+            missing += absent
+            continue
+        tensors[name.format("qkv")] = torch.cat([tensors.pop(part) for part in parts])
+    return missing
 
 
 def hf_name(gguf_name: str, layout: ProjectorLayout, renumber: Callable[[str, int], int]) -> str | None:
