@@ -22,46 +22,52 @@ TEXT |= {"num_key_value_heads": 1, "head_dim": 32, "vocab_size": 300}
 MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6}}
 
 
-def tiny_gemma3() -> Any:
-    """A tiny Gemma3ForConditionalGeneration (fp32, random weights away from their init)."""
+def tiny_gemma3(width: int = 64) -> Any:
+    """A tiny Gemma3ForConditionalGeneration (fp32, random weights away from their init), its
+    decoder `width` wide (llama.cpp checks the projector's output against its text model's)."""
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     torch.manual_seed(0)
     vision = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 2}
     config = Gemma3Config(
-        text_config=TEXT,
+        text_config=TEXT | {"hidden_size": width},
         vision_config=vision | {"image_size": 64, "patch_size": 8, "vision_use_head": False},
         mm_tokens_per_image=4,
         boi_token_index=297,
         eoi_token_index=298,
         image_token_index=299,
     )
-    return _randomised(Gemma3ForConditionalGeneration(config))
+    model = _randomised(Gemma3ForConditionalGeneration(config))
+    projection = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():  # the converter stores it in F16 whatever the file's type: made exact there
+        projection.copy_(projection.half().float())
+    return model
 
 
-QWEN_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+QWEN_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
 
 
-def tiny_qwen25vl() -> Any:
+def tiny_qwen25vl(width: int = 64) -> Any:
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
     vision = QWEN_TOWER | {"depth": 4, "patch_size": 14, "fullatt_block_indexes": [1, 3], "window_size": 56}
-    text = TEXT | MROPE | {"bos_token_id": 0, "eos_token_id": 1}  # its defaults lie past a tiny vocabulary
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    text = TEXT | MROPE | {"hidden_size": width, "bos_token_id": 0, "eos_token_id": 1}  # (defaults: past 300)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision | {"out_hidden_size": width})
     return _randomised(Qwen2_5_VLForConditionalGeneration(config))
 
 
-def tiny_qwen3vl(deepstack: tuple[int, ...] = (0, 2)) -> Any:
+def tiny_qwen3vl(deepstack: tuple[int, ...] = (0, 2), width: int = 64) -> Any:
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     torch.manual_seed(0)
     vision = QWEN_TOWER | {"depth": 3, "patch_size": 16, "num_position_embeddings": 16}
     vision["deepstack_visual_indexes"] = list(deepstack)
-    config = Qwen3VLConfig(text_config=TEXT | MROPE, vision_config=vision)
+    vision["out_hidden_size"] = width
+    config = Qwen3VLConfig(text_config=TEXT | MROPE | {"hidden_size": width}, vision_config=vision)
     return _randomised(Qwen3VLForConditionalGeneration(config))
 
 
@@ -78,7 +84,7 @@ def _randomised(model: Any) -> Any:
 
 def write_mmproj(model: Any, path: Path, tensor_type: str = "F32") -> Path:
     """`model`'s vision part as llama.cpp's converter writes its mmproj file, each matrix in
-    `tensor_type` (F32, F16, BF16 or Q8_0), 1-D tensors and embeddings in F32 as it keeps them."""
+    `tensor_type` (F32, F16, BF16 or Q8_0) where the converter does not force one (_stored_type)."""
     import gguf
 
     config = model.config
@@ -88,7 +94,7 @@ def write_mmproj(model: Any, path: Path, tensor_type: str = "F32") -> Path:
     _write_keys(writer, config)
     vision_names = {"gemma3": _gemma3_tensors, "qwen2_5_vl": _qwen25_tensors, "qwen3_vl": _qwen3_tensors}
     for name, tensor in vision_names[kind](model):
-        values, raw_dtype = _encoded(name, tensor, tensor_type)
+        values, raw_dtype = _encoded(name, tensor, _stored_type(name, tensor.ndim, tensor_type, kind))
         writer.add_tensor(name, values, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -210,18 +216,29 @@ def _qwen3_tensors(model: Any) -> Iterator[tuple[str, Any]]:
                 yield (cut_name if cut_name.startswith("v.") else _mapped(cut_name, 64)), piece
 
 
+def _stored_type(name: str, ndim: int, tensor_type: str, kind: str) -> str:
+    """The type the converter stores a tensor in: 1-D tensors and position embeddings F32; the
+    patch embedding F16 in an F16 file, else F32 (Gemma 3's always F32, as all its embeddings);
+    Gemma 3's input projection F16 (clip.cpp transposes it, which a block type cannot do)."""
+    if ndim == 1 or "position_embd" in name:
+        return "F32"
+    if ".patch_embd.weight" in name:
+        return "F16" if tensor_type == "F16" and kind != "gemma3" else "F32"
+    if "input_projection" in name:
+        return "F16"
+    return tensor_type
+
+
 def _encoded(name: str, tensor: Any, tensor_type: str) -> tuple[np.ndarray, Any]:
-    """The converter's choice of type: 1-D tensors and position embeddings F32, the rest as asked,
-    F16 where a row does not fill whole blocks (raw_dtype: GGUFWriter's, for blocks it cannot
-    tell from the array's dtype)."""
+    """The tensor in `tensor_type`, F16 where a row does not fill whole blocks (the converter's
+    fallback); raw_dtype: GGUFWriter's, for blocks it cannot tell from the array's dtype."""
     import gguf
 
     values = tensor.contiguous().numpy().astype(np.float32)
-    if values.ndim == 1 or "position_embd" in name or tensor_type == "F32":
+    if tensor_type == "F32":
         return values, None
     kind = gguf.GGMLQuantizationType[tensor_type]
-    block = gguf.GGML_QUANT_SIZES[kind][0]
-    if tensor_type == "F16" or values.shape[-1] % block:  # the converter's fallback, too
+    if tensor_type == "F16" or values.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
         return values.astype(np.float16), None
     quantize: Callable[..., np.ndarray] = gguf.quants.quantize
     return quantize(values, kind), kind
