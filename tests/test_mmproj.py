@@ -51,11 +51,14 @@ def test_an_f32_file_gives_the_model_s_own_tensors(model: Any, tmp_path: Path) -
             assert torch.equal(tensor, own[name]), name
 
 
-def test_an_f16_file_gives_them_within_f16_rounding(model: Any, tmp_path: Path) -> None:
-    contents = read_mmproj(write_mmproj(model, tmp_path / "mmproj-f16.gguf", "F16"))
+@pytest.mark.parametrize(("tensor_type", "bits"), [("F16", 10), ("BF16", 7)])
+def test_a_half_file_gives_them_within_its_rounding(
+    model: Any, tmp_path: Path, tensor_type: str, bits: int
+) -> None:
+    contents = read_mmproj(write_mmproj(model, tmp_path / "mmproj-half.gguf", tensor_type))
     own = _vision_state(model, contents.tensors)
     for name, tensor in contents.tensors.items():
-        torch.testing.assert_close(tensor.float(), own[name], rtol=2**-10, atol=2**-10, msg=name)
+        torch.testing.assert_close(tensor.float(), own[name], rtol=2**-bits, atol=2**-bits, msg=name)
 
 
 def test_a_q8_0_file_gives_them_as_gguf_rounds_them(model: Any, tmp_path: Path) -> None:
@@ -155,6 +158,17 @@ def test_a_qwen3_projector_without_deepstack_is_qwen3_5_s_tower(tmp_path: Path) 
         ours = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
         theirs = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_a_moe_decoder_takes_its_dense_twin_s_tower(tmp_path: Path) -> None:
+    """Qwen3.5's MoE models share the dense ones' projector type: the decoder decides which."""
+    from transformers import AutoConfig
+
+    contents = read_mmproj(write_mmproj(tiny_qwen3vl(deepstack=()), tmp_path / "mmproj.gguf"))
+    text = AutoConfig.for_model("qwen3_5_moe_text", hidden_size=64, num_experts=4, num_experts_per_tok=2)
+    config = contents.model_config(text)
+    assert config.architectures == ["Qwen3_5MoeForConditionalGeneration"]
+    assert config.vision_config.depth == 3 and config.vision_config.out_hidden_size == 64
 
 
 def test_a_decoder_of_another_width_is_refused(tmp_path: Path) -> None:

@@ -70,12 +70,15 @@ class MmprojContents:
             )
         if self.mm_tokens_per_image is not None:
             settings.setdefault("mm_tokens_per_image", self.mm_tokens_per_image)
-        model_type = _MODEL_TYPES[self.architecture]
+        # A MoE decoder shares its dense twin's tower and projector type: the decoder decides.
+        twin = (self.architecture, getattr(text_config, "model_type", None))
+        architecture = _MOE_TWINS.get(twin, self.architecture)
+        vision = self.vision_config.to_dict()
         return AutoConfig.for_model(
-            model_type,
+            _MODEL_TYPES[architecture],
             text_config=text_config,
-            vision_config=self.vision_config,
-            architectures=[self.architecture],
+            vision_config=vision,
+            architectures=[architecture],
             **settings,
         )
 
@@ -85,6 +88,12 @@ _MODEL_TYPES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+}
+_MOE_TWINS = {
+    ("Qwen3VLForConditionalGeneration", "qwen3_vl_moe_text"): "Qwen3VLMoeForConditionalGeneration",
+    ("Qwen3_5ForConditionalGeneration", "qwen3_5_moe_text"): "Qwen3_5MoeForConditionalGeneration",
 }
 
 
