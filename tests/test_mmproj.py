@@ -289,3 +289,42 @@ def test_ollama_s_projector_layer_is_found_through_its_manifest(tmp_path: Path) 
     manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
     assert find_mmproj(model) == projector
     assert find_mmproj(other) is None  # no manifest names it as its model
+
+
+# --- what the file gives feeds the family encoders (gemma3.py, qwen_vl.py) ---
+
+
+def _family_encoder(contents: Any, model: Any) -> Any:
+    """The family's VisionEncoder built from the file's config, tensors and processor settings,
+    as from a checkpoint folder's (on a branch without the family modules: skipped)."""
+    from tiny_models import train_tokenizer
+
+    if contents.projector_type == "gemma3":
+        gemma3 = pytest.importorskip("llmcli.models.vision.gemma3")
+        marks = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+        tokenizer = train_tokenizer(special=marks)
+        boi, eoi, image = tokenizer.convert_tokens_to_ids(list(marks))
+        config = contents.model_config(
+            model.config.text_config, boi_token_index=boi, eoi_token_index=eoi, image_token_index=image
+        )
+        return gemma3.Gemma3Vision(
+            config, contents.tensors, tokenizer, processor_settings=contents.processor_settings
+        )
+    qwen_vl = pytest.importorskip("llmcli.models.vision.qwen_vl")
+    config = contents.model_config(model.config.text_config)
+    return qwen_vl.QwenVisionEncoder(config, contents.tensors, processor_settings=contents.processor_settings)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2.5vl_merger"])
+def test_the_file_feeds_the_family_encoder_as_a_checkpoint_does(family: str, tmp_path: Path) -> None:
+    from PIL import Image
+
+    model = FAMILIES[family]()
+    contents = read_mmproj(write_mmproj(model, tmp_path / "mmproj.gguf"))
+    encoder = _family_encoder(contents, model)
+    prepared = encoder.prepare(Image.new("RGB", (50, 70), (10, 200, 30)))
+    rows = encoder.encode(prepared)
+    with torch.no_grad():
+        expected = model.model.get_image_features(**prepared.inputs).pooler_output
+    expected = torch.cat(expected) if isinstance(expected, list | tuple) else expected
+    torch.testing.assert_close(rows.reshape(expected.shape), expected, rtol=0, atol=1e-5)
