@@ -59,8 +59,7 @@ class ImageTable:
     """The images of one loaded model's prompts, by content: the same bytes are one image."""
 
     def __init__(self, encoder: VisionEncoder, pad_id: int, max_pixels: int | None = None) -> None:
-        self.encoder = encoder
-        self.template_text = encoder.template_text
+        self.encoder = encoder  # built on first use (vision/load.py LazyEncoder): never for text alone
         self.pad_id = pad_id
         self.max_pixels = max_pixels
         self._by_number: OrderedDict[int, _Image] = OrderedDict()
@@ -68,6 +67,11 @@ class ImageTable:
         self._next = 0
         # Prompts are tokenized on a server's worker and passes run on the compute thread.
         self._lock = threading.Lock()
+
+    @property
+    def template_text(self) -> str:
+        """What the chat template writes where a message holds an image."""
+        return self.encoder.template_text
 
     # Tokenizing -----------------------------------------------------------------------------
 
