@@ -155,6 +155,8 @@ def _load_and_serve(
         allowed_hosts=request.allowed_hosts,
         cors=request.cors,
         allow_image_urls=request.allow_image_urls,
+        # Images where the model has a vision part llmcli reads and the native engine runs it.
+        reads_images=loaded.vision is not None and engine.name == "native",
         max_queue=request.max_queue,
         quiet=request.quiet,
         instance=record.instance,

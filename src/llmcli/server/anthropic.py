@@ -28,7 +28,7 @@ from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response
 from llmcli.server.blocks import Blocks, Step
 from llmcli.server.events import Encoder, Failed, Outcome, Piece, Usage, call_input
-from llmcli.server.images import ImageRef, from_base64, from_url, image_part, image_token_count
+from llmcli.server.images import ImageRef, from_base64, from_url, image_part
 from llmcli.server.prompts import chat_prompt
 from llmcli.server.translate import Body, Part, read_body, validated
 
@@ -124,8 +124,8 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await read_body(request, CountRequest, AnthropicError)
         asked, prefill = _chat_request(body | {"max_tokens": 1})
-        ids, turn = await chat_prompt(served, asked, prefill)
-        return {"input_tokens": len(ids) + image_token_count(turn.messages)}
+        ids, _ = await chat_prompt(served, asked, prefill)
+        return {"input_tokens": len(ids)}  # an image's tokens among them (its placeholder's)
 
 
 def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:

@@ -15,8 +15,6 @@ In the neutral form a message with images has `content` as a list of parts, `{"t
 
 from __future__ import annotations
 
-import base64
-import binascii
 import time
 import urllib.error
 import urllib.request
@@ -26,8 +24,14 @@ from typing import Any
 
 from llmcli.errors import UsageError
 from llmcli.models.vision.encoder import ImageInput
+from llmcli.models.vision.image_file import (
+    ALLOW_IMAGE_URLS_FLAG,
+    decode_base64_image,
+    decode_data_url,
+    is_remote_url,
+)
 
-ALLOW_URLS_FLAG = "--allow-image-urls"
+ALLOW_URLS_FLAG = ALLOW_IMAGE_URLS_FLAG
 MAX_FETCHED_BYTES = 20 << 20  # OpenAI's own limit on one image
 FETCH_TIMEOUT_S = 10.0
 REMOTE_SCHEMES = ("http://", "https://")
@@ -55,17 +59,11 @@ def image_part(ref: ImageRef) -> dict[str, Any]:
 
 
 def from_url(url: str, label: str, kind: str) -> ImageRef:
-    """A data URL's image, or an http(s) URL kept for `resolve` to refuse or fetch."""
-    if url.startswith(REMOTE_SCHEMES):
+    """A data URL's image (image_file.py reads it), or an http(s) URL kept for `resolve` to
+    refuse or fetch."""
+    if is_remote_url(url):
         return ImageRef(label, kind, url=url)
-    if not url.startswith("data:"):
-        shown = url if len(url) <= 40 else url[:40] + "…"
-        raise ImageRefused(f"{label}: {shown!r} is neither a data: URL (data:image/png;base64,…) nor http(s)")
-    header, comma, payload = url[len("data:") :].partition(",")
-    media_type, *parameters = header.split(";")
-    if not comma or "base64" not in parameters:
-        raise ImageRefused(f"{label}: a data URL's image is base64 (data:image/png;base64,…)")
-    return from_base64(payload, label, kind, media_type)
+    return ImageRef(label, kind, data=decode_data_url(url, label).data)
 
 
 def refuse_detail(detail: str | None, label: str) -> None:
@@ -79,14 +77,11 @@ def refuse_detail(detail: str | None, label: str) -> None:
 
 
 def from_base64(text: str, label: str, kind: str, media_type: str | None = None) -> ImageRef:
-    """Plain base64 (Ollama's `images`, Anthropic's `data`), strictly: no whitespace, no other
-    characters, its padding right. `media_type`, where the request gives one, is an image's."""
+    """Plain base64 (Ollama's `images`, Anthropic's `data`), strictly (image_file.py).
+    `media_type`, where the request gives one, is an image's."""
     if media_type is not None and not media_type.lower().startswith("image/"):
         raise ImageRefused(f"{label}: media type {media_type!r} is not an image's (image/png, image/jpeg, …)")
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageRefused(f"{label}: the image is not valid base64") from None
+    data = decode_base64_image(text, label).data
     if not data:
         raise ImageRefused(f"{label}: the image is empty")
     return ImageRef(label, kind, data=data)
@@ -134,17 +129,6 @@ def _input_of(part: dict[str, Any]) -> dict[str, Any]:
         return part
     data = ref.data if ref.data is not None else fetch(str(ref.url), ref.label)
     return {"type": "image", "image": ImageInput(data, ref.label)}
-
-
-def image_token_count(messages: list[dict[str, Any]]) -> int:
-    """The tokens a count endpoint adds for the images in `messages` (neutral form) beyond the
-    prompt's rendered ids. A text-only model has had every image refused before this; an image
-    whose tokens cannot be counted is refused here, never counted as nothing."""
-    for part in (p for m in messages if isinstance(m.get("content"), list) for p in m["content"]):
-        if part.get("type") == "image":
-            label = getattr(part["image"], "label", "an image")
-            raise ImageRefused(f"{label}: this server cannot count an image's tokens for its model")
-    return 0
 
 
 class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):

@@ -29,6 +29,7 @@ async def chat_prompt(
     request the template or the tools refuse is a 400 that says why. `continue_final`: the
     last message is the assistant's, for the reply to continue (Anthropic's prefill)."""
     from llmcli.engine.conversation import prompt_ids
+    from llmcli.engine.image_rows import table_of
     from llmcli.engine.tools.turn import tool_turn
 
     try:
@@ -62,6 +63,7 @@ async def chat_prompt(
                 options=options | turn.options,
                 context_length=loaded.context_length,
                 continue_final=continue_final,
+                images=table_of(loaded) if served.reads_images else None,
             )
         except LlmcliError as error:  # a template that refuses them, a tool result that answers no call
             raise RequestError(400, error.message, "messages") from None
