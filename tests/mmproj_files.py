@@ -82,9 +82,12 @@ def _randomised(model: Any) -> Any:
     return model.eval()
 
 
-def write_mmproj(model: Any, path: Path, tensor_type: str = "F32") -> Path:
+def write_mmproj(
+    model: Any, path: Path, tensor_type: str = "F32", pixels: tuple[int, int] | None = None
+) -> Path:
     """`model`'s vision part as llama.cpp's converter writes its mmproj file, each matrix in
-    `tensor_type` (F32, F16, BF16 or Q8_0) where the converter does not force one (_stored_type)."""
+    `tensor_type` (F32, F16, BF16 or Q8_0) where the converter does not force one (_stored_type);
+    `pixels`: a Qwen processor's pixel budget (min, max), as the converter copies it."""
     import gguf
 
     config = model.config
@@ -92,7 +95,15 @@ def write_mmproj(model: Any, path: Path, tensor_type: str = "F32") -> Path:
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_type(gguf.GGUFType.MMPROJ)
     _write_keys(writer, config)
-    vision_names = {"gemma3": _gemma3_tensors, "qwen2_5_vl": _qwen25_tensors, "qwen3_vl": _qwen3_tensors}
+    if pixels is not None:
+        writer.add_uint32(gguf.Keys.ClipVision.IMAGE_MIN_PIXELS, pixels[0])
+        writer.add_uint32(gguf.Keys.ClipVision.IMAGE_MAX_PIXELS, pixels[1])
+    vision_names = {
+        "gemma3": _gemma3_tensors,
+        "qwen2_5_vl": _qwen25_tensors,
+        "qwen3_vl": _qwen3_tensors,
+        "qwen3_5": _qwen3_tensors,  # Qwen3-VL's tower without its deepstack mergers
+    }
     for name, tensor in vision_names[kind](model):
         values, raw_dtype = _encoded(name, tensor, _stored_type(name, tensor.ndim, tensor_type, kind))
         writer.add_tensor(name, values, raw_dtype=raw_dtype)
@@ -140,7 +151,7 @@ def _write_keys(writer: Any, config: Any) -> None:
     writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN3VL)
     writer.add_vision_use_gelu(True)
     writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
-    deepstack = set(vision.deepstack_visual_indexes)
+    deepstack = set(getattr(vision, "deepstack_visual_indexes", None) or ())  # Qwen3.5's: none
     writer.add_vision_is_deepstack_layers([index in deepstack for index in range(vision.depth)])
 
 
@@ -195,7 +206,7 @@ def _qwen25_tensors(model: Any) -> Iterator[tuple[str, Any]]:
 def _qwen3_tensors(model: Any) -> Iterator[tuple[str, Any]]:
     import gguf
 
-    deepstack = model.config.vision_config.deepstack_visual_indexes
+    deepstack = getattr(model.config.vision_config, "deepstack_visual_indexes", None) or []
     layers = {"norm": "V_DS_NORM", "linear_fc1": "V_DS_FC1", "linear_fc2": "V_DS_FC2"}
     merger = {
         "norm": gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_POST_NORM],

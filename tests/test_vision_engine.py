@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import inspect
 import io
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import torch
 from PIL import Image
 
 from native_checks import load_lean
+
 from tiny_models import GEMMA_VISION, MULTIMODAL_FAMILIES, build_tiny_model
 
 FAMILIES = sorted(GEMMA_VISION) + sorted(MULTIMODAL_FAMILIES)

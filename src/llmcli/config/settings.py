@@ -276,6 +276,12 @@ class LoadSettings:
         layered=True,
         key="ctx",
     )
+    mmproj: str | None = setting(  # a GGUF model's vision part (llama.cpp's mmproj-*.gguf)
+        flags=("--mmproj",),
+        help="A GGUF model's vision part: llama.cpp's mmproj-*.gguf file (Gemma 3, Qwen3.5). Default: "
+        "the one beside the model, where there is one.",
+        panel=LOADING,
+    )
     # graph-captured decode; None: on CUDA only (native), off (transformers)
     fast: bool | None = setting(
         flags=("--fast/--no-fast",),

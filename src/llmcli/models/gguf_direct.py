@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 
 # How config_of reads a file's metadata: a folder whose config.json an older reading wrote gets it
 # written again (2: YaRN's factor and pretraining length read; 3: its sampling defaults and
-# special token ids checked, check_metadata).
-CONFIG_VERSION, CONFIG_VERSION_FILE = 3, ".llmcli-config-version"
+# special token ids checked, check_metadata; 4: Qwen3.5's multimodal RoPE sections read).
+CONFIG_VERSION, CONFIG_VERSION_FILE = 4, ".llmcli-config-version"
 EXACT_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # The block types gguf's own dequantization reads (gguf 0.19; tests hold it to this list):
@@ -252,6 +252,11 @@ def config_of(table: GGUFTable) -> dict[str, Any]:
             config |= experts
         rope = {"rope_type": "default", "rope_theta": config["rope_theta"]} | config.pop("rope_scaling", {})
         config["rope_parameters"] = rope | {"partial_rotary_factor": config.pop("partial_rotary_factor")}
+        sections = key("rope.dimension_sections", None)
+        if isinstance(sections, list) and len(sections) >= 3 and all(type(n) is int for n in sections):
+            # Qwen3.5's multimodal RoPE (an image's rows over its grid, with an mmproj file);
+            # text alone is one position on every axis.
+            config["rope_parameters"] |= {"mrope_section": sections[:3], "mrope_interleaved": True}
     return config
 
 

@@ -123,6 +123,17 @@ def read_mmproj(path: Path) -> MmprojContents:
     )
 
 
+def projector_architecture(path: Path, text_config: Any) -> str:
+    """The ForConditionalGeneration class a projector file's tower belongs to beside this decoder
+    (from its header alone: no tensor read); ModelLoadError naming the file where it is not a
+    projector llmcli reads."""
+    from llmcli.models.gguf_table import read_table
+
+    table = read_table(Path(path))
+    tower = _CONFIGS[_check_kind(table)](_VisionKeys(table), table)
+    return _MOE_TWINS.get((tower.architecture, getattr(text_config, "model_type", None)), tower.architecture)
+
+
 class _Tower(NamedTuple):
     """What a projector type's keys give: the tower's config, whose it is, the processor's
     settings beyond mean and std, and (Gemma 3) the rows an image becomes."""
