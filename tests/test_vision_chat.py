@@ -175,3 +175,24 @@ def test_an_image_for_a_text_model_or_with_a_drafting_model_is_refused(
     assert str(picture) in line and "reads text only" in line
     line = one_error_line(run_cli("generate", "-m", str(folder), "--image", str(picture), "--raw", "hi"), 2)
     assert "--raw" in line
+
+
+def test_the_repl_takes_an_image_dropped_on_its_prompt_and_keeps_it_in_save_and_load(
+    folder: Path, tmp_path: Path
+) -> None:
+    from test_repl import Repl
+
+    picture = tmp_path / "drop me.png"
+    picture.write_bytes(png(26, 22, 9))
+    repl = Repl("-m", str(folder), "-t", "0", "-n", "3")
+    assert "attached" in repl.send(f"'{picture}'")  # as a file manager drops a path with a space
+    assert "took back the image" in repl.send("/undo")
+    assert "attached" in repl.send(f"/image {picture}")
+    _, first = repl.turn("what is it?")
+    _, second = repl.turn("and now?")
+    assert int(second.group(2)) > int(first.group(1)) - 2  # the image's rows reused, not prefilled
+    transcript = tmp_path / "chat.json"
+    assert "saved 4 messages" in repl.send(f"/save {transcript}")  # two exchanges
+    assert "loaded 4 messages" in repl.send(f"/load {transcript}")
+    assert "image" in json.loads(transcript.read_text())["messages"][0]["content"][0]["type"]
+    assert repl.quit() == 0
