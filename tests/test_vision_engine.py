@@ -65,7 +65,7 @@ def two_images_asked() -> list[dict[str, Any]]:
 
 
 def reference_inputs(table: Any, ids: list[int]) -> tuple[list[int], dict[str, Any]]:
-    """The ids transformers' model reads for `ids` (each marker as the token it stands for),
+    """The ids transformers' model reads for `ids` (each row's marker as the image token),
     and its image inputs: the processor's outputs of each image, in order, and the mask of
     image tokens that its mask or its positions read."""
     from llmcli.engine.image_markers import split
@@ -76,9 +76,8 @@ def reference_inputs(table: Any, ids: list[int]) -> tuple[list[int], dict[str, A
             real.append(token)
             continue
         image = table._image(token)
-        entry = split(token)[1]
-        real.append(image.prepared.placeholder.ids[entry])
-        if entry == 0:
+        real.append(image.prepared.placeholder.image_token_id)
+        if split(token)[1] == 0:  # an image's first row
             prepared.append(image.prepared)
     inputs: dict[str, Any] = {}
     for name in prepared[0].inputs:

@@ -21,9 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from llmcli.engine.control_text import Prompt, guard_of, mark, parse
 from llmcli.engine.detok import decode_exact
-from llmcli.engine.image_markers import inside_image
 from llmcli.engine.prompt_bounds import refuse_unfittable
-from llmcli.engine.prompt_images import encode_with_images, held_text, images_in, refuse_images
+from llmcli.engine.prompt_images import (
+    encode_with_images,
+    expanded,
+    held_text,
+    images_held,
+    images_in,
+    refuse_images,
+    whole_images,
+)
 from llmcli.engine.reasoning import closing_text, opens_thinking, thinking_of
 from llmcli.errors import ContextOverflowError, LlmcliError
 
@@ -213,7 +220,9 @@ def prompt_ids(
     prompt = render_prompt(
         tokenizer, messages, think_off=think_off, options=options, continue_final=continue_final
     )
-    return encode_with_images(tokenizer, prompt, images_in(messages), images, context_length=context_length)
+    given = images_in(messages)
+    prompt = expanded(tokenizer, prompt, given, images)
+    return encode_with_images(tokenizer, prompt, given, images, context_length=context_length)
 
 
 def _text_of(message: Message) -> str:
@@ -250,6 +259,8 @@ def ids_for_text(
     """
     if isinstance(prompt, str):
         prompt = Prompt(((prompt, False),))
+    images = images or []
+    prompt = expanded(tokenizer, prompt, images, table)
     text = prompt.text
 
     def read(ids: list[int]) -> str:
@@ -264,10 +275,10 @@ def ids_for_text(
             low = middle
         else:
             high = middle - 1
-    while inside_image(held, low):
-        low -= 1  # never a part of an image: all of it, or none
+    low = whole_images(held, low, table)  # never a part of an image: all its rows, or none
     covered = len(read(held[:low]))
-    return held[:low] + encode_with_images(tokenizer, prompt, images or [], table, covered)
+    rest = encode_with_images(tokenizer, prompt, images, table, covered, images_held(held[:low]))
+    return held[:low] + rest
 
 
 def exchange_starts(messages: list[Message]) -> list[int]:

@@ -1,23 +1,25 @@
-"""An image's place in a prompt's token ids, as ids: each entry of an image's placeholder is a
-marker, a negative id naming the image and the entry, so that everything that compares, crops,
-keeps or restores token ids (the prefix store, chat turns, the server's kept conversations)
-tells two images apart without knowing about images, and the same image in a later prompt
-matches. Torch-free: a chat through a server compares them too.
+"""An image's place in a prompt's token ids, as ids: each of an image's rows (its image tokens,
+whose embeddings the vision tower gives) is a marker, a negative id naming the image and the row,
+so that everything that compares, crops, keeps or restores token ids (the prefix store, chat
+turns, the server's kept conversations) tells two images apart without knowing about images,
+and the same image in a later prompt matches. The rest of an image's placeholder (Gemma's
+<start_of_image>, Qwen's <|vision_start|>) is ordinary text. Torch-free: a chat through a
+server compares them too.
 
-    marker = −(1 + k · ENTRIES + entry)   (k: the image's number in its table, image_rows.py)
+    marker = −(1 + k · ENTRIES + row)   (k: the image's number in its table, image_rows.py)
 """
 
 from __future__ import annotations
 
-ENTRIES = 1 << 20  # placeholder entries one image may have (a 4K image in Qwen's patches: ~12k)
+ENTRIES = 1 << 20  # rows one image may have (a 4K image in Qwen's patches: ~12k)
 
 
-def marker(number: int, entry: int) -> int:
-    return -(1 + number * ENTRIES + entry)
+def marker(number: int, row: int) -> int:
+    return -(1 + number * ENTRIES + row)
 
 
 def split(marker: int) -> tuple[int, int]:
-    """(the image's number, the entry) a marker names."""
+    """(the image's number, the row) a marker names."""
     return divmod(-marker - 1, ENTRIES)
 
 

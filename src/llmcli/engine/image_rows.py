@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,9 +32,10 @@ class _Image:
     label: str
     digest: str
     prepared: PreparedImage
-    row_of: dict[int, int]  # placeholder entry → embedding row, for the image-token entries
+    text: str  # its placeholder as text: what the template's marker is replaced with
+    count: int  # its rows: the image tokens of its placeholder
+    token_text: str = ""  # its image token's text, what each of its rows reads as
     rows: torch.Tensor | None = None  # the vision tower's output, once a pass needed it
-    entries: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,16 @@ class ImageTable:
 
     # Tokenizing -----------------------------------------------------------------------------
 
-    def placeholder(self, image: ImageInput) -> list[int]:
-        """The markers that stand for `image` in a prompt (opened, checked and processed now:
-        a bad image is refused before anything is prefilled)."""
+    def expand(self, image: ImageInput, tokenizer: Any) -> str:
+        """The text that stands for `image` in a prompt, where the template wrote its marker: its
+        placeholder as the model's processor expands it (Gemma 3: its blank lines, which the
+        tokenizer merges with the text around them, as transformers' processor has it). The
+        image is opened, checked and processed now: a bad one is refused before anything is
+        prefilled."""
+        return self._image_of(image, tokenizer).text
+
+    def _image_of(self, image: ImageInput, tokenizer: Any) -> _Image:
+        from llmcli.engine.detok import decode_exact
         from llmcli.models.vision.image_file import open_image
 
         checked = open_image(image) if self.max_pixels is None else open_image(image, self.max_pixels)
@@ -85,41 +93,49 @@ class ImageTable:
             number = self._by_digest.get(checked.digest)
             if number is not None and number in self._by_number:
                 self._by_number.move_to_end(number)
-                return list(self._by_number[number].entries)
+                return self._by_number[number]
         prepared = self.encoder.prepare(checked.image)
         placeholder = prepared.placeholder
-        if len(placeholder.ids) >= ENTRIES:
-            count = len(placeholder.ids)
+        count = sum(token == placeholder.image_token_id for token in placeholder.ids)
+        if count >= ENTRIES:
             raise LlmcliError(f"image {image.label}: {count} tokens is more than one image may take")
-        row_of: dict[int, int] = {}
-        for entry, token in enumerate(placeholder.ids):
-            if token == placeholder.image_token_id:
-                row_of[entry] = len(row_of)
+        text = decode_exact(tokenizer, list(placeholder.ids))
         with self._lock:
             number = self._next
             self._next += 1
-            kept = _Image(number, image.label, checked.digest, prepared, row_of)
-            kept.entries = [marker(number, entry) for entry in range(len(placeholder.ids))]
+            token_text = decode_exact(tokenizer, [placeholder.image_token_id])
+            kept = _Image(number, image.label, checked.digest, prepared, text, count, token_text)
             self._by_number[number] = kept
             self._by_digest[checked.digest] = number
             while len(self._by_number) > KEPT_IMAGES:
                 _, dropped = self._by_number.popitem(last=False)
                 self._by_digest.pop(dropped.digest, None)
-            return list(kept.entries)
+            return kept
 
-    def rows_in(self, ids: Sequence[int]) -> int:
-        """How many of `ids` are image rows (what --json's image_tokens counts)."""
-        count = 0
-        for token in ids:
-            if token < 0:
-                image = self._image(token)
-                count += split(token)[1] in image.row_of
-        return count
+    def mark(self, ids: list[int], images: list[ImageInput], tokenizer: Any) -> list[int]:
+        """`ids` (a prompt's tokens, `images` expanded in it in order) with each image token
+        replaced by its image's row marker, the n-th image token the n-th row of the images in
+        turn. Only the template's markup writes image tokens (control_text.py)."""
+        kept = [self._image_of(image, tokenizer) for image in images]
+        image_token = kept[0].prepared.placeholder.image_token_id if kept else None
+        rows = [marker(one.number, row) for one in kept for row in range(one.count)]
+        found = sum(token == image_token for token in ids)
+        if found != len(rows):
+            raise LlmcliError(
+                f"image {kept[-1].label}: the prompt holds {found} image tokens for {len(rows)} "
+                "image rows (the chat template wrote image tokens of its own)"
+            )
+        taken = iter(rows)
+        return [next(taken) if token == image_token else token for token in ids]
+
+    def rows_of(self, marker: int) -> int:
+        """How many rows the image a marker names has."""
+        return self._image(marker).count
 
     def text_of(self, marker: int) -> str:
-        """The text a marker reads as where a chat compares what it holds with a rendering:
-        an image's first entry is the template's image marker, its other entries nothing."""
-        return self.template_text if split(marker)[1] == 0 else ""
+        """The text a row marker reads as where a chat compares what it holds with a rendering:
+        its image token's."""
+        return self._image(marker).token_text
 
     # A pass -----------------------------------------------------------------------------------
 
@@ -137,10 +153,10 @@ class ImageTable:
     def _rows(self, image: _Image) -> torch.Tensor:
         if image.rows is None:
             rows = self.encoder.encode(image.prepared)
-            if rows.shape[0] != len(image.row_of):
+            if rows.shape[0] != image.count:
                 raise LlmcliError(
                     f"image {image.label}: the vision tower gave {rows.shape[0]} rows for "
-                    f"{len(image.row_of)} image tokens"
+                    f"{image.count} image tokens"
                 )
             image.rows = rows
         return image.rows
@@ -156,7 +172,7 @@ class ImageTable:
         rows: list[int] = []
         pieces: list[torch.Tensor] = []
         groups: list[int] = []
-        grids = any(self._image(t).prepared.placeholder.grid for t in ids if t < 0)
+        grids = any(self._image(token).prepared.placeholder.grid for token in ids if token < 0)
         positions: list[tuple[int, int, int]] = []
         text = start + shift  # the position the next text token takes
         layouts: dict[int, torch.Tensor] = {}  # an image's number → its rows' positions [3, rows]
@@ -169,15 +185,8 @@ class ImageTable:
                 text += 1
                 continue
             image = self._image(token)
-            number, entry = split(token)
+            number, row = split(token)
             placeholder = image.prepared.placeholder
-            row = image.row_of.get(entry)
-            if row is None:  # an ordinary token of the placeholder
-                tokens.append(placeholder.ids[entry])
-                groups.append(-1)
-                positions.append((text, text, text))
-                text += 1
-                continue
             tokens.append(self.pad_id)
             rows.append(index)
             groups.append(number)
@@ -194,7 +203,7 @@ class ImageTable:
             if number not in layouts:
                 layouts[number] = image_layout(text - row, grid)
             positions.append(tuple(layouts[number][:, row].tolist()))
-            if row == len(image.row_of) - 1:
+            if row == image.count - 1:
                 text = int(layouts[number][0, 0]) + image_extent(grid)
                 shifts.append((start + index + 1, text - (start + index + 1)))
             else:

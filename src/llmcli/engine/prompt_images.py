@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmcli.engine.control_text import Prompt
+from llmcli.engine.image_markers import split
 from llmcli.errors import LlmcliError
 from llmcli.models.vision.encoder import ImageInput
 
@@ -54,30 +55,11 @@ def marker_spans(prompt: Prompt, marker: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _cut(prompt: Prompt, end: int) -> Prompt:
-    """The prompt's first `end` characters, in its pieces."""
-    pieces, at = [], 0
-    for piece, as_text in prompt.pieces:
-        if at >= end:
-            break
-        pieces.append((piece[: end - at], as_text))
-        at += len(piece)
-    return Prompt(tuple(pieces))
-
-
-def encode_with_images(
-    tokenizer: Any,
-    prompt: Prompt,
-    images: list[ImageInput],
-    table: ImageTable | None,
-    start: int = 0,
-    context_length: int | None = None,
-) -> list[int]:
-    """Token ids for the prompt's text from `start` (a character offset; 0: all of it), each
-    image marker the template wrote replaced by its image's placeholder, the images taken in
-    order. The images before `start` are those already held (a chat's earlier turns)."""
+def expanded(tokenizer: Any, prompt: Prompt, images: list[ImageInput], table: ImageTable | None) -> Prompt:
+    """The prompt with each image marker the template wrote replaced by its image's placeholder
+    text (image_rows.py), the images taken in order: the text the model's processor tokenizes."""
     if not images:
-        return prompt.encode(tokenizer, start)
+        return prompt
     if table is None:
         raise LlmcliError(f"image {images[0].label}: this model reads text only")
     spans = marker_spans(prompt, table.template_text)
@@ -86,23 +68,36 @@ def encode_with_images(
             f"image {images[min(len(spans), len(images) - 1)].label}: the chat template placed "
             f"{len(spans)} of {len(images)} images (it may take fewer, or none in this role)"
         )
-    ids: list[int] = []
-    at = start
-    for (begin, end), image in zip(spans, images, strict=True):
-        if end <= start:
-            continue
-        if begin < start:  # the held ids end inside the marker's text: never from ids of whole images
-            raise LlmcliError(f"image {image.label}: the chat's held text ends inside its marker")
-        ids += _cut(prompt, begin).encode(tokenizer, at)
-        ids += table.placeholder(image)
-        if context_length is not None and len(ids) > context_length:
-            raise LlmcliError(
-                f"image {image.label}: the prompt needs {len(ids)} tokens up to the end of it, "
-                f"and the context holds {context_length}",
-                "send a smaller image, or fewer",
-            )
-        at = end
-    ids += prompt.encode(tokenizer, at)
+    texts = iter(table.expand(image, tokenizer) for image in images)
+    pieces, at = [], 0
+    for piece, as_text in prompt.pieces:
+        inside = [(begin - at, end - at) for begin, end in spans if at <= begin < at + len(piece)]
+        cut = 0
+        for begin, end in inside:
+            pieces += [(piece[cut:begin], False), (next(texts), False)]
+            cut = end
+        pieces.append((piece[cut:], as_text))
+        at += len(piece)
+    return Prompt(tuple((text, as_text) for text, as_text in pieces if text))
+
+
+def encode_with_images(
+    tokenizer: Any,
+    prompt: Prompt,
+    images: list[ImageInput],
+    table: ImageTable | None,
+    start: int = 0,
+    held: int = 0,
+    context_length: int | None = None,
+) -> list[int]:
+    """Token ids for an `expanded` prompt's text from `start` (a character offset; 0: all of
+    it), its image tokens replaced by the rows' markers of `images` after the first `held`
+    (those a chat holds already, before `start`)."""
+    ids = prompt.encode(tokenizer, start)
+    if not images:
+        return ids
+    assert table is not None  # `expanded` refused a text-only model
+    ids = table.mark(ids, images[held:], tokenizer)
     if context_length is not None and len(ids) > context_length:
         names = ", ".join(image.label for image in images)
         raise LlmcliError(
@@ -111,6 +106,24 @@ def encode_with_images(
             "send a smaller image, or fewer",
         )
     return ids
+
+
+def whole_images(ids: Sequence[int], at: int, table: ImageTable | None) -> int:
+    """`at`, or less: where a cut of `ids` keeps every image it holds whole (all its rows), the
+    start of the one it would cut."""
+    if table is None:
+        return at
+    last = next((index for index in range(at - 1, -1, -1) if ids[index] < 0), None)
+    if last is None:
+        return at
+    number = split(ids[last])[0]
+    rows = [index for index in range(at) if ids[index] < 0 and split(ids[index])[0] == number]
+    return at if len(rows) == table.rows_of(ids[last]) else rows[0]
+
+
+def images_held(ids: Sequence[int]) -> int:
+    """How many images `ids` hold (their rows' markers, image_markers.py)."""
+    return len({split(token)[0] for token in ids if token < 0})
 
 
 def held_text(tokenizer: Any, held: Sequence[int], table: ImageTable | None, decode: Any) -> str:
