@@ -91,3 +91,13 @@ def test_only_the_vision_tower_and_connector_are_read(folder: Path, encoder) -> 
     loaded = len(encoder.vision_model.state_dict()) + len(encoder.connector.state_dict())
     assert len(tensors) == loaded
     assert encoder.template_text == "<image>" and encoder.bidirectional is False
+
+
+def test_a_folder_without_its_image_processor_settings_is_refused_in_one_line(folder: Path, tmp_path) -> None:
+    from llmcli.errors import ModelLoadError
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).symlink_to(folder / name)
+    with pytest.raises(ModelLoadError, match=r"preprocessor_config\.json") as refused:
+        Idefics3Vision.from_folder(tmp_path, torch.float32)
+    assert "\n" not in refused.value.one_line()

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmcli.errors import ModelLoadError
 from llmcli.models.vision.encoder import Placeholder, PreparedImage
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def _modules(model_type: str) -> Any:
     import importlib
 
     if model_type not in _FAMILIES:
-        raise ValueError(f"not a SmolVLM or Idefics3 checkpoint (model_type {model_type!r})")
+        raise ModelLoadError(f"not a SmolVLM or Idefics3 checkpoint (model_type {model_type!r})")
     name, _ = _FAMILIES[model_type]
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
@@ -121,13 +122,10 @@ class Idefics3Vision:
 
         folder = Path(folder)
         config = AutoConfig.from_pretrained(folder)
-        processor_class = _image_processor_class(config.model_type)
-        settings = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
-        image_processor = processor_class(**_processor_settings(settings))
         return cls(
             config,
             _vision_tensors(folder),
-            image_processor,
+            _image_processor(folder, config.model_type),
             tokenize or _folder_tokenizer(folder),
             dtype=dtype,
             device=device,
@@ -137,12 +135,12 @@ class Idefics3Vision:
         assert self.tokenize is not None
         ids = list(self.tokenize(token))
         if len(ids) != 1:
-            raise ValueError(f"the tokenizer has no {token} token (it reads as {len(ids)} tokens)")
+            raise ModelLoadError(f"the tokenizer has no {token} token (it reads as {len(ids)} tokens)")
         return ids[0]
 
     def prepare(self, image: Image.Image) -> PreparedImage:
         if self.image_processor is None or self.tokenize is None or self.image_token_id is None:
-            raise ValueError("this vision encoder was built without an image processor and a tokenizer")
+            raise ModelLoadError("this vision encoder was built without an image processor and a tokenizer")
         out = self.image_processor(images=[image], return_tensors="pt", return_row_col_info=True)
         rows, cols = out["rows"][0][0], out["cols"][0][0]
         ids = tuple(self.tokenize(placeholder_text(rows, cols, self.image_seq_len)))
@@ -170,9 +168,15 @@ class Idefics3Vision:
         return features.reshape(-1, features.shape[-1])
 
 
-def _processor_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """preprocessor_config.json's settings the PIL image processor takes (not its class names)."""
-    return {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
+def _image_processor(folder: Path, model_type: str) -> Any:
+    """transformers' PIL image processor (never the torchvision one) with the settings of the
+    folder's preprocessor_config.json, read as transformers reads them."""
+    path = folder / "preprocessor_config.json"
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path}: cannot read the image processor's settings ({error})") from None
+    return _image_processor_class(model_type).from_dict(settings)
 
 
 def _vision_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -182,7 +186,7 @@ def _vision_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder}: no .safetensors files")
+        raise ModelLoadError(f"{folder}: no .safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as stored:
@@ -190,7 +194,7 @@ def _vision_tensors(folder: Path) -> dict[str, torch.Tensor]:
                 if name.startswith(VISION_PREFIXES):
                     tensors[name] = stored.get_tensor(name)
     if not tensors:
-        raise ValueError(f"{folder}: no vision tower tensors ({', '.join(VISION_PREFIXES)})")
+        raise ModelLoadError(f"{folder}: no vision tower tensors ({', '.join(VISION_PREFIXES)})")
     return tensors
 
 
