@@ -90,6 +90,8 @@ def test_only_the_vision_tower_and_connector_are_read(folder: Path, encoder) -> 
     assert tensors and all(name.startswith(VISION_PREFIXES) for name in tensors)
     loaded = len(encoder.vision_model.state_dict()) + len(encoder.connector.state_dict())
     assert len(tensors) == loaded
+    modules = (encoder.vision_model, encoder.connector)
+    assert not any(t.is_meta for module in modules for t in [*module.parameters(), *module.buffers()])
     assert encoder.template_text == "<image>" and encoder.bidirectional is False
 
 
@@ -101,3 +103,14 @@ def test_a_folder_without_its_image_processor_settings_is_refused_in_one_line(fo
     with pytest.raises(ModelLoadError, match=r"preprocessor_config\.json") as refused:
         Idefics3Vision.from_folder(tmp_path, torch.float32)
     assert "\n" not in refused.value.one_line()
+
+
+def test_importing_it_imports_neither_torch_nor_transformers() -> None:
+    """A text-only call that asks which vision part a checkpoint has pays for neither."""
+    import subprocess
+    import sys
+
+    heavy = "{'torch', 'transformers'}"
+    probe = f"import sys, llmcli.models.vision.idefics3; print(sorted({heavy} & {{*sys.modules}}))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout

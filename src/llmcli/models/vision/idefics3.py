@@ -98,11 +98,14 @@ class Idefics3Vision:
         self.patch_size = config.vision_config.patch_size
         scale = config.scale_factor
         self.image_seq_len = (config.vision_config.image_size // self.patch_size) ** 2 // (scale * scale)
-        self.vision_model = getattr(modeling, f"{prefix}VisionTransformer")(config.vision_config)
-        self.connector = getattr(modeling, f"{prefix}Connector")(config)
+        # Built without weights (no random init of a tower of hundreds of millions), then given
+        # the checkpoint's tensors as they are.
+        with torch.device("meta"):
+            self.vision_model = getattr(modeling, f"{prefix}VisionTransformer")(config.vision_config)
+            self.connector = getattr(modeling, f"{prefix}Connector")(config)
         for module, stored in ((self.vision_model, VISION_PREFIXES[0]), (self.connector, VISION_PREFIXES[1])):
             own = {name.removeprefix(stored): t for name, t in tensors.items() if name.startswith(stored)}
-            module.load_state_dict(own, strict=True)
+            module.load_state_dict(own, strict=True, assign=True)
             module.to(dtype=self.dtype, device=self.device).eval()
         self.image_processor, self.tokenize = image_processor, tokenize
         self.image_token_id = self._single_id(IMAGE_TOKEN) if tokenize is not None else None
