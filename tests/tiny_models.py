@@ -573,3 +573,66 @@ def mxfp4_experts(folder: Path, seed: int = 0) -> Path:
     }  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+# SmolVLM and Idefics3: config class and model class of the whole. Their decoder is a Llama; their
+# vision tower takes tiles of 32 pixels in patches of 8, 4 × 4 patches shuffled into 2 × 2 rows.
+IDEFICS3_FAMILIES: dict[str, tuple[str, str]] = {
+    "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration"),
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration"),
+}
+IDEFICS3_TOKENS = (
+    "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+    *(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)),
+)  # fmt: skip
+IDEFICS3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ':' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<end_of_utterance>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+# Tiles of 32 pixels, images resized to at most 64 on their longest side: at most 2 × 2 tiles.
+IDEFICS3_PREPROCESSOR = {
+    "do_image_splitting": True, "size": {"longest_edge": 64}, "max_image_size": {"longest_edge": 32},
+}  # fmt: skip
+
+
+def build_tiny_idefics3(folder: Path, arch: str, seed: int = 0) -> Path:
+    """Save a tiny `arch` (IDEFICS3_FAMILIES) checkpoint: a 2-layer Llama of build_tiny_model's
+    shape as its text model, a 1-layer vision tower, the processor's tokens added to the
+    tokenizer, a template writing `<image>` for an image part, and a preprocessor_config.json."""
+    import torch
+    import transformers
+
+    config_name, model_name = IDEFICS3_FAMILIES[arch]
+    tokenizer = train_tokenizer(special=IDEFICS3_TOKENS)
+    tokenizer.chat_template = IDEFICS3_TEMPLATE
+    eos = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = {
+        "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": TINY_CONTEXT, "eos_token_id": eos, "pad_token_id": pad,
+        "bos_token_id": pad, "initializer_range": 0.2,
+    }  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8, "initializer_range": 0.2}  # fmt: skip
+    config = getattr(transformers, config_name)(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    processor_type = f"{config_name.removesuffix('Config')}ImageProcessor"
+    settings = IDEFICS3_PREPROCESSOR | {"image_processor_type": processor_type}
+    (folder / "preprocessor_config.json").write_text(json.dumps(settings), encoding="utf-8")
+    return folder

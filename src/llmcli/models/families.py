@@ -156,6 +156,12 @@ _LANGUAGE_MODEL: dict[str, Any] = {"language_model": "model.language_model"}
 _ROWS = (
     Family("LlamaForCausalLM", "llama", {}, biases="attention+mlp", gguf=("llama",), gguf_permuted=True),
     Family("MistralForCausalLM", "llama", {}, biases="none"),
+    # SmolVLM's and Idefics3's vision-language checkpoints: a Llama (SmolLM2, Llama 3) as their
+    # language model, under `model.text_model.`; the native engine runs that.
+    *(
+        Family(architecture, "llama", {}, biases="attention+mlp", language_model="model.text_model")
+        for architecture in ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
+    ),
     # Qwen's configs carry a window they use only where `use_sliding_window` says so (default off).
     Family("Qwen2ForCausalLM", "llama", {"use_sliding_window": False}, biases="qkv", gguf=("qwen2",)),
     Family(
