@@ -18,9 +18,15 @@ from PIL import Image
 
 from native_checks import load_lean
 
-from tiny_models import GEMMA_VISION, MULTIMODAL_FAMILIES, build_tiny_model
+from tiny_models import (
+    GEMMA_VISION,
+    IDEFICS3_FAMILIES,
+    MULTIMODAL_FAMILIES,
+    build_tiny_idefics3,
+    build_tiny_model,
+)
 
-FAMILIES = sorted(GEMMA_VISION) + sorted(MULTIMODAL_FAMILIES)
+FAMILIES = sorted(GEMMA_VISION) + sorted(MULTIMODAL_FAMILIES) + sorted(IDEFICS3_FAMILIES)
 ATOL = 1e-4
 STEPS = 4
 
@@ -34,7 +40,8 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("vision") / request.param, request.param)
+    build = build_tiny_idefics3 if request.param in IDEFICS3_FAMILIES else build_tiny_model
+    return build(tmp_path_factory.mktemp("vision") / request.param, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +89,9 @@ def reference_inputs(table: Any, ids: list[int]) -> tuple[list[int], dict[str, A
     inputs: dict[str, Any] = {}
     for name in prepared[0].inputs:
         values = [one.inputs[name] for one in prepared]
-        inputs[name] = torch.cat(values) if isinstance(values[0], torch.Tensor) else values
+        # SmolVLM's tiles: [1, tiles, …] per image, one sample's images along the tiles
+        tiles = name == "pixel_attention_mask" or (name == "pixel_values" and values[0].dim() == 5)
+        inputs[name] = torch.cat(values, dim=int(tiles)) if isinstance(values[0], torch.Tensor) else values
     image_id = prepared[0].placeholder.image_token_id
     return real, inputs | {"image_mask": torch.tensor([[int(token == image_id) for token in real]])}
 

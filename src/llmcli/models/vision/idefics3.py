@@ -117,13 +117,19 @@ class Idefics3Vision:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         tokenize: Tokenize | None = None,
+        tokenizer: Any = None,
     ) -> Idefics3Vision:
         """The vision part of the checkpoint in `folder`: its config.json, the vision and connector
         tensors of its safetensors (nothing else is read), its preprocessor_config.json, and its
-        tokenizer.json unless `tokenize` (the engine's tokenizer, so both agree) is given."""
+        tokenizer.json unless `tokenize` or `tokenizer` (the engine's, so both agree) is given."""
         from transformers import AutoConfig
 
         folder = Path(folder)
+        if tokenize is None and tokenizer is not None:
+
+            def tokenize(text: str) -> list[int]:
+                return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
         config = AutoConfig.from_pretrained(folder)
         return cls(
             config,
