@@ -51,12 +51,15 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     yield from served(folder, tmp_path_factory.mktemp("runtime"), "--engine", "native")
 
 
-def test_an_image_is_refused_in_one_line(server: Server) -> None:
+def test_a_bad_image_is_refused_in_one_line_naming_it(server: Server) -> None:
+    """The checkpoint reads images (tests/test_vision_engine.py); bytes that are no image are a
+    400 naming the part, in each protocol's shape."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
     status, answer = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
     message = answer["error"]["message"]
-    assert status == 400 and "image_url parts are not supported" in message and "\n" not in message
+    assert status == 400 and "messages[0].content[1]" in message and "not an image" in message
+    assert "\n" not in message
     body = {"model": "tiny", "messages": [{"role": "user", "content": "What is it?", "images": ["AAAA"]}]}
     status, answer = server.raw("POST", "/api/chat", json.dumps(body).encode())
-    assert status == 400 and "images are not supported" in answer["error"]
+    assert status == 400 and "messages[0].images[0]" in answer["error"]

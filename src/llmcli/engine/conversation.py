@@ -102,12 +102,23 @@ def render_chat(
             if not view or view[0]["role"] != "system" or len(view) < 2:
                 raise
             system, first, *rest = view
-            merged = {**first, "content": f"{system['content']}\n\n{first['content']}"}
+            merged = {**first, "content": _folded(system["content"], first["content"])}
             return render_template(source, messages=[merged, *rest], **context)
     except TemplateLimitError as error:
         raise LlmcliError(f"the model's chat template was stopped: {error}", TEMPLATE_HINT) from None
     except TemplateError as error:  # e.g. roles that do not alternate, for a strict template
         raise LlmcliError(f"the model's chat template refused these messages: {error}") from None
+    except (TypeError, AttributeError, KeyError, ValueError) as error:  # Python's, inside the template
+        if any(isinstance(m.get("content"), list) for m in view):
+            raise LlmcliError("the model's chat template reads text only: it cannot place an image") from None
+        raise LlmcliError(f"the model's chat template failed on these messages: {error}") from None
+
+
+def _folded(system: str, content: Any) -> Any:
+    """A system prompt folded into the first user message, its text or its parts."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": f"{system}\n\n"}, *content]
+    return f"{system}\n\n{content}"
 
 
 def render_plain(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:
