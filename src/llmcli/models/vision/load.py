@@ -26,6 +26,7 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4Vision"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
     "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3Vision"),
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3Vision"),
 }
