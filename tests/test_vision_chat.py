@@ -94,38 +94,17 @@ def test_two_images_are_told_apart_and_the_same_image_matches(loaded: Any) -> No
 def test_generate_with_an_image_reports_its_tokens(folder: Path, tmp_path: Path) -> None:
     picture = tmp_path / "photo.png"
     picture.write_bytes(png(33, 21, 3))
-    proc = run_cli(
-        "generate",
-        "-m",
-        str(folder),
-        "--image",
-        str(picture),
-        "describe it",
-        "--json",
-        "-n",
-        "3",
-        "--temperature",
-        "0",
-    )
-    assert proc.returncode == 0, proc.stderr.decode()
-    record = json.loads(proc.stdout)
+
+    def greedy(image: str, stdin: bytes = b"") -> dict[str, Any]:
+        args = ("-m", str(folder), "--image", image, "describe it", "--json", "-n", "3", "-t", "0")
+        proc = run_cli("generate", *args, stdin=stdin)
+        assert proc.returncode == 0, proc.stderr.decode()
+        return json.loads(proc.stdout)
+
+    record = greedy(str(picture))
     assert record["image_tokens"] > 0 and record["prompt_tokens"] > record["image_tokens"]
-    from_stdin = run_cli(
-        "generate",
-        "-m",
-        str(folder),
-        "--image",
-        "-",
-        "describe it",
-        "--json",
-        "-n",
-        "3",
-        "--temperature",
-        "0",
-        stdin=picture.read_bytes(),
-    )
-    assert from_stdin.returncode == 0, from_stdin.stderr.decode()
-    assert json.loads(from_stdin.stdout)["text"] == record["text"]
+    from_stdin = greedy("-", picture.read_bytes())
+    assert from_stdin["text"] == record["text"]
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from tiny_models import (
     build_tiny_model,
 )
 
-FAMILIES = sorted(GEMMA_VISION) + sorted(MULTIMODAL_FAMILIES) + sorted(IDEFICS3_FAMILIES)
+FAMILIES = sorted(GEMMA_VISION) + sorted(MULTIMODAL_FAMILIES) + ["qwen2_5_vl"] + sorted(IDEFICS3_FAMILIES)
 ATOL = 1e-4
 STEPS = 4
 

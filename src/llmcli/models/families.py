@@ -164,6 +164,15 @@ _ROWS = (
     ),
     # Qwen's configs carry a window they use only where `use_sliding_window` says so (default off).
     Family("Qwen2ForCausalLM", "llama", {"use_sliding_window": False}, biases="qkv", gguf=("qwen2",)),
+    # Its text part is Qwen2's, under `model.` as released (the tower under `visual.`), with
+    # multimodal RoPE for an image's rows (models/vision/qwen_vl.py reads the tower).
+    Family(
+        "Qwen2_5_VLForConditionalGeneration",
+        "llama",
+        {"use_sliding_window": False},
+        biases="qkv",
+        language_model="model",
+    ),
     Family(
         "Qwen3ForCausalLM",
         "llama",

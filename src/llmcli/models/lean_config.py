@@ -161,6 +161,8 @@ class LeanConfig:
         row = self.family
         if rope["rope_type"] in ("su", "yarn") and row is not None and row.longrope_aliases:
             rope["rope_type"] = "longrope"  # Phi-3's older names for it, as transformers reads them
+        if rope["rope_type"] == "mrope":  # Qwen2-VL's older name: plain RoPE on each of 3 axes
+            rope["rope_type"] = "default"
         return rope
 
 
@@ -169,7 +171,9 @@ def text_part(values: dict[str, Any]) -> dict[str, Any]:
     under the checkpoint's architecture, with what the outer config says of the whole (a tied
     head, the special ids). transformers ties the head by the whole's config."""
     outer = ("architectures", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-    return {**values["text_config"], **{key: values[key] for key in outer if key in values}}
+    # Qwen2.5-VL's released config.json writes its language model's fields at the top.
+    text = values.get("text_config") or values
+    return {**text, **{key: values[key] for key in outer if key in values}}
 
 
 def rope_frequencies(config: LeanConfig, rope: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:

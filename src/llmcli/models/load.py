@@ -30,7 +30,7 @@ from llmcli.models.memory import (
     kv_bytes_per_token,
     measured_weight_bytes,
 )
-from llmcli.models.vision.load import VisionSource, mmproj_source, vision_source
+from llmcli.models.vision.load import VisionSource, vision_source
 
 if TYPE_CHECKING:
     from llmcli.models.built import Built
@@ -141,17 +141,13 @@ def load_model(
 
 def _vision(checkpoint: Checkpoint, plan: LoadPlan, tokenizer: Any, model: Any) -> VisionSource | None:
     """The checkpoint's vision part, where llmcli reads images of its kind (vision/load.py)."""
+    gguf = None
     if checkpoint.source == "gguf":  # its vision part is a file of its own (mmproj), found or named
-        model_file = checkpoint.gguf_file or checkpoint.path
-        asked = plan.settings.mmproj
-        return mmproj_source(
-            asked, model_file, checkpoint.path, plan.dtype, plan.device, tokenizer, model.config
-        )
-    if plan.settings.mmproj:
+        gguf = (checkpoint.gguf_file or checkpoint.path, plan.settings.mmproj)
+    elif plan.settings.mmproj:
         raise UsageError("--mmproj names a GGUF model's vision part: this model is not a GGUF file")
-    return vision_source(
-        checkpoint.architecture, checkpoint.path, plan.dtype, plan.device, tokenizer, model.config
-    )
+    architecture, folder = checkpoint.architecture, checkpoint.path
+    return vision_source(architecture, folder, plan.dtype, plan.device, tokenizer, model.config, gguf)
 
 
 def _build(

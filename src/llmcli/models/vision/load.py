@@ -26,6 +26,7 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4Vision"),
     "Qwen3_5ForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen_vl", "QwenVisionEncoder"),
     "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3Vision"),
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3Vision"),
 }
@@ -129,40 +130,33 @@ def vision_source(
     device: torch.device,
     tokenizer: Any,
     config: Any,
+    gguf: tuple[Path, str | None] | None = None,
 ) -> VisionSource | None:
-    """The checkpoint's vision part where llmcli reads images of its architecture; else None."""
-    if architecture not in ENCODERS:
-        return None
+    """The checkpoint's vision part where llmcli reads images of its architecture; else None.
+    `gguf`: a GGUF model's file and `--mmproj` as given: its vision part is llama.cpp's
+    projector file, the one named or found beside the model as llama.cpp and ollama lay them
+    out, checked now (its header: one line naming it where it is not a projector llmcli reads),
+    its tower read on the first image."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     pad = getattr(text, "pad_token_id", None)
-    return VisionSource(architecture, folder, dtype, device, tokenizer, pad if isinstance(pad, int) else 0)
-
-
-def mmproj_source(
-    asked: str | None,
-    model_file: Path,
-    folder: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    tokenizer: Any,
-    config: Any,
-) -> VisionSource | None:
-    """A GGUF model's vision part: the projector file `--mmproj` names, or the one found beside
-    the model as llama.cpp and ollama lay them out; None where there is none. The file is checked
-    now (its header, in one line naming it where it is not a projector llmcli reads); its tower
-    is read on the first image."""
+    pad_id = pad if isinstance(pad, int) else 0
+    if gguf is None:
+        return (
+            VisionSource(architecture, folder, dtype, device, tokenizer, pad_id)
+            if architecture in ENCODERS
+            else None
+        )
     from llmcli.models.vision.mmproj import find_mmproj, projector_architecture
 
+    model_file, asked = gguf
     path = Path(asked).expanduser() if asked else find_mmproj(model_file)
     if path is None:
         return None
     architecture = projector_architecture(path, config)
-    if architecture not in ENCODERS:  # Qwen2.5-VL's, Qwen3-VL's: their decoders' images are not read yet
+    if architecture not in ENCODERS:  # Qwen2.5-VL's, Qwen3-VL's: their decoders' GGUF files are not read
         if asked:
             raise ModelLoadError(f"{path}: the images of a {architecture} are not read by llmcli yet")
         return None
-    pad = getattr(config, "pad_token_id", None)
-    pad_id = pad if isinstance(pad, int) else 0
     return VisionSource(
         architecture, folder, dtype, device, tokenizer, pad_id, mmproj=path, text_config=config
     )

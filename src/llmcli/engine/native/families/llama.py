@@ -93,6 +93,7 @@ def weights(
         body.embed_tokens.weight if isinstance(body.embed_tokens, torch.nn.Embedding) else body.embed_tokens
     )
     dtype = embedding.dtype  # what the norms' outputs go into
+    inv_freq = rope[0] if rope else body.rotary_emb.inv_freq.float()
     return Weights(
         shape=shape,
         embedding=embedding,
@@ -102,9 +103,23 @@ def weights(
         norm=RMSNorm(body.norm.weight, shape.eps, dtype),
         output=projection(model.lm_head),  # the embedding itself when tied
         # transformers' own RoPE frequencies, with any scaling (llama3, linear, yarn) already in them.
-        inv_freq=rope[0] if rope else body.rotary_emb.inv_freq.float(),
+        inv_freq=inv_freq,
         rope_scale=rope[1] if rope else float(getattr(body.rotary_emb, "attention_scaling", 1.0)),
+        rope_axes=_multimodal_axes(config, inv_freq),
     )
+
+
+def _multimodal_axes(config: Any, inv_freq: torch.Tensor) -> torch.Tensor | None:
+    """Qwen2.5-VL's multimodal RoPE (its sections in consecutive chunks), where the config has
+    it: an image's rows turn by three positions (models/vision/mrope.py)."""
+    found = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    section = found.get("mrope_section") if isinstance(found, dict) else None
+    if not section:
+        return None
+    from llmcli.models.vision.mrope import mrope_axes
+
+    interleaved = bool(found.get("mrope_interleaved", False))
+    return mrope_axes(section, inv_freq.shape[0], interleaved).to(inv_freq.device)
 
 
 def _block(
