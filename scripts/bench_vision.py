@@ -10,7 +10,10 @@ tower), a small trained tokenizer holding Qwen's vision tokens, and the released
 preprocessor_config.json's pixel bounds, so an 896×896 image is 56×56 patches of 16, merged
 2×2 into 28×28 = 784 image tokens.
 
-    python scripts/bench_vision.py [--runs 3] [--threads 2] [--dtype fp32] [--depth 12]
+    python scripts/bench_vision.py [--runs 5] [--threads 2] [--dtype fp32] [--depth 12]
+
+On a machine others share, --threads 1: a thread stuck behind another process stalls every
+matmul of a 2-thread run (models/device.py), and the spread grows tenfold.
 
 Each run takes a new random image (new bytes, so llmcli's image table cannot find it by
 content): llmcli turns the chat into ids (opening the image, its processor, the placeholder),
@@ -255,7 +258,10 @@ def load() -> float:
 # with the image on a fresh engine: (row, question, on the first request's engine).
 SECOND_REQUESTS = {
     "the same chat again (the prefix cache holds it)": (QUESTION, True),
-    "the same image, another question, same engine (prefix up to the question)": (OTHER_QUESTION, True),
+    "the same image, another question, same engine (from the cache's last checkpoint)": (
+        OTHER_QUESTION,
+        True,
+    ),
     "the same image, another question, fresh engine (the image's rows cached)": (OTHER_QUESTION, False),
 }
 
@@ -335,7 +341,7 @@ def report(
     ratio = [one.total / other.total for one, other in zip(reference.runs, mine.runs, strict=True)]
     print(
         f"Qwen3.5-0.8B shape, random weights, {args.dtype}, vision depth {args.depth}, "
-        f"one {SIDE}×{SIDE} image (784 image tokens), {args.threads} threads, "
+        f"one {SIDE}×{SIDE} image (784 image tokens), threads: {args.threads}, "
         f"{args.runs} runs after a warm-up; load average (1 min) {min(loads):.2f}–{max(loads):.2f}\n"
     )
     print("| seconds, median (lowest–highest) | llmcli (native decoder) | transformers (whole model) |")
