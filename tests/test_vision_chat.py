@@ -175,3 +175,23 @@ def test_the_repl_takes_an_image_dropped_on_its_prompt_and_keeps_it_in_save_and_
     assert "loaded 4 messages" in repl.send(f"/load {transcript}")
     assert "image" in json.loads(transcript.read_text())["messages"][0]["content"][0]["type"]
     assert repl.quit() == 0
+
+
+def test_another_question_about_the_same_image_runs_none_of_its_rows_again(loaded: Any) -> None:
+    """A checkpoint where an image ends (a recurrent state's too): a second prompt that shares
+    the image and differs after it resumes past every row of it."""
+    from llmcli.engine.conversation import prompt_ids
+
+    table = table_of(loaded)
+    engine = engine_for(loaded)
+    picture = png(40, 36, 12)
+    asked = []
+    for question in ("what is it?", "which colour is it?"):
+        messages = [{"role": "user", "content": with_image(question, picture, "photo.png")}]
+        ids = prompt_ids(loaded.tokenizer, messages, images=table)
+        generation = engine.generate(ids, GREEDY, loaded.tokenizer)
+        list(generation)
+        asked.append((ids, generation.result.stats.cached_tokens))
+    (first, _), (_, cached) = asked
+    image_end = max(at for at, token in enumerate(first) if token < 0) + 1
+    assert cached >= image_end

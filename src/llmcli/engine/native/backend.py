@@ -126,17 +126,24 @@ class NativeBackend:
         self, ids: list[int], cache: RecurrentCache, ends_prompt: bool
     ) -> torch.Tensor:
         """The prompt in pieces, the linear layers' states kept as checkpoints where each ends:
-        where the text held ended, every multiple of the cache's interval, and one token before
-        the prompt's end and at it (recurrent_cache.py says why there). One before the end: the
-        same prompt again (a retry, another choice) must run at least its last token for the
-        next one's logits, so it resumes there; a slice that does not end the prompt
-        (`ends_prompt` false) has no such point, which would cost a pass of one token."""
+        where the text held ended, every multiple of the cache's interval, where an image ends,
+        and one token before the prompt's end and at it (recurrent_cache.py says why there).
+        One before the end: the same prompt again (a retry, another choice) must run at least
+        its last token for the next one's logits, so it resumes there; a slice that does not
+        end the prompt (`ends_prompt` false) has no such point, which would cost a pass of one
+        token."""
         cache.checkpoint()
         start, end = cache.length, cache.length + len(ids)
+        # Where each image ends: another question about the same image resumes there, rather
+        # than at the interval checkpoint before (inside the image: its rows run again).
+        images_end = [
+            start + at for at in range(1, len(ids) + 1) if ids[at - 1] < 0 and not inside_image(ids, at)
+        ]
         while cache.length < end:
             boundary = (cache.length // cache.interval + 1) * cache.interval
             last = end - 1 if ends_prompt and cache.length < end - 1 else end
-            stop = min(boundary, last)
+            image_end = next((at for at in images_end if at > cache.length), end)
+            stop = min(boundary, last, image_end)
             logits = self._pass(ids[cache.length - start : stop - start])
             cache.checkpoint()
         return logits
