@@ -175,3 +175,17 @@ def test_image_positions_equal_transformers_rope_index(loaded: Any, reference: A
     )
     ours = table.resolve(ids, 0, 0, torch.device("cpu"), torch.float32).rope_positions
     assert torch.equal(ours, expected[:, 0])
+
+
+def test_prefill_chunks_and_server_slices_never_cut_an_image() -> None:
+    from llmcli.engine.image_markers import chunk_ends, marker
+
+    image = [marker(3, row) for row in range(6)]
+    ids = [1, 2, 3, *image, 4, 5, *[marker(4, row) for row in range(12)], 6]
+    ends = chunk_ends(ids, 5)
+    assert ends[-1] == len(ids) and ends == sorted(ends)
+    starts = [0, *ends[:-1]]
+    for start, end in zip(starts, ends, strict=True):
+        assert end > start
+        assert not (0 < end < len(ids) and ids[end] < 0 and ids[end - 1] < 0)  # no image cut
+    assert ends[:2] == [3, 9]  # back to the image's start, then the image whole (longer than 5)

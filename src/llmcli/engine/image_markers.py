@@ -29,5 +29,23 @@ def same_image(first: int, second: int) -> bool:
 
 
 def inside_image(ids: list[int], at: int) -> bool:
-    """Whether a cut of `ids` at `at` falls between two entries of one image."""
+    """Whether a cut of `ids` at `at` falls between two rows of one image."""
     return 0 < at < len(ids) and ids[at] < 0 and ids[at - 1] < 0 and same_image(ids[at - 1], ids[at])
+
+
+def chunk_ends(ids: list[int], size: int) -> list[int]:
+    """Where the prefill chunks of `ids` end: every `size` tokens, moved back to the start of an
+    image its end would cut (an image's rows may attend to each other both ways: Gemma), or on
+    past an image longer than a chunk."""
+    ends, at = [], 0
+    while at < len(ids):
+        end = min(at + size, len(ids))
+        while inside_image(ids, end):
+            end -= 1
+        if end == at:  # an image longer than a chunk: whole, in one
+            end = at + size
+            while inside_image(ids, end):
+                end += 1
+        ends.append(end)
+        at = end
+    return ends

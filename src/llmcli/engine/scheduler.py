@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from llmcli.engine.image_markers import chunk_ends
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import GRAPHED_ROWS, NativeBackend
 from llmcli.engine.native.pool import SlotPool
@@ -236,11 +237,12 @@ class TakingTurns:
         """In slices, each its own pass: the other generations' decode steps run between them,
         so a long prompt slows the running streams rather than stopping them."""
         logits = None
-        for start in range(0, len(ids), PREFILL_SLICE):
-            piece = ids[start : start + PREFILL_SLICE]
+        start = 0
+        for end in chunk_ends(ids, PREFILL_SLICE):  # never through an image (its rows may see each other)
+            piece, start = ids[start:end], end
             # The native engine is told which slice ends the prompt: a recurrent state is kept
             # one token before the prompt's end (a retry resumes there), not before each slice's.
-            ends = start + PREFILL_SLICE >= len(ids)
+            ends = end >= len(ids)
             call = (
                 (lambda piece=piece, ends=ends: self.inner.prefill(piece, ends_prompt=ends))
                 if self._joins

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from llmcli.engine.image_markers import inside_image
+from llmcli.engine.image_markers import chunk_ends, inside_image
 from llmcli.engine.native.forward import Transformer
 from llmcli.engine.native.graphs import StepGraphs
 from llmcli.engine.native.kvcache import SavedCache
@@ -23,24 +23,6 @@ PREFILL_CHUNK = 1024
 # replay a graph padded to the next of these sizes: run eagerly they would cost a few hundred
 # launches, several decode steps' worth on a GPU (measured: 7.5× a 1B decode step for 2 tokens).
 GRAPHED_ROWS = (2, 4, 8, 16)
-
-
-def chunk_ends(ids: list[int], size: int) -> list[int]:
-    """Where the prefill chunks of `ids` end: every `size` tokens, moved back to the start of an
-    image its end would cut (an image's rows may attend to each other both ways: Gemma), or on
-    past an image longer than a chunk."""
-    ends, at = [], 0
-    while at < len(ids):
-        end = min(at + size, len(ids))
-        while inside_image(ids, end):
-            end -= 1
-        if end == at:  # an image longer than a chunk: whole, in one
-            end = at + size
-            while inside_image(ids, end):
-                end += 1
-        ends.append(end)
-        at = end
-    return ends
 
 
 class NativeBackend:
