@@ -7,6 +7,7 @@ Conv2d kernels). Shared by tests/test_mmproj.py and scripts that hand the files 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -164,13 +165,17 @@ def _vision_state(model: Any, prefixes: tuple[str, ...]) -> Iterator[tuple[str, 
 
 
 def _mapped(name: str, block_count: int) -> str:
-    import gguf
-
-    mapped = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, block_count).get_name(
-        name, (".weight", ".bias")
-    )
+    mapped = _name_map(block_count).get_name(name, (".weight", ".bias"))
     assert mapped is not None, name
     return mapped
+
+
+@functools.lru_cache(maxsize=4)
+def _name_map(block_count: int) -> Any:
+    """gguf's table of the converter's names (80 ms to build: once, not once a tensor)."""
+    import gguf
+
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, block_count)
 
 
 def _gemma3_tensors(model: Any) -> Iterator[tuple[str, Any]]:
