@@ -48,7 +48,12 @@ def test_an_image_is_encoded_once_and_its_rows_stay_cached_across_turns(loaded: 
     try:
         engine = engine_for(loaded)
         conversation = Conversation(loaded.tokenizer, loaded.context_length, images=table)
-        turns = [with_image("what is it?", png(36, 28, 7), "photo.png"), "and the colour?", "thanks"]
+        picture = png(36, 28, 7)
+        turns = [
+            with_image("what is it?", picture, "photo.png"),
+            "and the colour?",
+            with_image("again?", picture, "same.png"),
+        ]
         results = []
         for message in turns:
             prompt, dropped = conversation.prompt_for(message, GREEDY.max_new_tokens)

@@ -58,15 +58,19 @@ def reference(loaded: Any, folder: Path) -> Any:
     )
 
 
-def two_images_asked() -> list[dict[str, Any]]:
+def two_images_asked(again: bool = False) -> list[dict[str, Any]]:
+    """Two images with text around them; `again`: the first one a second time after them (one
+    image twice in a prompt is two images, each its own positions and rows)."""
     from llmcli.models.vision.encoder import ImageInput
 
+    first = {"type": "image", "image": ImageInput(png(40, 30, 1), "first")}
     content = [
         {"type": "text", "text": "look at"},
-        {"type": "image", "image": ImageInput(png(40, 30, 1), "first")},
+        first,
         {"type": "text", "text": "and"},
         {"type": "image", "image": ImageInput(png(20, 50, 2), "second")},
         {"type": "text", "text": "what is it?"},
+        *([first, {"type": "text", "text": "and this?"}] if again else []),
     ]
     return [{"role": "user", "content": content}]
 
@@ -117,13 +121,14 @@ def test_the_vision_part_is_found_and_left_unread_until_an_image_comes(loaded: A
     assert loaded.vision._encoder is None  # a text-only call never builds the tower
 
 
-def test_prefill_and_every_step_match_transformers(loaded: Any, reference: Any) -> None:
+@pytest.mark.parametrize("again", [False, True], ids=["two images", "one of them twice"])
+def test_prefill_and_every_step_match_transformers(loaded: Any, reference: Any, again: bool) -> None:
     from llmcli.engine.choose import backend_for
     from llmcli.engine.conversation import prompt_ids
     from llmcli.engine.image_rows import table_of
 
     table = table_of(loaded)
-    ids = prompt_ids(loaded.tokenizer, two_images_asked(), images=table)
+    ids = prompt_ids(loaded.tokenizer, two_images_asked(again), images=table)
     real, inputs = reference_inputs(table, ids)
     backend = backend_for(loaded)
     logits = backend.prefill(ids)

@@ -1,8 +1,8 @@
-"""A loaded model's images, by content, and what their markers (image_markers.py) stand for in
-a pass. A negative id never reaches an embedding: the native backend asks the table (`resolve`)
-what a pass's markers stand for — an ordinary token (Gemma's <start_of_image>, Qwen's
-<|vision_start|>) or a row of the image's embeddings, which the vision tower makes once, when a
-pass first needs them (an image whose rows are cached is never encoded again).
+"""A loaded model's images, by content, and what their row markers (image_markers.py) stand for
+in a pass. A negative id never reaches an embedding: the native backend asks the table
+(`resolve`) for a pass's rows — the image's embeddings, which the vision tower makes once, when
+a pass first needs them (an image whose rows are cached is never encoded again) — with their
+positions and which rows see each other.
 """
 
 from __future__ import annotations
@@ -175,7 +175,10 @@ class ImageTable:
         grids = any(self._image(token).prepared.placeholder.grid for token in ids if token < 0)
         positions: list[tuple[int, int, int]] = []
         text = start + shift  # the position the next text token takes
-        layouts: dict[int, torch.Tensor] = {}  # an image's number → its rows' positions [3, rows]
+        # Each image in the pass (the same image twice is two): its rows' positions [3, rows] and
+        # its group, by its number; a new one starts at its first row (or where the pass starts).
+        current: dict[int, tuple[torch.Tensor | None, int]] = {}
+        started = 0  # images begun in this pass: each one's group
         shifts: list[tuple[int, int]] = []
         for index, token in enumerate(ids):
             if token >= 0:
@@ -186,25 +189,27 @@ class ImageTable:
                 continue
             image = self._image(token)
             number, row = split(token)
-            placeholder = image.prepared.placeholder
+            grid = image.prepared.placeholder.grid
+            if row == 0 or number not in current:
+                # Qwen's multimodal RoPE: the rows laid over the image's (time, height, width)
+                # from the position it starts at (mrope.py). Until its end text positions move
+                # one a row, so a pass that starts inside an image finds its start `row` back.
+                layout = image_layout(text - row, grid) if grid is not None else None
+                current[number] = (layout, started)
+                started += 1
+            layout, group = current[number]
             tokens.append(self.pad_id)
             rows.append(index)
-            groups.append(number)
+            groups.append(group)
             pieces.append(self._rows(image)[row : row + 1])
-            grid = placeholder.grid
-            if grid is None:
+            if layout is None:
                 positions.append((text, text, text))
                 text += 1
                 continue
-            # Qwen's multimodal RoPE: the rows laid over the image's (time, height, width) from
-            # the position it starts at (mrope.py); text after it goes on past its extent. Until
-            # then text positions move one a row, so a pass that starts inside an image (a resume
-            # there) finds the image's start `row` back.
-            if number not in layouts:
-                layouts[number] = image_layout(text - row, grid)
-            positions.append(tuple(layouts[number][:, row].tolist()))
-            if row == image.count - 1:
-                text = int(layouts[number][0, 0]) + image_extent(grid)
+            positions.append(tuple(layout[:, row].tolist()))
+            if row == image.count - 1:  # text goes on past the image's extent
+                assert grid is not None
+                text = int(layout[0, 0]) + image_extent(grid)
                 shifts.append((start + index + 1, text - (start + index + 1)))
             else:
                 text += 1

@@ -117,13 +117,14 @@ def whole_images(ids: Sequence[int], at: int, table: ImageTable | None) -> int:
     if last is None:
         return at
     number = split(ids[last])[0]
-    rows = [index for index in range(at) if ids[index] < 0 and split(ids[index])[0] == number]
-    return at if len(rows) == table.rows_of(ids[last]) else rows[0]
+    first = next((i for i in range(last, -1, -1) if ids[i] < 0 and split(ids[i]) == (number, 0)), last)
+    rows = sum(1 for token in ids[first:at] if token < 0 and split(token)[0] == number)
+    return at if rows == table.rows_of(ids[last]) else first
 
 
 def images_held(ids: Sequence[int]) -> int:
-    """How many images `ids` hold (their rows' markers, image_markers.py)."""
-    return len({split(token)[0] for token in ids if token < 0})
+    """How many images `ids` hold (each image's first row; the same image twice is two)."""
+    return sum(1 for token in ids if token < 0 and split(token)[1] == 0)
 
 
 def held_text(tokenizer: Any, held: Sequence[int], table: ImageTable | None, decode: Any) -> str:
