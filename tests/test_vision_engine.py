@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +195,61 @@ def test_prefill_chunks_and_server_slices_never_cut_an_image() -> None:
         assert end > start
         assert not (0 < end < len(ids) and ids[end] < 0 and ids[end - 1] < 0)  # no image cut
     assert ends[:2] == [3, 9]  # back to the image's start, then the image whole (longer than 5)
+
+
+@pytest.mark.parametrize("family", ["gemma3_vl", "idefics3"])
+def test_prompt_ids_equal_transformers_processor(family: str, tmp_path: Path) -> None:
+    """The whole prompt's ids as transformers' own processor makes them from the template's
+    text (the placeholder expanded in it and tokenized with the text around it), each image
+    row's marker where the processor writes its image token."""
+    import transformers
+    from PIL import Image
+
+    from llmcli.engine.conversation import prompt_ids
+    from llmcli.engine.image_rows import table_of
+
+    if family in IDEFICS3_FAMILIES:
+        folder = build_tiny_idefics3(tmp_path / family, family)
+    else:  # with a token for three newlines, as Gemma's vocabulary has: the placeholder's blank
+        # lines merge with the newline before them only where the text is tokenized whole
+        folder = build_tiny_model(tmp_path / family, family, added=("\n\n\n",))
+    loaded = load_lean(folder, "native")
+    table = table_of(loaded)
+    messages = two_images_asked()
+    messages[0]["content"] = messages[0]["content"][1:]  # an image first: right after "user\n"
+    ours = prompt_ids(loaded.tokenizer, messages, images=table)
+    processor_class = (
+        transformers.Gemma3Processor if family == "gemma3_vl" else transformers.Idefics3Processor
+    )
+    config = json.loads((folder / "config.json").read_text())
+    # The processors write the released models' rows per image unless told the tiny ones'
+    if family == "gemma3_vl":
+        rows = {"image_seq_length": config["mm_tokens_per_image"]}
+    else:  # a tile's patches, shuffled together by the connector's scale factor
+        vision = config["vision_config"]
+        rows = {
+            "image_seq_len": (vision["image_size"] // vision["patch_size"] // config["scale_factor"]) ** 2
+        }
+    processor = processor_class.from_pretrained(folder, **rows)
+    text = processor.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": p["type"], "text": p.get("text")} if p["type"] == "text" else {"type": "image"}
+                    for p in m["content"]
+                ],
+            }
+            for m in messages
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    pictures = [
+        Image.open(io.BytesIO(p["image"].data)).convert("RGB")
+        for p in messages[0]["content"]
+        if p["type"] == "image"
+    ]
+    theirs = processor(text=text, images=pictures, add_special_tokens=False)["input_ids"][0]
+    image_id = table._image(next(t for t in ours if t < 0)).prepared.placeholder.image_token_id
+    assert [image_id if token < 0 else token for token in ours] == list(theirs)

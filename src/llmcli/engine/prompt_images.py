@@ -1,7 +1,7 @@
 """Images in a rendered prompt: the chat template writes the model's image marker where a
 message holds an image ({"type": "image"} parts); each marker becomes the image's placeholder
-(engine/image_rows.py: markers the native backend looks up), the text around them is encoded as
-any prompt's (control_text.py).
+text, as its processor expands it, tokenized with the markup around it (control_text.py), and
+its image tokens become the rows' markers (image_rows.py), which the native backend looks up.
 
 Only the template's markup places an image: a user who types `<start_of_image>` gets the text
 (control_text marks it), never an image slot.
@@ -78,7 +78,15 @@ def expanded(tokenizer: Any, prompt: Prompt, images: list[ImageInput], table: Im
             cut = end
         pieces.append((piece[cut:], as_text))
         at += len(piece)
-    return Prompt(tuple((text, as_text) for text, as_text in pieces if text))
+    # Markup stays one piece with the placeholders in it: tokenized whole, as the processor
+    # tokenizes the expanded text (Gemma 3's blank lines merge with the newline before them).
+    joined: list[tuple[str, bool]] = []
+    for text, as_text in pieces:
+        if joined and not as_text and not joined[-1][1]:
+            joined[-1] = (joined[-1][0] + text, False)
+        elif text:
+            joined.append((text, as_text))
+    return Prompt(tuple(joined))
 
 
 def encode_with_images(
@@ -128,8 +136,8 @@ def images_held(ids: Sequence[int]) -> int:
 
 
 def held_text(tokenizer: Any, held: Sequence[int], table: ImageTable | None, decode: Any) -> str:
-    """The text `held` ids read as, an image's markers read as the template's image marker
-    (what a rendering of the same chat writes there): `decode` decodes the runs of tokens."""
+    """The text `held` ids read as, each image row as its image token's text (what an expanded
+    rendering of the same chat writes there): `decode` decodes the runs of tokens."""
     if table is None or not any(token < 0 for token in held):
         return decode(tokenizer, list(held))
     parts, run = [], []
