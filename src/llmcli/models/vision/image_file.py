@@ -146,10 +146,20 @@ def _open_header(data: bytes, where: str) -> Image.ImageFile.ImageFile:
 
 def _register_openers() -> None:
     """Importing a format's plugin registers its opener in `Image.OPEN` (Pillow imports the
-    plugins only inside `Image.open`)."""
+    plugins only inside `Image.open`). Pillow's own warnings (a photo's corrupt EXIF, a frame
+    past its screen) are silenced: stderr carries llmcli's lines only, and what matters in
+    them is refused here in one line. Once, by a filter on Pillow's modules alone."""
+    import warnings
+
     from PIL import BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
     del BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+    if not _quiet_pillow:
+        warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
+        _quiet_pillow.append(True)
+
+
+_quiet_pillow: list[bool] = []  # whether Pillow's warnings are filtered yet
 
 
 def _what_else(data: bytes) -> str:
