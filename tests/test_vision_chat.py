@@ -200,3 +200,24 @@ def test_another_question_about_the_same_image_runs_none_of_its_rows_again(loade
     (first, _), (_, cached) = asked
     image_end = max(at for at, token in enumerate(first) if token < 0) + 1
     assert cached >= image_end
+
+
+def test_an_image_with_beam_search_is_refused_and_user_turns_with_images_merge_as_parts(
+    folder: Path, tmp_path: Path
+) -> None:
+    from llmcli.engine.tools.formats import _merge_turns
+
+    picture = tmp_path / "photo.png"
+    picture.write_bytes(png(20, 20, 8))
+    line = one_error_line(
+        run_cli("generate", "-m", str(folder), "--image", str(picture), "--num-beams", "2", "hi"), 2
+    )
+    assert "--num-beams" in line
+    image = {"type": "image", "image": ImageInput(b"x", "a")}
+    merged = _merge_turns([{"role": "user", "content": [image]}, {"role": "user", "content": "and?"}])
+    assert merged == [
+        {
+            "role": "user",
+            "content": [image, {"type": "text", "text": "\n\n"}, {"type": "text", "text": "and?"}],
+        }
+    ]

@@ -154,6 +154,10 @@ def generate(
     tools = _tools(tool_settings, constrained, effective.speculative, num_beams, raw, batch)
     if images and raw:
         raise UsageError("--image needs the chat template to place the image, and --raw turns it off")
+    if images and num_beams > 1:
+        raise UsageError(
+            "--num-beams runs transformers' own search, which llmcli gives no images: use one of them"
+        )
     if batch is not None:
         if images:
             raise UsageError("--image goes with one prompt; --batch reads its prompts from a file")

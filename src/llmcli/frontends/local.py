@@ -216,7 +216,7 @@ class LocalReply:
         self.generation = generation
         self.params = params
         self.stream = ReplyStream(tokenizer, prompt, reader)
-        # The tokens the prompt's images take (their placeholders' markers: engine/image_markers.py).
+        # The tokens the prompt's images take (their rows' markers: engine/image_markers.py).
         self.image_tokens = sum(token < 0 for token in prompt)
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:

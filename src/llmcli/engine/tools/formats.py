@@ -173,7 +173,19 @@ def _merge_turns(messages: list[Message]) -> list[Message]:
     merged: list[Message] = []
     for message in messages:
         if merged and merged[-1]["role"] == message["role"] == "user":
-            merged[-1] = {"role": "user", "content": f"{merged[-1]['content']}\n\n{message['content']}"}
+            merged[-1] = {"role": "user", "content": _joined(merged[-1]["content"], message["content"])}
         else:
             merged.append(dict(message))
     return merged
+
+
+def _joined(first: Any, second: Any) -> Any:
+    """Two user messages' contents as one: their texts, or (where either holds images) their
+    parts, a blank line between."""
+    if isinstance(first, str) and isinstance(second, str):
+        return f"{first}\n\n{second}"
+
+    def parts(content: Any) -> list[dict[str, Any]]:
+        return content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
+
+    return [*parts(first), {"type": "text", "text": "\n\n"}, *parts(second)]
