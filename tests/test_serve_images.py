@@ -332,7 +332,7 @@ def test_openai_routes_images_through_the_server(server: Server, route: str) -> 
     send, label, kind = OPENAI_ROUTES[route]
     for url, words in (
         (DATA_URL, f"this server's model reads text only: {kind} are not supported"),
-        ("https://example.com/cat.png", "this server does not fetch URLs"),
+        ("https://example.com/cat.png", "this server does not fetch the image URLs"),
         ("data:image/png;base64,AA=A", "not valid base64"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
@@ -362,7 +362,7 @@ def test_anthropic_images_and_their_count_through_the_server(server: Server) -> 
     url_image = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
     for block, words in (
         (anthropic_image(), "messages[0].content[1]: this server's model reads text only: image blocks"),
-        (url_image, "messages[0].content[1]: this server does not fetch URLs"),
+        (url_image, "messages[0].content[1]: this server does not fetch the image URLs"),
         (anthropic_image("AAA"), "messages[0].content[1]: not valid base64"),
     ):
         messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, block]}]

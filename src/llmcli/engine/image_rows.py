@@ -59,10 +59,9 @@ class PassImages:
 class ImageTable:
     """The images of one loaded model's prompts, by content: the same bytes are one image."""
 
-    def __init__(self, encoder: VisionEncoder, pad_id: int, max_pixels: int | None = None) -> None:
+    def __init__(self, encoder: VisionEncoder, pad_id: int) -> None:
         self.encoder = encoder  # built on first use (vision/load.py LazyEncoder): never for text alone
         self.pad_id = pad_id
-        self.max_pixels = max_pixels
         self._by_number: OrderedDict[int, _Image] = OrderedDict()
         self._by_digest: dict[str, int] = {}
         self._next = 0
@@ -88,7 +87,7 @@ class ImageTable:
         from llmcli.engine.detok import decode_exact
         from llmcli.models.vision.image_file import open_image
 
-        checked = open_image(image) if self.max_pixels is None else open_image(image, self.max_pixels)
+        checked = open_image(image)
         with self._lock:
             number = self._by_digest.get(checked.digest)
             if number is not None and number in self._by_number:

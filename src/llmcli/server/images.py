@@ -24,14 +24,8 @@ from typing import Any
 
 from llmcli.errors import UsageError
 from llmcli.models.vision.encoder import ImageInput
-from llmcli.models.vision.image_file import (
-    ALLOW_IMAGE_URLS_FLAG,
-    decode_base64_image,
-    decode_data_url,
-    is_remote_url,
-)
+from llmcli.models.vision.image_file import decode_base64_image, decode_data_url, is_remote_url, refuse_remote
 
-ALLOW_URLS_FLAG = ALLOW_IMAGE_URLS_FLAG
 MAX_FETCHED_BYTES = 20 << 20  # OpenAI's own limit on one image
 FETCH_TIMEOUT_S = 10.0
 REMOTE_SCHEMES = ("http://", "https://")
@@ -104,11 +98,7 @@ def resolve(messages: list[dict[str, Any]], reads_images: bool, allow_urls: bool
         return messages
     for ref in refs:
         if ref.url is not None and not allow_urls:
-            raise ImageRefused(
-                f"{ref.label}: this server does not fetch URLs a request names (a server that "
-                "does is an SSRF): send the image's bytes (base64), or start it with "
-                f"llmcli serve {ALLOW_URLS_FLAG}"
-            )
+            refuse_remote(ref.label)
     if not reads_images:
         first = refs[0]
         said = "this server's model reads text only"

@@ -227,6 +227,16 @@ def is_remote_url(url: str) -> bool:
     return _scheme(url) in ("http", "https")
 
 
+def refuse_remote(label: str) -> None:
+    """The one refusal of an image a request names by its http(s) URL (serve fetches none
+    unless started with ALLOW_IMAGE_URLS_FLAG)."""
+    raise ImageError(
+        f"{_where(label)}: this server does not fetch the image URLs a request names (a server that"
+        " fetches what a request points it at can be made to reach its own network: an SSRF); send"
+        f" the image inline as a data: URL (base64), or start `llmcli serve {ALLOW_IMAGE_URLS_FLAG}`"
+    )
+
+
 def decode_data_url(url: str, label: str) -> ImageInput:
     """The image a `data:image/…;base64,…` URL carries. Any other URL is refused: an http(s) one
     with why (the server fetches none unless started with ALLOW_IMAGE_URLS_FLAG, which the
@@ -234,11 +244,7 @@ def decode_data_url(url: str, label: str) -> ImageInput:
     where = _where(label)
     scheme = _scheme(url)
     if is_remote_url(url):
-        raise ImageError(
-            f"{where}: this server does not fetch the image URLs a request names"
-            " (a server that fetches what a request points it at can be made to reach its own network)",
-            f"send the image inline as a data: URL, or start `llmcli serve {ALLOW_IMAGE_URLS_FLAG}`",
-        )
+        refuse_remote(label)
     if scheme != "data":
         named = f"a {peer_text(scheme, 20)}: URL" if scheme else "not a URL"
         raise ImageError(f"{where}: {named}; an image is sent inline, as data:image/png;base64,…")
