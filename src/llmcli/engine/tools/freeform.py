@@ -87,6 +87,10 @@ class Freeform:
             return f"start: {escaped_regex(self.definition, '')}\n"
         return escaped_lark(self.definition)
 
+    def input_lark(self) -> str:
+        """The input, escaped, as a Lark expression: a nested grammar of its own."""
+        return f"%lark {{\n{self.escaped_lark()}\n}}"
+
 
 def json_escaped(text: str) -> str:
     """`text` as json.dumps writes it inside a string (non-ASCII as it is)."""
@@ -410,3 +414,37 @@ def _escapes(chars: set[str]) -> str:
     options = ["[" + "".join(_char(char) for char in short) + "]"] if short else []
     options += [f"u00{high}[{''.join(lows)}]" for high, lows in sorted(by_high.items())]
     return r"\x{5c}(?:" + "|".join(options) + ")"
+
+
+# ---- the input, read back ------------------------------------------------------------------
+
+_INPUT_HEAD = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+
+
+def call_input(arguments: str) -> str:
+    """A custom call's raw input, out of its arguments (`{"input": "…"}`)."""
+    value = json.loads(arguments)
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
+def input_so_far(arguments: str) -> str:
+    """The raw input that a custom call's arguments hold so far, as they stream: decoded up to
+    its last whole character (an escape cut in two waits for its end)."""
+    head = _INPUT_HEAD.match(arguments)
+    if head is None:
+        return ""
+    body, escaped = arguments[head.end() :], False
+    for position, char in enumerate(body):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':  # the string's end
+            body = body[:position]
+            break
+    for cut in range(len(body), max(len(body) - 12, -1), -1):  # \ud83d\ude00 at the longest
+        try:
+            return json.loads(f'"{body[:cut]}"')
+        except ValueError:
+            continue
+    return ""
