@@ -252,6 +252,12 @@ def test_a_custom_call_comes_back_as_a_custom_tool_call_streamed_and_not(server:
     (done,) = [event for event in events if event.type == "response.custom_tool_call_input.done"]
     streamed = [item for item in final.output if item.type == "custom_tool_call"]
     assert "".join(deltas) == done.input == streamed[0].input == call.input
+    follow = client.responses.create(
+        model="tiny", previous_response_id=response.id, tools=[TOOL], max_output_tokens=2,
+        input=[{"type": "custom_tool_call_output", "call_id": call.call_id, "output": "added"}],
+    )  # fmt: skip
+    assert follow.usage.input_tokens > response.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0  # the stored turn, call and all, reused
 
 
 def test_a_custom_calls_output_is_taken_on_the_next_turn_and_reaches_the_prompt(server: Server) -> None:

@@ -25,6 +25,7 @@ regex syntax Python's `re` parser reads differently from Rust's (`\\p{…}`, `[[
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -88,8 +89,14 @@ class Freeform:
         return escaped_lark(self.definition)
 
     def input_lark(self) -> str:
-        """The input, escaped, as a Lark expression: a nested grammar of its own."""
-        return f"%lark {{\n{self.escaped_lark()}\n}}"
+        """The input, escaped, as a Lark expression: a nested grammar of its own (made once per
+        grammar: a client such as Codex sends the same one with every request)."""
+        return _input_lark(self)
+
+
+@functools.lru_cache(maxsize=32)
+def _input_lark(freeform: Freeform) -> str:
+    return f"%lark {{\n{freeform.escaped_lark()}\n}}"
 
 
 def json_escaped(text: str) -> str:
