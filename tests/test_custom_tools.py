@@ -118,6 +118,8 @@ def test_the_escaped_grammar_holds_exactly_the_escaped_texts_of_codexs_apply_pat
         (r"[^x]+", ['\n"\x01\\y'], ["axb"]),
         (r"(a|\n){2,3}", ["a\n", "\n\na"], ["a", "a\na\n"]),
         (r"[\n\t]+x", ["\n\tx"], ["ax", "x"]),
+        (r"[\u00e9\U0001F600-\U0001F64F]+", ["é😀"], ["e"]),
+        (r"a|", ["", "a"], ["b"]),
     ],
 )
 def test_a_regex_format_holds_its_escaped_texts(model, regex: str, inside: list, outside: list) -> None:
@@ -199,18 +201,25 @@ def test_function_and_custom_calls_share_one_reply_grammar(model) -> None:
 
 
 @pytest.mark.parametrize(
-    ("grammar", "words"),
+    ("syntax", "grammar", "words"),
     [
-        ("start: /unclosed", "tool 'edit': its Lark grammar"),
-        ('start: "a" missing', "tool 'edit': its Lark grammar"),
-        ('start: "a"\n%ignore " "', "%ignore cannot be used in a custom tool's grammar"),
-        ('start: %json {"type": "object"}', "%json cannot be used"),
+        ("lark", "start: /unclosed", "tool 'edit': its Lark grammar"),
+        ("lark", 'start: "a" missing', "tool 'edit': its Lark grammar"),
+        ("lark", 'start: "a"\n%ignore " "', "%ignore cannot be used in a custom tool's grammar"),
+        ("lark", 'start: %json {"type": "object"}', "%json cannot be used"),
+        ("lark", 'start: "yes"i', "case-insensitive literal"),
+        ("regex", "(?i)yes", "(?i) cannot be used"),
+        ("regex", r"(a)\1", "a back-reference cannot be used"),
+        ("regex", "[[:alpha:]]", "Possible nested set"),  # Python's reading would differ from Rust's
     ],
 )
-def test_a_grammar_that_cannot_be_used_is_one_line_naming_the_tool(grammar: str, words: str) -> None:
+def test_a_grammar_that_cannot_be_used_is_one_line_naming_the_tool(
+    syntax: str, grammar: str, words: str
+) -> None:
     with pytest.raises(UsageError) as refused:
-        parse_tools([custom("edit", grammar)], "tools", custom=True)
-    assert words in str(refused.value) and "\n" not in str(refused.value)
+        parse_tools([custom("edit", grammar, syntax)], "tools", custom=True)
+    message = str(refused.value)
+    assert message.startswith("tools: tool 'edit': ") and words in message and "\n" not in message
 
 
 def test_custom_tools_are_refused_where_their_calls_cannot_be_answered() -> None:

@@ -197,6 +197,8 @@ def escaped_regex(pattern: str, flags: str) -> str:
             parsed = _parser.parse(pattern, bits)
         except (re.error, FutureWarning) as error:
             raise UsageError(f"/{pattern}/: {error}") from None
+    if parsed.state.flags & re.IGNORECASE:
+        raise UsageError(f"/{pattern}/: (?i) {REFUSED}")
     items = list(parsed.data)
     items = items[1:] if items and _anchor(items[0], begin=True) else items
     items = items[:-1] if items and _anchor(items[-1], begin=False) else items

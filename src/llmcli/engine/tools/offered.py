@@ -87,7 +87,10 @@ def custom_tool(custom: object, label: str) -> Tool:
     if freeform.syntax == "lark":  # llguidance's own reason for a grammar it cannot read
         check_format(OutputFormat({}, f"{label}: its Lark grammar", lark=freeform.definition))
     if freeform.syntax != "text":
-        lark = f"start: {freeform.input_lark()}\n"
+        try:
+            lark = f"start: {freeform.input_lark()}\n"
+        except UsageError as error:  # what cannot be escaped into a JSON string (freeform.py)
+            raise UsageError(f"{label}: {error.message}") from None
         check_format(OutputFormat({}, f"{label}: its {freeform.syntax} grammar, escaped", lark=lark))
     parameters = {
         "type": "object",
