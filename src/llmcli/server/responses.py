@@ -391,7 +391,7 @@ def _custom_call_item(call_id: str, name: str, text: str, status: str = "complet
 
 def _custom_names(shell: dict[str, Any]) -> frozenset[str]:
     """The custom tools a request offers: their calls are custom_tool_call items."""
-    return frozenset(tool.get("name") for tool in shell["tools"] if tool.get("type") == "custom")
+    return frozenset(tool.get("name") for tool in shell.get("tools") or () if tool.get("type") == "custom")
 
 
 def _said(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
