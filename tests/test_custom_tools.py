@@ -272,7 +272,7 @@ def test_a_custom_call_comes_back_as_a_custom_tool_call_streamed_and_not(server:
 def test_a_custom_calls_output_is_taken_on_the_next_turn_and_reaches_the_prompt(server: Server) -> None:
     client = server.client()
 
-    def follow(output: str):
+    def follow(output: str | list):
         history = [
             {"role": "user", "content": "Add an entry."},
             {"type": "custom_tool_call", "call_id": "call_1", "name": "edit", "input": '+ab\tc"d\nEND\n'},
@@ -284,6 +284,10 @@ def test_a_custom_calls_output_is_taken_on_the_next_turn_and_reaches_the_prompt(
 
     short, long = follow("done"), follow("done: " + "the entry was added to the list " * 4)
     assert long.usage.input_tokens - short.usage.input_tokens >= 20
+    parts = follow([{"type": "input_text", "text": "do"}, {"type": "input_text", "text": "ne"}])
+    assert parts.usage.input_tokens == short.usage.input_tokens  # Codex's parts: their text
+    with pytest.raises(openai.BadRequestError, match="input_image parts are not supported"):
+        follow([{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}])
 
 
 def test_a_bad_grammar_is_a_400_naming_the_tool(server: Server) -> None:

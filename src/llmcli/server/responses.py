@@ -72,7 +72,7 @@ class Item(Part):
     name: str | None = None
     arguments: str | None = None
     input: str | None = None  # a custom_tool_call's
-    output: str | None = None
+    output: str | list[ContentPart] | None = None  # a tool's output: text, or text parts (Codex)
 
 
 class Format(Body):
@@ -192,9 +192,8 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind in ("function_call", "custom_tool_call"):
             _add_call(messages, item.get("call_id"), item.get("name"), _call_arguments(item))
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            messages.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output") or ""}
-            )
+            output = _output_text(item.get("output"), position)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
             continue  # earlier thinking is not shown to the model again
         else:
@@ -208,6 +207,16 @@ def _call_arguments(item: dict[str, Any]) -> Any:
     if item.get("type") == "custom_tool_call":
         return json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
     return item.get("arguments")
+
+
+def _output_text(output: Any, position: int) -> str:
+    """A tool call's output: its text, or the text of its parts (Codex sends input_text parts)."""
+    if not isinstance(output, list):
+        return output or ""
+    kinds = {part.get("type") for part in output} - {"input_text", "output_text", "text"}
+    if kinds:
+        raise ResponsesError(f"input[{position}]: a tool output's {min(kinds)} parts are not supported here")
+    return "".join(part.get("text") or "" for part in output)
 
 
 def _add_call(messages: list[dict[str, Any]], call_id: Any, name: Any, arguments: Any) -> None:
