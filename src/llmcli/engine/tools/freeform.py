@@ -34,7 +34,6 @@ from typing import Any
 
 from llmcli.errors import UsageError
 
-SYNTAXES = ("lark", "regex", "text")
 SPECIAL = frozenset('"\\' + "".join(map(chr, range(0x20))))  # what JSON writes escaped
 SHORT_ESCAPES = {'"': '"', "\\": "\\", "\b": "b", "\t": "t", "\n": "n", "\f": "f", "\r": "r"}
 PLAIN = r'[^"\\\x{0}-\x{1f}]'  # every other character, written as it is
