@@ -11,7 +11,7 @@ back from an earlier reply (`refusal`, `annotations`, …) are ignored: they are
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -276,6 +276,10 @@ class ChatRequest(_Sampling):
     functions: list[Any] | None = None
     function_call: Any = None
 
+    # Custom tools (freeform input under a grammar) are taken where the protocol can answer
+    # their calls as such: the Responses API's adapter says so (responses.py).
+    custom_tools: ClassVar[bool] = False
+
     def tool_request(self) -> ToolRequest | None:
         """The tools on offer; None when none are (a tool_choice without tools is refused)."""
         from llmcli.engine.tools import ToolRequest
@@ -289,7 +293,7 @@ class ChatRequest(_Sampling):
             if self.tool_choice not in (None, "none", "auto"):
                 raise UsageError("tool_choice needs tools")
             return None
-        tools = parse_tools(self.tools, "tools")
+        tools = parse_tools(self.tools, "tools", custom=self.custom_tools)
         choice = parse_choice(self.tool_choice, tools, "tool_choice")
         return ToolRequest(tools, choice, self.parallel_tool_calls)
 

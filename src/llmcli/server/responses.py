@@ -9,6 +9,11 @@ thinking, a `message` with `output_text`, `function_call`s), or the Responses ev
 KV cache reuses its prefix as for any re-sent chat. An `input_image` (a data URL, or an http(s)
 URL: server/images.py) is taken where the model reads images. Fields that are not honoured
 (non-function tools, file inputs and `file_id` images, `include`, `truncation: auto`) are refused.
+
+Custom tools (Codex CLI's `apply_patch`, with a Lark grammar) are offered as functions of one
+string, `input`, held to their grammar (engine/tools/freeform.py); their calls come back as
+`custom_tool_call` items with the raw input (`response.custom_tool_call_input.delta` as it
+streams), and `custom_tool_call` / `custom_tool_call_output` input items are taken back.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pydantic import Field
 
 from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.engine.reply import TOOL_CALL
+from llmcli.engine.tools.freeform import call_input, input_so_far
 from llmcli.engine.tools.reader import CallStart
 from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response
@@ -36,6 +42,7 @@ from llmcli.server.events import (
     Usage,
 )
 from llmcli.server.images import ImageRef, from_url, image_part, refuse_detail
+from llmcli.server.protocol import ChatRequest
 from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_body, validated
 
@@ -64,7 +71,8 @@ class Item(Part):
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | None = None
+    input: str | None = None  # a custom_tool_call's
+    output: str | list[ContentPart] | None = None  # a tool's output: text, or text parts (Codex)
 
 
 class Format(Body):
@@ -93,7 +101,7 @@ class Tool(Part):
 
 
 class NamedTool(Body):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
 
 
@@ -120,6 +128,13 @@ class ResponsesRequest(Body):
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+
+
+class _ResponsesChat(ChatRequest):
+    """The chat request a response becomes: custom tools taken, their calls answered as
+    custom_tool_call items."""
+
+    custom_tools = True
 
 
 class Stored(OrderedDict[str, list[dict[str, Any]]]):
@@ -174,24 +189,43 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             messages.append({"role": role, "content": _content(item.get("content"), position, role)})
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id"),
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
-            }
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output") or ""}
-            )
+        elif kind in ("function_call", "custom_tool_call"):
+            _add_call(messages, item.get("call_id"), item.get("name"), _call_arguments(item))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            output = _output_text(item.get("output"), position)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
             continue  # earlier thinking is not shown to the model again
         else:
             raise ResponsesError(f"input[{position}]: {kind} items are not supported here")
     return messages
+
+
+def _call_arguments(item: dict[str, Any]) -> Any:
+    """An earlier call's arguments as the template shows them: a custom call's raw input as the
+    one string argument its tool is offered with (engine/tools/freeform.py)."""
+    if item.get("type") == "custom_tool_call":
+        return json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
+    return item.get("arguments")
+
+
+def _output_text(output: Any, position: int) -> str:
+    """A tool call's output: its text, or the text of its parts (Codex sends input_text parts)."""
+    if not isinstance(output, list):
+        return output or ""
+    kinds = {part.get("type") for part in output} - {"input_text", "output_text", "text"}
+    if kinds:
+        raise ResponsesError(f"input[{position}]: a tool output's {min(kinds)} parts are not supported here")
+    return "".join(part.get("text") or "" for part in output)
+
+
+def _add_call(messages: list[dict[str, Any]], call_id: Any, name: Any, arguments: Any) -> None:
+    """A call, in the assistant message before it where that one holds calls already."""
+    call = {"id": call_id, "function": {"name": name, "arguments": arguments}}
+    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+        messages[-1]["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 def _content(content: Any, position: int, role: Any) -> str | list[dict[str, Any]]:
@@ -226,8 +260,6 @@ def _image(part: dict[str, Any], label: str) -> ImageRef:
 
 
 def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
-    from llmcli.server.protocol import ChatRequest
-
     asked: dict[str, Any] = {"messages": messages, "stream": bool(body.get("stream"))}
     for name, chat_name in (
         ("max_output_tokens", "max_tokens"),
@@ -244,9 +276,14 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
         asked["response_format"] = {"type": "json_schema", "json_schema": schema}
     tools = []
     for tool in body.get("tools") or []:
+        if isinstance(tool, dict) and tool.get("type") == "custom":
+            tools.append(_custom_tool(tool))
+            continue
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise ResponsesError(f"tools: {kind} tools are not supported here (function tools are)")
+            raise ResponsesError(
+                f"tools: {kind} tools are not supported here (function and custom tools are)"
+            )
         function = {
             "name": tool.get("name"),
             "description": tool.get("description", ""),
@@ -265,7 +302,18 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
     effort = (body.get("reasoning") or {}).get("effort")
     if effort:
         asked["reasoning_effort"] = effort
-    return validated(ChatRequest, asked, ResponsesError)
+    return validated(_ResponsesChat, asked, ResponsesError)
+
+
+def _custom_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A custom tool in Chat Completions' shape, which engine/tools/offered.py checks: its
+    format's grammar (`{"type": "grammar", "syntax": …, "definition": …}`) nested as there."""
+    form = tool.get("format")
+    if isinstance(form, dict) and form.get("type") == "grammar":
+        grammar = {"syntax": form.get("syntax"), "definition": form.get("definition")}
+        form = {"type": "grammar", "grammar": grammar}
+    custom = {"name": tool.get("name"), "description": tool.get("description") or "", "format": form}
+    return {"type": "custom", "custom": custom}
 
 
 def _shell(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -343,13 +391,25 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
     }
 
 
+def _custom_call_item(call_id: str, name: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A custom tool's call: a function_call's fields, its raw `input` for the arguments."""
+    item = _call_item(call_id, name, "", status)
+    del item["arguments"]
+    return item | {"type": "custom_tool_call", "id": "ctc_" + item["id"].removeprefix("fc_"), "input": text}
+
+
+def _custom_names(shell: dict[str, Any]) -> frozenset[str]:
+    """The custom tools a request offers: their calls are custom_tool_call items."""
+    return frozenset(tool.get("name") for tool in shell.get("tools") or () if tool.get("type") == "custom")
+
+
 def _said(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as the chat messages the next request continues from."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
     calls = [
-        {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
+        {"id": item["call_id"], "function": {"name": item["name"], "arguments": _call_arguments(item)}}
         for item in output
-        if item["type"] == "function_call"
+        if item["type"] in ("function_call", "custom_tool_call")
     ]
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
@@ -367,6 +427,8 @@ class ResponsesEncoder(Encoder):
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.blocks = Blocks()
+        self.custom = _custom_names(shell)
+        self.arguments = ""  # a custom call's arguments so far (its item holds the input decoded)
 
     def _event(self, kind: str, data: dict[str, Any]) -> str:
         self.sequence += 1
@@ -397,9 +459,22 @@ class ResponsesEncoder(Encoder):
             return sent + self._event("response.reasoning_summary_text.delta", delta)
         if type(value) is CallStart:
             return sent  # its arguments come next
+        if current["type"] == "custom_tool_call":
+            return sent + self._input_delta(current, index, value.text)
         current["arguments"] += value.text
         delta = {"item_id": current["id"], "output_index": index, "delta": value.text}
         return sent + self._event("response.function_call_arguments.delta", delta)
+
+    def _input_delta(self, current: dict[str, Any], index: int, text: str) -> str:
+        """A custom call's input as its arguments stream: what each piece completes, decoded."""
+        self.arguments += text
+        so_far = input_so_far(self.arguments)
+        delta = so_far[len(current["input"]) :]
+        if not delta:
+            return ""
+        current["input"] = so_far
+        event = {"item_id": current["id"], "output_index": index, "delta": delta}
+        return self._event("response.custom_tool_call_input.delta", event)
 
     def _added(self, channel: str, value: Any) -> str:
         """The item before closed, and a new one added for `channel`'s first piece."""
@@ -409,6 +484,9 @@ class ResponsesEncoder(Encoder):
             current["summary"] = [{"type": "summary_text", "text": ""}]
         elif channel == CONTENT:
             current = _message_item("", "in_progress")
+        elif value.name in self.custom:
+            current = _custom_call_item(value.id, value.name, "", "in_progress")
+            self.arguments = ""
         else:
             current = _call_item(value.id, value.name, "", "in_progress")
         self.output.append(current)
@@ -439,6 +517,9 @@ class ResponsesEncoder(Encoder):
         elif kind == "function_call":
             done = {"item_id": item_id, "output_index": index, "arguments": current["arguments"]}
             sent += self._event("response.function_call_arguments.done", done)
+        elif kind == "custom_tool_call":
+            done = {"item_id": item_id, "output_index": index, "input": current["input"]}
+            sent += self._event("response.custom_tool_call_input.done", done)
         elif kind == "reasoning":
             summary = current["summary"][0]
             where = {"item_id": item_id, "output_index": index, "summary_index": 0}
@@ -466,7 +547,10 @@ class ResponsesEncoder(Encoder):
         if outcome.text:
             output.append(_message_item(outcome.text))
         for call in outcome.tool_calls:
-            output.append(_call_item(call.id, call.name, call.arguments))
+            if call.name in self.custom:
+                output.append(_custom_call_item(call.id, call.name, call_input(call.arguments)))
+            else:
+                output.append(_call_item(call.id, call.name, call.arguments))
         response = _finished(self.shell, output, outcomes)
         self._store(response)
         return response

@@ -65,7 +65,9 @@ def check_format(output: OutputFormat) -> str:
         error = ENDLESS
     if error:
         message = " ".join(error.split())
-        raise UsageError(f"{output.label}: {_plain(message)}", "check the schema")
+        raise UsageError(
+            f"{output.label}: {_plain(message)}", "check the grammar" if output.lark else "check the schema"
+        )
     return grammar
 
 

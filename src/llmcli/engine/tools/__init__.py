@@ -14,9 +14,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from llmcli.engine.tools.freeform import Freeform
 
 # OpenAI's rule for function names; it also keeps a name safe inside a grammar and a template.
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -28,6 +31,13 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]  # a JSON schema for the arguments object
+    # A custom tool (freeform.py): offered as a function of one string, `input`, held to this.
+    freeform: Freeform | None = None
+
+    @property
+    def has_grammar(self) -> bool:
+        """A custom tool whose input a grammar holds (its call is not written by a JSON schema)."""
+        return self.freeform is not None and self.freeform.syntax != "text"
 
     def openai(self) -> dict[str, Any]:
         """The tool as OpenAI sends it, and as chat templates read it."""

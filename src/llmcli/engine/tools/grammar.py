@@ -80,10 +80,10 @@ def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance
         return _no_call_grammar(fmt, specials)
     if fmt.header_end:
         return _harmony_grammar(request, fmt, specials)
-    body = "%json " + json.dumps(call_schema(tools, fmt.arguments_key))
+    body, per_tool = _call_rule(tools, fmt.arguments_key)
     between = fmt.between if request.parallel and request.choice in ("auto", "required") else None
     repeat = f" ({_literal(between, specials)} call)*" if between is not None else ""
-    rules = [f"call: {body}", f"calls: call{repeat} {_literal(fmt.closer, specials)}".rstrip()]
+    rules = [f"call: {body}", *per_tool, f"calls: call{repeat} {_literal(fmt.closer, specials)}".rstrip()]
     if request.must_call:
         start = f"start: {_literal(fmt.opener, specials)} calls"
     elif fmt.at_reply_start:  # text is a reply that does not start with "{"
@@ -100,6 +100,29 @@ def call_grammar(request: ToolRequest, fmt: ToolFormat, tokenizer: Any, guidance
     lark = "\n".join(["%llguidance {}", start, *rules, ""])
     names = ", ".join(tool.name for tool in tools)
     return OutputFormat({}, f"tool calls ({names})", lark=lark)
+
+
+def _call_rule(tools: tuple[Tool, ...], key: str) -> tuple[str, list[str]]:
+    """One call of any of `tools`: one JSON schema over them all, or, where a custom tool's
+    grammar is among them, one alternative per tool with the tool's name written before its
+    arguments (llguidance settles on one lexeme class at a call's first "{", so a JSON schema's
+    and a nested grammar's cannot both begin there)."""
+    if not any(tool.has_grammar for tool in tools):
+        return "%json " + json.dumps(call_schema(tools, key)), []
+    rules = []
+    for index, tool in enumerate(tools):
+        head = json.dumps({"name": tool.name, key: ""})[: -len('""}')]
+        rules.append(f"call_{index}: {json.dumps(head)} {_arguments(tool)} " + json.dumps("}"))
+    return " | ".join(f"call_{index}" for index in range(len(tools))), rules
+
+
+def _arguments(tool: Tool) -> str:
+    """A call's arguments object: its schema's JSON, or a custom tool's `{"input": "…"}` with the
+    input held to the tool's grammar (freeform.py)."""
+    if tool.freeform is not None and tool.has_grammar:
+        head, tail = json.dumps({"input": ""}).split('""')
+        return f"{json.dumps(head + chr(34))} {tool.freeform.input_lark()} {json.dumps(chr(34) + tail)}"
+    return "%json " + json.dumps({"x-guidance": SEPARATORS, **tool.parameters})
 
 
 def _no_call_grammar(fmt: ToolFormat, specials: dict[str, int]) -> OutputFormat:
@@ -143,9 +166,7 @@ def _harmony_grammar(request: ToolRequest, fmt: ToolFormat, specials: dict[str, 
     rules = []
     for index, tool in enumerate(tools):
         header = _literal(fmt.opener + tool.name + fmt.header_end, specials)
-        rules.append(
-            f"call_{index}: {header} %json " + json.dumps({"x-guidance": SEPARATORS, **tool.parameters})
-        )
+        rules.append(f"call_{index}: {header} {_arguments(tool)}")
     calls = " | ".join(f"call_{index}" for index in range(len(tools)))
     final = _literal("<|channel|>final<|message|>", specials)
     answer = calls if request.must_call else f"{final} TEXT | {calls}"
