@@ -10,6 +10,7 @@ schema to constrain a call with: refused, with a pointer to declaring them as cu
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from llmcli.errors import LlmcliError
@@ -50,10 +51,9 @@ def screen_hosted_tools(tools: Any, drop: bool = False) -> Any:
                 "this local server cannot run it"
             )
         elif kind not in _warned:
-            from llmcli.frontends.terminal import warning
-
-            _warned.add(kind)
-            warning(f"a request's {kind} tool is left out: a server tool this local server cannot run")
+            _warned.add(kind)  # llmcli's warning line, as the access log beside it is written
+            sys.stderr.write(f"llmcli: warning: a request's {kind} tool is left out: a hosted tool\n")
+            sys.stderr.flush()
     return kept
 
 
