@@ -234,3 +234,31 @@ def test_effort_is_the_templates_reasoning_effort_where_it_reads_one(
     }
     asked, _ = _chat_request(body, reads_effort=reads)
     assert asked.reasoning_effort == expected
+
+
+def test_an_error_result_says_so_to_the_model(server: Server) -> None:
+    """Claude Code marks a refused or failed call `is_error`: a tool message has no such flag."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Write", "input": {"file_path": "a"}}
+    tools = [{"name": "Write", "input_schema": {"type": "object"}, "strict": True}]
+    counts = []
+    for result in (
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "denied", "is_error": True},
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Error: denied"},
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "denied"},
+    ):
+        messages = [
+            {"role": "user", "content": "write a"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ]
+        counts.append(client(server).beta.messages.count_tokens(model="m", messages=messages, tools=tools))
+    assert counts[0].input_tokens == counts[1].input_tokens > counts[2].input_tokens
+
+
+def test_claude_codes_quota_probe_is_answered(server: Server) -> None:
+    """Its shape in cli.js (source "quota_check", for subscribers): one token, not streamed."""
+    probe = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "quota"}]}
+    request = captured("first_request")
+    metadata = request["body"]["metadata"]
+    status, text = raw(server, request, probe | {"metadata": metadata})
+    assert status == 200 and json.loads(text)["stop_reason"] in ("max_tokens", "end_turn"), text

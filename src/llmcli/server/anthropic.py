@@ -75,6 +75,7 @@ class Tool(Body):
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None  # a call is always held to its schema here (a grammar)
 
 
 class ToolChoice(Body):
@@ -341,6 +342,8 @@ def _turn(message: Any, position: int) -> list[dict[str, Any]]:
         elif kind == "tool_result":
             result = block.get("content")
             result = result if isinstance(result, str) else "".join(_text_of(b, where) for b in result or [])
+            if block.get("is_error") is True:  # a tool message has no flag: the model reads it in the text
+                result = f"Error: {result}"
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # earlier thinking is not shown to the model again
