@@ -9,7 +9,10 @@
 is a prefill: the reply continues its text. Errors come in Anthropic's shape. An image block
 in a user turn (base64, or a url source: server/images.py) is taken where the model reads
 images; a file source and document blocks are refused; earlier `thinking` blocks are not shown
-to the model again (as Anthropic's API drops them from earlier turns).
+to the model again (as Anthropic's API drops them from earlier turns). Claude Code's requests
+are taken as it sends them (tests/test_claude_code_requests.py replays them): its system
+message among the messages, adaptive thinking, output_config, its clear_thinking edit, and
+context errors in the words it reads to retry with a max_tokens that fits.
 """
 
 from __future__ import annotations
@@ -130,7 +133,8 @@ class OutputConfig(Body):
 
 class MessagesRequest(Body):
     """The fields taken; metadata, service_tier and cache_control change nothing here (the KV
-    cache is reused by prefix on its own). Any other field is refused, never ignored."""
+    cache is reused by prefix on its own), nor does context_management's one edit taken (earlier
+    thinking is never shown). Any other field is refused, never ignored."""
 
     model: str | None = None
     max_tokens: int
