@@ -9,7 +9,10 @@
 is a prefill: the reply continues its text. Errors come in Anthropic's shape. An image block
 in a user turn (base64, or a url source: server/images.py) is taken where the model reads
 images; a file source and document blocks are refused; earlier `thinking` blocks are not shown
-to the model again (as Anthropic's API drops them from earlier turns).
+to the model again (as Anthropic's API drops them from earlier turns). Claude Code's requests
+are taken as it sends them (tests/test_claude_code_requests.py replays them): its system
+message among the messages, adaptive thinking, output_config, its clear_thinking edit, and
+context errors in the words it reads to retry with a max_tokens that fits.
 """
 
 from __future__ import annotations
@@ -19,18 +22,20 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from pydantic import Field, model_validator
 
 from llmcli.engine.reasoning import CONTENT
 from llmcli.engine.reply import TOOL_CALL
 from llmcli.errors import LlmcliError
-from llmcli.server.answers import chat_response
+from llmcli.server.answers import respond
+from llmcli.server.anthropic_tools import function_tool, screen_hosted_tools
 from llmcli.server.blocks import Blocks, Step
 from llmcli.server.events import Encoder, Failed, Outcome, Piece, Usage, call_input
 from llmcli.server.images import ImageRef, from_base64, from_url, image_part
 from llmcli.server.prompts import chat_prompt
-from llmcli.server.translate import Body, Part, read_body, validated
+from llmcli.server.state import RequestError
+from llmcli.server.translate import Body, Part, read_json, validated
 
 if TYPE_CHECKING:
     from llmcli.server.state import Served
@@ -38,6 +43,11 @@ if TYPE_CHECKING:
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Claude Code's first system block, "x-anthropic-billing-header: cc_version=…; …": attribution
+# for Anthropic's billing, which its API takes out of the prompt; shown to a model here, it would
+# only cost tokens (and change the prompt's start with each Claude Code version).
+BILLING_HEADER = "x-anthropic-billing-header:"
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 class AnthropicError(LlmcliError):
@@ -58,16 +68,17 @@ class Block(Part):
 
 
 class Message(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation system beta
     content: str | list[Block]
 
 
 class Tool(Body):
-    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, …) are not run here
+    type: Literal["custom"] | None = None  # the others: anthropic_tools.screen_hosted_tools
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None  # a call is always held to its schema here (a grammar)
 
 
 class ToolChoice(Body):
@@ -77,19 +88,53 @@ class ToolChoice(Body):
 
 
 class Thinking(Body):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "disabled", "adaptive"]  # adaptive: the model's own choice, no budget
     budget_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _budget_when_enabled(self) -> Thinking:
-        if self.type == "disabled" and self.budget_tokens is not None:
-            raise ValueError("budget_tokens is for thinking enabled: thinking disabled has no budget")
+        if self.type != "enabled" and self.budget_tokens is not None:
+            raise ValueError(f"budget_tokens is for thinking enabled: thinking {self.type} has no budget")
         return self
+
+
+class ContextEdit(Body):
+    """An edit of context_management: clearing earlier thinking is what happens here anyway;
+    clearing earlier tool results (clear_tool_uses_…) is refused, not run."""
+
+    type: str
+    keep: str | dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clearing_thinking_only(cls, edit: Any) -> Any:
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if isinstance(kind, str) and kind != "clear_thinking_20251015":
+            raise ValueError(f"{kind} is not supported here (clear_thinking_20251015 is)")
+        return edit
+
+
+class ContextManagement(Body):
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
+class OutputFormatField(Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Body):
+    """effort: the template's reasoning_effort where it reads one, else (a hint by Anthropic's
+    definition, not a budget) nothing; format: the reply as JSON valid under the schema."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormatField | None = None
 
 
 class MessagesRequest(Body):
     """The fields taken; metadata, service_tier and cache_control change nothing here (the KV
-    cache is reused by prefix on its own). Any other field is refused, never ignored."""
+    cache is reused by prefix on its own), nor does context_management's one edit taken (earlier
+    thinking is never shown). Any other field is refused, never ignored."""
 
     model: str | None = None
     max_tokens: int
@@ -106,36 +151,77 @@ class MessagesRequest(Body):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     cache_control: dict[str, Any] | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
 
 
 class CountRequest(MessagesRequest):
     max_tokens: int = 1  # a count generates nothing
 
 
-def install_anthropic(app: FastAPI, served: Served) -> None:
+def install_anthropic(app: FastAPI, served: Served, drop_hosted_tools: bool = False) -> None:
+    """The Messages routes. `drop_hosted_tools`: Anthropic's server tools (web search, …) are left
+    out with a warning instead of refused (anthropic_tools.screen_hosted_tools)."""
+
+    @app.head("/")
+    async def reachable() -> Response:  # Claude Code's connection warm-up, before its first request
+        return Response()
+
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
-        body = await read_body(request, MessagesRequest, AnthropicError)
-        asked, prefill = _chat_request(body)
+        body = await _read(request, MessagesRequest, drop_hosted_tools)
+        asked, prefill = _chat_request(body, _reads_effort(served))
         encoder_for = functools.partial(AnthropicEncoder, served.model_id)
-        return await chat_response(served, request, asked, encoder_for, continue_final=prefill)
+        request.state.ticket = ticket = served.admit()  # given back by the worker or the error handler
+        ids, turn = await chat_prompt(served, asked, prefill)
+        _check_room(len(ids), body["max_tokens"], served.loaded.context_length)
+        return await respond(served, request, asked, [ids], ticket, encoder_for, chat=True, tools=turn)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
-        body = await read_body(request, CountRequest, AnthropicError)
-        asked, prefill = _chat_request(body | {"max_tokens": 1})
+        body = await _read(request, CountRequest, drop_hosted_tools)
+        asked, prefill = _chat_request(body | {"max_tokens": 1}, _reads_effort(served))
         ids, _ = await chat_prompt(served, asked, prefill)
         return {"input_tokens": len(ids)}  # an image's tokens among them (its placeholder's)
 
 
-def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:
+async def _read(request: Request, model: type[MessagesRequest], drop_hosted_tools: bool) -> dict[str, Any]:
+    """The body, its hosted tools screened first (their fields are their own), then validated."""
+    body = await read_json(request, AnthropicError)
+    if "tools" in body:
+        body["tools"] = screen_hosted_tools(body["tools"], drop_hosted_tools)
+    validated(model, body, AnthropicError)
+    return body
+
+
+def _reads_effort(served: Served) -> bool:
+    template = getattr(served.loaded.tokenizer, "chat_template", "") or ""
+    return "reasoning_effort" in str(template)
+
+
+def _check_room(prompt: int, max_tokens: int, context: int) -> None:
+    """A prompt and max_tokens the context cannot hold, refused in Anthropic's own words: Claude
+    Code reads them, and retries with the max_tokens that fits (or compacts a prompt too long)."""
+    if prompt >= context:
+        raise RequestError(400, f"prompt is too long: {prompt} tokens > {context - 1} maximum", "messages")
+    if prompt + max_tokens > context:
+        message = (
+            f"input length and `max_tokens` exceed context limit: {prompt} + {max_tokens} > {context}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+        raise RequestError(400, message, "max_tokens")
+
+
+def _chat_request(body: dict[str, Any], reads_effort: bool = False) -> tuple[Any, bool]:
     """The Messages request as an OpenAI chat request (validated: a bad value is a 400), and
-    whether its final assistant message is a prefill for the reply to continue."""
+    whether its final assistant message is a prefill for the reply to continue. `reads_effort`:
+    the model's template reads reasoning_effort, which output_config.effort then sets."""
     from llmcli.server.protocol import ChatRequest
 
     messages = _system(body.get("system"))
     for position, message in enumerate(body.get("messages") or []):
         messages += _turn(message, position)
+    messages = _late_systems_folded(messages)
     prefill = _prefill(messages)
     asked: dict[str, Any] = {
         "messages": messages,
@@ -148,7 +234,7 @@ def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:
     if body.get("stop_sequences"):
         asked["stop"] = body["stop_sequences"]
     if body.get("tools"):
-        asked["tools"] = [_tool(tool) for tool in body["tools"]]
+        asked["tools"] = [function_tool(tool) for tool in body["tools"]]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         kind = choice.get("type")
@@ -167,7 +253,46 @@ def _chat_request(body: dict[str, Any]) -> tuple[Any, bool]:
             asked["chat_template_kwargs"] = {"enable_thinking": False}
         elif thinking.get("type") == "enabled" and thinking.get("budget_tokens") is not None:
             asked["think_budget"] = thinking["budget_tokens"]
+    output = body.get("output_config") or {}
+    if output.get("effort") and reads_effort:
+        asked["reasoning_effort"] = EFFORTS[output["effort"]]
+    if output.get("format"):
+        asked["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output_config.format", "schema": output["format"]["schema"]},
+        }
     return validated(ChatRequest, asked, AnthropicError), prefill
+
+
+def _late_systems_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A system message after the conversation started (Claude Code's mid-conversation system
+    beta) joins the user turn before it, or the one after it where none is before: most
+    templates refuse a system message anywhere but first (Qwen's), and every one takes a user
+    turn. Deterministic, so the next request's prompt starts with this one's (the KV cache)."""
+    folded: list[dict[str, Any]] = []
+    pending = ""  # system text waiting for the next user turn
+    for position, message in enumerate(messages):
+        if message["role"] != "system" or position == 0:
+            if pending and message["role"] == "user":
+                message = {**message, "content": _joined(pending, message["content"])}
+                pending = ""
+            folded.append(message)
+        elif folded and folded[-1]["role"] == "user":
+            folded[-1] = {**folded[-1], "content": _joined(folded[-1]["content"], message["content"])}
+        else:
+            pending = _joined(pending, message["content"]) if pending else message["content"]
+    if pending:
+        folded.append({"role": "user", "content": pending})
+    return folded
+
+
+def _joined(first: Any, second: Any) -> Any:
+    """Two contents as one, a blank line between: texts, or image parts with text parts."""
+    if isinstance(first, str) and isinstance(second, str):
+        return f"{first}\n\n{second}"
+    parts = [first] if isinstance(first, list) else [[{"type": "text", "text": first}]]
+    parts += [second] if isinstance(second, list) else [[{"type": "text", "text": second}]]
+    return [*parts[0], {"type": "text", "text": "\n\n"}, *parts[1]]
 
 
 def _prefill(messages: list[dict[str, Any]]) -> bool:
@@ -189,7 +314,8 @@ def _system(system: Any) -> list[dict[str, Any]]:
     if not system:
         return []
     if isinstance(system, list):
-        system = "".join(_text_of(block, "system") for block in system)
+        texts = (_text_of(block, "system") for block in system)
+        system = "".join(text for text in texts if not text.startswith(BILLING_HEADER))
     return [{"role": "system", "content": system}]
 
 
@@ -197,11 +323,13 @@ def _turn(message: Any, position: int) -> list[dict[str, Any]]:
     """One Messages turn as OpenAI messages: a user's tool_result blocks become tool messages,
     an assistant's tool_use blocks its tool_calls, a user's image blocks image parts."""
     where = f"messages.{position}"
-    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise AnthropicError(f"{where}: a message has the role user or assistant")
+    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+        raise AnthropicError(f"{where}: a message has the role user, assistant or system")
     role, content = message["role"], message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
+    if role == "system":  # text blocks only, as the top-level system takes
+        return [{"role": role, "content": "".join(_text_of(block, where) for block in content or [])}]
     text, calls, results, parts = "", [], [], []
     for index, block in enumerate(content or []):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -218,6 +346,8 @@ def _turn(message: Any, position: int) -> list[dict[str, Any]]:
         elif kind == "tool_result":
             result = block.get("content")
             result = result if isinstance(result, str) else "".join(_text_of(b, where) for b in result or [])
+            if block.get("is_error") is True:  # a tool message has no flag: the model reads it in the text
+                result = f"Error: {result}"
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # earlier thinking is not shown to the model again
@@ -252,17 +382,6 @@ def _text_of(block: Any, where: str) -> str:
     if not isinstance(block, dict) or block.get("type") != "text":
         raise AnthropicError(f"{where}: only text blocks are supported here")
     return block.get("text") or ""
-
-
-def _tool(tool: Any) -> dict[str, Any]:
-    if not isinstance(tool, dict) or "name" not in tool:
-        raise AnthropicError("tools: a tool has a name and an input_schema")
-    function = {
-        "name": tool["name"],
-        "description": tool.get("description", ""),
-        "parameters": tool.get("input_schema"),
-    }
-    return {"type": "function", "function": function}
 
 
 class AnthropicEncoder(Encoder):

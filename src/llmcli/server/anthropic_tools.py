@@ -1,0 +1,96 @@
+"""The tools of an Anthropic Messages request, as the OpenAI chat request takes them.
+
+A custom tool (a name, a description and an input_schema) becomes a function tool. Anthropic's
+server tools (web search, web fetch, code execution, tool search, an MCP toolset) run on
+Anthropic's side: a local server cannot run them, so they are refused in one line naming their
+type, or, for clients that always send them, left out with a warning (`drop`). Anthropic's
+client tools declared by type alone (bash_…, text_editor_…, computer_…, memory_…) send no
+schema to constrain a call with: refused, with a pointer to declaring them as custom tools.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from llmcli.errors import LlmcliError
+
+# Their type names carry a date (web_search_20250305): a prefix names each family, present and future.
+HOSTED_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
+_warned: set[str] = set()  # a dropped type is warned about once per server, not on every request
+
+
+class ToolRefused(LlmcliError):
+    """A tool this server cannot offer: a 400 in Anthropic's shape (the route's error class)."""
+
+
+def hosted_tool_type(tool: Any) -> str | None:
+    """The server tool's type when `tool` is one of Anthropic's hosted tools, else None."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return kind if isinstance(kind, str) and kind.startswith(HOSTED_TOOL_PREFIXES) else None
+
+
+def screen_hosted_tools(tools: Any, drop: bool = False) -> Any:
+    """`tools` without Anthropic's hosted tools: with `drop`, each left out (a warning on stderr,
+    once per type); without, the first refused in one line naming its type. A client tool
+    declared by its type alone is refused either way (it is no hosted tool). Run before the body
+    is validated, as these tools' fields (max_uses, allowed_domains, …) are their own."""
+    if not isinstance(tools, list):
+        return tools  # not a list: the body's validation says so
+    kept = []
+    for position, tool in enumerate(tools):
+        kind = hosted_tool_type(tool)
+        if kind is None:
+            _check_custom(tool, position)
+            kept.append(tool)
+        elif not drop:
+            raise ToolRefused(
+                f"tools.{position}: {kind} is a server tool that runs on Anthropic's side; "
+                "this local server cannot run it"
+            )
+        elif kind not in _warned:
+            _warned.add(kind)  # llmcli's warning line, as the access log beside it is written
+            sys.stderr.write(f"llmcli: warning: a request's {kind} tool is left out: a hosted tool\n")
+            sys.stderr.flush()
+    return kept
+
+
+def _check_custom(tool: Any, position: int) -> None:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind not in (None, "custom"):
+        raise ToolRefused(
+            f"tools.{position}: tool type {kind!r} is not supported here: "
+            "declare it as a custom tool with a name and an input_schema"
+        )
+
+
+def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A custom tool (screened and validated already) as an OpenAI function tool."""
+    function = {
+        "name": tool["name"],
+        "description": tool.get("description", ""),
+        "parameters": _without_string_key_rule(tool["input_schema"]),
+    }
+    return {"type": "function", "function": function}
+
+
+def _without_string_key_rule(schema: Any) -> Any:
+    """The schema without `propertyNames: {"type": "string"}`, which constrains nothing (every
+    JSON key is a string) and which the grammar engine does not implement: zod's records carry
+    it (Claude Code's TaskCreate tool). Any other propertyNames stays, and is refused. A mapping
+    of names (properties, $defs) keeps every name; values (const, enum, default) are data."""
+    if isinstance(schema, list):
+        return [_without_string_key_rule(value) for value in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kept: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "propertyNames" and value == {"type": "string"}:
+            continue
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
+            kept[key] = {name: _without_string_key_rule(each) for name, each in value.items()}
+        else:
+            kept[key] = value if key in DATA_KEYWORDS else _without_string_key_rule(value)
+    return kept
