@@ -166,3 +166,21 @@ def test_prompt_cache_key_keeps_each_conversation_on_its_own_slot(server: Server
     # and each second turn finds only that head.
     unkeyed = interleaved(server, (None, None), ("forests", "deserts"))
     assert all(cached < prompt - 16 for cached, prompt in unkeyed), unkeyed
+
+
+def test_the_signing_key_outlives_the_server_and_is_its_owners_alone(tmp_path: Path) -> None:
+    """A restarted server (the key read again from the state directory) takes what the one
+    before it signed; a server with another key does not."""
+    from llmcli.server.reasoning_seal import KEY_FILE, ReasoningSeal, SealError
+
+    sealed = ReasoningSeal.kept_under(tmp_path / "state").seal("7 is prime: no divisor up to 2.")
+    assert (
+        ReasoningSeal.kept_under(tmp_path / "state").open(sealed, "input[0]")
+        == "7 is prime: no divisor up to 2."
+    )
+    assert (tmp_path / "state" / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    assert [path.name for path in (tmp_path / "state").iterdir()] == [KEY_FILE]  # no draft left behind
+    with pytest.raises(
+        SealError, match="input\\[0\\]: encrypted_content does not carry this server's signature"
+    ):
+        ReasoningSeal.kept_under(tmp_path / "elsewhere").open(sealed, "input[0]")
