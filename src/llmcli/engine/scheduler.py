@@ -353,7 +353,8 @@ class Slots:
         that last served the key, else a free slot no key holds, else the one whose key was
         served longest ago. Conversations that share a long head (an agent's instructions)
         would otherwise take each other's slot for that head, and each next turn would find
-        only the head of its own conversation there."""
+        only the head there: the rest prefilled again, or brought back from a host copy
+        (prefix.py) where one was set aside."""
         if cache_key is None:
             best = self.prefixes.slot_for(self.free, prompt_ids)
         else:
