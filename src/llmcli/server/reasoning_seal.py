@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 import os
 import secrets
 from pathlib import Path
@@ -43,7 +42,7 @@ class ReasoningSeal:
         return cls(_kept_key(folder))
 
     def seal(self, text: str) -> str:
-        payload = _b64(json.dumps({"v": VERSION, "text": text}, ensure_ascii=False).encode())
+        payload = _b64(bytes([VERSION]) + text.encode())  # the version, then the text's UTF-8
         return f"llmcli.{payload}.{_b64(self._mac(payload))}"
 
     def open(self, sealed: object, label: str) -> str:
@@ -55,10 +54,10 @@ class ReasoningSeal:
         if not hmac.compare_digest(_b64(self._mac(payload)), mac):
             signed = "this server's signature (changed, or from another server)"
             raise SealError(f"{label}: encrypted_content does not carry {signed}")
-        content = json.loads(_unb64(payload))
-        if content.get("v") != VERSION or not isinstance(content.get("text"), str):
+        content = _unb64(payload)
+        if content[:1] != bytes([VERSION]):
             raise SealError(f"{label}: encrypted_content is from another llmcli version")
-        return content["text"]
+        return content[1:].decode()
 
     def _mac(self, payload: str) -> bytes:
         return hmac.new(self.key, b"llmcli reasoning\0" + payload.encode(), hashlib.sha256).digest()

@@ -231,8 +231,9 @@ def _includes_encrypted_reasoning(body: dict[str, Any]) -> bool:
     return ENCRYPTED_REASONING in (body.get("include") or [])
 
 
-def _input(body: dict[str, Any], seal: ReasoningSeal) -> list[dict[str, Any]]:
-    """`instructions` and `input` (text, or items) as chat messages."""
+def _input(body: dict[str, Any], seal: ReasoningSeal | None = None) -> list[dict[str, Any]]:
+    """`instructions` and `input` (text, or items) as chat messages; `seal` checks the reasoning
+    items' encrypted_content (none is taken without it)."""
     messages: list[dict[str, Any]] = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": body["instructions"]})
@@ -258,6 +259,8 @@ def _input(body: dict[str, Any], seal: ReasoningSeal) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
             if item.get("encrypted_content") is not None:  # checked: it came from the network
+                if seal is None:
+                    raise ResponsesError(f"input[{position}]: encrypted_content is not taken here")
                 seal.open(item["encrypted_content"], f"input[{position}]")
             continue  # earlier thinking is not shown to the model again, as on every route here
         else:
@@ -429,13 +432,13 @@ class ResponsesEncoder(Encoder):
         shell: dict[str, Any],
         messages: list[dict[str, Any]],
         stored: Stored | None,
-        namespace_of: dict[str, str],
-        seal: ReasoningSeal | None,
+        namespace_of: dict[str, str] | None = None,
+        seal: ReasoningSeal | None = None,
     ) -> None:
         """`namespace_of`: the namespace each namespaced function's calls come back under;
         `seal`: where the client asked for the reasoning as encrypted_content."""
         self.shell, self.messages, self.stored = shell, messages, stored
-        self.namespace_of, self.seal = namespace_of, seal
+        self.namespace_of, self.seal = namespace_of or {}, seal
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.blocks = Blocks()
