@@ -72,7 +72,7 @@ skill_search = false
 [agents]
 enabled = false
 """
-SPELLED_OUT_TRIES = 3  # the demo samples (its generation_config's temperature): it may copy on a later try
+SPELLED_OUT_TRIES = 8  # the demo samples (its generation_config's temperature): it may copy on a later try
 
 
 def main() -> int:
