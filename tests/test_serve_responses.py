@@ -80,15 +80,96 @@ PNG = "data:image/png;base64,AAAA"  # read, then refused: a text model
     ("body", "status", "words"),
     [
         ({"input": "hi", "previous_response_id": "resp_nowhere"}, 404, "no stored response"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "web_search tools are not supported"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "web_search is a hosted tool"),
+        ({"input": "hi", "tools": [{"type": "local_shell"}]}, 400, "local_shell tools are not supported"),
+        (
+            {"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]},
+            400,
+            "tools[0].tools[0]: web_search tools in a namespace are not supported",
+        ),
+        ({"input": "hi", "tools": [TOOL, TOOL]}, 400, "a second tool named 'get_weather'"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": PNG}]}]},
             400,
             "input_image",
         ),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include is not supported"),
+        (
+            {"input": "hi", "include": ["message.output_text.logprobs"]},
+            400,
+            "include: message.output_text.logprobs is not supported here (reasoning.encrypted_content is)",
+        ),
     ],
 )
 def test_what_responses_cannot_do_is_refused(server: Server, body: dict, status: int, words: str) -> None:
     got, answer = server.raw("POST", "/v1/responses", json.dumps({"model": "tiny", **body}).encode())
     assert got == status and words in answer["error"]["message"], answer
+
+
+NAMESPACE = {
+    "type": "namespace",
+    "name": "weather_v1",
+    "description": "Tools for the weather.",
+    "tools": [TOOL],
+}
+
+
+def test_a_namespace_tool_is_called_by_its_name_and_comes_back_under_its_namespace(server: Server) -> None:
+    """As Codex CLI sends its sub-agent tools, and reads their calls back (`namespace` on the
+    function_call, as OpenAI's API answers)."""
+    client = server.client()
+    asked = dict(
+        model="tiny", input="What is the weather in Paris?", tools=[NAMESPACE], max_output_tokens=200,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+    )  # fmt: skip
+    response = client.responses.create(**asked)
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("get_weather", "weather_v1")
+    with client.responses.stream(**asked) as stream:
+        [streamed] = [item for item in stream.get_final_response().output if item.type == "function_call"]
+    assert (streamed.name, streamed.namespace, streamed.arguments) == (
+        call.name,
+        call.namespace,
+        call.arguments,
+    )
+    follow = client.responses.create(
+        model="tiny", tools=[NAMESPACE], max_output_tokens=3,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "namespace": call.namespace,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id,
+             "output": [{"type": "input_text", "text": "18 degrees"}]},
+        ],
+    )  # fmt: skip
+    assert follow.status in ("completed", "incomplete") and follow.usage.input_tokens > 0
+
+
+def test_a_stored_response_is_read_back_and_deleted(server: Server) -> None:
+    client = server.client()
+    response = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0)
+    read = client.responses.retrieve(response.id)
+    assert (read.id, read.output_text, read.usage) == (response.id, response.output_text, response.usage)
+    client.responses.delete(response.id)
+    for gone in (
+        lambda: client.responses.retrieve(response.id),
+        lambda: client.responses.delete(response.id),
+    ):
+        with pytest.raises(openai.NotFoundError, match="no stored response"):
+            gone()
+    with pytest.raises(openai.NotFoundError):  # and it can no longer be continued
+        client.responses.create(model="tiny", input="More", previous_response_id=response.id)
+
+
+def test_input_tokens_counts_the_prompt_a_response_would_read(server: Server) -> None:
+    client = server.client()
+    asked = dict(model="tiny", instructions="Be brief.", input="What is the weather in Paris?", tools=[TOOL])
+    counted = client.responses.input_tokens.count(**asked)
+    assert counted.object == "response.input_tokens"
+    answered = client.responses.create(**asked, max_output_tokens=1)
+    assert counted.input_tokens == answered.usage.input_tokens
+    earlier = client.responses.input_tokens.count(
+        model="tiny", input="More", previous_response_id=answered.id
+    )
+    assert earlier.input_tokens > client.responses.input_tokens.count(model="tiny", input="More").input_tokens
+    with pytest.raises(openai.BadRequestError, match="web_search is a hosted tool"):
+        client.responses.input_tokens.count(model="tiny", input="hi", tools=[{"type": "web_search"}])

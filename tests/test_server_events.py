@@ -208,7 +208,7 @@ def test_the_responses_encoder_numbers_every_event_and_stores_the_conversation()
     assert events[-1][0] == "response.completed" and done["status"] == "completed"
     assert [item["status"] for item in done["output"]] == ["completed"] * 4
     assert done["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
-    said = stored["resp_1"][-1]
+    said = stored["resp_1"].messages[-1]  # kept beside the response GET /v1/responses/{id} gives
     assert said["content"] == "Let me look." and [c["id"] for c in said["tool_calls"]] == ["call_1", "call_2"]
 
 

@@ -575,6 +575,16 @@ def serve(
             "address it can (SSRF); images then come as base64 in the request.",
         ),
     ] = False,
+    drop_hosted_tools: Annotated[
+        bool,
+        typer.Option(
+            "--drop-hosted-tools",
+            envvar="LLMCLI_DROP_HOSTED_TOOLS",
+            help="Leave out the hosted tools (web_search, file_search, …) Responses requests send, "
+            "saying so once per type on stderr, for clients that always send them (Codex CLI). "
+            "Off by default: such a request is refused, naming the tool.",
+        ),
+    ] = False,
     max_queue: Annotated[
         int,
         typer.Option(
@@ -643,6 +653,7 @@ def serve(
             allowed_hosts=tuple(allowed_hosts or ()),
             cors=tuple(cors or ()),
             allow_image_urls=allow_image_urls,
+            drop_hosted_tools=drop_hosted_tools,
             max_queue=max_queue,
             parallel=parallel,
             kv_memory=kv_memory_bytes,

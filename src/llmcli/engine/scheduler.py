@@ -329,20 +329,48 @@ class Slots:
             self.engines.append(engine)
         self.free = list(self.engines)
         self.count = count
+        # id(engine) → the prompt_cache_key it served last, and when (a count of keyed takes)
+        self.claims: dict[int, tuple[str, int]] = {}
+        self.taken = 0
 
-    def take(self, prompt_ids: list[int], longest: int | None = None) -> Engine:
+    def take(self, prompt_ids: list[int], longest: int | None = None, cache_key: str | None = None) -> Engine:
         """The free engine whose cache shares the most with `prompt_ids` (the lowest slot
         among equals: the pool stays small), running from now on: a prefix another running
         generation's cache shares is copied into it as its generation starts (prefix.py).
         `longest`: the positions the generation may fill at most (default: the context), which
-        it reserves."""
-        best = self.prefixes.slot_for(self.free, prompt_ids)
+        it reserves. `cache_key` (a client's prompt_cache_key): see _keyed."""
+        best = self._keyed(prompt_ids, cache_key)
         if self.kv_limit is not None:
             # Room for a speculative check's rows past the last token too (cropped after it).
             wanted = (longest + GRAPHED_ROWS[-1]) if longest is not None else best.context_length
             self._reserve(best, min(wanted, best.context_length))
         self.free.remove(best)
         self.prefixes.running(best, busy=True)
+        return best
+
+    def _keyed(self, prompt_ids: list[int], cache_key: str | None) -> Engine:
+        """The engine for a request, honouring its client's cache key as a hint: the free slot
+        that last served the key, else a free slot no key holds, else the one whose key was
+        served longest ago. Conversations that share a long head (an agent's instructions)
+        would otherwise take each other's slot for that head, and each next turn would find
+        only the head there: the rest prefilled again, or brought back from a host copy
+        (prefix.py) where one was set aside."""
+        if cache_key is None:
+            best = self.prefixes.slot_for(self.free, prompt_ids)
+        else:
+            own = [engine for engine in self.free if self.claims.get(id(engine), ("",))[0] == cache_key]
+            unclaimed = [engine for engine in self.free if id(engine) not in self.claims]
+            if own or unclaimed:
+                best = own[0] if own else self.prefixes.slot_for(unclaimed, prompt_ids)
+            else:
+                best = min(self.free, key=lambda engine: self.claims[id(engine)][1])
+        for engine_id, (key, _) in list(self.claims.items()):  # one slot per key: its latest
+            if key == cache_key:
+                del self.claims[engine_id]
+        self.claims.pop(id(best), None)  # whatever key held it, its cache is rewritten now
+        if cache_key is not None:
+            self.taken += 1
+            self.claims[id(best)] = (cache_key, self.taken)
         return best
 
     def _slot(self, engine: Engine) -> int:

@@ -51,6 +51,7 @@ class ServeRequest:
     allowed_hosts: tuple[str, ...] = ()  # names a Host header may carry besides the address
     cors: tuple[str, ...] = ()  # web origins allowed to call it
     allow_image_urls: bool = False  # fetch the http(s) image URLs requests name (an SSRF otherwise)
+    drop_hosted_tools: bool = False  # leave out a Responses request's hosted tools, not refuse it
     max_queue: int = 16  # generations waiting for the worker, at most
     parallel: int | None = None  # generations at once (None: _parallel's default)
     kv_memory: int | None = None  # bytes their caches may hold together (None: kv_memory_default)
@@ -155,6 +156,7 @@ def _load_and_serve(
         allowed_hosts=request.allowed_hosts,
         cors=request.cors,
         allow_image_urls=request.allow_image_urls,
+        drop_hosted_tools=request.drop_hosted_tools,
         # Images where the model has a vision part llmcli reads and the native engine runs it.
         reads_images=loaded.vision is not None and engine.name == "native",
         max_queue=request.max_queue,

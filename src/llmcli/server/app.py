@@ -59,7 +59,7 @@ def create_app(served: Served) -> ASGIApp:
 
     install_openai(app, served)
     install_ollama(app, served)
-    install_anthropic(app, served)
+    install_anthropic(app, served, served.drop_hosted_tools)
     install_responses(app, served)
 
     guarded: ASGIApp = KeyGuard(JsonOnly(NestingLimit(app)), served.api_key)

@@ -148,8 +148,9 @@ def jobs_for(
     if budget is not None and thinking_of(served.loaded.tokenizer) is None:
         message = "a thinking budget needs a model that thinks, and this model's template marks none"
         raise RequestError(400, message, "think_budget")
+    key = body.prompt_cache_key  # a hint for the slot each runs on
     jobs = [
-        Job(ids, sample(sampling, k), method, output, chat, ticket, tools, bias, logprobs, echo, budget)
+        Job(ids, sample(sampling, k), method, output, chat, ticket, tools, bias, logprobs, echo, budget, key)
         for ids in prompts
         for k in range(body.n)
     ]

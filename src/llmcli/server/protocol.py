@@ -106,7 +106,7 @@ class _Sampling(_SamplingFields):  # type: ignore[misc,valid-type]
     # What a client may send that changes nothing for a served model: taken, not acted on.
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None  # the KV cache is reused by prefix on its own
+    prompt_cache_key: str | None = None  # a hint: the slot whose cache last served the key (Slots)
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
 

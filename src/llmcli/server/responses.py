@@ -6,9 +6,14 @@ thinking, a `message` with `output_text`, `function_call`s), or the Responses ev
 (`response.created`, `response.output_item.added`, `response.output_text.delta`,
 `response.function_call_arguments.delta`, …, `response.completed`). Responses are kept in memory
 (the newest 256, unless `store: false`), so `previous_response_id` continues a conversation; the
-KV cache reuses its prefix as for any re-sent chat. An `input_image` (a data URL, or an http(s)
-URL: server/images.py) is taken where the model reads images. Fields that are not honoured
-(non-function tools, file inputs and `file_id` images, `include`, `truncation: auto`) are refused.
+KV cache reuses its prefix as for any re-sent chat; `GET` and `DELETE /v1/responses/{id}` read
+and remove a stored one, and `POST /v1/responses/input_tokens` counts a request's prompt. An
+`input_image` (a data URL, or an http(s) URL: server/images.py) is taken where the model reads
+images. With `include: ["reasoning.encrypted_content"]` (what a client that stores nothing
+asks) each reasoning item carries its thinking signed (reasoning_seal.py), taken back as input.
+Function, custom and namespace tools are offered, hosted ones refused or dropped (responses_tools.py).
+Fields that are not honoured (file inputs and `file_id` images, other `include` values,
+`truncation: auto`) are refused.
 
 Custom tools (Codex CLI's `apply_patch`, with a Lark grammar) are offered as functions of one
 string, `input`, held to their grammar (engine/tools/freeform.py); their calls come back as
@@ -22,11 +27,13 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from pydantic import Field
 
+from llmcli.config.paths import state_dir
 from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.engine.reply import TOOL_CALL
 from llmcli.engine.tools.freeform import call_input, input_so_far
@@ -42,7 +49,10 @@ from llmcli.server.events import (
     Usage,
 )
 from llmcli.server.images import ImageRef, from_url, image_part, refuse_detail
+from llmcli.server.prompts import chat_prompt
 from llmcli.server.protocol import ChatRequest
+from llmcli.server.reasoning_seal import ReasoningSeal
+from llmcli.server.responses_tools import HostedTools, offered_tools
 from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_body, validated
 
@@ -50,6 +60,7 @@ if TYPE_CHECKING:
     from llmcli.server.state import Served
 
 KEPT = 256  # stored responses, newest first out of the door last
+ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` honoured
 
 
 class ResponsesError(LlmcliError):
@@ -70,9 +81,11 @@ class Item(Part):
     content: str | list[ContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None  # a call to a namespace tool's function (responses_tools.py)
     arguments: str | None = None
     input: str | None = None  # a custom_tool_call's
-    output: str | list[ContentPart] | None = None  # a tool's output: text, or text parts (Codex)
+    output: str | list[ContentPart] | None = None  # a text, or input_text parts (Codex sends both)
+    encrypted_content: str | None = None  # a reasoning item this server signed
 
 
 class Format(Body):
@@ -93,7 +106,7 @@ class Reasoning(Body):
 
 
 class Tool(Part):
-    type: str  # function tools only: the adapter refuses the others
+    type: str  # function, custom and namespace tools: responses_tools.py refuses or drops the others
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -105,29 +118,37 @@ class NamedTool(Body):
     name: str
 
 
-class ResponsesRequest(Body):
-    """The fields taken; metadata, user, service_tier and prompt_cache_key change nothing here.
-    Any other field is refused, never ignored."""
+class InputTokensRequest(Body):
+    """`POST /v1/responses/input_tokens`: what a response's prompt is made of, counted."""
 
     model: str | None = None
     input: str | list[Item] | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     text: TextOptions | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
-    stream: bool | None = None
     previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+
+class ResponsesRequest(InputTokensRequest):
+    """The fields taken; metadata, client_metadata, user and service_tier change nothing here,
+    prompt_cache_key is a hint for the slot (scheduler.Slots). Any other field is refused, never
+    ignored."""
+
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    include: list[str] | None = None
+    client_metadata: dict[str, str] | None = None
 
 
 class _ResponsesChat(ChatRequest):
@@ -137,47 +158,97 @@ class _ResponsesChat(ChatRequest):
     custom_tools = True
 
 
-class Stored(OrderedDict[str, list[dict[str, Any]]]):
-    """Each stored response's whole conversation, as chat messages; the oldest leave first."""
+@dataclass(frozen=True)
+class Kept:
+    response: dict[str, Any]  # as it was answered: GET /v1/responses/{id} gives it again
+    messages: list[dict[str, Any]]  # its whole conversation, as chat messages
 
-    def keep(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        self[response_id] = messages
+
+class Stored(OrderedDict[str, Kept]):
+    """Each stored response, and its conversation; the oldest leave first."""
+
+    def keep(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self[response["id"]] = Kept(response, messages)
         while len(self) > KEPT:
             self.popitem(last=False)
+
+    def get_or_404(self, response_id: Any, param: str | None = None) -> Kept:
+        if response_id not in self:
+            message = f"no stored response {response_id!r} (kept: the newest {KEPT}, unless store was false)"
+            raise RequestError(404, message, param)
+        return self[response_id]
 
 
 def install_responses(app: FastAPI, served: Served) -> None:
     stored = Stored()
+    seal = ReasoningSeal.kept_under(state_dir())
+    hosted = HostedTools(drop=served.drop_hosted_tools)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
         body = _checked(await read_body(request, ResponsesRequest, ResponsesError))
-        history = _history(stored, body.get("previous_response_id"))
-        messages = history + _input(body)
-        asked = _chat_request(body, messages)
+        reading = _Reading(body, stored, seal, hosted)
         shell = _shell(body, served.model_id)
         keep = stored if body.get("store", True) is not False else None
-        return await chat_response(served, request, asked, lambda _: ResponsesEncoder(shell, messages, keep))
+        sealing = seal if _includes_encrypted_reasoning(body) else None
+
+        def encoder(_: Any) -> ResponsesEncoder:
+            return ResponsesEncoder(shell, reading.messages, keep, reading.tools.namespace_of, sealing)
+
+        return await chat_response(served, request, reading.asked, encoder)
+
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens(request: Request) -> Any:
+        body = _checked(await read_body(request, InputTokensRequest, ResponsesError))
+        ids, _ = await chat_prompt(served, _Reading(body, stored, seal, hosted).asked)
+        return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request) -> Any:
+        if request.query_params.get("stream") not in (None, "false"):
+            raise ResponsesError("stream is not supported here for a stored response: it is read whole")
+        return stored.get_or_404(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Any:
+        stored.get_or_404(response_id)
+        del stored[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+class _Reading:
+    """A Responses request read: its conversation as chat messages (the stored history first),
+    the tools offered, and the chat request they make."""
+
+    def __init__(
+        self, body: dict[str, Any], stored: Stored, seal: ReasoningSeal, hosted: HostedTools
+    ) -> None:
+        previous = body.get("previous_response_id")
+        history = [] if previous is None else stored.get_or_404(previous, "previous_response_id").messages
+        try:
+            self.tools = offered_tools(body.get("tools"), hosted)
+            self.messages = [dict(message) for message in history] + _input(body, seal)
+        except LlmcliError as error:
+            raise ResponsesError(error.message) from None
+        self.asked = _chat_request(body, self.messages, self.tools.chat)
 
 
 def _checked(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("truncation") not in (None, "disabled"):
         raise ResponsesError("truncation auto is not supported: a request over the context is refused")
+    for value in body.get("include") or []:
+        if value != ENCRYPTED_REASONING:
+            raise ResponsesError(f"include: {value} is not supported here ({ENCRYPTED_REASONING} is)")
     return body
 
 
-def _history(stored: Stored, previous: Any) -> list[dict[str, Any]]:
-    if previous is None:
-        return []
-    if previous not in stored:
-        raise RequestError(
-            404, f"no stored response {previous!r} (kept: the newest {KEPT})", "previous_response_id"
-        )
-    return [dict(message) for message in stored[previous]]
+def _includes_encrypted_reasoning(body: dict[str, Any]) -> bool:
+    return ENCRYPTED_REASONING in (body.get("include") or [])
 
 
-def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`instructions` and `input` (text, or items) as chat messages."""
+def _input(body: dict[str, Any], seal: ReasoningSeal | None = None) -> list[dict[str, Any]]:
+    """`instructions` and `input` (text, or items) as chat messages; `seal` checks the reasoning
+    items' encrypted_content (none is taken without it)."""
     messages: list[dict[str, Any]] = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": body["instructions"]})
@@ -195,7 +266,11 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
             output = _output_text(item.get("output"), position)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         elif kind == "reasoning":
-            continue  # earlier thinking is not shown to the model again
+            if item.get("encrypted_content") is not None:  # checked: it came from the network
+                if seal is None:
+                    raise ResponsesError(f"input[{position}]: encrypted_content is not taken here")
+                seal.open(item["encrypted_content"], f"input[{position}]")
+            continue  # earlier thinking is not shown to the model again, as on every route here
         else:
             raise ResponsesError(f"input[{position}]: {kind} items are not supported here")
     return messages
@@ -259,7 +334,7 @@ def _image(part: dict[str, Any], label: str) -> ImageRef:
     return from_url(url, label, "input_image parts")
 
 
-def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
+def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Any:
     asked: dict[str, Any] = {"messages": messages, "stream": bool(body.get("stream"))}
     for name, chat_name in (
         ("max_output_tokens", "max_tokens"),
@@ -274,22 +349,6 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
     elif form.get("type") == "json_schema":
         schema = {"name": form.get("name") or "format", "schema": form.get("schema", True)}
         asked["response_format"] = {"type": "json_schema", "json_schema": schema}
-    tools = []
-    for tool in body.get("tools") or []:
-        if isinstance(tool, dict) and tool.get("type") == "custom":
-            tools.append(_custom_tool(tool))
-            continue
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise ResponsesError(
-                f"tools: {kind} tools are not supported here (function and custom tools are)"
-            )
-        function = {
-            "name": tool.get("name"),
-            "description": tool.get("description", ""),
-            "parameters": tool.get("parameters"),
-        }
-        tools.append({"type": "function", "function": function})
     if tools:
         asked["tools"] = tools
     choice = body.get("tool_choice")
@@ -299,21 +358,12 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]]) -> Any:
         asked["tool_choice"] = choice
     if body.get("parallel_tool_calls") is not None:
         asked["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if body.get("prompt_cache_key") is not None:
+        asked["prompt_cache_key"] = body["prompt_cache_key"]
     effort = (body.get("reasoning") or {}).get("effort")
     if effort:
         asked["reasoning_effort"] = effort
     return validated(_ResponsesChat, asked, ResponsesError)
-
-
-def _custom_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A custom tool in Chat Completions' shape, which engine/tools/offered.py checks: its
-    format's grammar (`{"type": "grammar", "syntax": …, "definition": …}`) nested as there."""
-    form = tool.get("format")
-    if isinstance(form, dict) and form.get("type") == "grammar":
-        grammar = {"syntax": form.get("syntax"), "definition": form.get("definition")}
-        form = {"type": "grammar", "grammar": grammar}
-    custom = {"name": tool.get("name"), "description": tool.get("description") or "", "format": form}
-    return {"type": "custom", "custom": custom}
 
 
 def _shell(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -422,8 +472,18 @@ class ResponsesEncoder(Encoder):
     (blocks.py), added when its first piece comes and done when another starts or the reply
     ends, then `response.completed`. The conversation is stored (`stored`) once it ends."""
 
-    def __init__(self, shell: dict[str, Any], messages: list[dict[str, Any]], stored: Stored | None) -> None:
+    def __init__(
+        self,
+        shell: dict[str, Any],
+        messages: list[dict[str, Any]],
+        stored: Stored | None,
+        namespace_of: dict[str, str] | None = None,
+        seal: ReasoningSeal | None = None,
+    ) -> None:
+        """`namespace_of`: the namespace each namespaced function's calls come back under;
+        `seal`: where the client asked for the reasoning as encrypted_content."""
         self.shell, self.messages, self.stored = shell, messages, stored
+        self.namespace_of, self.seal = namespace_of or {}, seal
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.blocks = Blocks()
@@ -488,7 +548,7 @@ class ResponsesEncoder(Encoder):
             current = _custom_call_item(value.id, value.name, "", "in_progress")
             self.arguments = ""
         else:
-            current = _call_item(value.id, value.name, "", "in_progress")
+            current = self._call_item(value.id, value.name, "", "in_progress")
         self.output.append(current)
         index = len(self.output) - 1
         sent += self._event("response.output_item.added", {"output_index": index, "item": current})
@@ -521,6 +581,7 @@ class ResponsesEncoder(Encoder):
             done = {"item_id": item_id, "output_index": index, "input": current["input"]}
             sent += self._event("response.custom_tool_call_input.done", done)
         elif kind == "reasoning":
+            self._sealed(current)
             summary = current["summary"][0]
             where = {"item_id": item_id, "output_index": index, "summary_index": 0}
             sent += self._event("response.reasoning_summary_text.done", where | {"text": summary["text"]})
@@ -543,18 +604,32 @@ class ResponsesEncoder(Encoder):
         outcome = outcomes[0]
         output: list[dict[str, Any]] = []
         if outcome.thinking:
-            output.append(_reasoning_item(outcome.thinking))
+            output.append(self._sealed(_reasoning_item(outcome.thinking)))
         if outcome.text:
             output.append(_message_item(outcome.text))
         for call in outcome.tool_calls:
             if call.name in self.custom:
                 output.append(_custom_call_item(call.id, call.name, call_input(call.arguments)))
             else:
-                output.append(_call_item(call.id, call.name, call.arguments))
+                output.append(self._call_item(call.id, call.name, call.arguments))
         response = _finished(self.shell, output, outcomes)
         self._store(response)
         return response
 
     def _store(self, response: dict[str, Any]) -> None:
         if self.stored is not None:
-            self.stored.keep(response["id"], self.messages + _said(response["output"]))
+            self.stored.keep(response, self.messages + _said(response["output"]))
+
+    def _call_item(
+        self, call_id: str, name: str, arguments: str, status: str = "completed"
+    ) -> dict[str, Any]:
+        item = _call_item(call_id, name, arguments, status)
+        if name in self.namespace_of:
+            item["namespace"] = self.namespace_of[name]
+        return item
+
+    def _sealed(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A reasoning item with its thinking as encrypted_content, where the client asked."""
+        if self.seal is not None:
+            item["encrypted_content"] = self.seal.seal(item["summary"][0]["text"])
+        return item

@@ -46,6 +46,7 @@ class Served:
     # refuses each image of a request by its label where it does not).
     reads_images: bool = False
     allow_image_urls: bool = False  # --allow-image-urls: a request's http(s) image URLs are fetched
+    drop_hosted_tools: bool = False  # --drop-hosted-tools: a Responses request's web_search… left out
     quiet: bool = False  # no access log
     metrics: Metrics = field(default_factory=Metrics)
     waiting: int = 0  # generations submitted and not started yet
@@ -68,15 +69,18 @@ class Served:
         return Ticket(self)
 
     @contextlib.contextmanager
-    def turn_on_an_engine(self, prompt_ids: list[int], longest: int | None = None) -> Iterator[Any]:
+    def turn_on_an_engine(
+        self, prompt_ids: list[int], longest: int | None = None, cache_key: str | None = None
+    ) -> Iterator[Any]:
         """A generation's turn, and the free engine that suits its prompt best. `longest`:
-        the positions it may fill at most (its KV memory is reserved for them)."""
+        the positions it may fill at most (its KV memory is reserved for them); `cache_key`:
+        the client's prompt_cache_key, a hint for the slot (scheduler.Slots.take)."""
         with self.worker.generation():
             if self.slots is None:
                 yield self.engine
                 return
             try:
-                engine = self.slots.take(prompt_ids, longest)
+                engine = self.slots.take(prompt_ids, longest, cache_key)
             except KVMemoryFull as error:
                 raise RequestError(
                     503, error.message, code="kv_memory_full", headers={"Retry-After": "5"}

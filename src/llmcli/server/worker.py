@@ -42,6 +42,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token to report (0: the chosen one's only)
     echo: bool = False  # completions: the prompt and its logprobs first
     think_budget: int | None = None  # a reasoning model thinks this many tokens at most
+    cache_key: str | None = None  # the client's prompt_cache_key: a hint for the slot it runs on
     # Another choice of the same prompt, set once its prompt is in its cache: this one starts
     # then, to copy that prompt from it rather than prefill it again (scheduler.Slots).
     after: threading.Event | None = None
@@ -70,7 +71,8 @@ def generate(
         job.after.wait()
     params = job.sampling.resolve(served.loaded.generation_config).with_(logit_bias=job.logit_bias)
     try:
-        with served.turn_on_an_engine(job.ids, len(job.ids) + params.max_new_tokens) as engine:
+        longest = len(job.ids) + params.max_new_tokens
+        with served.turn_on_an_engine(job.ids, longest, job.cache_key) as engine:
             return _generate_on(served, engine, job, params, on_piece, cancelled)
     finally:
         job.prompt_cached.set()  # however it ended: a choice waiting for it goes on
