@@ -437,7 +437,7 @@ TOOLS = "Tool calls"
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """The tools a reply may call: generate's from a JSON file, chat's from a Python file."""
+    """The tools a reply may call: generate's from a JSON file, chat's from a Python file and MCP servers."""
 
     tools: str | None = setting(
         flags=("--tools",),
@@ -465,8 +465,35 @@ class ToolSettings:
     yes: bool = setting(
         False,
         flags=("--yes",),
-        help="With --functions: run every call without asking.",
+        help="With --functions or --mcp: run every call without asking.",
         panel=TOOLS,
+    )
+    mcp: tuple[str, ...] = setting(
+        (),
+        flags=("--mcp",),
+        help='Start this MCP server (a command line, split as a shell would: "npx -y '
+        '@modelcontextprotocol/server-everything"; no shell runs it) and offer its tools beside '
+        "--functions, each call asked for as theirs are. Repeatable. Its stderr goes to a log file "
+        "under the state folder.",
+        panel=TOOLS,
+        show_default=False,
+        cli_type=list[str] | None,
+        cli_default=None,
+        parse=str,  # taken as written: shlex reads its quotes and backslashes, not --stop's escapes
+    )
+    mcp_timeout: float = setting(
+        60.0,
+        flags=("--mcp-timeout",),
+        help="Seconds an MCP server has to answer a call; the model then reads that it timed out.",
+        panel=TOOLS,
+        bounds=Bounds(gt=0),
+    )
+    mcp_start_timeout: float = setting(
+        30.0,
+        flags=("--mcp-start-timeout",),
+        help="Seconds an MCP server has to start and list its tools; the chat then goes on without it.",
+        panel=TOOLS,
+        bounds=Bounds(gt=0),
     )
 
 
