@@ -21,7 +21,14 @@ import pytest
 
 from test_repl import ANSI, Repl
 
-from cli_helpers import _REPORTING_TORCH, PATIENCE_S, local_http_server, one_error_line, run_cli
+from cli_helpers import (
+    _REPORTING_TORCH,
+    PATIENCE_S,
+    local_http_server,
+    one_error_line,
+    run_cli,
+    send_one_chunk,
+)
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL
 
@@ -50,11 +57,7 @@ class _CallingModel(http.server.BaseHTTPRequestHandler):
             finish = "tool_calls"
             if name == "offered?":
                 delta, finish = {"content": " ".join(offered) or "nothing"}, "stop"
-        chunk = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        send_one_chunk(self, delta, finish)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -95,7 +98,10 @@ def chat(server: str, places: dict[str, str], *flags: str, lines: tuple[str, ...
         stdin="".join(f"{line}\n" for line in lines).encode(), env=places,
     )  # fmt: skip
     records = [json.loads(line) for line in result.stdout.decode().splitlines()]
-    return result.returncode, records, result.stderr.decode()
+    stderr = result.stderr.decode()
+    assert "Traceback" not in stderr
+    assert_no_server_left(places)
+    return result.returncode, records, stderr
 
 
 def test_with_yes_a_call_goes_to_the_server_and_the_model_reads_its_result(
@@ -118,8 +124,6 @@ def test_with_yes_a_call_goes_to_the_server_and_the_model_reads_its_result(
     assert "MCP: 5 tools from 1 server (add, echo, greet, hang, die)" in stderr
     # The server's own stderr is in its log, not on the chat's.
     assert "echo server" not in stderr and "echoing 'hi'" in logs(places)
-    assert "Traceback" not in stderr
-    assert_no_server_left(places)
 
 
 def test_without_a_terminal_or_yes_no_call_is_sent(model_server: str, places: dict[str, str]) -> None:
@@ -127,7 +131,6 @@ def test_without_a_terminal_or_yes_no_call_is_sent(model_server: str, places: di
     assert code == 0, stderr
     assert records[0]["tool_calls"][0]["result"] == "The user did not allow this call to run."
     assert "echoing" not in logs(places)
-    assert_no_server_left(places)
 
 
 def test_a_server_that_dies_mid_call_is_one_line_and_its_tools_are_withdrawn(
@@ -145,8 +148,6 @@ def test_a_server_that_dies_mid_call_is_one_line_and_its_tools_are_withdrawn(
     assert records[0]["tool_calls"][0]["result"].startswith("error: the server of die stopped")
     assert records[2]["reply"] == "nothing"  # no tool is offered any more; the chat went on
     assert records[3]["tool_calls"][0]["result"].startswith("error: add is not one of the functions offered")
-    assert "Traceback" not in stderr
-    assert_no_server_left(places)
 
 
 def test_a_call_that_hangs_times_out_in_one_line_and_the_server_still_answers(
@@ -160,8 +161,6 @@ def test_a_call_that_hangs_times_out_in_one_line_and_the_server_still_answers(
     assert "no answer to hang in 1 s (--mcp-timeout)" in stderr
     assert records[0]["tool_calls"][0]["result"] == "error: hang timed out after 1 s"
     assert records[2]["tool_calls"][0]["result"] == "2"
-    assert "Traceback" not in stderr
-    assert_no_server_left(places)
 
 
 def test_servers_that_do_not_start_are_one_line_each_and_the_chat_goes_on(
@@ -179,8 +178,6 @@ def test_servers_that_do_not_start_are_one_line_each_and_the_chat_goes_on(
     assert "--hang-at-start" in errors[1] and "did not start in 3 s (--mcp-start-timeout)" in errors[1]
     assert records[0]["reply"] == "nothing"  # the chat went on, with no tools to offer
     assert records[1]["tool_calls"][0]["result"].startswith("error: add is not one of the functions offered")
-    assert "Traceback" not in stderr
-    assert_no_server_left(places)
 
 
 def test_a_tool_name_offered_already_is_refused_in_one_line(
@@ -199,7 +196,6 @@ def test_a_tool_name_offered_already_is_refused_in_one_line(
     assert "its tools add, echo, greet, hang, die are not offered" in errors[1]
     assert records[0]["reply"] == "echo add greet hang die"
     assert records[1]["tool_calls"][0]["result"] == "mine: hi"  # the file's, which came first
-    assert_no_server_left(places)
 
 
 def test_a_chat_through_a_server_with_mcp_tools_imports_no_torch(

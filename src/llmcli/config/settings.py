@@ -435,6 +435,12 @@ class OutputSettings:
 TOOLS = "Tool calls"
 
 
+def _mcp_seconds(default: float, flag: str, what: str) -> Any:
+    """One of --mcp's time limits, in seconds."""
+    help = f"Seconds an MCP server has to {what}"
+    return setting(default, flags=(flag,), help=help, panel=TOOLS, bounds=Bounds(gt=0))
+
+
 @dataclass(frozen=True)
 class ToolSettings:
     """The tools a reply may call: generate's from a JSON file, chat's from a Python file and MCP servers."""
@@ -481,19 +487,11 @@ class ToolSettings:
         cli_default=None,
         parse=str,  # taken as written: shlex reads its quotes and backslashes, not --stop's escapes
     )
-    mcp_timeout: float = setting(
-        60.0,
-        flags=("--mcp-timeout",),
-        help="Seconds an MCP server has to answer a call; the model then reads that it timed out.",
-        panel=TOOLS,
-        bounds=Bounds(gt=0),
+    mcp_timeout: float = _mcp_seconds(
+        60.0, "--mcp-timeout", "answer a call; the model then reads that it timed out."
     )
-    mcp_start_timeout: float = setting(
-        30.0,
-        flags=("--mcp-start-timeout",),
-        help="Seconds an MCP server has to start and list its tools; the chat then goes on without it.",
-        panel=TOOLS,
-        bounds=Bounds(gt=0),
+    mcp_start_timeout: float = _mcp_seconds(
+        30.0, "--mcp-start-timeout", "start and list its tools; the chat then goes on without it."
     )
 
 

@@ -71,11 +71,13 @@ def read_commands(commands: Sequence[str]) -> tuple[ServerCommand, ...]:
         try:
             argv = tuple(shlex.split(text))
         except ValueError as error:
-            raise UsageError(f"--mcp {text!r}: {error}") from None
+            raise UsageError(f"--mcp {_shown(text)}: {error}") from None
         if not argv:
             raise UsageError("--mcp needs a command line (the server's program and its arguments)")
         if shutil.which(argv[0]) is None:
-            raise UsageError(f"--mcp {text!r}: no program {argv[0]!r} found (not on PATH, or not executable)")
+            raise UsageError(
+                f"--mcp {_shown(text)}: no program {argv[0]!r} found (not on PATH, or not executable)"
+            )
         read.append(ServerCommand(text, argv))
     return tuple(read)
 
@@ -102,7 +104,7 @@ class _Server:
     @property
     def label(self) -> str:
         where = f"its stderr: {self.log}" if self.log else "its stderr is not kept"
-        return f"--mcp {self.command.text!r} ({where})"
+        return f"--mcp {_shown(self.command.text)} ({where})"
 
     async def serve(self, ready: Future[list[Any]], start_timeout: float) -> None:
         """Start the server, list its tools (answered through `ready`), then hold the connection
@@ -194,6 +196,7 @@ class McpServers:
         servers._thread.start()
         try:
             folder = _log_folder(report)
+            _keep_sdk_logs(folder)
             readies = [servers._launch(command, folder) for command in commands]
             names = set(taken)
             for server, ready in zip(servers.servers, readies, strict=True):
@@ -359,6 +362,11 @@ def _content_text(item: Any) -> str:
     return f"[{kind or 'unknown'} content; not shown to the model]"
 
 
+def _shown(command: str) -> str:
+    """A command line in a message, as the user typed it between double quotes."""
+    return f'"{command}"'
+
+
 def _its_tools(names: list[str]) -> str:
     return f"its tool {names[0]} is" if len(names) == 1 else f"its tools {', '.join(names)} are"
 
@@ -393,6 +401,25 @@ def _log_folder(report: Callable[[str], None]) -> Path | None:
         report(f"the MCP servers' stderr is not kept: cannot write {folder} ({error.strerror or error})")
         return None
     return folder
+
+
+def _keep_sdk_logs(folder: Path | None) -> None:
+    """The SDK's own warnings (a server that writes other than JSON-RPC on its stdout logs a
+    traceback) go to a file beside the servers' logs: the chat's stderr is llmcli's alone."""
+    import logging
+
+    logger = logging.getLogger("mcp")
+    if logger.handlers:
+        return
+    try:
+        handler: logging.Handler = logging.NullHandler()
+        if folder:
+            handler = logging.FileHandler(folder / "sdk.log")
+    except OSError:
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def count_line(servers: McpServers) -> str:

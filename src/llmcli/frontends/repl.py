@@ -74,7 +74,8 @@ def _run(request: ChatRequest, view: ChatView, interactive: bool, console: Conso
     # Started before the model loads, stopped when the chat ends, however it ends.
     with McpServers.start(plan.commands, plan.start_timeout, plan.call_timeout, view.error, taken) as servers:
         functions.servers = servers
-        view.info(count_line(servers))
+        if servers.tools:
+            view.info(count_line(servers))
         functions.check_choice()  # a --tool-choice naming a server's tool: known only now
         return _chat(request, view, interactive, console)
 
