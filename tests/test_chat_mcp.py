@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -318,4 +319,28 @@ def test_ctrl_c_during_a_call_ends_the_round_and_the_chat_goes_on(
     assert "Traceback" not in chat_.child.before
     chat_.child.close()
     assert chat_.child.exitstatus == 0
+    assert_no_server_left(repl_places)
+
+
+def test_ctrl_c_while_a_server_starts_leaves_none_running(repl_places: dict[str, str]) -> None:
+    restore = signal.signal(signal.SIGINT, signal.default_int_handler)  # as above: Ctrl-C reaches it
+    try:
+        child = pexpect.spawn(
+            sys.executable,
+            ["-m", "llmcli", "chat", "-m", "/nonexistent/model", "--mcp", mcp("--hang-at-start")],
+            env={**os.environ, "TERM": "xterm-256color"},
+            timeout=PATIENCE_S,
+            encoding="utf-8",
+        )
+    finally:
+        signal.signal(signal.SIGINT, restore)
+    pids = Path(repl_places["LLMCLI_TEST_MCP_PIDS"])
+    deadline = time.monotonic() + PATIENCE_S
+    while not pids.exists() and time.monotonic() < deadline:  # the server is up, hanging
+        child.expect([pexpect.TIMEOUT, pexpect.EOF], timeout=0.1)
+    child.sendcontrol("c")
+    child.expect(pexpect.EOF)
+    assert "Traceback" not in child.before
+    child.close()
+    assert child.exitstatus == 130
     assert_no_server_left(repl_places)

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # TimeoutError itself from 3.11
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,8 +97,10 @@ class _Server:
     tools: tuple[Tool, ...] = ()
     gone: bool = False
     session: ClientSession | None = None
-    stop: asyncio.Event | None = None
-    served: Future[None] | None = None
+    # Set (from any thread, through the loop) to stop it, starting or started; `finished` once
+    # its process is gone: what closing waits for.
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
 
     @property
     def label(self) -> str:
@@ -113,32 +114,40 @@ class _Server:
         from mcp.client.session import ClientSession
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
-        self.stop = asyncio.Event()
         parameters = StdioServerParameters(
             command=self.command.argv[0],
             args=list(self.command.argv[1:]),
             env=dict(os.environ),  # the user's own command: it sees what it would in their shell
         )
         try:
-            with open(self.log or os.devnull, "a", encoding="utf-8") as errlog:
-                errlog.write(f"--- llmcli chat started {self.command.text} at {time.ctime()}\n")
-                errlog.flush()
-                async with (
-                    stdio_client(parameters, errlog=errlog) as (read, write),
-                    ClientSession(read, write) as session,
-                ):
-                    with anyio.fail_after(start_timeout):
-                        listed = await _list_tools(session)
-                    self.session = session
-                    ready.set_result(listed)
-                    await self.stop.wait()
-        except BaseException as error:  # told through `ready` at start; later, a call finds it gone
+            # `stop` cancels through anyio, whose shielded shutdown in the SDK then ends the
+            # process (an asyncio cancel could cut that shutdown short and leave it running).
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._cancel_on_stop, group.cancel_scope)
+                with open(self.log or os.devnull, "a", encoding="utf-8") as errlog:
+                    errlog.write(f"--- llmcli chat started {self.command.text} at {time.ctime()}\n")
+                    errlog.flush()
+                    async with (
+                        stdio_client(parameters, errlog=errlog) as (read, write),
+                        ClientSession(read, write) as session,
+                    ):
+                        with anyio.fail_after(start_timeout):
+                            listed = await _list_tools(session)
+                        self.session = session
+                        ready.set_result(listed)
+                        await anyio.sleep_forever()
+        except Exception as error:  # told through `ready` at start; later, a call finds it gone
             if not ready.done():
                 ready.set_exception(error)
-            if not isinstance(error, Exception):
-                raise
         finally:
             self.session = None
+            if not ready.done():
+                ready.set_exception(RuntimeError("stopped while it started"))
+            self.finished.set()
+
+    async def _cancel_on_stop(self, scope: Any) -> None:
+        await self.stop.wait()
+        scope.cancel()
 
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> Any:
         session = self.session
@@ -211,7 +220,7 @@ class McpServers:
         self.servers.append(server)
         ready: Future[list[Any]] = Future()
         assert self._loop is not None
-        server.served = asyncio.run_coroutine_threadsafe(server.serve(ready, self.start_timeout), self._loop)
+        asyncio.run_coroutine_threadsafe(server.serve(ready, self.start_timeout), self._loop)
         return ready
 
     def _admit(self, server: _Server, ready: Future[list[Any]], names: set[str]) -> None:
@@ -305,7 +314,7 @@ class McpServers:
         return f"error: {name} timed out after {self.call_timeout:g} s"
 
     def _stop(self, server: _Server) -> None:
-        if self._loop is not None and server.stop is not None:
+        if self._loop is not None:
             self._loop.call_soon_threadsafe(server.stop.set)
 
     def close(self) -> None:
@@ -315,12 +324,8 @@ class McpServers:
             return
         for server in self.servers:
             self._stop(server)
-            if server.served is not None and server.session is None:  # still starting: cancelled
-                server.served.cancel()
         for server in self.servers:
-            if server.served is not None:
-                with suppress(BaseException):  # cancelled, or a failure already said: nothing to add
-                    server.served.result(CLOSE_GRACE_S)
+            server.finished.wait(CLOSE_GRACE_S)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(CLOSE_GRACE_S)
         if not thread.is_alive():
