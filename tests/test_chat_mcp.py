@@ -240,6 +240,15 @@ def test_a_command_that_cannot_run_is_refused_before_anything_loads(
     assert words in one_error_line(result, 2)
 
 
+def test_without_the_sdk_mcp_says_what_to_install(places: dict[str, str], tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow" / "mcp"  # an `mcp` that fails to import, first on the path
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("not installed")\n')
+    path = os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")])
+    result = run_cli("chat", "--mcp", mcp(), stdin=b"hello\n", env={**places, "PYTHONPATH": path})
+    assert one_error_line(result, 2).endswith("--mcp needs the MCP SDK: pip install 'llmcli[mcp]'")
+
+
 def test_yes_and_tool_choice_need_tools(places: dict[str, str]) -> None:
     result = run_cli("chat", "--yes", stdin=b"", env=places)
     assert "--yes applies to the calls of --functions FILE.py or --mcp COMMAND" in one_error_line(result, 2)
