@@ -477,10 +477,10 @@ class ToolSettings:
     mcp: tuple[str, ...] = setting(
         (),
         flags=("--mcp",),
-        help='Start this MCP server (a command line, split as a shell would: "npx -y '
-        '@modelcontextprotocol/server-everything"; no shell runs it) and offer its tools beside '
-        "--functions, each call asked for as theirs are. Repeatable. Its stderr goes to a log file "
-        "under the state folder.",
+        help='Start this stdio MCP server (a command line such as "python server.py --root .", '
+        "split as a shell would; no shell runs it) and offer its tools beside --functions, each "
+        "call asked about as theirs are. Repeatable. Its stderr goes to a log file under the "
+        "state folder.",
         panel=TOOLS,
         show_default=False,
         cli_type=list[str] | None,
