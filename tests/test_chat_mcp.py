@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ import pexpect
 import psutil
 import pytest
 
+from llmcli.engine.tools import ToolCall
+from llmcli.frontends.mcp_servers import McpServers, read_commands
 from test_repl import ANSI, Repl
 
 from cli_helpers import (
@@ -352,4 +355,15 @@ def test_ctrl_c_while_a_server_starts_leaves_none_running(repl_places: dict[str,
     assert "Traceback" not in child.before
     child.close()
     assert child.exitstatus == 130
+    assert_no_server_left(repl_places)
+
+
+def test_closing_leaves_no_thread_and_no_server(repl_places: dict[str, str]) -> None:
+    """In-process: the loop's thread is joined and the process gone once the servers close."""
+    before = set(threading.enumerate())
+    said: list[str] = []
+    with McpServers.start(read_commands([mcp()]), 30.0, 30.0, said.append) as servers:
+        assert [tool.name for tool in servers.tools] == ["add", "echo", "greet", "hang", "die"]
+        assert servers.call(ToolCall("call_1", "add", '{"a": 1, "b": 2}'), {"a": 1, "b": 2}) == "3"
+    assert set(threading.enumerate()) == before and said == []
     assert_no_server_left(repl_places)
