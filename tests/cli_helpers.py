@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,16 @@ def run_reporting_imports(
         timeout=PATIENCE_S,
         env={**os.environ, **(env or {})},
     )
+
+
+def send_one_chunk(handler: http.server.BaseHTTPRequestHandler, delta: dict, finish: str) -> None:
+    """A stand-in OpenAI-style server's whole streamed reply: one chunk (text or calls), then
+    [DONE]."""
+    chunk = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.end_headers()
+    handler.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from llmcli.models.load import load_model
 from llmcli.models.resolve import resolve_model
 from test_repl import ANSI, Repl
 
-from cli_helpers import local_http_server, run_cli
+from cli_helpers import local_http_server, run_cli, send_one_chunk
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL
 
@@ -270,11 +270,7 @@ class _NamingServer(http.server.BaseHTTPRequestHandler):
             delta, finish = {"tool_calls": [call]}, "tool_calls"
         else:
             delta, finish = {"content": "done"}, "stop"
-        chunk = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        send_one_chunk(self, delta, finish)
 
     def log_message(self, *args: object) -> None:
         pass

@@ -17,6 +17,7 @@ import typer
 from llmcli.cli.examples import BENCH_EPILOG, CHAT_EPILOG, GENERATE_EPILOG, SERVE_EPILOG
 from llmcli.cli.models import config_app, models_app
 from llmcli.cli.options import Only, with_settings
+from llmcli.config.declare import check_bounds
 from llmcli.config.effective import Effective, effective_settings
 from llmcli.config.settings import (
     MOST_BEAMS,
@@ -32,12 +33,14 @@ from llmcli.config.settings import (
     flag_values,
     seconds_of,
 )
+from llmcli.engine.tools import CHOICES
 from llmcli.errors import UsageError
 
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
     from llmcli.engine.tools import ToolRequest
     from llmcli.frontends.functions import Functions
+    from llmcli.frontends.mcp_servers import McpPlan
 
 app = typer.Typer(
     name="llmcli",
@@ -84,7 +87,7 @@ ModelOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object with the text and timings.")]
 # The loading flags `bench` uses: it measures a model as it loads by default, with these changes.
 GENERATE_TOOLS = Only("tools", "tool_choice")
-CHAT_TOOLS = Only("functions", "yes", "tool_choice")
+CHAT_TOOLS = Only("functions", "yes", "tool_choice", "mcp", "mcp_timeout", "mcp_start_timeout")
 # Sequences at once `bench --concurrency` measures at most: beyond it the caches alone dwarf a
 # small model, and a server's --parallel is far lower.
 MAX_BENCH_CONCURRENCY = 64
@@ -351,6 +354,7 @@ def chat(
     _check_think_budget(effective, 1)
     constrained = _output_format(output, SpeculativeSettings(), 1)
     functions = _functions(tool_settings, constrained)
+    mcp = _mcp_plan(tool_settings)
     from llmcli.frontends.repl import ChatRequest, run
 
     code = run(
@@ -367,26 +371,42 @@ def chat(
             think=effective.think,
             think_budget=effective.think_budget,
             functions=functions,
+            mcp=mcp,
         )
     )
     raise typer.Exit(_kept_alive(code, effective, remote))
 
 
 def _functions(settings: ToolSettings, constrained: OutputFormat | None) -> Functions | None:
-    """--functions FILE.py, read (not run) before anything loads; --yes only with it."""
-    if settings.functions is None:
+    """--functions FILE.py, read (not run) before anything loads; --yes only with it or --mcp
+    (whose tools are listed when the chat starts: a --tool-choice naming one is checked then)."""
+    if settings.functions is None and not settings.mcp:
         for given, flag in ((settings.yes, "--yes"), (settings.tool_choice != "auto", "--tool-choice")):
             if given:
-                raise UsageError(f"{flag} applies to --functions calls: give --functions FILE.py")
+                raise UsageError(f"{flag} applies to the calls of --functions FILE.py or --mcp COMMAND")
         return None
     if constrained is not None:
-        raise UsageError(f"--functions and {constrained.label} do not combine: a reply is a call or JSON")
+        flag = "--functions" if settings.functions else "--mcp"
+        raise UsageError(f"{flag} and {constrained.label} do not combine: a reply is a call or JSON")
     from llmcli.frontends.functions import Functions, read_functions
     from llmcli.frontends.tools import flag_choice
 
-    tools = read_functions(settings.functions)
-    choice = flag_choice(settings.tool_choice, tools)
+    tools = read_functions(settings.functions) if settings.functions else ()
+    choice = settings.tool_choice
+    if not settings.mcp or choice in CHOICES or any(tool.name == choice for tool in tools):
+        choice = flag_choice(choice, tools)
     return Functions(settings.functions, tools, run_all=settings.yes, first_choice=choice)
+
+
+def _mcp_plan(settings: ToolSettings) -> McpPlan | None:
+    """--mcp's command lines split and their programs found, before anything loads."""
+    check_bounds(settings)
+    if not settings.mcp:
+        return None
+    from llmcli.frontends.mcp_servers import McpPlan, read_commands
+
+    commands = read_commands(settings.mcp)
+    return McpPlan(commands, settings.mcp_start_timeout, settings.mcp_timeout)
 
 
 @app.command(epilog=BENCH_EPILOG)

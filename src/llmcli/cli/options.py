@@ -117,8 +117,8 @@ def _converted(value: Any, name: str, declared: Declared, field: dataclasses.Fie
     environment and config file come next); any other takes its field's default."""
     if value is None:
         return None if declared.layered and not isinstance(field.default, tuple) else field.default
-    if isinstance(value, list):  # --stop, repeatable: escapes read, as a tuple
-        return tuple(unescape(text) for text in value)
+    if isinstance(value, list):  # --stop, repeatable: escapes read (unless it reads its own), as a tuple
+        return tuple((declared.parse or unescape)(text) for text in value)
     if declared.parse is not None:
         try:
             return declared.parse(value)

@@ -435,9 +435,15 @@ class OutputSettings:
 TOOLS = "Tool calls"
 
 
+def _mcp_seconds(default: float, flag: str, what: str) -> Any:
+    """One of --mcp's time limits, in seconds."""
+    help = f"Seconds an MCP server has to {what}"
+    return setting(default, flags=(flag,), help=help, panel=TOOLS, bounds=Bounds(gt=0))
+
+
 @dataclass(frozen=True)
 class ToolSettings:
-    """The tools a reply may call: generate's from a JSON file, chat's from a Python file."""
+    """The tools a reply may call: generate's from a JSON file, chat's from a Python file and MCP servers."""
 
     tools: str | None = setting(
         flags=("--tools",),
@@ -465,8 +471,27 @@ class ToolSettings:
     yes: bool = setting(
         False,
         flags=("--yes",),
-        help="With --functions: run every call without asking.",
+        help="With --functions or --mcp: run every call without asking.",
         panel=TOOLS,
+    )
+    mcp: tuple[str, ...] = setting(
+        (),
+        flags=("--mcp",),
+        help='Start this stdio MCP server (a command line such as "python server.py --root .", '
+        "split as a shell would; no shell runs it) and offer its tools beside --functions, each "
+        "call asked about as theirs are. Repeatable. Its stderr goes to a log file under the "
+        "state folder.",
+        panel=TOOLS,
+        show_default=False,
+        cli_type=list[str] | None,
+        cli_default=None,
+        parse=str,  # taken as written: shlex reads its quotes and backslashes, not --stop's escapes
+    )
+    mcp_timeout: float = _mcp_seconds(
+        60.0, "--mcp-timeout", "answer a call; the model then reads that it timed out."
+    )
+    mcp_start_timeout: float = _mcp_seconds(
+        30.0, "--mcp-start-timeout", "start and list its tools; the chat then goes on without it."
     )
 
 

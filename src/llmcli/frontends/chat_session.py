@@ -271,7 +271,9 @@ class ChatSession:
         # kept if its turn fails, taken back one by one by /undo.
         self.attached: list[ImageInput] = []
         self.totals = SessionTotals()
-        self.failed = False  # any turn or command that ended in an error, for scripted exit codes
+        # Any turn or command that ended in an error, for scripted exit codes (an MCP server that
+        # did not start too: said before the chat began).
+        self.failed = functions is not None and functions.failed
         self.ended = False  # Ctrl-D at a call's approval: the chat ends after this turn
         if target.caveat:
             view.notice(target.caveat)
@@ -294,6 +296,8 @@ class ChatSession:
         if self.attached and isinstance(user_text, str):
             images = [{"type": "image", "image": image} for image in self.attached]
             user_text = [*images, {"type": "text", "text": user_text}]
+        if self.functions:  # an MCP server gone since the last turn took its tools with it
+            history.tools = self.functions.request(0, False)
         for round_ in range(MOST_TOOL_ROUNDS + 1):
             tools = self.functions.request(round_, round_ == MOST_TOOL_ROUNDS) if self.functions else None
             asked = self._reply(user_text, steps, tools)
@@ -403,7 +407,13 @@ class ChatSession:
             )
             self.view.tool_result(f"not run ({why})")
             return "The user did not allow this call to run."
-        result = functions.run(call)
+        try:
+            result = functions.run(call)
+        except KeyboardInterrupt:  # as at the approval: this round of calls ends, the chat goes on
+            self.view.tool_result("interrupted (Ctrl-C: no more calls this turn)")
+            raise _RoundStopped(end_chat=False) from None
+        finally:
+            self.failed |= functions.failed  # a server that stopped during the call: said already
         self.view.tool_result(result)
         return result
 
@@ -489,7 +499,8 @@ class ChatSession:
         output = format_command(argument, self.output)
         if output is not None and self.functions is not None:
             raise UsageError(
-                "/format and --functions do not combine: a reply may call a tool or be JSON, not both"
+                "/format and tools (--functions, --mcp) do not combine: a reply may call a tool or be "
+                "JSON, not both"
             )
         self.output = output
         self.view.info(f"format {_format_name(self.output) if self.output else 'off (text)'}")

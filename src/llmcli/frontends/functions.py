@@ -19,10 +19,13 @@ import runpy
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmcli.engine.tools import Tool, ToolCall, ToolRequest
+from llmcli.engine.tools import CHOICES, Tool, ToolCall, ToolRequest
 from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    from llmcli.frontends.mcp_servers import McpServers
 
 SIMPLE_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
 RESULT_CHARS = 8000  # a result longer than this is cut: the model's context is not a log file
@@ -136,20 +139,43 @@ def _parameter_docs(doc: str) -> dict[str, str]:
 
 @dataclass
 class Functions:
-    """The offered functions, and who may run them: every call asked about, unless --yes."""
+    """The offered functions (a file's, and the tools of --mcp servers), and who may run them:
+    every call asked about, unless --yes."""
 
-    path: str
-    tools: tuple[Tool, ...]
+    path: str | None  # None: --mcp alone
+    tools: tuple[Tool, ...]  # the file's
     run_all: bool = False  # --yes
     first_choice: str = "auto"  # --tool-choice: the first reply of each exchange; later ones auto
     always: set[str] = field(default_factory=set)  # functions approved with "a", this session
+    servers: McpServers | None = None  # --mcp: their tools, as long as each server runs
     _module: dict[str, Any] | None = None
 
-    def request(self, round_: int, last: bool) -> ToolRequest:
+    @property
+    def offered(self) -> tuple[Tool, ...]:
+        """What the replies may call now: a server gone takes its tools with it."""
+        return self.tools + (self.servers.tools if self.servers else ())
+
+    @property
+    def failed(self) -> bool:
+        """A server that did not start or stopped (said already): a scripted chat exits 1."""
+        return self.servers is not None and self.servers.failed
+
+    def request(self, round_: int, last: bool) -> ToolRequest | None:
         """What the `round_`th reply of an exchange may do: the last may call nothing, so that a
-        model that keeps calling gets to answer."""
+        model that keeps calling gets to answer. None once no tool is left to offer."""
+        offered = self.offered
+        if not offered:
+            return None
         choice = "none" if last else self.first_choice if round_ == 0 else "auto"
-        return ToolRequest(self.tools, choice)
+        if choice not in CHOICES and not self.offers(choice):  # its server is gone
+            choice = "auto"
+        return ToolRequest(offered, choice)
+
+    def check_choice(self) -> None:
+        """--tool-choice naming a tool, once the --mcp servers listed theirs."""
+        choice = self.first_choice
+        if choice not in CHOICES and not self.offers(choice):
+            raise UsageError(f"--tool-choice names {choice!r}, which is not among the tools offered")
 
     def approved_without_asking(self, call: ToolCall) -> bool:
         return self.run_all or call.name in self.always
@@ -157,17 +183,26 @@ class Functions:
     def offers(self, name: str) -> bool:
         """Whether a reply's call names one of the functions sent as tools (and so may be asked
         about at all): anything else in the file, or not in it, is an unknown tool."""
-        return any(tool.name == name for tool in self.tools)
+        return any(tool.name == name for tool in self.offered)
 
     def refusal(self, name: str) -> str:
         """What the model reads about a call to a name it was not offered."""
-        offered = ", ".join(tool.name for tool in self.tools)
+        offered = ", ".join(tool.name for tool in self.offered)
         return f"error: {name} is not one of the functions offered ({offered}); it was not run"
 
     def run(self, call: ToolCall) -> str:
         """Run an approved call; its result as the model reads it (an exception's text too)."""
         if not self.offers(call.name):  # checked before the file runs: an unknown name runs nothing
             return self.refusal(call.name)
+        if self.servers is not None and self.servers.holds(call.name):
+            try:
+                arguments = json.loads(call.arguments or "{}")
+            except ValueError as error:
+                return f"error: the arguments are not JSON ({error}); it was not run"
+            if not isinstance(arguments, dict):
+                return "error: the arguments are not a JSON object; it was not run"
+            return self.servers.call(call, arguments)
+        assert self.path is not None  # the file's tools come with its path
         filename = str(Path(self.path).expanduser())
         if self._module is None:
             self._module = runpy.run_path(filename, run_name="llmcli_functions")

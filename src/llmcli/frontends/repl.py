@@ -26,6 +26,7 @@ from llmcli.frontends.opening import open_target
 if TYPE_CHECKING:
     from llmcli.engine.structured import OutputFormat
     from llmcli.frontends.functions import Functions
+    from llmcli.frontends.mcp_servers import McpPlan
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -45,7 +46,8 @@ class ChatRequest:
     output: OutputFormat | None = None  # --format / --json-schema: every reply JSON (/format changes it)
     think: str | None = None  # show, hide, off; None: show on a terminal, hide in a pipe
     think_budget: int | None = None
-    functions: Functions | None = None  # --functions: read already (not run)
+    functions: Functions | None = None  # --functions: read already (not run); with --mcp too
+    mcp: McpPlan | None = None  # --mcp: servers started when the chat starts, stopped when it ends
 
 
 def run(request: ChatRequest) -> int:
@@ -63,6 +65,22 @@ def run(request: ChatRequest) -> int:
 
 
 def _run(request: ChatRequest, view: ChatView, interactive: bool, console: Console) -> int:
+    functions, plan = request.functions, request.mcp
+    if plan is None or functions is None:
+        return _chat(request, view, interactive, console)
+    from llmcli.frontends.mcp_servers import McpServers, count_line
+
+    taken = [tool.name for tool in functions.tools]
+    # Started before the model loads, stopped when the chat ends, however it ends.
+    with McpServers.start(plan.commands, plan.start_timeout, plan.call_timeout, view.error, taken) as servers:
+        functions.servers = servers
+        if servers.tools:
+            view.info(count_line(servers))
+        functions.check_choice()  # a --tool-choice naming a server's tool: known only now
+        return _chat(request, view, interactive, console)
+
+
+def _chat(request: ChatRequest, view: ChatView, interactive: bool, console: Console) -> int:
     # A thinking budget runs on the loaded model itself: the OpenAI API has no field for it.
     in_process = request.think_budget is not None
     target = open_target(request.model, request.load, request.remote, request.speculative, in_process)
