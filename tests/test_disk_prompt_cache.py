@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -293,3 +294,32 @@ def test_python_ignores_sigxfsz_so_a_file_size_limit_is_an_error_not_a_kill() ->
     import signal
 
     assert sys.platform != "linux" or signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
+
+
+def test_a_restarted_server_resumes_a_known_conversation(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_serve import assert_access_log_only, start_server
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMCLI_PROMPT_CACHE_SIZE", "1GiB")
+    system = "You answer questions about the report below, briefly. " + "The report has many lines. " * 40
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is it about?"}]
+
+    def turn(messages: list[dict[str, str]]) -> dict[str, Any]:
+        server = start_server(tiny_llama, tmp_path / "runtime")
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+        status, answer = server.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+        server.process.send_signal(signal.SIGTERM)  # as `llmcli stop` does
+        assert server.process.wait(timeout=PATIENCE_S) == 0
+        assert_access_log_only(server.process.stderr.read())
+        assert status == 200, answer
+        return answer
+
+    first = turn(messages)
+    assert first["timings"]["cached_tokens"] == 0
+    reply = first["choices"][0]["message"]["content"]
+    second = turn([*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}])
+    usage = second["usage"]
+    assert second["timings"]["cached_from"] == "disk"
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
