@@ -88,6 +88,11 @@ def fresh(loaded: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return list(generation.result.token_ids), generation.prefill_logits
 
 
+def greedy(model: Path, *more: str) -> list[str]:
+    """`llmcli generate`'s arguments for a short greedy reply from `model` on the CPU."""
+    return ["generate", "-m", str(model), "-t", "0", "-n", "8", "--device", "cpu", *more]
+
+
 def entries(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
@@ -110,20 +115,7 @@ def test_a_second_generate_process_reuses_the_first_ones_document(tiny_llama: Pa
     env = {"XDG_CACHE_HOME": str(tmp_path), "LLMCLI_PROMPT_CACHE_SIZE": "1GiB"}
 
     def generate(question: str, **more: str) -> dict[str, Any]:
-        args = (
-            "generate",
-            "-m",
-            str(tiny_llama),
-            "--json",
-            "-t",
-            "0",
-            "-n",
-            "8",
-            "--device",
-            "cpu",
-            question,
-        )
-        proc = run_cli(*args, stdin=document, env={**env, **more})
+        proc = run_cli(*greedy(tiny_llama, "--json", question), stdin=document, env={**env, **more})
         assert proc.returncode == 0, proc.stderr.decode()
         assert not proc.stderr.strip(), proc.stderr.decode()
         return json.loads(proc.stdout)
@@ -259,19 +251,7 @@ def test_a_cache_that_cannot_be_written_says_so_once_and_the_answer_goes_on(
 ) -> None:
     document = " ".join(f"line {i} of the report." for i in range(60)).encode()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "LLMCLI_PROMPT_CACHE_SIZE": "1GiB"}
-    args = [
-        *LLMCLI,
-        "generate",
-        "-m",
-        str(tiny_llama),
-        "-t",
-        "0",
-        "-n",
-        "8",
-        "--device",
-        "cpu",
-        "Which line?",
-    ]
+    args = [*LLMCLI, *greedy(tiny_llama, "Which line?")]
     limited = subprocess.run(
         args, input=document, capture_output=True, env=env, timeout=PATIENCE_S, preexec_fn=_limited_file_size
     )

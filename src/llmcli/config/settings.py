@@ -293,9 +293,8 @@ class LoadSettings:
     # bytes of prompt state kept on disk (engine/disk_prefix.py); None: the built-in default
     prompt_cache_size: str | None = setting(
         flags=("--prompt-cache-size",),
-        help="Keep long prompts' computed state on disk, under the cache directory, up to this size "
-        "(2GiB, 500MB; 0 turns it off): a later call or a restarted server starting with the same "
-        "text prefills only what is new. Default: 2GiB.",
+        help="Keep long prompts' computed state on disk up to this size (2GiB, 500MB; 0: off): a later "
+        "call or a restarted server prefills only what is new. Default: 2GiB.",
         panel=LOADING,
         layered=True,
         show_default=False,
