@@ -303,3 +303,16 @@ def test_a_restarted_server_resumes_a_known_conversation(
     usage = second["usage"]
     assert second["timings"]["cached_from"] == "disk"
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+
+
+def test_a_new_chat_session_resumes_the_last_ones_system_prompt(tiny_llama: Path, tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path), "LLMCLI_PROMPT_CACHE_SIZE": "1GiB"}
+    system = "You are terse and careful. " * 25
+    args = ("chat", "-m", str(tiny_llama), "--device", "cpu", "-t", "0", "-n", "5", "-s", system, "--json")
+    turns = []
+    for message in (b"hello there\n", b"hello again\n"):
+        proc = run_cli(*args, stdin=message, env=env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        turns.append(json.loads(proc.stdout.splitlines()[0]))
+    assert turns[0]["cached_tokens"] == 0
+    assert turns[1]["cached_tokens"] >= MIN_DISK_TOKENS
