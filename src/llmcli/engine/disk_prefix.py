@@ -423,7 +423,6 @@ class DiskTier:
             handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(handle, "wb") as file:
                 file.write(data)
-            os.replace(temporary, self.folder / name)
         except OSError:
             temporary.unlink(missing_ok=True)
             raise
@@ -434,7 +433,8 @@ class DiskTier:
             "bytes": len(data),
             "used": time.time(),
         }
-        with self._locked():
+        with self._locked():  # in place and indexed at once: a file not in the index is a crash's
+            os.replace(temporary, self.folder / name)
             entries = dict(self._entries())
             for other, kept in list(entries.items()):  # made useless: an entry this one starts with
                 held = self._ids_of(other, kept)
@@ -448,6 +448,9 @@ class DiskTier:
             entries[name] = row
             while sum(int(kept.get("bytes", 0)) for kept in entries.values()) > self.budget_bytes:
                 self._drop(entries, min(entries, key=lambda other: entries[other].get("used", 0)))
+            for stray in self.folder.glob(f"*{SUFFIX}"):  # left by a process that ended mid-write
+                if stray.name not in entries:
+                    stray.unlink(missing_ok=True)
             self._write_index(entries)
 
     def _drop(self, entries: dict[str, dict[str, Any]], name: str) -> None:
