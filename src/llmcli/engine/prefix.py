@@ -233,22 +233,29 @@ class PrefixStore:
         """Make `into` hold the longest prefix of `ids` (at most `at_most` tokens) the best state
         gives, setting aside what it would lose where that is worth a copy; the tokens held."""
         match = self.best(into, ids, at_most)
-        if isinstance(match.entry, Running):
-            match = self._copy_running(into, match.entry, ids, at_most)
-        if match.entry in self.entries:  # out of the store first: setting aside evicts
-            self.entries.remove(match.entry)  # type: ignore[arg-type]
-            self.restored += 1
+        copied = isinstance(match.entry, Running)
+        if copied:
+            match = self._copy_running(into, match.entry, ids, at_most)  # type: ignore[arg-type]
+        self._take_out(match)
         self._set_aside(into, ids)
-        self.source = "slot" if isinstance(match.entry, Running) else "memory"
+        # What the engine holds now came from another slot where the copy is what it starts from.
+        self.source = "slot" if copied and isinstance(match.entry, Own) else "memory"
         if isinstance(match.entry, DiskCopy):
             try:
                 held = match.entry.bring(into, match.length)
             except Refused:  # said and removed: the best state without the disk, as if it were not there
                 match = self.best(into, ids, at_most, others=False, disk=False)
+                self._take_out(match)
             else:
                 self.source = "disk"
                 return held
         return match.entry.bring(into, match.length)
+
+    def _take_out(self, match: Match) -> None:
+        """A host copy about to be restored leaves the store first: setting aside evicts."""
+        if match.entry in self.entries:
+            self.entries.remove(match.entry)  # type: ignore[arg-type]
+            self.restored += 1
 
     def ended(self, engine: Engine) -> None:
         """A generation ended on `engine`: what its cache holds is kept on disk, where there is
