@@ -316,3 +316,21 @@ def test_a_new_chat_session_resumes_the_last_ones_system_prompt(tiny_llama: Path
         turns.append(json.loads(proc.stdout.splitlines()[0]))
     assert turns[0]["cached_tokens"] == 0
     assert turns[1]["cached_tokens"] >= MIN_DISK_TOKENS
+
+
+def test_an_index_not_written_by_llmcli_is_read_as_empty(tiny_llama: Path, tmp_path: Path) -> None:
+    loaded = load(tiny_llama, dtype="fp32")
+    Process(loaded, tmp_path).answer(FIRST)
+    index = tmp_path / INDEX_FILE
+    data = json.loads(index.read_text())
+    (name,) = data["entries"]
+    data["entries"][name]["bytes"] = "many"
+    outside = {"key": "x", "ids": "", "bytes": 1, "used": 0, "points": None}
+    data["entries"]["../elsewhere.safetensors"] = outside
+    index.write_text(json.dumps(data))
+    later = Process(loaded, tmp_path)
+    tokens, _, stats = later.answer(SECOND)
+    assert stats.cached_tokens == 0 and not later.warnings
+    assert tokens == fresh(loaded, SECOND)[0]
+    index.write_text("[not json")
+    assert Process(loaded, tmp_path).tier.longest(SECOND) == (None, 0)

@@ -202,8 +202,7 @@ class DiskTier:
             try:
                 data = json.loads(path.read_bytes())
                 entries = data["entries"] if data.get("format") == FORMAT_VERSION else {}
-                if not isinstance(entries, dict):
-                    entries = {}
+                entries = {name: row for name, row in entries.items() if _well_formed(name, row)}
             except (OSError, ValueError, TypeError, KeyError, AttributeError):
                 entries = {}  # an unreadable index: rebuilt by the next write
             self._index = (changed, entries)
@@ -236,10 +235,7 @@ class DiskTier:
             held = self._ids_of(name, row)
             if held is None:
                 continue
-            points = row.get("points")
-            entry = DiskCopy(
-                self, name, held, points if isinstance(points, list) else None, int(row.get("bytes", 0))
-            )
+            entry = DiskCopy(self, name, held, row.get("points"), row["bytes"])
             length = entry.reach(common_prefix_length(held, ids))
             if length > best_length:
                 best, best_length = entry, length
@@ -480,3 +476,18 @@ def _data_digest(data: bytes) -> str:
     """SHA-256 of a safetensors file's tensor bytes (all that follows its header)."""
     _, start = _safetensors_header(data)
     return hashlib.sha256(memoryview(data)[start:]).hexdigest()
+
+
+def _well_formed(name: Any, row: Any) -> bool:
+    """An index row as this llmcli writes it (any other is left out, as if not there; its file,
+    no longer named, goes at the next write)."""
+    if not isinstance(name, str) or not name.endswith(SUFFIX) or "/" in name or not isinstance(row, dict):
+        return False
+    points = row.get("points")
+    return (
+        isinstance(row.get("key"), str)
+        and isinstance(row.get("ids"), str)
+        and isinstance(row.get("bytes"), int)
+        and isinstance(row.get("used"), (int, float))
+        and (points is None or (isinstance(points, list) and all(isinstance(at, int) for at in points)))
+    )
