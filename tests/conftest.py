@@ -28,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["XDG_RUNTIME_DIR"] = str(_TEST_HOME / "run")  # a user's running `llmcli serve` stays theirs
     os.environ["HF_HOME"] = str(_TEST_HOME / "hf")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # The prompt cache on disk off for the commands tests run (they share one cache folder): a
+    # test's prefill must not depend on which tests ran before it. test_disk_prompt_cache.py
+    # turns it on, each test in a folder of its own.
+    os.environ["LLMCLI_PROMPT_CACHE_SIZE"] = "0"
     for name in (
         "LLMCLI_MODEL",
         "LLMCLI_CACHE_DIR",

@@ -360,6 +360,7 @@ def show_config(
             ("think", effective.think, "built-in (show on a terminal, hide in a pipe)"),
             ("think_budget", effective.think_budget, "built-in (none)"),
             ("keep_alive", effective.keep_alive, "built-in (off)"),
+            ("prompt_cache_size", effective.load.prompt_cache_size, "built-in (2GiB)"),
         ):
             rows.append((key, value, effective.sources.get(key, unset)))
         if json_output:

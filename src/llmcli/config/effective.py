@@ -17,6 +17,7 @@ from llmcli.config.settings import (
     SamplingSettings,
     SpeculativeSettings,
     keep_alive_seconds,
+    prompt_cache_bytes,
 )
 from llmcli.config.user_config import UserConfig, env_settings, load_user_config
 
@@ -81,6 +82,8 @@ def effective_settings(
         SamplingSettings(**given, stop=tuple(layer.get("stop") or ())).validate(where)
         PromptSettings(think=layer.get("think"), think_budget=layer.get("think_budget")).validate(where)
         keep_alive_seconds(layer.get("keep_alive"), where)
+        if layer.get("prompt_cache_size") is not None:
+            prompt_cache_bytes(str(layer["prompt_cache_size"]), where)
     for name, layer in layers:
         for key, value in layer.items():
             if key not in values:
@@ -89,8 +92,12 @@ def effective_settings(
         **{key: values.get(key) for key in SAMPLING_NUMBERS},
         stop=tuple(values.get("stop") or ()),
     ).validate()
+    cache_size = values.get("prompt_cache_size")
     load = replace(
-        load or LoadSettings(), context_length=values.get("ctx"), engine=values.get("engine") or "auto"
+        load or LoadSettings(),
+        context_length=values.get("ctx"),
+        engine=values.get("engine") or "auto",
+        prompt_cache_size=None if cache_size is None else str(cache_size),
     )
     return Effective(
         model=model,

@@ -23,3 +23,8 @@ def state_dir() -> Path:
     """$XDG_STATE_HOME/llmcli, else ~/.local/state/llmcli: the REPL's input history lives here."""
     base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
     return Path(base).expanduser() / "llmcli"
+
+
+def prompt_cache_dir() -> Path:
+    """Prompts' computed state kept on disk (engine/disk_prefix.py): one safetensors file each."""
+    return cache_dir() / "prompts"

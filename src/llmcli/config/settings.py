@@ -290,6 +290,15 @@ class LoadSettings:
         panel=LOADING,
         show_default=False,
     )
+    # bytes of prompt state kept on disk (engine/disk_prefix.py); None: the built-in default
+    prompt_cache_size: str | None = setting(
+        flags=("--prompt-cache-size",),
+        help="Keep long prompts' computed state on disk up to this size (2GiB, 500MB; 0: off): a later "
+        "call or a restarted server prefills only what is new. Default: 2GiB.",
+        panel=LOADING,
+        layered=True,
+        show_default=False,
+    )
     # native (llmcli's own forward), transformers, or auto: native where it runs
     engine: str = setting(
         "auto",
@@ -311,6 +320,7 @@ class LoadSettings:
             raise UsageError(f"--ctx must be at least 16 tokens, got {self.context_length}")
         if self.offload and device_kind not in ("auto", "cuda"):
             raise UsageError("--offload spreads a model over GPU and CPU memory: it needs --device cuda")
+        prompt_cache_bytes(self.prompt_cache_size)
         return self
 
 
@@ -579,6 +589,21 @@ def bytes_of_size(text: str, name: str) -> int:
 def keep_alive_seconds(text: str | None, where: str = "flag") -> float | None:
     """--keep-alive (or LLMCLI_KEEP_ALIVE, keep_alive in the config file) as seconds."""
     return seconds_of(text, setting_name("keep_alive", where, "--keep-alive"))
+
+
+DEFAULT_PROMPT_CACHE_SIZE = "2GiB"
+
+
+def prompt_cache_bytes(text: str | None, where: str = "flag") -> int:
+    """--prompt-cache-size (or prompt_cache_size in the config file) in bytes; 0: no disk cache."""
+    text = DEFAULT_PROMPT_CACHE_SIZE if text is None else text
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        label = setting_name("prompt_cache_size", where, "--prompt-cache-size")
+        raise UsageError(f"{label}: {error} (0 turns the cache off)") from None
 
 
 def flag_values(*groups: Any) -> dict[str, Any]:

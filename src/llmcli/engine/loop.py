@@ -197,6 +197,7 @@ class Generation:
                     break
         finally:
             tokens.close()  # the producer crops the cache to what was taken
+            self._engine.prefixes.ended(self._engine)  # kept on disk where that is worth it
         # The end: a character the model left unfinished, and text held back as a possible stop
         # string (a character the length limit cut in its middle is dropped, not shown as U+FFFD).
         rest = self._detok.flush(cut=self.finish_reason == "length") if self._detok else ""
@@ -223,6 +224,7 @@ class Generation:
         else:
             reused = engine.reuse_prefix(self._prompt_ids)
         stats.prefilled_tokens = len(self._prompt_ids) - reused
+        stats.cached_from = engine.prefixes.source if reused else None
         logits = engine.prefill(self._prompt_ids[reused:])
         _check_finite(logits)
         self.prefill_logits = logits

@@ -9,8 +9,13 @@ The states a prompt may start from (entries):
   to crop it, brought back when that conversation returns (three chats whose turns interleave
   would otherwise each find the cache holding another's text and prefill their whole history).
 
+- `DiskCopy` (disk_prefix.py): a state written to a file under the cache folder by this
+  process or an earlier one (a one-shot `generate` over the same document, a restarted server's
+  conversation), read and checked when brought.
+
 One rule picks among them (`PrefixStore.best`): the engine's own cache, unless another slot's
-shares at least MIN_RESTORED_GAIN more, unless a host copy shares that much more again. A
+shares at least MIN_RESTORED_GAIN more, unless a host copy shares that much more again, unless a
+file on disk shares MIN_DISK_TOKENS more than that (reading one costs its whole size). A
 server's slots share one store (a conversation set aside by one may come back in any); a
 one-conversation process (generate, chat, a draft model) has a store with no budget, which keeps
 nothing and so only ever crops.
@@ -27,32 +32,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from llmcli.engine.disk_prefix import MIN_DISK_TOKENS, DiskCopy, Refused
+from llmcli.engine.prefix_base import Engine, common_prefix_length
+
 if TYPE_CHECKING:
-    from llmcli.engine.backend import Backend, Saved
+    from llmcli.engine.backend import Saved
+    from llmcli.engine.disk_prefix import DiskTier
+
+__all__ = ["Engine", "PrefixStore", "common_prefix_length"]
 
 # Fewer tokens than this about to be lost are not set aside: a copy is not worth a short
 # prefill, and the same conversation cropping its last reply (a retry) would fill the store.
 MIN_SET_ASIDE_TOKENS = 64
 # Another state replaces the one at hand only when it saves at least this many tokens of prefill.
 MIN_RESTORED_GAIN = 16
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class Engine(Protocol):
-    """What the store asks of an engine (held.HeldCache): its backend and the exact ids its
-    cache holds, and a crop that keeps the two equal."""
-
-    backend: Backend
-    cached_ids: list[int]
-
-    def crop_to(self, keep: int) -> None: ...
 
 
 class Entry(Protocol):
@@ -151,8 +144,12 @@ class PrefixStore:
     least recently set aside go until the copies fit; a copy larger than the whole budget is not
     kept."""
 
-    def __init__(self, budget_bytes: int = 0) -> None:
+    def __init__(self, budget_bytes: int = 0, disk: DiskTier | None = None) -> None:
         self.budget_bytes = budget_bytes
+        self.disk = disk  # the files under the cache folder (disk_prefix.py); None: none
+        # Where the last `start`'s tokens came from, as --json's `cached_from` says it: "memory"
+        # (the engine's own cache or a host copy), "slot" (another slot's), "disk".
+        self.source: str | None = None
         self.entries: list[HostCopy] = []  # least recently set aside first
         self.restored = 0  # host copies brought back (the tests read it)
         self._engines: list[Engine] = []  # a server's slots, in slot order
@@ -188,11 +185,14 @@ class PrefixStore:
     def _slot(self, engine: Engine) -> int:
         return self._engines.index(engine)
 
-    def best(self, into: Engine, ids: Sequence[int], at_most: int, others: bool = True) -> Match:
+    def best(
+        self, into: Engine, ids: Sequence[int], at_most: int, others: bool = True, disk: bool = True
+    ) -> Match:
         """The state `into` should start `ids` from, bringing at most `at_most` tokens: its own
         cache, unless (`others`) a running slot's shares at least MIN_RESTORED_GAIN more, unless
-        a host copy shares that much more again. Own cache and host copies are measured by all
-        they share (a copy is restored whole); another slot by what it would copy."""
+        a host copy shares that much more again, unless (`disk`) a file shares MIN_DISK_TOKENS
+        more. Own cache and host copies are measured by all they share (a copy is restored
+        whole); another slot by what it would copy; a file by where it can be resumed."""
         own = Own(into)
         shared = own.reach(common_prefix_length(into.cached_ids, ids))
         best = Match(own, min(shared, at_most), shared)
@@ -205,6 +205,11 @@ class PrefixStore:
         copy, shared = self._longest_copy(ids)
         if copy is not None and shared >= best.shared + MIN_RESTORED_GAIN:
             best = Match(copy, min(shared, at_most), shared)
+        if disk and self.disk is not None:
+            kept, shared = self.disk.longest(ids)
+            length = kept.reach(min(shared, at_most)) if kept is not None else 0
+            if kept is not None and length >= best.shared + MIN_DISK_TOKENS:
+                best = Match(kept, length, length)
         return best
 
     def _running_source(self, into: Engine, ids: Sequence[int]) -> Running | None:
@@ -228,13 +233,35 @@ class PrefixStore:
         """Make `into` hold the longest prefix of `ids` (at most `at_most` tokens) the best state
         gives, setting aside what it would lose where that is worth a copy; the tokens held."""
         match = self.best(into, ids, at_most)
-        if isinstance(match.entry, Running):
-            match = self._copy_running(into, match.entry, ids, at_most)
-        if match.entry in self.entries:  # out of the store first: setting aside evicts
+        copied = isinstance(match.entry, Running)
+        if copied:
+            match = self._copy_running(into, match.entry, ids, at_most)  # type: ignore[arg-type]
+        self._take_out(match)
+        self._set_aside(into, ids)
+        # What the engine holds now came from another slot where the copy is what it starts from.
+        self.source = "slot" if copied and isinstance(match.entry, Own) else "memory"
+        if isinstance(match.entry, DiskCopy):
+            try:
+                held = match.entry.bring(into, match.length)
+            except Refused:  # said and removed: the best state without the disk, as if it were not there
+                match = self.best(into, ids, at_most, others=False, disk=False)
+                self._take_out(match)
+            else:
+                self.source = "disk"
+                return held
+        return match.entry.bring(into, match.length)
+
+    def _take_out(self, match: Match) -> None:
+        """A host copy about to be restored leaves the store first: setting aside evicts."""
+        if match.entry in self.entries:
             self.entries.remove(match.entry)  # type: ignore[arg-type]
             self.restored += 1
-        self._set_aside(into, ids)
-        return match.entry.bring(into, match.length)
+
+    def ended(self, engine: Engine) -> None:
+        """A generation ended on `engine`: what its cache holds is kept on disk, where there is
+        a disk tier and it is worth a file (disk_prefix.py: copied now, written in the background)."""
+        if self.disk is not None:
+            self.disk.offer(list(engine.cached_ids), engine.backend.save)
 
     def _copy_running(self, into: Engine, source: Running, ids: Sequence[int], at_most: int) -> Match:
         """A copy empties `into` first, so what it held is set aside whole (start_over). Setting
@@ -264,6 +291,8 @@ class PrefixStore:
         saved = into.backend.save()
         if saved is not None:  # transformers' caches are not copied (hf.py)
             self._keep(HostCopy(held, saved))
+            if self.disk is not None:  # a server's conversation set aside outlives a restart too
+                self.disk.offer(list(held), lambda: saved)
 
     def _keep(self, copy: HostCopy) -> None:
         if copy.nbytes > self.budget_bytes:

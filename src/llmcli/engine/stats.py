@@ -19,6 +19,7 @@ class GenerationStats:
     decode_s: float = 0.0  # first token → last token
     token_times: list[float] = field(default_factory=list, repr=False)  # perf_counter at each token
     speculative: SpeculativeStats | None = None  # drafted and accepted tokens, when speculating
+    cached_from: str | None = None  # where the cached tokens came from (prefix.PrefixStore.source)
 
     @property
     def inter_token_s(self) -> list[float]:

@@ -1,7 +1,9 @@
 """One-shot generation: prompt from arguments and/or stdin, text or JSON to stdout.
 
-Prompt layout when both are given: the arguments are the instruction and stdin the material,
-joined as "<arguments>\n\n<stdin>". Either alone is the whole prompt.
+Prompt layout when both are given: stdin is the material and the arguments the instruction,
+joined as "<stdin>\n\n<arguments>" (as simonw's `llm` does). The material first: two questions
+about one document then share the document's tokens, which the prefix cache (in memory, and on
+disk from one process to the next) does not prefill again. Either alone is the whole prompt.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def read_images(paths: tuple[str, ...], stdin: BinaryIO | None) -> list[ImageInp
 def assemble_prompt(words: tuple[str, ...], stdin_text: str) -> str:
     instruction = " ".join(words).strip()
     material = stdin_text.strip()
-    prompt = "\n\n".join(part for part in (instruction, material) if part)
+    prompt = "\n\n".join(part for part in (material, instruction) if part)
     if not prompt:
         raise UsageError(
             "nothing to generate from: the prompt is empty",

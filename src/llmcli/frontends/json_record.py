@@ -29,6 +29,7 @@ def json_record(
         **target.facts(),
         "num_beams": num_beams,
         "cached_tokens": outcome.cached_tokens,
+        "cached_from": outcome.cached_from,
         "image_tokens": outcome.image_tokens,
         "speculative": outcome.speculative,
         "sampling": outcome.sampling,

@@ -51,6 +51,9 @@ def load_with_feedback(
         from llmcli.models.load import load_model
 
         loaded = load_model(resolved, settings, lean=lean, mtp=mtp)
+    from llmcli.models.fingerprint import checkpoint_fingerprint
+
+    loaded.fingerprint = checkpoint_fingerprint(resolved)
     for note in loaded.notes:
         terminal.note(note)
     return loaded

@@ -54,8 +54,13 @@ class InProcessTarget:
 
     @cached_property
     def engine(self) -> Engine:
-        """Made when first needed: beam search runs on the model itself and needs none."""
-        return engine_with_feedback(self.loaded)
+        """Made when first needed: beam search runs on the model itself and needs none. Its
+        prompts' state is kept on disk for the next process (frontends/prompt_cache.py)."""
+        from llmcli.frontends.prompt_cache import attach_disk_cache
+
+        engine = engine_with_feedback(self.loaded)
+        attach_disk_cache(engine, self.loaded, self._load)
+        return engine
 
     @property
     def engine_name(self) -> str:
@@ -190,6 +195,7 @@ def outcome_of(result: GenerationResult, params: SamplingParams) -> Outcome:
         completion_tokens=stats.completion_tokens,
         prefilled_tokens=stats.prefilled_tokens,
         cached_tokens=stats.cached_tokens,
+        cached_from=stats.cached_from,
         ttft_s=stats.ttft_s,
         prefill_tok_s=stats.prefill_tok_s,
         decode_tok_s=stats.decode_tok_s,

@@ -372,6 +372,7 @@ class RemoteReply:
             completion_tokens=completion_tokens,
             prefilled_tokens=prefilled,
             cached_tokens=cached,
+            cached_from=source if isinstance(source := timings.get("cached_from"), str) else None,
             ttft_s=_seconds(timings.get("ttft_s"), (self._first_at or self._started) - self._started),
             prefill_tok_s=_seconds(timings.get("prefill_tok_s")),
             decode_tok_s=_seconds(timings.get("decode_tok_s")),

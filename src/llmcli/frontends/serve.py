@@ -30,6 +30,7 @@ from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import EXIT_OK, LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, load_with_feedback, speculation_with_feedback
+from llmcli.frontends.prompt_cache import attach_disk_cache
 from llmcli.server.runtime import MTP_DRAFTER, RecordWriter, model_identity
 
 DEFAULT_PORT = 8471
@@ -144,6 +145,7 @@ def _load_and_serve(
             write_failure(model_spec, error)
         raise
     engine.prefixes = PrefixStore(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
+    attach_disk_cache(engine, loaded, request.load)  # a restarted server resumes its conversations
     kv_memory = request.kv_memory or kv_memory_default(engine.device)
     parallel = _parallel(request, engine, kv_memory)
     served = Served(

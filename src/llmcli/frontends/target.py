@@ -29,6 +29,7 @@ class Outcome:
     completion_tokens: int | None = None
     prefilled_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_from: str | None = None  # where the cached tokens came from: memory, slot, disk (None: none)
     image_tokens: int | None = None  # of prompt_tokens, those the images take (None: not known)
     ttft_s: float | None = None
     prefill_tok_s: float | None = None

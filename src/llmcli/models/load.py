@@ -56,6 +56,7 @@ class LoadedModel:
     engine: str = "auto"  # --engine as asked: auto, native or transformers
     weights_file: Path | None = None  # the GGUF file read in place, which a server watches for changes
     vision: VisionSource | None = None  # its vision part, where it reads images (built on the first)
+    fingerprint: str | None = None  # its files' identity (fingerprint.py): the prompt cache's key
 
     @property
     def has_chat_template(self) -> bool:

@@ -240,6 +240,7 @@ def _timings(outcome: Outcome) -> dict[str, Any]:
         "decode_tok_s": round(stats.decode_tok_s, 3),
         "prefilled_tokens": stats.prefilled_tokens,
         "cached_tokens": stats.cached_tokens,
+        "cached_from": stats.cached_from,  # memory, slot or disk: where they came from
         "speculative": stats.speculative.as_dict() if stats.speculative else None,
     }
 
