@@ -33,7 +33,7 @@ from llmcli.server.prompts import chat_prompt
 from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
-    from llmcli.server.state import Served
+    from llmcli.server.fleet import Fleet
     from llmcli.server.worker import Job
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
@@ -112,10 +112,11 @@ class CountRequest(MessagesRequest):
     max_tokens: int = 1  # a count generates nothing
 
 
-def install_anthropic(app: FastAPI, served: Served) -> None:
+def install_anthropic(app: FastAPI, fleet: Fleet) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
         body = await read_body(request, MessagesRequest, AnthropicError)
+        served = await fleet.serving(body.get("model"))
         asked, prefill = _chat_request(body)
         encoder_for = functools.partial(AnthropicEncoder, served.model_id)
         return await chat_response(served, request, asked, encoder_for, continue_final=prefill)
@@ -123,6 +124,7 @@ def install_anthropic(app: FastAPI, served: Served) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await read_body(request, CountRequest, AnthropicError)
+        served = await fleet.serving(body.get("model"))
         asked, prefill = _chat_request(body | {"max_tokens": 1})
         ids, _ = await chat_prompt(served, asked, prefill)
         return {"input_tokens": len(ids)}  # an image's tokens among them (its placeholder's)

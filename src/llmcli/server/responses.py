@@ -40,7 +40,7 @@ from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
-    from llmcli.server.state import Served
+    from llmcli.server.fleet import Fleet
 
 KEPT = 256  # stored responses, newest first out of the door last
 
@@ -131,12 +131,13 @@ class Stored(OrderedDict[str, list[dict[str, Any]]]):
             self.popitem(last=False)
 
 
-def install_responses(app: FastAPI, served: Served) -> None:
+def install_responses(app: FastAPI, fleet: Fleet) -> None:
     stored = Stored()
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
         body = _checked(await read_body(request, ResponsesRequest, ResponsesError))
+        served = await fleet.serving(body.get("model"))
         history = _history(stored, body.get("previous_response_id"))
         messages = history + _input(body)
         asked = _chat_request(body, messages)
