@@ -80,6 +80,7 @@ def assert_error_shape(path: str, answer: object) -> None:
 def start_server(model: Path, runtime: Path, *extra: str, aliases: dict[str, Path] | None = None) -> Server:
     """`llmcli serve -m model`, which requests name "tiny" (an alias in a config file of its own,
     with `aliases` beside: a request names a model the server holds or can load, or is a 404)."""
+    runtime.mkdir(parents=True, exist_ok=True)
     config = runtime / "config.toml"
     named = {"tiny": model, **(aliases or {})}
     config.write_text(

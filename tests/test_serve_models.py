@@ -66,11 +66,17 @@ def test_two_models_answer_by_name_through_the_openai_and_ollama_clients(
     listed = {model.id: model.model_extra["state"] for model in client.models.list().data}
     assert listed[str(tiny_llama)] == listed[str(tiny_qwen2)] == "loaded"
     assert held(server) == [str(tiny_llama), str(tiny_qwen2)]  # the most recently used first
-    shown = json.loads(run_cli("ps", "--json", env={"XDG_RUNTIME_DIR": str(server.runtime)}).stdout)
+    places = {"XDG_RUNTIME_DIR": str(server.runtime)}
+    shown = json.loads(run_cli("ps", "--json", env=places).stdout)
     assert sorted((m["name"], m["state"]) for m in shown[0]["models"]) == [
         (str(tiny_llama), "loaded"),
         (str(tiny_qwen2), "loaded"),
     ]
+    # `generate` of either model finds the server that holds it, whichever it started with.
+    flags = ("--device", "cpu", "--dtype", "fp32", "-t", "0", "-n", "6", "--json")
+    found = run_cli("generate", "-m", str(tiny_qwen2), *flags, "Hello there", env=places)
+    assert found.returncode == 0, found.stderr.decode()
+    assert json.loads(found.stdout)["server"] == server.url
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ class Held:
 
     spec: str  # what it was loaded from (a catalog name, or an alias's target)
     names: set[str]  # every name a request may call it by
+    key: str = ""  # its place in Fleet.held: what its spec named as it was loaded
     loaded: Future[Served] = field(default_factory=Future)
     loaded_at: float = 0.0
     last_used: float = field(default_factory=time.time)
@@ -143,7 +144,7 @@ class Fleet:
                 raise RequestError(503, message, "model", "queue_full", {"Retry-After": "5"})
             held.waiting += 1
             held.last_used = time.time()
-            self.held.move_to_end(self._key(held.spec))
+            self.held.move_to_end(held.key)
             return held
 
     def _find(self, name: str | None) -> Held | None:
@@ -159,8 +160,8 @@ class Fleet:
         spec = self.catalog.spec_for(name) if name else self.default_spec
         if spec is None:
             raise self.not_here(name or "")
-        held = Held(spec, {name, spec} if name else {spec})
-        self.held[self._key(spec)] = held
+        held = Held(spec, {name, spec} if name else {spec}, self._key(spec))
+        self.held[held.key] = held
         threading.Thread(target=self._load_into, args=(held,), name="llmcli-load", daemon=True).start()
         self._changed()
         return held
@@ -187,10 +188,10 @@ class Fleet:
 
     def add(self, spec: str, served: Served, names: set[str]) -> None:
         """The model loaded at start, held as if a request had loaded it."""
-        held = Held(spec, {spec, served.model_id, *names}, loaded_at=time.time())
+        held = Held(spec, {spec, served.model_id, *names}, self._key(spec), loaded_at=time.time())
         held.loaded.set_result(served)
         with self._lock:
-            self.held[self._key(spec)] = held
+            self.held[held.key] = held
         self._changed()
 
     def _load_into(self, held: Held) -> None:
@@ -207,7 +208,7 @@ class Fleet:
                         raise
         except BaseException as error:
             with self._lock:
-                self.held.pop(self._key(held.spec), None)
+                self.held.pop(held.key, None)
             held.loaded.set_exception(error)
             self._changed()
             return
@@ -235,7 +236,7 @@ class Fleet:
             idle = [held for held in self.held.values() if held is not keep and held.idle]
             if not idle:
                 return False
-            self.held.pop(self._key(idle[0].spec))
+            self.held.pop(idle[0].key)
         release(idle[0])
         self._changed()
         return True
@@ -244,9 +245,9 @@ class Fleet:
         """Unload `held` now if it is idle, else as its last request ends."""
         with self._lock:
             held.keep_alive_s = 0.0
-            if not held.idle or self.held.get(self._key(held.spec)) is not held:
+            if not held.idle or self.held.get(held.key) is not held:
                 return
-            self.held.pop(self._key(held.spec))
+            self.held.pop(held.key)
         release(held)
         self._changed()
 
