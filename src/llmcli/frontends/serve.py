@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -156,7 +157,7 @@ def _load_and_serve(
     # head); every model loads with the same settings otherwise, and offers lookup.
     others = dataclasses.replace(request.speculative, method="off")
     fleet = Fleet(
-        lambda spec: _serve_model(request, spec, server, others),
+        lambda spec: _serve_model(request, spec, server, others, beside_others=True),
         model_spec,
         request_catalog(),
         request.models_max,
@@ -198,19 +199,27 @@ def _load_and_serve(
 
 
 def _serve_model(
-    request: ServeRequest, model_spec: str, server: Any, speculative: SpeculativeSettings
+    request: ServeRequest,
+    model_spec: str,
+    server: Any,
+    speculative: SpeculativeSettings,
+    beside_others: bool = False,
 ) -> Any:
-    """One model loaded and ready to serve, on a compute thread of its own (its load too), with
-    the server's shared settings (`server`, a Served without a model)."""
-    # Every torch call of a model runs on its own compute thread, the load included. A second
-    # thread running torch's parallel ops starts a second OpenMP team; with more workers than
-    # cores, libgomp's workers sleep between parallel regions instead of spinning, and a decode
-    # step is hundreds of small regions: the demo decoded at 72 tok/s on the 2 cores here
-    # against 141 in the thread that loaded it.
+    """One model loaded and ready to serve, on a compute thread of its own, with the server's
+    shared settings (`server`, a Served without a model). `beside_others`: other models are
+    serving meanwhile, and the load must not slow them (_load_quietly)."""
+    # Every torch call of a model runs on its own compute thread, the first model's load
+    # included. A second thread running torch's parallel ops starts a second OpenMP team; with
+    # more workers than cores, libgomp's workers sleep between parallel regions instead of
+    # spinning, and a decode step is hundreds of small regions: the demo decoded at 72 tok/s on
+    # the 2 cores here against 141 in the thread that loaded it.
     worker = ComputeThread()
     try:
         mtp = speculative.method == "mtp"
-        loaded, engine = worker.submit(_load, model_spec, request.load, mtp).result()
+        if beside_others:
+            loaded, engine = _load_quietly(model_spec, request.load, mtp)
+        else:
+            loaded, engine = worker.submit(_load, model_spec, request.load, mtp).result()
     except BaseException:
         worker.shutdown(wait=True)
         raise
@@ -364,6 +373,20 @@ def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
     free = _free_host_memory()
     whole_context = kv_bytes_per_token * context_length
     return min(whole_context, free // 4) if free else whole_context
+
+
+def _load_quietly(model_spec: str, settings: LoadSettings, mtp: bool) -> tuple[Any, Any]:
+    """A load beside models that serve (on the fleet's loading thread): at the lowest CPU
+    priority, with one torch thread (no OpenMP team of its own), so that the loaded models'
+    decode steps keep the cores. Where a thread's priority cannot be set alone (not Linux),
+    the load runs at the process's own."""
+    import torch
+
+    torch.set_num_threads(1)  # this thread's alone (_small_ops_alone)
+    if sys.platform == "linux":  # a thread id is a "process" to setpriority there: this thread only
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    return _load(model_spec, settings, mtp)
 
 
 def _load(model_spec: str, settings: LoadSettings, mtp: bool) -> tuple[Any, Any]:
