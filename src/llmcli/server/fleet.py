@@ -7,9 +7,9 @@ taken from a request: the network does not choose what the server reads from dis
 in the user's own config file may point at one. A name that is none of these is a 404 naming
 it, with the nearest names (every protocol's routes ask here, through `serving`).
 
-Each model has its own compute thread (engine/scheduler.py), and a load runs on the new model's
-thread, off the event loop and off every loaded model's thread: a request to a loaded model is
-answered while another loads. A request to a model still loading waits for it; at most
+Each model has its own compute thread (engine/scheduler.py), and a load runs on a thread of its
+own, off the event loop and off every loaded model's thread (at the lowest CPU priority:
+frontends/serve.py): a request to a loaded model is answered while another loads. A request to a model still loading waits for it; at most
 `max_queue` wait so. At most `models_max` models are held: a load beyond it first unloads the
 least recently used idle one; one that does not fit in memory unloads idle models too, and is
 refused with a 503 saying what it needs when none is left to unload.
