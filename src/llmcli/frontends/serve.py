@@ -166,9 +166,11 @@ def _load_and_serve(
         on_change=lambda: record.models(fleet.states()),
     )
     fleet.add(model_spec, first, set(names_of_spec(model_spec)))
-    loaded = first.loaded
+    # Its name and file kept, not the model: once swapped out, nothing here holds its memory.
+    name, weights_file = first.model_id, first.loaded.weights_file
+    del first
     app = fleet.tracking(create_app(fleet, server))
-    clock = ActivityClock(app if loaded.weights_file is None else WatchedFile(app, loaded.weights_file))
+    clock = ActivityClock(app if weights_file is None else WatchedFile(app, weights_file))
     config = uvicorn.Config(
         clock, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
     )
@@ -178,14 +180,14 @@ def _load_and_serve(
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     speculative = request.speculative
     drafter = {"draft": speculative.draft_model, "mtp": MTP_DRAFTER}.get(speculative.method)
-    record.ready(loaded.name, drafter)
+    record.ready(name, drafter)
     clock.record = record
     idle_exit = request.idle_exit_s
     stops = "Ctrl-C stops"
     if idle_exit is not None:
         threading.Thread(target=_stop_when_idle, args=(uvicorn_server, clock, idle_exit), daemon=True).start()
         stops = f"stops after {idle_exit:g} s without a request"
-    terminal.note(f"Serving {loaded.name} at {url}/v1 ({stops}).")
+    terminal.note(f"Serving {name} at {url}/v1 ({stops}).")
     try:
         uvicorn_server.run(sockets=[sock])
     except KeyboardInterrupt:

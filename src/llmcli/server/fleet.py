@@ -9,10 +9,11 @@ it, with the nearest names (every protocol's routes ask here, through `serving`)
 
 Each model has its own compute thread (engine/scheduler.py), and a load runs on a thread of its
 own, off the event loop and off every loaded model's thread (at the lowest CPU priority:
-frontends/serve.py): a request to a loaded model is answered while another loads. A request to a model still loading waits for it; at most
-`max_queue` wait so. At most `models_max` models are held: a load beyond it first unloads the
-least recently used idle one; one that does not fit in memory unloads idle models too, and is
-refused with a 503 saying what it needs when none is left to unload.
+frontends/serve.py): a request to a loaded model is answered while another loads. A request
+to a model still loading waits for it; at most `max_queue` wait so. At most `models_max` models
+are held: a load beyond it first unloads the least recently used idle one; one that does not fit
+in memory unloads idle models too, and is refused with a 503 saying what it needs when none is
+left to unload. An unloaded model's threads end and its memory is given back to the system.
 """
 
 from __future__ import annotations
@@ -363,7 +364,22 @@ def release(held: Held) -> None:
     served.speculations.clear()
     held.loaded = Future()
     gc.collect()
+    _give_back_to_the_system()
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _give_back_to_the_system() -> None:
+    """glibc keeps freed memory in the arena of the thread that used it (each load and compute
+    thread has its own): trimmed, a swapped-out model's memory leaves the process."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)  # glibc's alone
+    if trim is not None:
+        trim(0)
