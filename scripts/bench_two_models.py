@@ -2,14 +2,16 @@
 the server loads the other model (its load on a thread of its own, server/fleet.py).
 
 One server holds model A (`-m`, the demo by default) with --models-max 2; model B is a config
-alias. Each run: requests to A alone, then B's load started by a request naming it and requests
-to A sent until B is loaded (only those that started and ended while B was still loading
-count), then B unloaded (Ollama's keep_alive 0) for the next run. Every request is the same
-greedy chat (--max-tokens). The table gives, per run and over all, the median and the spread
-(min–max) of A's latency in both conditions side by side.
+alias. Each run: requests to A alone; then B's load started by a request naming it, and
+requests to A sent until B is loaded (only those that ended while /api/ps still said B was
+loading count: B's own first reply, which follows, is not its load); then requests to A with
+B held and idle (its compute thread beside A's); then B unloaded (Ollama's keep_alive 0) for
+the next run. Every request to A is the same greedy chat (--max-tokens). The table gives, per
+run and over all, the median and the spread (min–max) of A's latency in each condition, side
+by side, and each median's ratio to A alone.
 
   python scripts/bench_two_models.py                       # A: the demo; B: a copy of its GGUF file
-  python scripts/bench_two_models.py -a ./model-a -b ./model-b --runs 5 --max-tokens 16
+  python scripts/bench_two_models.py -a ./model-a -b ./model-b --runs 10 --alone 8
 """
 
 from __future__ import annotations
@@ -80,8 +82,11 @@ def start(model_a: str, model_b: str, folder: Path) -> tuple[subprocess.Popen[by
     raise SystemExit(f"the server did not start: {server.stderr.read().decode()}")
 
 
-def one_run(url: str, spec_b: str, alone_count: int, max_tokens: int) -> tuple[list[float], list[float]]:
-    alone = [timed(url, max_tokens) for _ in range(alone_count)]
+Latencies = list[float]
+
+
+def one_run(url: str, spec_b: str, alone_count: int, tokens: int) -> tuple[Latencies, Latencies, Latencies]:
+    alone = [timed(url, tokens) for _ in range(alone_count)]
     replies: list[dict[str, Any]] = []
     loading = threading.Thread(
         target=lambda: replies.append(
@@ -93,15 +98,25 @@ def one_run(url: str, spec_b: str, alone_count: int, max_tokens: int) -> tuple[l
         time.sleep(0.01)
     during = []
     while loading.is_alive():
-        latency = timed(url, max_tokens)
-        if loading.is_alive():  # it ended while B was still loading
-            during.append(latency)
+        latency = timed(url, tokens)
+        if state(url, spec_b) != "loading":  # B is loaded (and answering its own request): done
+            break
+        during.append(latency)  # it ended while B was still loading
     loading.join()
     name = replies[0]["model"]
+    # B held and idle: its compute thread (and OpenMP team) beside A's, nothing running on it.
+    beside = [timed(url, tokens) for _ in range(alone_count)]
     post(url, "/api/generate", {"model": "b", "keep_alive": 0})  # unloaded, for the next run's load
     while state(url, name) is not None:
         time.sleep(0.01)
-    return alone, during
+    return alone, during, beside
+
+
+def table_row(run: str, alone: list[float], during: list[float], beside: list[float]) -> tuple[str, ...]:
+    def ratio(values: list[float]) -> str:
+        return f"{statistics.median(values) / statistics.median(alone):.2f}" if values else "—"
+
+    return (run, spread(alone), spread(during), ratio(during), spread(beside), ratio(beside))
 
 
 def spread(values: list[float]) -> str:
@@ -133,20 +148,19 @@ def main() -> None:
     server, url = start(model_a, model_b, folder)
     try:
         timed(url, options.max_tokens)  # warm: A's first request
-        rows, all_alone, all_during = [], [], []
+        rows, every = [], ([], [], [])
         for run in range(options.runs):
-            alone, during = one_run(url, model_b, options.alone, options.max_tokens)
-            all_alone += alone
-            all_during += during
-            ratio = statistics.median(during) / statistics.median(alone) if during else float("nan")
-            rows.append((str(run + 1), spread(alone), spread(during), f"{ratio:.2f}"))
-        ratio = statistics.median(all_during) / statistics.median(all_alone) if all_during else float("nan")
-        rows.append(("all", spread(all_alone), spread(all_during), f"{ratio:.2f}"))
-        header = ("run", "A alone: median (min–max)", "A while B loads: median (min–max)", "ratio")
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
-        print(f"A = {model_a}\nB = {model_b}\n{options.max_tokens} tokens per request, greedy\n")
-        for row in [header, *rows]:
-            print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+            measured = one_run(url, model_b, options.alone, options.max_tokens)
+            for kept, new in zip(every, measured, strict=True):
+                kept += new
+            rows.append(table_row(str(run + 1), *measured))
+        rows.append(table_row("all", *every))
+        header = ("run", "A alone", "A while B loads", "ratio", "A with B held, idle", "ratio")
+        widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+        print(f"A = {model_a}\nB = {model_b}\n{options.max_tokens} tokens per request, greedy")
+        print("latency of A's requests: median (min–max, count); ratio: of the medians to A alone\n")
+        for line in [header, *rows]:
+            print(" | ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)))
     finally:
         server.terminate()
         server.wait(timeout=60)
