@@ -6,6 +6,7 @@ protocol, and a loaded model answering while another loads."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import PATIENCE_S, run_cli
-from test_serve import Server, assert_error_shape, served, start_server
+from test_serve import Server, assert_error_shape, read_until_text, served, start_server
 from tiny_models import build_tiny_model
 
 openai = pytest.importorskip("openai")
@@ -123,6 +124,8 @@ def test_keep_alive_0_unloads_the_model(server: Server, tiny_qwen2: Path) -> Non
     expiring = local.generate(model="qwen", keep_alive="1h")
     entry = next(e for e in local.ps().models if e.model == str(tiny_qwen2))
     assert entry.expires_at.year < 9999 and expiring.done_reason == "load"
+    local.chat(model="qwen", messages=ASK, options={"num_predict": 2}, keep_alive="50ms")
+    wait_until(lambda: str(tiny_qwen2) not in held(server), "qwen unloaded once its keep-alive passed")
 
 
 def test_the_least_recently_used_idle_model_is_unloaded_beyond_models_max(
@@ -155,6 +158,30 @@ def test_models_max_1_swaps_one_model_for_another(tiny_llama: Path, tiny_qwen2: 
             tiny_llama
         )
         assert held(running) == [str(tiny_llama)]
+    finally:
+        running.process.terminate()
+        running.process.wait(timeout=PATIENCE_S)
+
+
+def test_a_swap_never_cuts_a_reply_a_request_for_another_model_meanwhile_is_a_503(
+    tiny_llama: Path, tiny_qwen2: Path, tmp_path: Path
+) -> None:
+    running = start_server(tiny_llama, tmp_path, aliases={"qwen": tiny_qwen2})
+    try:
+        long = http.client.HTTPConnection(running.host, int(running.port), timeout=PATIENCE_S)
+        body = {"model": "tiny", "messages": ASK, "max_tokens": 400, "stream": True}
+        long.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        streaming = long.getresponse()
+        read_until_text(streaming)  # tiny is answering
+        status, answer = running.raw(
+            "POST", "/v1/chat/completions", json.dumps({"model": "qwen", "messages": ASK}).encode()
+        )
+        assert status == 503 and answer["error"]["code"] == "models_busy", answer
+        assert "--models-max 1" in answer["error"]["message"]
+        assert b"[DONE]" in streaming.read()  # the reply went on to its end
+        long.close()
+        assert running.client().chat.completions.create(model="qwen", messages=ASK, max_tokens=1)
+        assert held(running) == [str(tiny_qwen2)]
     finally:
         running.process.terminate()
         running.process.wait(timeout=PATIENCE_S)
