@@ -130,9 +130,7 @@ class Fleet:
         except Exception as error:  # the load crashed: said, and tried again by the next request
             raise RequestError(500, f"model {name!r} failed to load: {describe(error)}", "model") from None
         finally:
-            with self._lock:
-                held.waiting -= 1
-        self._use(held)
+            self._waited(held)
         return served
 
     def _held_for(self, name: str | None) -> Held:
@@ -254,15 +252,16 @@ class Fleet:
 
     # Use and keep-alive -----------------------------------------------------------------------
 
-    def _use(self, held: Held) -> None:
+    def _waited(self, held: Held) -> None:
+        """A request's wait for its model over: counted in use until its answer is sent (`tracking`)
+        in the same step, so that no unload finds the model idle in between."""
         used = _used.get()
         with self._lock:
-            held.in_flight += 1
-            held.last_used = time.time()
-        if used is not None:
-            used.append(held)
-        else:  # a request outside `tracking` (none here): never counted idle before its end
-            self._done_with(held)
+            held.waiting -= 1
+            if held.served is not None and used is not None:
+                held.in_flight += 1
+                held.last_used = time.time()
+                used.append(held)
 
     def _done_with(self, held: Held) -> None:
         with self._lock:
