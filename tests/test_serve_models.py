@@ -17,7 +17,7 @@ import pytest
 
 from cli_helpers import PATIENCE_S, run_cli
 from test_serve import Server, assert_error_shape, read_until_text, served, start_server
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, put_in_hf_cache
 
 openai = pytest.importorskip("openai")
 ollama = pytest.importorskip("ollama")
@@ -215,6 +215,31 @@ def test_a_loaded_model_answers_while_another_loads(tiny_llama: Path, tmp_path: 
         assert answered.model == str(tiny_llama) and state_of_big() == "loading"
         loading.join(timeout=PATIENCE_S)
         assert sorted(held(running)) == sorted([replies[0].model, str(tiny_llama)])
+    finally:
+        running.process.terminate()
+        running.process.wait(timeout=PATIENCE_S)
+
+
+def test_a_name_models_list_shows_loads_and_generate_finds_the_server_that_can_load_it(
+    tiny_llama: Path, tiny_qwen2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No alias: a Hub id in the cache is a name `llmcli models list` shows. `generate -m` of it
+    goes to a running server that holds fewer models than its --models-max, which loads it."""
+    home = tmp_path / "hf-home"
+    put_in_hf_cache(tiny_qwen2, home, "tiny-org/tiny-qwen2")
+    monkeypatch.setenv("HF_HOME", str(home))  # the server's, and every call's below
+    running = start_server(tiny_llama, tmp_path / "runtime", "--models-max", "2")
+    try:
+        status, answer = running.raw(
+            "POST", "/api/generate", json.dumps({"model": "tiny-org/tiny-qwen", "prompt": "hi"}).encode()
+        )
+        assert status == 404 and "nearest: tiny-org/tiny-qwen2" in answer["error"]
+        places = {"XDG_RUNTIME_DIR": str(running.runtime)}
+        flags = ("--device", "cpu", "--dtype", "fp32", "-t", "0", "-n", "4", "--json")
+        found = run_cli("generate", "-m", "tiny-org/tiny-qwen2", *flags, "Hello there", env=places)
+        assert found.returncode == 0, found.stderr.decode()
+        assert json.loads(found.stdout)["server"] == running.url
+        assert "tiny-org/tiny-qwen2" in held(running)
     finally:
         running.process.terminate()
         running.process.wait(timeout=PATIENCE_S)
