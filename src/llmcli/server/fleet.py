@@ -45,7 +45,6 @@ class Held:
     names: set[str]  # every name a request may call it by
     key: str = ""  # its place in Fleet.held: what its spec named as it was loaded
     loaded: Future[Served] = field(default_factory=Future)
-    loaded_at: float = 0.0
     last_used: float = field(default_factory=time.time)
     in_flight: int = 0  # requests using it now
     waiting: int = 0  # requests waiting for its load
@@ -187,7 +186,7 @@ class Fleet:
 
     def add(self, spec: str, served: Served, names: set[str]) -> None:
         """The model loaded at start, held as if a request had loaded it."""
-        held = Held(spec, {spec, served.model_id, *names}, self._key(spec), loaded_at=time.time())
+        held = Held(spec, {spec, served.model_id, *names}, self._key(spec))
         held.loaded.set_result(served)
         with self._lock:
             self.held[held.key] = held
@@ -213,7 +212,7 @@ class Fleet:
             return
         with self._lock:
             held.names.add(served.model_id)
-            held.loaded_at = held.last_used = time.time()
+            held.last_used = time.time()
         held.loaded.set_result(served)
         self._changed()
 
@@ -222,7 +221,7 @@ class Fleet:
             over = len(self.held) - self.models_max
         for _ in range(over):
             if not self._unload_one_idle(keep=held):
-                busy = ", ".join(sorted(self.names() - held.names))
+                busy = ", ".join(repr(state["name"]) for state in self.states() if state["spec"] != held.spec)
                 message = (
                     f"--models-max {self.models_max}: every model held is answering requests ({busy}); "
                     "retry once they finish, or start the server with a larger --models-max"
