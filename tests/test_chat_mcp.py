@@ -33,6 +33,7 @@ from cli_helpers import (
     run_cli,
     send_one_chunk,
 )
+from test_serve import wait_for
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL
 
@@ -319,6 +320,8 @@ def test_ctrl_c_during_a_call_ends_the_round_and_the_chat_goes_on(
         signal.signal(signal.SIGINT, restore)
     chat_.child.sendline("Wait for it")
     chat_.child.expect(r"→ hang\(\)")
+    # The call announced is not yet the call made: a Ctrl-C before the server has it lands elsewhere.
+    wait_for(lambda: "echo server: hanging" in logs(repl_places), "the call to reach the server")
     chat_.child.sendcontrol("c")
     said = chat_.child.expect([r"interrupted \(Ctrl-C: no more calls this turn\)", "timed out", "Traceback"])
     assert said == 0

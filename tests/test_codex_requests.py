@@ -44,8 +44,11 @@ def long_thinking_model(thinking_model: Path, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture(scope="module")
 def server(long_thinking_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # The captured requests name the model "demo" (Codex's config.toml): the config's alias for it.
+    aliases = {"demo": long_thinking_model, "m": long_thinking_model}
+    runtime = tmp_path_factory.mktemp("runtime")
     running = start_server(
-        long_thinking_model, tmp_path_factory.mktemp("runtime"), "--parallel", "2", "--drop-hosted-tools"
+        long_thinking_model, runtime, "--parallel", "2", "--drop-hosted-tools", aliases=aliases
     )
     yield running
     running.process.send_signal(signal.SIGTERM)

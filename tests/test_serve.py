@@ -77,8 +77,16 @@ def assert_error_shape(path: str, answer: object) -> None:
         assert isinstance(error["message"], str) and error["message"], answer
 
 
-def start_server(model: Path, runtime: Path, *extra: str) -> Server:
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+def start_server(model: Path, runtime: Path, *extra: str, aliases: dict[str, Path] | None = None) -> Server:
+    """`llmcli serve -m model`, which requests name "tiny" (an alias in a config file of its own,
+    with `aliases` beside: a request names a model the server holds or can load, or is a 404)."""
+    runtime.mkdir(parents=True, exist_ok=True)
+    config = runtime / "config.toml"
+    named = {"tiny": model, **(aliases or {})}
+    config.write_text(
+        "[aliases]\n" + "".join(f"{name} = {json.dumps(str(path))}\n" for name, path in named.items())
+    )
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "LLMCLI_CONFIG": str(config)}
     process = subprocess.Popen(
         [*LLMCLI, "serve", "-m", str(model), "--port", "0", "--device", "cpu", "--dtype", "fp32", *extra],
         stdout=subprocess.PIPE,
@@ -95,10 +103,12 @@ def start_server(model: Path, runtime: Path, *extra: str) -> Server:
     return Server(process, url, runtime)
 
 
-def served(model: Path, runtime: Path, *extra: str) -> Iterator[Server]:
+def served(
+    model: Path, runtime: Path, *extra: str, aliases: dict[str, Path] | None = None
+) -> Iterator[Server]:
     """A fixture's server: started, then stopped gracefully — no traceback, no warning, and its
     record gone."""
-    running = start_server(model, runtime, *extra)
+    running = start_server(model, runtime, *extra, aliases=aliases)
     yield running
     running.process.send_signal(signal.SIGTERM)
     assert running.process.wait(timeout=PATIENCE_S) == 0
@@ -575,7 +585,8 @@ def test_an_api_key_is_required_when_set(tiny_llama: Path, tmp_path: Path) -> No
             assert status == 401, path
             assert_error_shape(path, answer)
         models = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="sesame", max_retries=0).models.list()
-        assert [m.id for m in models.data] == [str(tiny_llama)]
+        # The model held first, then those a request may load by name (the demo, where installed).
+        assert [m.id for m in models.data if m.model_extra["state"] != "available"] == [str(tiny_llama)]
         proc = run_cli("generate", "--server", keyed.url, "--api-key", "sesame", "-t", "0", "-n", "4", "Hi")
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr.decode()
     finally:
@@ -804,7 +815,7 @@ def test_the_queue_is_bounded_and_a_client_that_leaves_is_cancelled(tmp_path: Pa
         served = metric(running, 'llmcli_tokens_total{kind="completion"}')
         assert served < 1000 * parallel  # the long ones stopped early; the waiting one never generated
         reply = running.client().chat.completions.create(
-            model="demo", messages=body["messages"], max_tokens=3
+            model="tiny", messages=body["messages"], max_tokens=3
         )
         assert reply.choices[0].finish_reason == "length"
     finally:
@@ -1095,7 +1106,7 @@ def test_a_gguf_file_changed_under_a_server_changes_nothing_it_serves(change: st
 
     def reply() -> str | None:
         messages = [{"role": "user", "content": "Tell me a story"}]
-        answer = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
         return answer.choices[0].message.content
 
     try:

@@ -52,12 +52,14 @@ def test_a_message_answers_as_the_openai_route_does_streamed_and_not(server: Ser
     assert counted.input_tokens == openai_reply.usage.prompt_tokens
 
 
-def test_a_message_names_the_model_served_not_the_one_asked_for(server: Server) -> None:
+def test_a_message_names_the_model_served_and_one_not_here_is_a_404(server: Server) -> None:
     served = server.client(api_key="sekrit").models.list().data[0].id
-    asked = dict(model="claude-elsewhere", messages=ASK, max_tokens=2)
+    asked = dict(model="tiny", messages=ASK, max_tokens=2)  # the config's alias of the model served
     assert client(server).messages.create(**asked).model == served
     with client(server).messages.stream(**asked) as stream:
         assert stream.get_final_message().model == served
+    with pytest.raises(anthropic.NotFoundError, match="'claude-elsewhere'"):
+        client(server).messages.create(**(asked | {"model": "claude-elsewhere"}))
 
 
 def test_a_stop_sequence_is_named_and_a_stream_starts_with_the_prompts_tokens(server: Server) -> None:

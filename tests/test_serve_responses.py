@@ -42,13 +42,15 @@ def test_a_response_is_the_chat_reply_streamed_and_not(server: Server) -> None:
     assert kinds[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in kinds
 
 
-def test_a_response_names_the_model_served_not_the_one_asked_for(server: Server) -> None:
+def test_a_response_names_the_model_served_and_one_not_here_is_a_404(server: Server) -> None:
     client = server.client()
     served = client.models.list().data[0].id
-    asked = dict(model="gpt-elsewhere", input="Hello there", max_output_tokens=2)
+    asked = dict(model="tiny", input="Hello there", max_output_tokens=2)  # the config's alias of it
     assert client.responses.create(**asked).model == served
     with client.responses.stream(**asked) as stream:
         assert stream.get_final_response().model == served
+    with pytest.raises(openai.NotFoundError, match="'gpt-elsewhere'"):
+        client.responses.create(**(asked | {"model": "gpt-elsewhere"}))
 
 
 def test_function_calls_validate_and_a_conversation_continues(server: Server) -> None:

@@ -51,7 +51,7 @@ def in_process(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def openai_ask(server: Server) -> openai.types.chat.ChatCompletion:
     content = [{"type": "image_url", "image_url": {"url": DATA_URL}}, {"type": "text", "text": "What is it?"}]
     return server.client().chat.completions.create(
-        model="m", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
+        model="tiny", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
     )
 
 
@@ -69,7 +69,7 @@ def test_openai_image_replies_as_in_process_and_is_cached_the_second_time(
 def test_every_protocol_reads_its_own_image_shape(server: Server, in_process: dict) -> None:
     b64 = base64.b64encode(PICTURE).decode()
     answer = server.client().responses.create(
-        model="m",
+        model="tiny",
         input=[
             {
                 "role": "user",
@@ -87,13 +87,13 @@ def test_every_protocol_reads_its_own_image_shape(server: Server, in_process: di
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
     message = [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}]
     reply = client.messages.create(
-        model="m", messages=message, max_tokens=TOKENS, extra_body={"temperature": 0}
+        model="tiny", messages=message, max_tokens=TOKENS, extra_body={"temperature": 0}
     )
     assert reply.content[0].text == in_process["text"]
-    counted = client.messages.count_tokens(model="m", messages=message)
+    counted = client.messages.count_tokens(model="tiny", messages=message)
     assert counted.input_tokens == in_process["prompt_tokens"]
     chat = ollama.Client(host=server.url).chat(
-        model="m",
+        model="tiny",
         messages=[{"role": "user", "content": "What is it?", "images": [b64]}],
         options={"temperature": 0, "num_predict": TOKENS},
     )
@@ -106,7 +106,7 @@ def test_a_bad_image_is_a_400_and_the_server_serves_on(server: Server) -> None:
     content = [{"type": "image_url", "image_url": {"url": broken}}, {"type": "text", "text": "hi"}]
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": content}], max_tokens=2
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2
         )
     assert "messages[0].content[0]" in str(refused.value)
     remote = [
@@ -115,7 +115,7 @@ def test_a_bad_image_is_a_400_and_the_server_serves_on(server: Server) -> None:
     ]
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": remote}], max_tokens=2
+            model="tiny", messages=[{"role": "user", "content": remote}], max_tokens=2
         )
     assert "--allow-image-urls" in str(refused.value)
     assert openai_ask(server).choices[0].message.content is not None

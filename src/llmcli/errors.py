@@ -59,5 +59,10 @@ class ContextOverflowError(LlmcliError):
     """The prompt does not fit in the model's context window."""
 
 
+class MemoryShortage(LlmcliError):
+    """A model does not fit in the memory free now: a server holding other models unloads idle
+    ones and tries again (server/fleet.py)."""
+
+
 class KVMemoryFull(LlmcliError):
     """A server's generations at once hold the KV memory it may use: this one cannot start now."""

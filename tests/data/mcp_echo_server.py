@@ -56,7 +56,8 @@ def greet(who: Literal["Ada", "Bob"]) -> str:
 
 @server.tool()
 def hang() -> str:
-    """Never answers."""
+    """Never answers (saying on stderr that the call arrived: a test waits for it)."""
+    print("echo server: hanging", file=sys.stderr, flush=True)
     threading.Event().wait()
     return "never"
 

@@ -631,6 +631,14 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    models_max: Annotated[
+        int,
+        typer.Option(
+            "--models-max",
+            help="Models held at once. A request naming another model `llmcli models list` shows "
+            "(or a config alias) loads it, unloading the least recently used idle one beyond this.",
+        ),
+    ] = 1,
     quiet: Annotated[
         bool, typer.Option("--quiet", help="No access log (one line per request on stderr).")
     ] = False,
@@ -651,6 +659,8 @@ def serve(
         raise UsageError(f"--port must be in 0…65535, got {port}")
     if max_queue < 1:
         raise UsageError(f"--max-queue must be at least 1, got {max_queue}")
+    if models_max < 1:
+        raise UsageError(f"--models-max must be at least 1, got {models_max}")
     if parallel is not None and parallel < 1:
         raise UsageError(f"--parallel must be at least 1, got {parallel}")
     kv_memory_bytes = bytes_of_size(kv_memory, "--kv-memory") if kv_memory is not None else None
@@ -679,6 +689,7 @@ def serve(
             kv_memory=kv_memory_bytes,
             quiet=quiet,
             idle_exit_s=idle_exit_s,
+            models_max=models_max,
         )
     )
     raise typer.Exit(code)

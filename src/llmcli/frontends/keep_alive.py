@@ -181,6 +181,12 @@ def describe(record: ServerRecord, now: float | None = None) -> dict[str, Any]:
         "rss_bytes": resident_bytes(record.pid),
         "idle_s": round(idle, 1) if idle is not None and record.state != LOADING else None,
         "idle_exit_s": record.idle_exit_s,
+        # Each model it holds (a server loads more by name, up to --models-max)
+        "models": [
+            {"name": peer_text(held.name), "state": held.state, "weight_bytes": held.weight_bytes}
+            for held in record.models
+        ],
+        "models_max": record.models_max,
     }
 
 
@@ -230,7 +236,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append((
             str(row["pid"]),
             peer_text(row["url"]),
-            peer_text(row["model"] or row["model_spec"] + (" (loading)" if loading else "")),
+            _models_cell(row),
             settings or "defaults",
             format_bytes(row["rss_bytes"]) if row["rss_bytes"] is not None else "?",
             "loading" if loading else f"{row['idle_s']:g} s" if row["idle_s"] is not None else "?",
@@ -241,6 +247,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in lines
     )
+
+
+def _models_cell(row: dict[str, Any]) -> str:
+    """The models a server holds, most recently used first (its record's model before any)."""
+    from llmcli.reading import peer_text
+
+    if not row["models"]:
+        loading = row["state"] == "loading"
+        return peer_text(row["model"] or row["model_spec"] + (" (loading)" if loading else ""))
+    return ", ".join(m["name"] + (" (loading)" if m["state"] == "loading" else "") for m in row["models"])
 
 
 def list_servers(as_json: bool) -> None:

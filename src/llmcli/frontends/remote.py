@@ -77,7 +77,7 @@ def find_server(
         name = model or (info["model"] if info else client.first_model())
         return RemoteTarget(client, name, info)
     from llmcli.models.default_model import default_model_spec
-    from llmcli.server.runtime import matching_server, near_miss
+    from llmcli.server.runtime import matching_server, name_on, near_miss
 
     spec = model or default_model_spec()
     record = matching_server(spec, load, note=terminal.note)
@@ -106,7 +106,7 @@ def find_server(
     # The URL answers for this very record's server: not another program that took the port.
     if not info or info.get("instance") != record.instance:
         return None
-    return RemoteTarget(client, info["model"], info)
+    return RemoteTarget(client, name_on(record, spec) if record.models else info["model"], info)
 
 
 # How long a call waits for a server of its model that is still loading, rather than loading

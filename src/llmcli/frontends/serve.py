@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,7 @@ class ServeRequest:
     kv_memory: int | None = None  # bytes their caches may hold together (None: kv_memory_default)
     quiet: bool = False  # no access log
     idle_exit_s: float | None = None  # stop after this long without a request (keep-alive servers)
+    models_max: int = 1  # models held at once: a request naming another swaps the idle one out
 
 
 def is_loopback(host: str) -> bool:
@@ -114,6 +116,7 @@ def run(request: ServeRequest) -> int:
         record = RecordWriter(
             local_url(request.host, port), model_spec, request.load, terminal.note,
             needs_key=bool(request.api_key), idle_exit_s=request.idle_exit_s,
+            models_max=request.models_max,
         )  # fmt: skip
         return _load_and_serve(request, sock, model_spec, url, record)
     finally:
@@ -127,45 +130,121 @@ def _load_and_serve(
     request: ServeRequest, sock: socket.socket, model_spec: str, url: str, record: RecordWriter
 ) -> int:
     from llmcli.server.app import create_app
+    from llmcli.server.fleet import Fleet
     from llmcli.server.state import Served
 
-    # Every torch call runs on the thread that answers requests, the load included. A second
-    # thread running torch's parallel ops starts a second OpenMP team; with more workers than
-    # cores, libgomp's workers sleep between parallel regions instead of spinning, and a decode
-    # step is hundreds of small regions: the demo decoded at 72 tok/s on the 2 cores here
-    # against 141 in the thread that loaded it.
-    worker = ComputeThread()
-    try:
-        mtp = request.speculative.method == "mtp"
-        loaded, engine = worker.submit(_load, model_spec, request.load, mtp).result()
-    except Exception as error:
-        if request.idle_exit_s is not None:  # a keep-alive server: the next call says why, once
-            from llmcli.server.runtime import write_failure
-
-            write_failure(model_spec, error)
-        raise
-    engine.prefixes = PrefixStore(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
-    attach_disk_cache(engine, loaded, request.load)  # a restarted server resumes its conversations
-    kv_memory = request.kv_memory or kv_memory_default(engine.device)
-    parallel = _parallel(request, engine, kv_memory)
-    served = Served(
-        loaded=loaded,
-        engine=engine,
-        model_id=loaded.name,
-        worker=worker,
+    # What every model's Served shares: who may call, the queue's bound, metrics, the shutdown.
+    server = Served(
+        loaded=None,
+        engine=None,
+        model_id="",
         api_key=request.api_key,
         host=request.host,
         allowed_hosts=request.allowed_hosts,
         cors=request.cors,
         allow_image_urls=request.allow_image_urls,
         drop_hosted_tools=request.drop_hosted_tools,
-        # Images where the model has a vision part llmcli reads and the native engine runs it.
-        reads_images=loaded.vision is not None and engine.name == "native",
         max_queue=request.max_queue,
         quiet=request.quiet,
         instance=record.instance,
     )
+    try:
+        first = _serve_model(request, model_spec, server, request.speculative)
+    except Exception as error:
+        if request.idle_exit_s is not None:  # a keep-alive server: the next call says why, once
+            from llmcli.server.runtime import write_failure
+
+            write_failure(model_spec, error)
+        raise
+    # The model given at start alone drafts (--speculative draft or mtp: its draft model, its
+    # head); every model loads with the same settings otherwise, and offers lookup.
+    others = dataclasses.replace(request.speculative, method="off")
+    fleet = Fleet(
+        lambda spec: _serve_model(request, spec, server, others, beside_others=True),
+        model_spec,
+        request_catalog(),
+        request.models_max,
+        request.max_queue,
+        identity=lambda spec: model_identity(spec) or spec,
+        on_change=lambda: record.models(fleet.states()),
+    )
+    fleet.add(model_spec, first, set(names_of_spec(model_spec)))
+    # Its name and file kept, not the model: once swapped out, nothing here holds its memory.
+    name, weights_file = first.model_id, first.loaded.weights_file
+    del first
+    app = fleet.tracking(create_app(fleet, server))
+    clock = ActivityClock(app if weights_file is None else WatchedFile(app, weights_file))
+    config = uvicorn.Config(
+        clock, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+    )
+    uvicorn_server = StoppingServer(config, server.stopping)
+    # asyncio's "socket.send() raised exception." when a client left mid-stream is not ours to
+    # print: the generation stops at its next token, and the access log says how it ended.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     speculative = request.speculative
+    drafter = {"draft": speculative.draft_model, "mtp": MTP_DRAFTER}.get(speculative.method)
+    record.ready(name, drafter)
+    clock.record = record
+    idle_exit = request.idle_exit_s
+    stops = "Ctrl-C stops"
+    if idle_exit is not None:
+        threading.Thread(target=_stop_when_idle, args=(uvicorn_server, clock, idle_exit), daemon=True).start()
+        stops = f"stops after {idle_exit:g} s without a request"
+    terminal.note(f"Serving {name} at {url}/v1 ({stops}).")
+    try:
+        uvicorn_server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: uvicorn has finished the requests in flight; leaving is the point
+    finally:
+        for served in fleet.close():
+            served.generations.shutdown(wait=False, cancel_futures=True)
+            # Joined, not left running: a thread still in torch's code as the process ends can abort it.
+            served.worker.shutdown(wait=True, cancel_futures=True)
+    return EXIT_OK
+
+
+def _serve_model(
+    request: ServeRequest,
+    model_spec: str,
+    server: Any,
+    speculative: SpeculativeSettings,
+    beside_others: bool = False,
+) -> Any:
+    """One model loaded and ready to serve, on a compute thread of its own, with the server's
+    shared settings (`server`, a Served without a model). `beside_others`: other models are
+    serving meanwhile, and the load must not slow them (_load_quietly)."""
+    # Every torch call of a model runs on its own compute thread, the first model's load
+    # included. A second thread running torch's parallel ops starts a second OpenMP team; with
+    # more workers than cores, libgomp's workers sleep between parallel regions instead of
+    # spinning, and a decode step is hundreds of small regions: the demo decoded at 72 tok/s on
+    # the 2 cores here against 141 in the thread that loaded it.
+    worker = ComputeThread()
+    try:
+        mtp = speculative.method == "mtp"
+        if beside_others:
+            loaded, engine = _load_quietly(model_spec, request.load, mtp)
+        else:
+            loaded, engine = worker.submit(_load, model_spec, request.load, mtp).result()
+    except BaseException:
+        worker.shutdown(wait=True)
+        raise
+    engine.prefixes = PrefixStore(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
+    attach_disk_cache(engine, loaded, request.load)  # a restarted server resumes its conversations
+    kv_memory = request.kv_memory or kv_memory_default(engine.device)
+    parallel = _parallel(request, engine, kv_memory)
+    served = dataclasses.replace(
+        server,
+        loaded=loaded,
+        engine=engine,
+        model_id=loaded.name,
+        worker=worker,
+        # Images where the model has a vision part llmcli reads and the native engine runs it.
+        reads_images=loaded.vision is not None and engine.name == "native",
+        speculations_of={},
+        speculations={"off": None},
+        waiting=0,
+        lock=threading.Lock(),
+    )
     # Lookup costs nothing to offer, so any request may ask for it; drafting needs the model loaded.
     lookup = dataclasses.replace(speculative, method="lookup")
     speculations = served.speculations
@@ -193,33 +272,33 @@ def _load_and_serve(
             "off": None,
             "lookup": speculation_with_feedback(loaded, model_spec, lookup, request.load),
         }
-    app = create_app(served)
-    clock = ActivityClock(app if loaded.weights_file is None else WatchedFile(app, loaded.weights_file))
-    config = uvicorn.Config(
-        clock, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
-    )
-    server = StoppingServer(config, served.stopping)
-    # asyncio's "socket.send() raised exception." when a client left mid-stream is not ours to
-    # print: the generation stops at its next token, and the access log says how it ended.
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    drafter = {"draft": speculative.draft_model, "mtp": MTP_DRAFTER}.get(speculative.method)
-    record.ready(loaded.name, drafter)
-    clock.record = record
-    idle_exit = request.idle_exit_s
-    stops = "Ctrl-C stops"
-    if idle_exit is not None:
-        threading.Thread(target=_stop_when_idle, args=(server, clock, idle_exit), daemon=True).start()
-        stops = f"stops after {idle_exit:g} s without a request"
-    terminal.note(f"Serving {loaded.name} at {url}/v1 ({stops}).")
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass  # Ctrl-C: uvicorn has finished the requests in flight; leaving is the point
-    finally:
-        served.generations.shutdown(wait=False, cancel_futures=True)
-        # Joined, not left running: a thread still in torch's code as the process ends can abort it.
-        served.worker.shutdown(wait=True, cancel_futures=True)
-    return EXIT_OK
+    return served
+
+
+def request_catalog() -> Any:
+    """The names a request may load a model by: the config file's aliases, and what `llmcli
+    models list` shows (the default model's built-in name among them)."""
+    from llmcli.config.user_config import load_user_config
+    from llmcli.models.catalog import list_models
+    from llmcli.models.default_model import DEFAULT_ALIAS, default_model_spec
+    from llmcli.server.fleet import Catalog
+
+    def listed() -> dict[str, str]:
+        # A GGUF file not converted yet (the default's, before its first use) loads by its path.
+        entries = {e.name: e.path if e.revision == "gguf file" else e.name for e in list_models()}
+        return {DEFAULT_ALIAS: default_model_spec(), **entries}
+
+    return Catalog(load_user_config().aliases, listed)
+
+
+def names_of_spec(model_spec: str) -> list[str]:
+    """The names the model given at start goes by (resolve.names_of), and the aliases that
+    point at it: a request may call it by any of them."""
+    from llmcli.config.user_config import load_user_config
+    from llmcli.models.resolve import names_of
+
+    names = names_of(model_spec)
+    return [*names, *(alias for alias, target in load_user_config().aliases.items() if target in names)]
 
 
 def local_url(host: str, port: int) -> str:
@@ -300,6 +379,20 @@ def kept_budget(kv_bytes_per_token: int, context_length: int) -> int:
     free = _free_host_memory()
     whole_context = kv_bytes_per_token * context_length
     return min(whole_context, free // 4) if free else whole_context
+
+
+def _load_quietly(model_spec: str, settings: LoadSettings, mtp: bool) -> tuple[Any, Any]:
+    """A load beside models that serve (on the fleet's loading thread): at the lowest CPU
+    priority, with one torch thread (no OpenMP team of its own), so that the loaded models'
+    decode steps keep the cores. Where a thread's priority cannot be set alone (not Linux),
+    the load runs at the process's own."""
+    import torch
+
+    torch.set_num_threads(1)  # this thread's alone (_small_ops_alone)
+    if sys.platform == "linux":  # a thread id is a "process" to setpriority there: this thread only
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    return _load(model_spec, settings, mtp)
 
 
 def _load(model_spec: str, settings: LoadSettings, mtp: bool) -> tuple[Any, Any]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmcli.config.settings import LoadSettings
-from llmcli.errors import LlmcliError, UsageError
+from llmcli.errors import LlmcliError, MemoryShortage, UsageError
 from llmcli.models import build_native, build_transformers
 from llmcli.models.build_native import NativeChoice, Refusal
 from llmcli.models.build_transformers import lacks_sdpa
@@ -267,7 +267,7 @@ def out_of_memory_error(
     config: dict[str, Any],
     device: torch.device,
     dtype: torch.dtype,
-) -> LlmcliError:
+) -> MemoryShortage:
     """The fit check passed but the device ran out anyway (other processes, fragmentation):
     the numbers we had, and what to try."""
     if device.type == "cuda":
@@ -279,7 +279,7 @@ def out_of_memory_error(
         shapes, dtype_bytes, estimate_mode(settings, config), settings.double_quant, device.type
     )
     stronger = {"none": "--quant int8 or --quant int4, ", "int8": "--quant int4, "}.get(settings.quant, "")
-    return LlmcliError(
+    return MemoryShortage(
         f"out of memory loading {checkpoint.name} on {device}: its weights need about {format_bytes(needed)}"
         + (f" and {format_bytes(free)} is free now" if free is not None else ""),
         f"try {stronger}--offload, or free the device",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmcli.errors import LlmcliError
+from llmcli.errors import MemoryShortage
 from llmcli.models.headers import TensorHeader
 
 _UNQUANTIZED_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "norm", "ln_")
@@ -288,7 +288,7 @@ def fits(request: FitRequest) -> tuple[int, str | None]:
         f"cache for {request.context} tokens, but only {format_bytes(request.budget)} is available on "
         f"{request.device}"
     )
-    raise LlmcliError(problem, f"try {nearest_fitting_option(request, budget, fitting_context, lowest)}")
+    raise MemoryShortage(problem, f"try {nearest_fitting_option(request, budget, fitting_context, lowest)}")
 
 
 def nearest_fitting_option(request: FitRequest, budget: int, fitting_context: int, lowest: int) -> str:

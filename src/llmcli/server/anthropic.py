@@ -38,6 +38,7 @@ from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_json, validated
 
 if TYPE_CHECKING:
+    from llmcli.server.fleet import Fleet
     from llmcli.server.state import Served
     from llmcli.server.worker import Job
 
@@ -159,9 +160,10 @@ class CountRequest(MessagesRequest):
     max_tokens: int = 1  # a count generates nothing
 
 
-def install_anthropic(app: FastAPI, served: Served, drop_hosted_tools: bool = False) -> None:
-    """The Messages routes. `drop_hosted_tools`: Anthropic's server tools (web search, …) are left
-    out with a warning instead of refused (anthropic_tools.screen_hosted_tools)."""
+def install_anthropic(app: FastAPI, fleet: Fleet, drop_hosted_tools: bool = False) -> None:
+    """The Messages routes over `fleet`'s models. `drop_hosted_tools`: Anthropic's server tools
+    (web search, …) are left out with a warning instead of refused
+    (anthropic_tools.screen_hosted_tools)."""
 
     @app.head("/")
     async def reachable() -> Response:  # Claude Code's connection warm-up, before its first request
@@ -170,6 +172,7 @@ def install_anthropic(app: FastAPI, served: Served, drop_hosted_tools: bool = Fa
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
         body = await _read(request, MessagesRequest, drop_hosted_tools)
+        served = await fleet.serving(body.get("model"))
         asked, prefill = _chat_request(body, _reads_effort(served))
         encoder_for = functools.partial(AnthropicEncoder, served.model_id)
         request.state.ticket = ticket = served.admit()  # given back by the worker or the error handler
@@ -180,6 +183,7 @@ def install_anthropic(app: FastAPI, served: Served, drop_hosted_tools: bool = Fa
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await _read(request, CountRequest, drop_hosted_tools)
+        served = await fleet.serving(body.get("model"))
         asked, prefill = _chat_request(body | {"max_tokens": 1}, _reads_effort(served))
         ids, _ = await chat_prompt(served, asked, prefill)
         return {"input_tokens": len(ids)}  # an image's tokens among them (its placeholder's)

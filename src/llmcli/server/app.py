@@ -1,14 +1,15 @@
-"""The HTTP API over one loaded model (FastAPI on uvicorn), composed here: the routes of OpenAI's
-chat and text completions (openai.py), of the Responses, Anthropic and Ollama APIs (responses.py,
-anthropic.py, ollama.py), the guards around them (guard.py, BodyLimit), and every failure as an
-error object in the protocol's own shape. Nothing imports this module.
+"""The HTTP API over the models a server holds (FastAPI on uvicorn; which model a request names:
+fleet.py), composed here: the routes of OpenAI's chat and text completions (openai.py), of the
+Responses, Anthropic and Ollama APIs (responses.py, anthropic.py, ollama.py), the guards around
+them (guard.py, BodyLimit), and every failure as an error object in the protocol's own shape.
+Nothing imports this module.
 
 Each route reads its protocol's request and answers it through answers.py: the prompt made and
 checked (prompts.py), the generations run (worker.py), and their protocol-neutral events
 (events.py) encoded by the route's own encoder, streamed or whole; Anthropic's blocks and the
 Responses API's items are grouped by one rule (blocks.py). No route reads another's output.
 
-Generations run on threads of their own, taking turns on one compute thread
+Generations run on threads of their own, taking turns on their model's compute thread
 (engine/scheduler.py): with --parallel above 1 each runs on an engine of its own and their decode
 steps are batched, else one runs at a time. An engine's cache persists between requests: a
 request whose prompt starts with what a cache holds (the next turn of a chat, re-sent whole by
@@ -32,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmcli.errors import LlmcliError
 from llmcli.server.anthropic import install_anthropic
+from llmcli.server.fleet import Fleet
 from llmcli.server.guard import HostGuard, JsonOnly, KeyGuard, NestingLimit
 from llmcli.server.metrics import Observed
 from llmcli.server.ollama import install_ollama
@@ -43,13 +45,17 @@ from llmcli.server.state import RequestError, Served, describe
 MAX_BODY_BYTES = 8 << 20  # a prompt of ~2M tokens: larger is a mistake, not a prompt
 
 
-def create_app(served: Served) -> ASGIApp:
+def create_app(fleet: Fleet, served: Served) -> ASGIApp:
+    """The app over `fleet`'s models; `served` holds what they all share (who may call, the
+    metrics, the shutdown), no model."""
     app = FastAPI(title="llmcli", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", **served.info()}
+        latest = next(fleet.loaded(), None)  # the most recently used model: what a call gets by default
+        described = latest.info() if latest is not None else {"model": None, "engine": None}
+        return {"status": "ok", **described, "instance": served.instance, "models": fleet.states()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -57,10 +63,10 @@ def create_app(served: Served) -> ASGIApp:
 
         return Response(served.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    install_openai(app, served)
-    install_ollama(app, served)
-    install_anthropic(app, served, served.drop_hosted_tools)
-    install_responses(app, served)
+    install_openai(app, fleet)
+    install_ollama(app, fleet)
+    install_anthropic(app, fleet, served.drop_hosted_tools)
+    install_responses(app, fleet, served.drop_hosted_tools)
 
     guarded: ASGIApp = KeyGuard(JsonOnly(NestingLimit(app)), served.api_key)
     if served.cors:

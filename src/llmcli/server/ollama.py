@@ -6,8 +6,10 @@ streams by default). Options map to llmcli's sampling settings; an option, field
 is not honoured is a 400 that says so (`images` for a text model or with `raw`, `num_ctx` over the
 loaded context, `suffix`, `template`, `context`, any other field), never dropped. A message's
 `images` (base64: server/images.py) come before its text, as Ollama puts them. `keep_alive` is
-accepted (the model stays loaded for the server's life), except 0, which would unload it.
-`/api/tags`, `/api/show`, `/api/ps` and `/api/version` describe the one loaded model.
+the named model's: unloaded that long after its last request ends (0: once this one ends;
+negative: kept), as Ollama does; a request with neither `messages` nor `prompt` only loads (or,
+with `keep_alive` 0, unloads) its model. `/api/tags` lists the models held and those a request
+may load by name, `/api/ps` those held, with their state (server/fleet.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from llmcli.engine.reasoning import CONTENT, REASONING
 from llmcli.errors import LlmcliError
 from llmcli.server.answers import chat_response, completion_response
 from llmcli.server.events import Encoder, Failed, Outcome, Piece, Usage, call_input
+from llmcli.server.fleet import Fleet
 from llmcli.server.images import from_base64, image_part
 from llmcli.server.translate import Body, Part, read_body, validated
 
@@ -123,7 +126,7 @@ class GenerateBody(Common):
     context: list[int] | None = None
 
 
-def install_ollama(app: FastAPI, served: Served) -> None:
+def install_ollama(app: FastAPI, fleet: Fleet) -> None:
     @app.get("/api/version")
     async def version() -> dict[str, Any]:
         from importlib.metadata import version as installed
@@ -132,22 +135,22 @@ def install_ollama(app: FastAPI, served: Served) -> None:
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [_model_entry(served)]}
+        return {"models": [_model_entry(entry) for entry in fleet.listing()]}
 
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        entry = _model_entry(served) | {"expires_at": "9999-12-31T23:59:59Z", "size_vram": _vram(served)}
-        return {"models": [entry]}
+        return {"models": [_running_entry(entry) for entry in fleet.states()]}
 
     @app.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
-        await read_body(request, ShowBody, OllamaError)  # one model here, whichever it names
+        body = await read_body(request, ShowBody, OllamaError)
+        served = await fleet.serving(body.get("model") or body.get("name"))  # loaded, to describe it
         loaded = served.loaded
         return {
             "modelfile": "",
             "parameters": "",
             "template": str(getattr(loaded.tokenizer, "chat_template", "") or ""),
-            "details": _details(served),
+            "details": _details(served.model_id, loaded.quant),
             "model_info": {
                 "llmcli.context_length": loaded.context_length,
                 "llmcli.engine": served.engine.name,
@@ -157,20 +160,39 @@ def install_ollama(app: FastAPI, served: Served) -> None:
 
     @app.post("/api/chat")
     async def chat(request: Request) -> Any:
-        body = _checked(await read_body(request, ChatBody, OllamaError))
+        body = await read_body(request, ChatBody, OllamaError)
+        served = await _model(fleet, body)
+        if body.get("messages") is None:
+            return _loaded_only(served, body, chat=True)
         return await _answer(served, request, body, _chat_request(served, body), shape="chat")
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Any:
-        body = _checked(await read_body(request, GenerateBody, OllamaError))
+        body = await read_body(request, GenerateBody, OllamaError)
+        served = await _model(fleet, body)
+        if body.get("prompt") is None and not body.get("images"):
+            return _loaded_only(served, body, chat=False)
         return await _answer(served, request, body, _generate_request(served, body), shape="generate")
 
 
-def _checked(body: dict[str, Any]) -> dict[str, Any]:
+async def _model(fleet: Fleet, body: dict[str, Any]) -> Served:
+    """The model the request names, loaded, with the request's keep_alive (checked first: a bad
+    one loads nothing) as its own."""
     keep_alive = body.get("keep_alive")
-    if keep_alive is not None and _seconds(keep_alive) == 0:  # unload now: never done here
-        raise OllamaError("keep_alive 0 would unload the model: llmcli serve keeps it loaded while it runs")
-    return body
+    seconds = _seconds(keep_alive) if keep_alive is not None else None
+    served = await fleet.serving(body.get("model"))
+    if seconds is not None:
+        fleet.keep_alive(served, seconds)
+    return served
+
+
+def _loaded_only(served: Served, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """Ollama's answer to a request that asks nothing: its model loaded, or with keep_alive 0
+    unloaded (as the request ends)."""
+    unloads = body.get("keep_alive") is not None and _seconds(body["keep_alive"]) == 0
+    line: dict[str, Any] = {"model": served.model_id, "created_at": _now(), "done": True}
+    line |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return line | {"done_reason": "unload" if unloads else "load"}
 
 
 def _seconds(keep_alive: float | str) -> float:
@@ -376,31 +398,41 @@ def _done(outcomes: list[Outcome], total_s: float | None = None) -> dict[str, An
     }
 
 
-def _model_entry(served: Served) -> dict[str, Any]:
+def _model_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A model as /api/tags lists one (fleet.listing): its size in memory once loaded, else 0."""
     return {
-        "name": served.model_id,
-        "model": served.model_id,
+        "name": entry["name"],
+        "model": entry["name"],
         "modified_at": _now(),
-        "size": served.loaded.weight_bytes,
+        "size": entry.get("weight_bytes") or 0,
         "digest": "",
-        "details": _details(served),
+        "details": _details(entry["name"], entry.get("quant")),
+        "state": entry["state"],
     }
 
 
-def _details(served: Served) -> dict[str, Any]:
-    loaded = served.loaded
+def _running_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A model held, as /api/ps lists one: when its keep-alive unloads it (never: far ahead),
+    its weights on a GPU, and llmcli's own state and idle time beside."""
+    expires = entry.get("expires_at")
+    on_gpu = str(entry.get("device")).startswith("cuda")
+    return _model_entry(entry) | {
+        "expires_at": _now(expires) if expires is not None else "9999-12-31T23:59:59Z",
+        "size_vram": (entry.get("weight_bytes") or 0) if on_gpu else 0,
+        "idle_s": entry.get("idle_s"),
+    }
+
+
+def _details(name: str, quant: str | None) -> dict[str, Any]:
     return {
-        "format": "gguf" if str(served.model_id).endswith((".gguf", "Q4_1")) else "safetensors",
+        "format": "gguf" if name.endswith((".gguf", "Q4_1")) else "safetensors",
         "family": "",
         "families": None,
         "parameter_size": "",
-        "quantization_level": loaded.quant,
+        "quantization_level": quant or "",
     }
 
 
-def _vram(served: Served) -> int:
-    return served.loaded.weight_bytes if str(served.loaded.device).startswith("cuda") else 0
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+def _now(at: float | None = None) -> str:
+    moment = datetime.fromtimestamp(at, timezone.utc) if at is not None else datetime.now(timezone.utc)
+    return moment.isoformat().replace("+00:00", "Z")

@@ -26,37 +26,43 @@ from llmcli.server.events import (
     Piece,
     Usage,
 )
+from llmcli.server.fleet import Fleet
 from llmcli.server.logprobs import chat_logprobs, completion_logprobs
 from llmcli.server.protocol import ChatRequest, CompletionRequest, error_body
-from llmcli.server.state import RequestError, Served
+from llmcli.server.state import Served
 from llmcli.server.worker import Job
 
 
-def install_openai(app: FastAPI, served: Served) -> None:
+def install_openai(app: FastAPI, fleet: Fleet) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != served.model_id:
-            raise RequestError(
-                404, f"no model {model_id!r} here: this server runs {served.model_id!r}", "model"
-            )
-        return {"id": served.model_id, "object": "model", "created": 0, "owned_by": "llmcli"}
+        listed = {entry["name"]: entry for entry in fleet.listing()}
+        if model_id not in listed:
+            raise fleet.not_here(model_id)
+        return _model_object(listed[model_id])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": served.model_id, "object": "model", "created": 0, "owned_by": "llmcli"}],
-        }
+        return {"object": "list", "data": [_model_object(entry) for entry in fleet.listing()]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
+        served = await fleet.serving(body.model)
         encoder_for = functools.partial(OpenAIEncoder, served, chat=True, include_usage=body.include_usage)
         return await chat_response(served, request, body, encoder_for)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        served = await fleet.serving(body.model)
         encoder_for = functools.partial(OpenAIEncoder, served, chat=False, include_usage=body.include_usage)
         return await completion_response(served, request, body, encoder_for)
+
+
+def _model_object(entry: dict[str, Any]) -> dict[str, Any]:
+    """A model as OpenAI lists one, with what llmcli knows of its state beside (loaded, loading,
+    available: listed, not held; its idle time and weights' size once loaded)."""
+    state = {key: entry[key] for key in ("state", "idle_s", "weight_bytes") if key in entry}
+    return {"id": entry["name"], "object": "model", "created": 0, "owned_by": "llmcli", **state}
 
 
 class OpenAIEncoder(Encoder):

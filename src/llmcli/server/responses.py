@@ -57,7 +57,7 @@ from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
-    from llmcli.server.state import Served
+    from llmcli.server.fleet import Fleet
 
 KEPT = 256  # stored responses, newest first out of the door last
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` honoured
@@ -179,14 +179,17 @@ class Stored(OrderedDict[str, Kept]):
         return self[response_id]
 
 
-def install_responses(app: FastAPI, served: Served) -> None:
+def install_responses(app: FastAPI, fleet: Fleet, drop_hosted_tools: bool = False) -> None:
+    """The Responses routes over `fleet`'s models. `drop_hosted_tools`: hosted tools (web search,
+    …) are left out with a warning instead of refused (responses_tools.HostedTools)."""
     stored = Stored()
     seal = ReasoningSeal.kept_under(state_dir())
-    hosted = HostedTools(drop=served.drop_hosted_tools)
+    hosted = HostedTools(drop=drop_hosted_tools)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
         body = _checked(await read_body(request, ResponsesRequest, ResponsesError))
+        served = await fleet.serving(body.get("model"))
         reading = _Reading(body, stored, seal, hosted)
         shell = _shell(body, served.model_id)
         keep = stored if body.get("store", True) is not False else None
@@ -200,6 +203,7 @@ def install_responses(app: FastAPI, served: Served) -> None:
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request) -> Any:
         body = _checked(await read_body(request, InputTokensRequest, ResponsesError))
+        served = await fleet.serving(body.get("model"))
         ids, _ = await chat_prompt(served, _Reading(body, stored, seal, hosted).asked)
         return {"object": "response.input_tokens", "input_tokens": len(ids)}
 

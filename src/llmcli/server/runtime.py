@@ -38,6 +38,8 @@ _MATCHING_SETTINGS = ("device", "dtype", "quant", "quant_type", "double_quant", 
 # A record is a few hundred bytes; anything far larger was not written by llmcli.
 _RECORD_BYTES = 64 * 1024
 LOADING, READY = "loading", "ready"
+_MODEL_STATES = ("loaded", "loading")
+_MODELS_LISTED = 64  # models one record may list: far more than any --models-max in use
 
 Note = Callable[[str], None]
 
@@ -64,10 +66,24 @@ class ServerRecord:
     draft_model: str | None
     needs_key: bool
     idle_exit_s: float | None
+    # The models it holds (server/fleet.py), as of the last load or unload; none while the first loads.
+    models: tuple[HeldModel, ...] = ()
+    models_max: int = 1  # it loads a model by name while it holds fewer than this
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+
+@dataclass(frozen=True)
+class HeldModel:
+    """A model a server's record says it holds, every field checked."""
+
+    name: str  # what a request names it by
+    spec: str  # what it was loaded from
+    state: str  # loaded or loading
+    weight_bytes: int | None
+    identity: dict[str, Any] | None  # its file or folder, when `spec` names one
 
 
 class BadRecord(ValueError):
@@ -118,6 +134,16 @@ class RecordWriter:
 
     def ready(self, model_name: str, draft_model: str | None) -> None:
         self._record.update(state=READY, model=model_name, draft_model=draft_model)
+        self._write()
+
+    def models(self, states: list[dict[str, Any]]) -> None:
+        """The models the server holds now, each with its state (server/fleet.py): `llmcli ps`
+        lists them, and a call finds the server that holds its model by them."""
+        fields = ("name", "spec", "state", "weight_bytes")
+        self._record["models"] = [
+            {key: state[key] for key in fields} | {"identity": model_identity(state["spec"])}
+            for state in states
+        ]
         self._write()
 
     def touch(self) -> None:
@@ -241,6 +267,9 @@ def read_record(path: Path) -> ServerRecord:
     needs_key = data.get("needs_key")
     if not isinstance(needs_key, bool):
         raise BadRecord("needs_key is not true or false")
+    models_max = data.get("models_max", 1)
+    if type(models_max) is not int or models_max < 1:
+        raise BadRecord("models_max is not a count")
     return ServerRecord(
         path=path,
         url=url,
@@ -257,7 +286,30 @@ def read_record(path: Path) -> ServerRecord:
         draft_model=_text(data, "draft_model", optional=True),
         needs_key=needs_key,
         idle_exit_s=float(idle) if idle is not None else None,
+        models=_held_models(data.get("models", [])),
+        models_max=models_max,
     )
+
+
+def _held_models(listed: Any) -> tuple[HeldModel, ...]:
+    """A record's models, each field checked as the record's own are."""
+    if not isinstance(listed, list) or len(listed) > _MODELS_LISTED:
+        raise BadRecord(f"models is not a list of at most {_MODELS_LISTED}")
+    held = []
+    for entry in listed:
+        if not isinstance(entry, dict):
+            raise BadRecord("a model of models is not an object")
+        state = _text(entry, "state")
+        if state not in _MODEL_STATES:
+            raise BadRecord(f"a model's state {peer_text(state)[:20]!r}")
+        size = entry.get("weight_bytes")
+        if size is not None and (type(size) is not int or size < 0):
+            raise BadRecord("a model's weight_bytes is not a size")
+        identity = entry.get("identity")
+        if identity is not None and not isinstance(identity, dict):
+            raise BadRecord("a model's identity is not an object")
+        held.append(HeldModel(_text(entry, "name"), _text(entry, "spec"), state, size, identity))
+    return tuple(held)
 
 
 def _is_this_server(record: ServerRecord) -> bool:
@@ -279,12 +331,33 @@ def is_serve_command(argv: tuple[str, ...]) -> bool:
 
 def matching_server(model_spec: str, load: LoadSettings, note: Note | None = None) -> ServerRecord | None:
     """A running server that serves `model_spec` with the same numerics-changing settings (one
-    still loading included: the caller waits for it or leaves it)."""
+    still loading included: the caller waits for it or leaves it); else one with those settings
+    that can load it by name without unloading another (it holds fewer than its --models-max)."""
     wanted = {name: asdict(load)[name] for name in _MATCHING_SETTINGS}
-    for record in running_servers(note):
-        if serves_model(record, model_spec) and record.load == wanted:
-            return record
-    return None
+    records = [record for record in running_servers(note) if record.load == wanted]
+    holding = [record for record in records if serves_model(record, model_spec)]
+    if holding:
+        return holding[0]
+    if model_identity(model_spec) is not None:  # a path: no request makes a server read one
+        return None
+    room = [r for r in records if r.state == READY and len(r.models) < r.models_max]
+    return room[0] if room and _listed(model_spec) else None
+
+
+def _listed(name: str) -> bool:
+    """Whether `name` is one `llmcli models list` shows: one a server loads by name."""
+    from llmcli.models.catalog import model_names
+
+    return name in model_names()
+
+
+def name_on(record: ServerRecord, spec: str) -> str:
+    """The name to send `record`'s server for the model `spec`: the name of the model it holds,
+    or `spec` itself, a name it loads by (matching_server)."""
+    for held in record.models:
+        if _names(spec, held.identity, (held.spec, held.name)):
+            return held.name
+    return spec
 
 
 def near_miss(model_spec: str, load: LoadSettings) -> tuple[ServerRecord, str] | None:
@@ -306,6 +379,8 @@ def serves_model(record: ServerRecord, spec: str) -> bool:
     """Whether a running server's record is of the model `spec` names. A spec that names a file
     or folder here is matched by that file's identity (where it is, its size and time), never by
     its spelling: `-m m.gguf` in another folder is another model."""
+    if record.models:  # what it holds now: the model it started with may be unloaded since
+        return any(_names(spec, held.identity, (held.spec, held.name)) for held in record.models)
     return _names(spec, record.model_identity, (record.model_spec, record.model))
 
 

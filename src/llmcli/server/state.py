@@ -1,5 +1,5 @@
-"""What every route shares about the one model served: the model and its threads (Served), a
-request's place in the queue (Ticket), and a refusal in any protocol's error shape (RequestError)."""
+"""What every route shares about a model served: the model and its threads (Served), a request's
+place in its queue (Ticket), and a refusal in any protocol's error shape (RequestError)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from llmcli.server.metrics import Metrics
 
 @dataclass
 class Served:
-    """The model behind the server, and the one thread that runs it."""
+    """A model the server holds (server/fleet.py), and the one thread that runs it; the server's
+    settings are every model's (one Served without a model holds them, for the guards)."""
 
     loaded: Any  # LoadedModel
     engine: Any  # Engine
@@ -92,7 +93,7 @@ class Served:
 
     def count_waiting(self, change: int) -> None:
         self.waiting += change
-        self.metrics.waiting.set(self.waiting)
+        self.metrics.waiting.inc(change)  # the server's gauge: every model's waiting requests
 
     def info(self) -> dict[str, Any]:
         loaded = self.loaded
