@@ -41,8 +41,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": CONTEXT}))
-    # The captured requests name the model "demo" (ANTHROPIC_MODEL): the config's alias for it.
-    aliases = {"demo": folder, "m": folder}
+    # The captured requests name the model "demo" (ANTHROPIC_MODEL) and "demo-small" (its small,
+    # fast one): the config's aliases for it, as a user of Claude Code would write them.
+    aliases = {"demo": folder, "demo-small": folder, "m": folder}
     yield from served(folder, tmp_path_factory.mktemp("runtime"), "--api-key", "sekrit", aliases=aliases)
 
 
