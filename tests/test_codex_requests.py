@@ -204,3 +204,21 @@ def test_the_drop_switch_leaves_anthropics_hosted_tools_out_too(server: Server) 
     body = {"model": "m", "max_tokens": 4, "tools": tools, "messages": [{"role": "user", "content": "Hi"}]}
     answer = httpx.post(f"{server.url}/v1/messages", json=body, timeout=PATIENCE_S)
     assert answer.status_code == 200, answer.text
+
+
+# Codex's compaction prompt (codex 0.171.0), which it sends for a custom provider as the last user
+# message of an ordinary request, with no tools, in place of calling /v1/responses/compact.
+COMPACTION_PROMPT = (
+    "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary for another LLM "
+    "that will resume the task.\n\nInclude:\n- Current progress and key decisions made\n"
+)
+
+
+def test_codex_compaction_is_a_summary_turn_on_responses(server: Server, first: dict[str, Any]) -> None:
+    body = follow_up(first["output"][0]) | {"tools": [], "parallel_tool_calls": False}
+    body["input"].append(
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": COMPACTION_PROMPT}]}
+    )
+    status, events = streamed(server, body)
+    assert status == 200, events
+    assert completed(events)["output"][-1]["type"] in ("message", "reasoning")

@@ -7,7 +7,8 @@ thinking, a `message` with `output_text`, `function_call`s), or the Responses ev
 `response.function_call_arguments.delta`, …, `response.completed`). Responses are kept in memory
 (the newest 256, unless `store: false`), so `previous_response_id` continues a conversation; the
 KV cache reuses its prefix as for any re-sent chat; `GET` and `DELETE /v1/responses/{id}` read
-and remove a stored one, and `POST /v1/responses/input_tokens` counts a request's prompt. An
+and remove a stored one, and `POST /v1/responses/input_tokens` counts a request's prompt;
+`POST /v1/responses/compact` is refused by name (NO_COMPACT). An
 `input_image` (a data URL, or an http(s) URL: server/images.py) is taken where the model reads
 images. With `include: ["reasoning.encrypted_content"]` (what a client that stores nothing
 asks) each reasoning item carries its thinking signed (reasoning_seal.py), taken back as input.
@@ -61,6 +62,13 @@ if TYPE_CHECKING:
 
 KEPT = 256  # stored responses, newest first out of the door last
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` honoured
+# OpenAI's compaction endpoint returns an opaque item only its own servers read back. Codex CLI
+# calls it for OpenAI and Azure alone; for a custom provider it compacts with a summary turn on
+# /v1/responses (measured with codex 0.171.0, whatever its x-codex-beta-features header says).
+NO_COMPACT = (
+    "POST /v1/responses/compact is not supported here (no compacted state to hand out): "
+    "compact with a summary turn on /v1/responses, as Codex CLI does for a custom provider"
+)
 
 
 class ResponsesError(LlmcliError):
@@ -202,6 +210,10 @@ def install_responses(app: FastAPI, served: Served) -> None:
         body = _checked(await read_body(request, InputTokensRequest, ResponsesError))
         ids, _ = await chat_prompt(served, _Reading(body, stored, seal, hosted).asked)
         return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+    @app.post("/v1/responses/compact")
+    async def compact() -> Any:
+        raise RequestError(404, NO_COMPACT)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request) -> Any:
