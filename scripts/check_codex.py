@@ -13,7 +13,9 @@ tool's output sent back and answered, and the task's outcome (the file there?). 
 may not solve the task; the lines say whether the protocol was the reason. The default
 instructions are short (Codex's own are ~6,600 tokens; with its tools the prompt passes the
 demo's 8,192-token context) and show the model one call, written as llmcli's generic tool
-format writes it.
+format writes it. With --compact-at, Codex is told the context and compacts past that many tokens:
+for a custom provider, with a summary turn on /v1/responses (the access log shows it: a prompt
+past the limit, then one that is short again).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ After the command ran, say "Done." and stop.
 CONFIG = """model = "{model}"
 model_provider = "llmcli"
 check_for_update_on_startup = false
-{instructions}
+{compaction}{instructions}
 [model_providers.llmcli]
 name = "llmcli"
 base_url = "{url}/v1"
@@ -90,6 +92,17 @@ def main() -> int:
         "--full", action="store_true", help="every tool Codex offers by default (its sub-agents too)"
     )
     parser.add_argument("--timeout", type=float, default=1500, help="seconds for the whole codex run")
+    parser.add_argument(
+        "--compact-at",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="tell Codex the context (8192, the demo's) and to compact past TOKENS: its summary turn on "
+        "/v1/responses, what it does for a custom provider (never /v1/responses/compact)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=8192, help="the served model's context (with --compact-at)"
+    )
     args = parser.parse_args()
 
     codex = args.codex or (SCRATCH_CODEX if SCRATCH_CODEX.exists() else shutil.which("codex"))
@@ -108,7 +121,17 @@ def main() -> int:
                 (home / "instructions.md").write_text(INSTRUCTIONS)
                 instructions = f'model_instructions_file = "{home / "instructions.md"}"\n'
             lean = "" if args.full else LEAN
-            config = CONFIG.format(model=server.model, url=server.url, instructions=instructions, lean=lean)
+            compaction = ""
+            if args.compact_at is not None:
+                window = f"model_context_window = {args.context}\n"
+                compaction = f"{window}model_auto_compact_token_limit = {args.compact_at}\n"
+            config = CONFIG.format(
+                model=server.model,
+                url=server.url,
+                instructions=instructions,
+                lean=lean,
+                compaction=compaction,
+            )
             (home / "config.toml").write_text(config)
             print(f"codex: {codex} ({version})")
             print(

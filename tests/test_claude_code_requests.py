@@ -180,6 +180,13 @@ def test_head_of_the_root_answers_as_claude_code_warms_its_connection(server: Se
 
 
 WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+# A record whose keys are held to a pattern: a propertyNames the grammar engine does not implement
+# (one that says only that keys are strings is taken: Claude Code's own tools carry it).
+KEYS_NARROWED = {
+    "type": "object",
+    "propertyNames": {"pattern": "^[a-z]+$"},
+    "additionalProperties": {"type": "string"},
+}
 
 
 @pytest.mark.parametrize(
@@ -195,6 +202,11 @@ WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5
         ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
         ({"thinking": {"type": "adaptive", "budget_tokens": 1024}}, "thinking adaptive has no budget"),
         ({"messages": [{"role": "system", "content": [{"type": "image"}]}]}, "only text blocks"),
+        ({"tools": [{"name": "tag", "input_schema": KEYS_NARROWED}]}, "propertyNames"),
+        (
+            {"tools": [], "output_config": {"format": {"type": "json_schema", "schema": KEYS_NARROWED}}},
+            "propertyNames",
+        ),
     ],
 )
 def test_what_a_local_server_cannot_do_is_refused_in_one_line(

@@ -207,3 +207,75 @@ def test_the_drop_switch_leaves_anthropics_hosted_tools_out_too(server: Server) 
     body = {"model": "m", "max_tokens": 4, "tools": tools, "messages": [{"role": "user", "content": "Hi"}]}
     answer = httpx.post(f"{server.url}/v1/messages", json=body, timeout=PATIENCE_S)
     assert answer.status_code == 200, answer.text
+
+
+# Codex's compaction prompt (codex 0.171.0), which it sends for a custom provider as the last user
+# message of an ordinary request, with no tools, in place of calling /v1/responses/compact.
+COMPACTION_PROMPT = (
+    "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary for another LLM "
+    "that will resume the task.\n\nInclude:\n- Current progress and key decisions made\n"
+)
+
+
+def test_codex_compaction_is_a_summary_turn_on_responses(server: Server, first: dict[str, Any]) -> None:
+    body = follow_up(first["output"][0]) | {"tools": [], "parallel_tool_calls": False}
+    body["input"].append(
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": COMPACTION_PROMPT}]}
+    )
+    status, events = streamed(server, body)
+    assert status == 200, events
+    assert completed(events)["output"][-1]["type"] in ("message", "reasoning")
+
+
+def asked_with(server: Server, **fields: Any) -> Any:
+    """A short response from the tiny thinking model through the official client."""
+    client = server.client()
+    return client.responses.create(
+        model="gpt-5.5", input="Hello", max_output_tokens=4, temperature=0, **fields
+    )
+
+
+def test_gpt5_efforts_are_taken_and_none_turns_the_thinking_off(server: Server) -> None:
+    """Codex sends `xhigh` for its GPT-5 models: this template reads no level, so effort is the
+    hint its own thinking answers (the prompt unchanged), and `none` turns the thinking off."""
+    plain = asked_with(server)
+    for effort in ("minimal", "low", "medium", "high", "xhigh"):
+        taken = asked_with(server, reasoning={"effort": effort, "summary": "auto"})
+        assert taken.usage.input_tokens == plain.usage.input_tokens and taken.output[0].type == "reasoning"
+    off = asked_with(server, reasoning={"effort": "none"})
+    assert [item.type for item in off.output] == [
+        "message"
+    ] and off.usage.output_tokens_details.reasoning_tokens == 0
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match="effort"):
+        asked_with(server, reasoning={"effort": "maximal"})
+
+
+@pytest.mark.parametrize(("effort", "expected"), [("xhigh", "high"), ("minimal", "minimal"), ("none", None)])
+def test_effort_is_the_templates_reasoning_effort_where_it_reads_one(
+    effort: str, expected: str | None
+) -> None:
+    from llmcli.server.responses import _chat_request
+
+    asked = _chat_request({"reasoning": {"effort": effort}}, [{"role": "user", "content": "hi"}], [])
+    assert asked.reasoning_effort == expected and asked.think_off == (effort == "none")
+
+
+def test_verbosity_is_a_line_the_model_reads_and_concise_summaries_are_refused(server: Server) -> None:
+    from llmcli.server.responses import VERBOSITY, _chat_request
+
+    counts = {
+        verbosity: asked_with(server, text={"verbosity": verbosity}).usage.input_tokens
+        for verbosity in ("low", "medium", "high")
+    }
+    assert counts["medium"] == asked_with(server).usage.input_tokens < min(counts["low"], counts["high"])
+    said = [{"role": "developer", "content": "Be kind."}, {"role": "user", "content": "hi"}]
+    told = _chat_request({"text": {"verbosity": "low"}}, said, []).messages
+    assert told[0].content == "Be kind.\n\n" + VERBOSITY["low"] and said[0]["content"] == "Be kind."
+    assert (
+        _chat_request({"text": {"verbosity": "high"}}, said[1:], []).messages[0].content == VERBOSITY["high"]
+    )
+    assert asked_with(server, reasoning={"summary": "detailed"}).output[0].summary[0].text
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match=r"reasoning\.summary concise is not supported here"):
+        asked_with(server, reasoning={"summary": "concise"})

@@ -175,3 +175,13 @@ def test_input_tokens_counts_the_prompt_a_response_would_read(server: Server) ->
     assert earlier.input_tokens > client.responses.input_tokens.count(model="tiny", input="More").input_tokens
     with pytest.raises(openai.BadRequestError, match="web_search is a hosted tool"):
         client.responses.input_tokens.count(model="tiny", input="hi", tools=[{"type": "web_search"}])
+
+
+def test_compact_is_refused_by_name_in_the_responses_error_shape(server: Server) -> None:
+    """Codex CLI compacts a custom provider's conversation with a summary turn on /v1/responses
+    (tests/test_codex_requests.py); the compaction endpoint is refused in one line, not
+    FastAPI's bare 404 or the 405 of the GET /v1/responses/{id} route beside it."""
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="/v1/responses/compact is not supported here") as refused:
+        client.responses.compact(model="tiny", input="Hello")
+    assert refused.value.body["param"] is None and "\n" not in refused.value.message

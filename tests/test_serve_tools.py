@@ -371,3 +371,38 @@ def test_generate_tools_bad_input_is_one_line_before_loading(
     result = run_cli("generate", "-m", "nowhere/never", *[files.get(f, f) for f in flags], "hi")
     lines = result.stderr.decode().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and words in lines[0], lines
+
+
+STRING_KEYS = {"type": "string"}  # what zod writes for a record's keys (Claude Code's, Codex's tools)
+TAGS = {  # a record of tags: any name, each a string
+    "type": "object",
+    "properties": {
+        "tags": {"type": "object", "propertyNames": STRING_KEYS, "additionalProperties": {"type": "string"}}
+    },
+    "required": ["tags"],
+}
+TAGGER = {"type": "function", "function": {"name": "tag", "description": "Tag the text.", "parameters": TAGS}}
+
+
+def test_a_property_names_rule_that_says_keys_are_strings_is_taken_and_any_other_refused(
+    server: Server,
+) -> None:
+    """Every JSON key is a string, so that propertyNames constrains nothing; the grammar engine
+    implements no other, which is refused in one line, on tools and response_format alike."""
+    client = server.client()
+    asked = dict(model="tiny", messages=ASK, max_tokens=60, temperature=0)
+    call = client.chat.completions.create(**asked, tools=[TAGGER], tool_choice="required")
+    jsonschema.validate(json.loads(call.choices[0].message.tool_calls[0].function.arguments), TAGS)
+    shaped = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS}}
+    answer = client.chat.completions.create(**asked, response_format=shaped)
+    if answer.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(answer.choices[0].message.content), TAGS)
+    lower = {"type": "string", "pattern": "^[a-z]+$"}
+    narrowed = json.loads(json.dumps(TAGS).replace(json.dumps(STRING_KEYS), json.dumps(lower)))
+    for refused in (
+        dict(tools=[{"type": "function", "function": TAGGER["function"] | {"parameters": narrowed}}]),
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "tags", "schema": narrowed}}),
+    ):
+        with pytest.raises(openai.BadRequestError, match="propertyNames") as error:
+            client.chat.completions.create(**asked, **refused)
+        assert "\n" not in error.value.body["message"]

@@ -251,3 +251,22 @@ def test_a_value_cut_while_the_model_loops_is_said_so_not_more_tokens() -> None:
     assert "raise the limit only if the value is that long" in adding
     stopped = unfinished_value(any_object, "stop", 9, 512, "--max-new-tokens", '{"a": "b')
     assert "a stop string cut it; give one that the value cannot contain" in stopped
+
+
+def test_a_string_keys_rule_is_left_out_and_names_and_data_are_kept() -> None:
+    """`propertyNames: {"type": "string"}` says what every JSON key is already; a property of
+    that name, and the same object as a const's data, are the schema's own and stay."""
+    from llmcli.engine.structured import parse_schema
+
+    keys = {"type": "string"}
+    schema = {
+        "type": "object",
+        "propertyNames": keys,
+        "properties": {"propertyNames": keys, "fixed": {"const": {"propertyNames": keys}}},
+        "$defs": {"map": {"type": "object", "propertyNames": keys}},
+    }
+    assert parse_schema(schema, "x") == {
+        "type": "object",
+        "properties": {"propertyNames": keys, "fixed": {"const": {"propertyNames": keys}}},
+        "$defs": {"map": {"type": "object"}},
+    }

@@ -17,8 +17,6 @@ from llmcli.errors import LlmcliError
 
 # Their type names carry a date (web_search_20250305): a prefix names each family, present and future.
 HOSTED_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
-NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-DATA_KEYWORDS = ("const", "enum", "default", "examples")
 _warned: set[str] = set()  # a dropped type is warned about once per server, not on every request
 
 
@@ -71,26 +69,6 @@ def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
     function = {
         "name": tool["name"],
         "description": tool.get("description", ""),
-        "parameters": _without_string_key_rule(tool["input_schema"]),
+        "parameters": tool["input_schema"],  # a string-keys propertyNames left out by the tools layer
     }
     return {"type": "function", "function": function}
-
-
-def _without_string_key_rule(schema: Any) -> Any:
-    """The schema without `propertyNames: {"type": "string"}`, which constrains nothing (every
-    JSON key is a string) and which the grammar engine does not implement: zod's records carry
-    it (Claude Code's TaskCreate tool). Any other propertyNames stays, and is refused. A mapping
-    of names (properties, $defs) keeps every name; values (const, enum, default) are data."""
-    if isinstance(schema, list):
-        return [_without_string_key_rule(value) for value in schema]
-    if not isinstance(schema, dict):
-        return schema
-    kept: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key == "propertyNames" and value == {"type": "string"}:
-            continue
-        if key in NAMED_SCHEMAS and isinstance(value, dict):
-            kept[key] = {name: _without_string_key_rule(each) for name, each in value.items()}
-        else:
-            kept[key] = value if key in DATA_KEYWORDS else _without_string_key_rule(value)
-    return kept

@@ -44,10 +44,11 @@ async def chat_prompt(
     options = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         template = str(getattr(served.loaded.tokenizer, "chat_template", "") or "")
-        if "reasoning_effort" not in template:  # accepted and ignored would be a silent failure
+        if "reasoning_effort" in template:
+            options["reasoning_effort"] = body.reasoning_effort
+        elif not body.effort_is_a_hint:  # accepted and ignored would be a silent failure
             message = "this model's chat template does not read reasoning_effort"
             raise RequestError(400, message, "reasoning_effort")
-        options["reasoning_effort"] = body.reasoning_effort
 
     messages = await with_images(served, body)
 

@@ -279,6 +279,9 @@ class ChatRequest(_Sampling):
     # Custom tools (freeform input under a grammar) are taken where the protocol can answer
     # their calls as such: the Responses API's adapter says so (responses.py).
     custom_tools: ClassVar[bool] = False
+    # reasoning_effort on a template that reads none: refused, except where the protocol defines
+    # effort as a hint that a model's own thinking answers (the Responses API's adapter says so).
+    effort_is_a_hint: ClassVar[bool] = False
 
     def tool_request(self) -> ToolRequest | None:
         """The tools on offer; None when none are (a tool_choice without tools is refused)."""

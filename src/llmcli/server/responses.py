@@ -7,7 +7,8 @@ thinking, a `message` with `output_text`, `function_call`s), or the Responses ev
 `response.function_call_arguments.delta`, …, `response.completed`). Responses are kept in memory
 (the newest 256, unless `store: false`), so `previous_response_id` continues a conversation; the
 KV cache reuses its prefix as for any re-sent chat; `GET` and `DELETE /v1/responses/{id}` read
-and remove a stored one, and `POST /v1/responses/input_tokens` counts a request's prompt. An
+and remove a stored one, and `POST /v1/responses/input_tokens` counts a request's prompt;
+`POST /v1/responses/compact` is refused by name (NO_COMPACT). An
 `input_image` (a data URL, or an http(s) URL: server/images.py) is taken where the model reads
 images. With `include: ["reasoning.encrypted_content"]` (what a client that stores nothing
 asks) each reasoning item carries its thinking signed (reasoning_seal.py), taken back as input.
@@ -61,6 +62,26 @@ if TYPE_CHECKING:
 
 KEPT = 256  # stored responses, newest first out of the door last
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` honoured
+# OpenAI's compaction endpoint returns an opaque item only its own servers read back. Codex CLI
+# calls it for OpenAI and Azure alone; for a custom provider it compacts with a summary turn on
+# /v1/responses (measured with codex 0.171.0, whatever its x-codex-beta-features header says).
+# reasoning.effort onto the levels a chat template reads (Codex CLI sends xhigh for its GPT-5
+# models); `none` turns the thinking off instead. Where the template reads no level, effort is a
+# hint the model's own thinking already answers (as on the Anthropic route): nothing is sent.
+EFFORTS = {"minimal": "minimal", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+# text.verbosity (Codex CLI sends low for its GPT-5 models): what OpenAI's models are told, said
+# to the model at the end of the system message; medium, the default, adds nothing.
+VERBOSITY = {
+    "low": "Be concise: answer in as few words as the task allows.",
+    "high": "Be thorough: answer in full detail.",
+}
+# reasoning.summary: the reasoning item's summary is the model's thinking whole, which is what
+# `auto` leaves to the server and `detailed` asks for; a concise one would take a second pass.
+SUMMARIES = ("auto", "detailed")
+NO_COMPACT = (
+    "POST /v1/responses/compact is not supported here (no compacted state to hand out): "
+    "compact with a summary turn on /v1/responses, as Codex CLI does for a custom provider"
+)
 
 
 class ResponsesError(LlmcliError):
@@ -98,11 +119,15 @@ class Format(Body):
 
 class TextOptions(Body):
     format: Format | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a line in the system message (VERBOSITY)
 
 
 class Reasoning(Body):
-    effort: str | None = None
-    summary: str | None = None
+    """effort: the template's own reasoning_effort where it reads one (EFFORTS), `none` the
+    thinking off; summary: the reasoning item's summary is the thinking whole (SUMMARIES)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class Tool(Part):
@@ -156,6 +181,7 @@ class _ResponsesChat(ChatRequest):
     custom_tool_call items."""
 
     custom_tools = True
+    effort_is_a_hint = True
 
 
 @dataclass(frozen=True)
@@ -207,6 +233,10 @@ def install_responses(app: FastAPI, fleet: Fleet, drop_hosted_tools: bool = Fals
         ids, _ = await chat_prompt(served, _Reading(body, stored, seal, hosted).asked)
         return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
+    @app.post("/v1/responses/compact")
+    async def compact() -> Any:
+        raise RequestError(404, NO_COMPACT)
+
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request) -> Any:
         if request.query_params.get("stream") not in (None, "false"):
@@ -238,6 +268,10 @@ class _Reading:
 
 
 def _checked(body: dict[str, Any]) -> dict[str, Any]:
+    summary = (body.get("reasoning") or {}).get("summary")
+    if summary not in (None, *SUMMARIES):
+        whole = "the summary is the thinking whole (auto, detailed)"
+        raise ResponsesError(f"reasoning.summary {summary} is not supported here: {whole}")
     if body.get("truncation") not in (None, "disabled"):
         raise ResponsesError("truncation auto is not supported: a request over the context is refused")
     for value in body.get("include") or []:
@@ -339,6 +373,8 @@ def _image(part: dict[str, Any], label: str) -> ImageRef:
 
 
 def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Any:
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    messages = _told(messages, VERBOSITY.get(text.get("verbosity")))
     asked: dict[str, Any] = {"messages": messages, "stream": bool(body.get("stream"))}
     for name, chat_name in (
         ("max_output_tokens", "max_tokens"),
@@ -347,7 +383,7 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]], tools: l
     ):
         if body.get(name) is not None:
             asked[chat_name] = body[name]
-    form = ((body.get("text") or {}).get("format") or {}) if isinstance(body.get("text"), dict) else {}
+    form = text.get("format") or {}
     if form.get("type") == "json_object":
         asked["response_format"] = {"type": "json_object"}
     elif form.get("type") == "json_schema":
@@ -365,9 +401,22 @@ def _chat_request(body: dict[str, Any], messages: list[dict[str, Any]], tools: l
     if body.get("prompt_cache_key") is not None:
         asked["prompt_cache_key"] = body["prompt_cache_key"]
     effort = (body.get("reasoning") or {}).get("effort")
-    if effort:
-        asked["reasoning_effort"] = effort
+    if effort == "none":
+        asked["chat_template_kwargs"] = {"enable_thinking": False}
+    elif effort:
+        asked["reasoning_effort"] = EFFORTS[effort]
     return validated(_ResponsesChat, asked, ResponsesError)
+
+
+def _told(messages: list[dict[str, Any]], line: str | None) -> list[dict[str, Any]]:
+    """`messages` with `line` at the end of the system message (one made where none leads),
+    for this request alone: the conversation stored for the next one is left as it came."""
+    if line is None:
+        return messages
+    head = messages[0] if messages else {}
+    if head.get("role") in ("system", "developer") and isinstance(head.get("content"), str):
+        return [head | {"content": f"{head['content']}\n\n{line}"}, *messages[1:]]
+    return [{"role": "system", "content": line}, *messages]
 
 
 def _shell(body: dict[str, Any], model: str) -> dict[str, Any]:

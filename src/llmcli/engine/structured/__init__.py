@@ -33,6 +33,11 @@ class OutputFormat:
 
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# Keywords whose values are JSON data, not schemas: a {"$ref": …} inside one is a value to match.
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names of the schema's own choosing (never keywords) to schemas.
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+STRING_KEYS = {"type": "string"}  # a propertyNames that says what every JSON key is already
 
 
 def parse_schema(schema: object, where: str) -> dict[str, Any]:
@@ -40,4 +45,25 @@ def parse_schema(schema: object, where: str) -> dict[str, Any]:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise UsageError(f"{where}: a JSON schema is an object, got {type(schema).__name__}")
-    return schema
+    return without_string_key_rule(schema)
+
+
+def without_string_key_rule(schema: Any) -> Any:
+    """The schema without `propertyNames: {"type": "string"}`, which constrains nothing (every
+    JSON key is a string) and which the grammar engine does not implement: zod's records carry
+    it (Claude Code's and Codex CLI's tool schemas). Any other propertyNames stays, and the
+    grammar engine refuses it in one line. A mapping of names (properties, $defs) keeps every
+    name, even one spelt propertyNames; values (const, enum, default) are data, left whole."""
+    if isinstance(schema, list):
+        return [without_string_key_rule(value) for value in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kept: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "propertyNames" and value == STRING_KEYS:
+            continue
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
+            kept[key] = {name: without_string_key_rule(each) for name, each in value.items()}
+        else:
+            kept[key] = value if key in DATA_KEYWORDS else without_string_key_rule(value)
+    return kept

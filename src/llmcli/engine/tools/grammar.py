@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmcli.engine.structured import OutputFormat
+from llmcli.engine.structured import DATA_KEYWORDS, NAMED_SCHEMAS, OutputFormat
 from llmcli.engine.structured.grammar import COMPILE_OPTIONS as SEPARATORS  # as --json-schema writes
 from llmcli.engine.tools import Tool, ToolRequest
 from llmcli.engine.tools.formats import ToolFormat
@@ -40,12 +40,6 @@ def call_schema(tools: tuple[Tool, ...], arguments_key: str) -> dict[str, Any]:
             for index, tool in enumerate(tools)
         ],
     }
-
-
-# Keywords whose values are JSON data, not schemas: a {"$ref": …} inside one is a value to match.
-DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-# Keywords whose values map names of the schema's own choosing (never keywords) to schemas.
-NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def rooted(schema: Any, pointer: str) -> Any:

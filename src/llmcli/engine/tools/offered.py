@@ -3,7 +3,7 @@ line naming the tool at fault, before a model is loaded or run."""
 
 from __future__ import annotations
 
-from llmcli.engine.structured import OutputFormat
+from llmcli.engine.structured import OutputFormat, without_string_key_rule
 from llmcli.engine.structured.grammar import check_format
 from llmcli.engine.tools import CHOICES, NAME, Tool
 from llmcli.engine.tools.freeform import Freeform
@@ -47,6 +47,7 @@ def parse_tools(objects: object, where: str, custom: bool = False) -> tuple[Tool
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise UsageError(f"{label}: parameters must be a JSON schema of type object")
+        parameters = without_string_key_rule(parameters)
         check_format(OutputFormat(parameters, f"{label} parameters"))
         tools.append(Tool(name, description, parameters))
     schema_tools = tuple(tool for tool in tools if not tool.has_grammar)
