@@ -45,7 +45,8 @@ def long_thinking_model(thinking_model: Path, tmp_path_factory: pytest.TempPathF
 @pytest.fixture(scope="module")
 def server(long_thinking_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # The captured requests name the model "demo" (Codex's config.toml): the config's alias for it.
-    aliases = {"demo": long_thinking_model, "m": long_thinking_model}
+    # Codex's GPT-5 fields come with a GPT-5 name: a user who keeps it aliases it.
+    aliases = {name: long_thinking_model for name in ("demo", "m", "gpt-5.5")}
     runtime = tmp_path_factory.mktemp("runtime")
     running = start_server(
         long_thinking_model, runtime, "--parallel", "2", "--drop-hosted-tools", aliases=aliases

@@ -83,9 +83,8 @@ def start_server(model: Path, runtime: Path, *extra: str, aliases: dict[str, Pat
     runtime.mkdir(parents=True, exist_ok=True)
     config = runtime / "config.toml"
     named = {"tiny": model, **(aliases or {})}
-    config.write_text(
-        "[aliases]\n" + "".join(f"{name} = {json.dumps(str(path))}\n" for name, path in named.items())
-    )
+    lines = [f"{json.dumps(name)} = {json.dumps(str(path))}\n" for name, path in named.items()]  # quoted keys
+    config.write_text("[aliases]\n" + "".join(lines))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "LLMCLI_CONFIG": str(config)}
     process = subprocess.Popen(
         [*LLMCLI, "serve", "-m", str(model), "--port", "0", "--device", "cpu", "--dtype", "fp32", *extra],
