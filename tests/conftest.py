@@ -119,3 +119,11 @@ def hermes_server(tmp_path_factory: pytest.TempPathFactory):
     running.model = folder
     yield running
     next(serving, None)  # stopped, with no traceback, no warning, no record left
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`llmcli serve` of tiny_llama with no options beyond test_serve.start_server's own."""
+    from test_serve import served
+
+    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))

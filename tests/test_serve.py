@@ -107,8 +107,8 @@ def served(model: Path, runtime: Path, *extra: str) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))
+def server(tiny_llama_server: Server) -> Server:
+    return tiny_llama_server
 
 
 @pytest.fixture(scope="module")
