@@ -103,3 +103,31 @@ def loaded_tiny(tiny_model: Path):
     from llmcli.models.resolve import resolve_model
 
     return load_model(resolve_model(str(tiny_model)), LoadSettings(device="cpu", threads=1))
+
+
+# Servers shared by the files that only send them requests. A server's start (torch,
+# transformers, the model) costs each file seconds it would pay again for the same server; the
+# files' own `server` fixtures hand these on, and each is stopped gracefully, and checked so, once.
+
+
+@pytest.fixture(scope="session")
+def hermes_server(tmp_path_factory: pytest.TempPathFactory):
+    """`llmcli serve` of a tiny Llama with Hermes' tool template (its folder as `.model`)."""
+    from test_serve import served
+    from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-hermes"
+    build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
+    serving = served(folder, tmp_path_factory.mktemp("runtime"))
+    running = next(serving)
+    running.model = folder
+    yield running
+    next(serving, None)  # stopped, with no traceback, no warning, no record left
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`llmcli serve` of tiny_llama with no options beyond test_serve.start_server's own."""
+    from test_serve import served
+
+    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))

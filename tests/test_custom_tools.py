@@ -7,7 +7,6 @@ next turn reaches the prompt; a grammar that cannot be used is a 400 naming the 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from llmcli.engine.tools.offered import parse_tools
 from llmcli.errors import UsageError
 from test_tools import FAMILIES, ask_with_tools
 
-from test_serve import Server, served
+from test_serve import Server
 from tiny_models import build_tiny_model
 from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL
 
@@ -238,10 +237,8 @@ TOOL = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder = tmp_path_factory.mktemp("models") / "tiny-hermes-custom"
-    build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
-    yield from served(folder, tmp_path_factory.mktemp("runtime"))
+def server(hermes_server: Server) -> Server:
+    return hermes_server
 
 
 def test_a_custom_call_comes_back_as_a_custom_tool_call_streamed_and_not(server: Server, model) -> None:

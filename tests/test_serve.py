@@ -116,8 +116,8 @@ def served(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))
+def server(tiny_llama_server: Server) -> Server:
+    return tiny_llama_server
 
 
 @pytest.fixture(scope="module")

@@ -302,8 +302,8 @@ def test_a_fetch_that_fails_or_runs_past_the_cap_is_refused(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))
+def server(tiny_llama_server: Server) -> Server:
+    return tiny_llama_server
 
 
 def still_serving(server: Server) -> None:

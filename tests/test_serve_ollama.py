@@ -4,12 +4,10 @@ OpenAI routes, NDJSON streams, Ollama's error shape, and every option it cannot 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from test_serve import Server, served
+from test_serve import Server
 
 ollama = pytest.importorskip("ollama")
 
@@ -17,8 +15,8 @@ GREEDY = {"temperature": 0, "num_predict": 8}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from served(tiny_llama, tmp_path_factory.mktemp("runtime"))
+def server(tiny_llama_server: Server) -> Server:
+    return tiny_llama_server
 
 
 def client(server: Server):

@@ -5,13 +5,11 @@ conversation continued by `previous_response_id` with its cache reused."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 
-from test_serve import Server, served
-from tiny_models import build_tiny_model
-from tool_templates import ADDED, HERMES_TEMPLATE, SPECIAL, WEATHER
+from test_serve import Server
+from tool_templates import WEATHER
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -20,10 +18,8 @@ TOOL = {"type": "function", **WEATHER["function"]}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder = tmp_path_factory.mktemp("models") / "tiny-hermes-responses"
-    build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
-    yield from served(folder, tmp_path_factory.mktemp("runtime"))
+def server(hermes_server: Server) -> Server:
+    return hermes_server
 
 
 def test_a_response_is_the_chat_reply_streamed_and_not(server: Server) -> None:

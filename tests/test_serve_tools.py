@@ -23,15 +23,8 @@ SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder = tmp_path_factory.mktemp("models") / "tiny-hermes"
-    build_tiny_model(folder, "llama", chat_template=HERMES_TEMPLATE, added=ADDED, special=SPECIAL)
-    running = start_server(folder, tmp_path_factory.mktemp("runtime"))
-    running.model = folder
-    yield running
-    running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=PATIENCE_S) == 0
-    assert_access_log_only(running.process.stderr.read())
+def server(hermes_server: Server) -> Server:
+    return hermes_server
 
 
 @pytest.fixture(scope="module")
