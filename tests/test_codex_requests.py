@@ -280,3 +280,17 @@ def test_verbosity_is_a_line_the_model_reads_and_concise_summaries_are_refused(s
     openai = pytest.importorskip("openai")
     with pytest.raises(openai.BadRequestError, match=r"reasoning\.summary concise is not supported here"):
         asked_with(server, reasoning={"summary": "concise"})
+
+
+def test_a_state_folder_that_cannot_keep_the_key_is_said_once_and_signing_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server serves all the same where its state folder cannot be written (a file in its
+    place here; a read-only or full disk alike): its items are signed with a key of its own."""
+    from llmcli.server.reasoning_seal import ReasoningSeal
+
+    (tmp_path / "state").write_text("a file where the folder should be")
+    seal = ReasoningSeal.kept_under(tmp_path / "state" / "llmcli")
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "cannot keep the key" in said[0]
+    assert seal.open(seal.seal("thought"), "input[0]") == "thought"

@@ -9,7 +9,9 @@ it comes back. It comes back from the network, so it is taken only with this ser
 The key is made once and kept under the state directory (readable by its owner only), not drawn
 per process: an agent's conversation outlives a server restart (`llmcli serve` with
 --idle-exit, a new version installed), and its next turn re-sends every reasoning item it was
-given; a per-process key would refuse them all."""
+given; a per-process key would refuse them all. Where the state directory cannot hold the key
+(a file in its place, a full disk), the server signs with a key of its own process and says so
+once: it serves all the same, as with every other state it cannot write."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import sys
 from pathlib import Path
 
 from llmcli.errors import LlmcliError
@@ -39,7 +42,17 @@ class ReasoningSeal:
 
     @classmethod
     def kept_under(cls, folder: Path) -> ReasoningSeal:
-        return cls(_kept_key(folder))
+        try:
+            return cls(_kept_key(folder))
+        except OSError as error:
+            reason = error.strerror or type(error).__name__
+            print(
+                f"llmcli serve: {folder} cannot keep the key reasoning items are signed with ({reason}): "
+                "this server's own is used, and a server started later refuses the items it handed out",
+                file=sys.stderr,
+                flush=True,
+            )
+            return cls(secrets.token_bytes(KEY_BYTES))
 
     def seal(self, text: str) -> str:
         payload = _b64(bytes([VERSION]) + text.encode())  # the version, then the text's UTF-8
