@@ -224,14 +224,16 @@ def test_hosted_tools_are_left_out_with_one_warning_where_the_server_drops_them(
 ) -> None:
     from llmcli.errors import LlmcliError
     from llmcli.server.anthropic_tools import screen_hosted_tools
+    from llmcli.server.hosted_tools import HostedTools
 
     custom = {"name": "Write", "input_schema": {"type": "object"}}
     tools = [WEB_SEARCH, custom, {"type": "web_fetch_20250910", "name": "web_fetch"}]
-    assert screen_hosted_tools(tools, drop=True) == screen_hosted_tools(tools, drop=True) == [custom]
+    dropping = HostedTools(drop=True)
+    assert screen_hosted_tools(tools, dropping) == screen_hosted_tools(tools, dropping) == [custom]
     warned = capfd.readouterr().err
     assert warned.count("web_search_20250305") == 1 and warned.count("web_fetch_20250910") == 1, warned
     with pytest.raises(LlmcliError, match="web_search_20250305"):
-        screen_hosted_tools(tools)
+        screen_hosted_tools(tools, HostedTools())
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from llmcli.server.translate import Body, Part, read_json, validated
 
 if TYPE_CHECKING:
     from llmcli.server.fleet import Fleet
+    from llmcli.server.hosted_tools import HostedTools
     from llmcli.server.state import Served
     from llmcli.server.worker import Job
 
@@ -160,10 +161,9 @@ class CountRequest(MessagesRequest):
     max_tokens: int = 1  # a count generates nothing
 
 
-def install_anthropic(app: FastAPI, fleet: Fleet, drop_hosted_tools: bool = False) -> None:
-    """The Messages routes over `fleet`'s models. `drop_hosted_tools`: Anthropic's server tools
-    (web search, …) are left out with a warning instead of refused
-    (anthropic_tools.screen_hosted_tools)."""
+def install_anthropic(app: FastAPI, fleet: Fleet, hosted: HostedTools) -> None:
+    """The Messages routes over `fleet`'s models; `hosted`: what the server does with Anthropic's
+    server tools (web search, …): refuse or drop them (anthropic_tools.screen_hosted_tools)."""
 
     @app.head("/")
     async def reachable() -> Response:  # Claude Code's connection warm-up, before its first request
@@ -171,7 +171,7 @@ def install_anthropic(app: FastAPI, fleet: Fleet, drop_hosted_tools: bool = Fals
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
-        body = await _read(request, MessagesRequest, drop_hosted_tools)
+        body = await _read(request, MessagesRequest, hosted)
         served = await fleet.serving(body.get("model"))
         asked, prefill = _chat_request(body, _reads_effort(served))
         encoder_for = functools.partial(AnthropicEncoder, served.model_id)
@@ -182,18 +182,18 @@ def install_anthropic(app: FastAPI, fleet: Fleet, drop_hosted_tools: bool = Fals
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
-        body = await _read(request, CountRequest, drop_hosted_tools)
+        body = await _read(request, CountRequest, hosted)
         served = await fleet.serving(body.get("model"))
         asked, prefill = _chat_request(body | {"max_tokens": 1}, _reads_effort(served))
         ids, _ = await chat_prompt(served, asked, prefill)
         return {"input_tokens": len(ids)}  # an image's tokens among them (its placeholder's)
 
 
-async def _read(request: Request, model: type[MessagesRequest], drop_hosted_tools: bool) -> dict[str, Any]:
+async def _read(request: Request, model: type[MessagesRequest], hosted: HostedTools) -> dict[str, Any]:
     """The body, its hosted tools screened first (their fields are their own), then validated."""
     body = await read_json(request, AnthropicError)
     if "tools" in body:
-        body["tools"] = screen_hosted_tools(body["tools"], drop_hosted_tools)
+        body["tools"] = screen_hosted_tools(body["tools"], hosted)
     validated(model, body, AnthropicError)
     return body
 

@@ -3,21 +3,21 @@
 A custom tool (a name, a description and an input_schema) becomes a function tool. Anthropic's
 server tools (web search, web fetch, code execution, tool search, an MCP toolset) run on
 Anthropic's side: a local server cannot run them, so they are refused in one line naming their
-type, or, for clients that always send them, left out with a warning (`drop`). Anthropic's
+type, or, for clients that always send them, left out with a warning (hosted_tools.py: the
+rule every protocol shares). Anthropic's
 client tools declared by type alone (bash_…, text_editor_…, computer_…, memory_…) send no
 schema to constrain a call with: refused, with a pointer to declaring them as custom tools.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from llmcli.errors import LlmcliError
+from llmcli.server.hosted_tools import HostedTools
 
 # Their type names carry a date (web_search_20250305): a prefix names each family, present and future.
 HOSTED_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
-_warned: set[str] = set()  # a dropped type is warned about once per server, not on every request
 
 
 class ToolRefused(LlmcliError):
@@ -30,9 +30,9 @@ def hosted_tool_type(tool: Any) -> str | None:
     return kind if isinstance(kind, str) and kind.startswith(HOSTED_TOOL_PREFIXES) else None
 
 
-def screen_hosted_tools(tools: Any, drop: bool = False) -> Any:
-    """`tools` without Anthropic's hosted tools: with `drop`, each left out (a warning on stderr,
-    once per type); without, the first refused in one line naming its type. A client tool
+def screen_hosted_tools(tools: Any, hosted: HostedTools) -> Any:
+    """`tools` without Anthropic's hosted tools: each left out (a warning on stderr, once per
+    type) where the server drops them; else the first refused in one line naming its type. A client tool
     declared by its type alone is refused either way (it is no hosted tool). Run before the body
     is validated, as these tools' fields (max_uses, allowed_domains, …) are their own."""
     if not isinstance(tools, list):
@@ -43,15 +43,9 @@ def screen_hosted_tools(tools: Any, drop: bool = False) -> Any:
         if kind is None:
             _check_custom(tool, position)
             kept.append(tool)
-        elif not drop:
-            raise ToolRefused(
-                f"tools.{position}: {kind} is a server tool that runs on Anthropic's side; "
-                "this local server cannot run it"
-            )
-        elif kind not in _warned:
-            _warned.add(kind)  # llmcli's warning line, as the access log beside it is written
-            sys.stderr.write(f"llmcli: warning: a request's {kind} tool is left out: a hosted tool\n")
-            sys.stderr.flush()
+        else:
+            refusal = f"tools.{position}: {kind} is a server tool that runs on Anthropic's side"
+            hosted.left_out(kind, f"{refusal}; this local server cannot run it")
     return kept
 
 

@@ -35,6 +35,7 @@ from llmcli.errors import LlmcliError
 from llmcli.server.anthropic import install_anthropic
 from llmcli.server.fleet import Fleet
 from llmcli.server.guard import HostGuard, JsonOnly, KeyGuard, NestingLimit
+from llmcli.server.hosted_tools import HostedTools
 from llmcli.server.metrics import Observed
 from llmcli.server.ollama import install_ollama
 from llmcli.server.openai import install_openai
@@ -65,8 +66,9 @@ def create_app(fleet: Fleet, served: Served) -> ASGIApp:
 
     install_openai(app, fleet)
     install_ollama(app, fleet)
-    install_anthropic(app, fleet, served.drop_hosted_tools)
-    install_responses(app, fleet, served.drop_hosted_tools)
+    hosted = HostedTools(drop=served.drop_hosted_tools)  # one for both: each type said once
+    install_anthropic(app, fleet, hosted)
+    install_responses(app, fleet, hosted)
 
     guarded: ASGIApp = KeyGuard(JsonOnly(NestingLimit(app)), served.api_key)
     if served.cors:

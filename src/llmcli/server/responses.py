@@ -53,12 +53,13 @@ from llmcli.server.images import ImageRef, from_url, image_part, refuse_detail
 from llmcli.server.prompts import chat_prompt
 from llmcli.server.protocol import ChatRequest
 from llmcli.server.reasoning_seal import ReasoningSeal
-from llmcli.server.responses_tools import HostedTools, offered_tools
+from llmcli.server.responses_tools import offered_tools
 from llmcli.server.state import RequestError
 from llmcli.server.translate import Body, Part, read_body, validated
 
 if TYPE_CHECKING:
     from llmcli.server.fleet import Fleet
+    from llmcli.server.hosted_tools import HostedTools
 
 KEPT = 256  # stored responses, newest first out of the door last
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` honoured
@@ -205,12 +206,11 @@ class Stored(OrderedDict[str, Kept]):
         return self[response_id]
 
 
-def install_responses(app: FastAPI, fleet: Fleet, drop_hosted_tools: bool = False) -> None:
-    """The Responses routes over `fleet`'s models. `drop_hosted_tools`: hosted tools (web search,
-    …) are left out with a warning instead of refused (responses_tools.HostedTools)."""
+def install_responses(app: FastAPI, fleet: Fleet, hosted: HostedTools) -> None:
+    """The Responses routes over `fleet`'s models; `hosted`: what the server does with hosted
+    tools (web search, …): refuse or drop them (hosted_tools.py)."""
     stored = Stored()
     seal = ReasoningSeal.kept_under(state_dir())
-    hosted = HostedTools(drop=drop_hosted_tools)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:

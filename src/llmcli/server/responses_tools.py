@@ -7,15 +7,16 @@ sends its sub-agent and MCP tools so): each is offered by its own name, and a ca
 back as a function_call carrying `namespace`, as OpenAI's API answers one. Hosted tools are run
 by OpenAI's servers, and a local server has nothing to run them with: refused by name, or, with
 `llmcli serve --drop-hosted-tools` (for clients that always send them, as Codex sends
-`web_search`), left out, and the server says so once per tool type on its stderr."""
+`web_search`), left out, and the server says so once per tool type on its stderr
+(hosted_tools.py)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmcli.errors import LlmcliError
+from llmcli.server.hosted_tools import HostedTools
 
 # The tool types OpenAI's servers run themselves.
 HOSTED = frozenset(
@@ -35,29 +36,6 @@ HOSTED = frozenset(
 
 class ToolsError(LlmcliError):
     """A tool this server cannot offer: a 400."""
-
-
-@dataclass
-class HostedTools:
-    """What the server does with hosted tools: refuse them (the default) or drop them, saying so
-    once per type."""
-
-    drop: bool = False
-    warned: set[str] = field(default_factory=set)
-
-    def dropped(self, kind: str) -> None:
-        if not self.drop:
-            raise ToolsError(
-                f"tools: {kind} is a hosted tool this local server cannot run "
-                "(start it with --drop-hosted-tools to leave such tools out)"
-            )
-        if kind not in self.warned:
-            self.warned.add(kind)
-            print(
-                f"llmcli serve: leaving out the {kind} tools requests send (--drop-hosted-tools)",
-                file=sys.stderr,
-                flush=True,
-            )
 
 
 @dataclass
@@ -93,7 +71,7 @@ def offered_tools(tools: list[Any] | None, hosted: HostedTools) -> OfferedTools:
         elif kind == "namespace":
             _add_namespace(offered, tool, index)
         elif kind in HOSTED:
-            hosted.dropped(str(kind))
+            hosted.left_out(str(kind), f"tools: {kind} is a hosted tool this local server cannot run")
         else:
             taken = "function, custom and namespace tools are"
             raise ToolsError(f"tools: {kind} tools are not supported here ({taken})")

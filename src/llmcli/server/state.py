@@ -47,7 +47,7 @@ class Served:
     # refuses each image of a request by its label where it does not).
     reads_images: bool = False
     allow_image_urls: bool = False  # --allow-image-urls: a request's http(s) image URLs are fetched
-    drop_hosted_tools: bool = False  # --drop-hosted-tools: a Responses request's web_search… left out
+    drop_hosted_tools: bool = False  # --drop-hosted-tools: hosted tools left out, not refused
     quiet: bool = False  # no access log
     metrics: Metrics = field(default_factory=Metrics)
     waiting: int = 0  # generations submitted and not started yet
