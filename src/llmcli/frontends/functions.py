@@ -201,7 +201,7 @@ class Functions:
                 return f"error: the arguments are not JSON ({error}); it was not run"
             if not isinstance(arguments, dict):
                 return "error: the arguments are not a JSON object; it was not run"
-            return self.servers.call(call, arguments)
+            return cut(self.servers.call(call, arguments))
         assert self.path is not None  # the file's tools come with its path
         filename = str(Path(self.path).expanduser())
         if self._module is None:
@@ -216,8 +216,12 @@ class Functions:
             result = function(**json.loads(call.arguments))
         except Exception as error:  # the model reads what went wrong, and the chat goes on
             return f"error: {type(error).__name__}: {error}"
-        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-        return text if len(text) <= RESULT_CHARS else text[:RESULT_CHARS] + " …(cut)"
+        return cut(result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str))
+
+
+def cut(text: str) -> str:
+    """A result as the model reads it, whichever runs the call (the file, an --mcp server)."""
+    return text if len(text) <= RESULT_CHARS else text[:RESULT_CHARS] + " …(cut)"
 
 
 def _defined_here(function: Any, name: str, filename: str) -> bool:

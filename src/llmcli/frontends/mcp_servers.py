@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from mcp.client.session import ClientSession
 
 
-RESULT_CHARS = 8000  # as --functions: the model's context is not a log file
 CLOSE_GRACE_S = 10.0  # the SDK's own shutdown: stdin closed, 2 s, SIGTERM, 2 s, SIGKILL
 MARGIN_S = 5.0  # past a timeout the SDK enforces itself, before the chat stops waiting anyway
 
@@ -341,7 +340,7 @@ class McpServers:
 
 def result_text(result: Any) -> str:
     """A tools/call result as the model reads it: its text; other content kinds named plainly;
-    an error result marked as one."""
+    an error result marked as one (cut to length where --functions' results are: functions.cut)."""
     parts = [_content_text(item) for item in result.content]
     if not parts and result.structured_content is not None:
         import json
@@ -350,7 +349,7 @@ def result_text(result: Any) -> str:
     text = "\n".join(parts)
     if result.is_error:
         text = f"error: {text or 'the tool failed'}"
-    return text if len(text) <= RESULT_CHARS else text[:RESULT_CHARS] + " …(cut)"
+    return text
 
 
 def _content_text(item: Any) -> str:
