@@ -1,0 +1,49 @@
+"""llmcli's compiled CPU kernels (src/csrc/), built when a C compiler is found.
+
+The same sources are compiled once per instruction-set level — portable (the baseline of the
+architecture: SSE2 on x86-64, NEON on arm64), AVX2 + FMA, and AVX-512 with VNNI and BF16 — and
+llmcli loads the best one the running CPU can execute (models/cpu_kernels.py): one build for every
+CPU of an architecture, never -march=native. Each library is plain C called through ctypes on
+tensors' data pointers: nothing links against Python's or torch's C API, so any torch works.
+
+Every extension is optional: where no compiler is found, or one level does not compile, pip still
+installs llmcli, which runs those products on torch and says so (`llmcli bench --json`).
+Everything else about the package is in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+SOURCES = sorted(str(path) for path in Path("src/csrc").glob("*.c"))
+COMMON = ["-O3", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-fno-math-errno"]
+AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]
+AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
+
+
+def kernels(level: str, flags: list[str]) -> Extension:
+    return Extension(
+        f"llmcli._cpu_{level}",
+        sources=SOURCES,
+        depends=["src/csrc/llmcli_cpu.h"],
+        extra_compile_args=[*COMMON, *flags],
+        extra_link_args=["-pthread"],
+        optional=True,  # a failed build leaves llmcli on its torch path, never uninstallable
+    )
+
+
+def extensions() -> list[Extension]:
+    if sys.platform == "win32":  # MSVC takes none of these flags; torch's path serves there
+        return []
+    machine = platform.machine().lower()
+    levels = [kernels("portable", [])]
+    if machine in ("x86_64", "amd64"):
+        levels += [kernels("avx2", AVX2), kernels("avx512", AVX512)]
+    return levels
+
+
+setup(ext_modules=extensions())

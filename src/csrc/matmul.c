@@ -1,0 +1,164 @@
+/* The entry points llmcli calls (models/cpu_kernels.py, through ctypes): y = x · Wᵀ on a
+ * matrix kept as the file's blocks, which CPU features this build uses, and dequantization. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "llmcli_cpu.h"
+
+const weight_type *const WEIGHT_TYPES[T_COUNT] = {
+    [T_F16] = &TYPE_F16, [T_BF16] = &TYPE_BF16,
+    [T_Q4_0] = &TYPE_Q4_0, [T_Q4_1] = &TYPE_Q4_1, [T_Q5_0] = &TYPE_Q5_0, [T_Q5_1] = &TYPE_Q5_1,
+    [T_Q8_0] = &TYPE_Q8_0, [T_IQ4_NL] = &TYPE_IQ4_NL,
+    [T_Q2_K] = &TYPE_Q2_K, [T_Q3_K] = &TYPE_Q3_K, [T_Q4_K] = &TYPE_Q4_K, [T_Q5_K] = &TYPE_Q5_K,
+    [T_Q6_K] = &TYPE_Q6_K, [T_IQ4_XS] = &TYPE_IQ4_XS,
+};
+
+static const weight_type *type_of(int type) {
+    if (type < 0 || type >= T_COUNT) return NULL;
+    const weight_type *t = WEIGHT_TYPES[type];
+    return t && t->vec_dot ? t : NULL;
+}
+
+/* Which instruction sets this build was compiled for (the loader checks the CPU has them). */
+enum { F_AVX2 = 1, F_FMA = 2, F_F16C = 4, F_AVX512F = 8, F_AVX512BW = 16, F_AVX512VL = 32,
+       F_AVX512VNNI = 64, F_AVX512BF16 = 128, F_NEON = 256, F_AVX512DQ = 512, F_BMI2 = 1024 };
+
+LLMCLI_API int llmcli_build_features(void) {
+    int f = 0;
+#ifdef __AVX2__
+    f |= F_AVX2;
+#endif
+#ifdef __FMA__
+    f |= F_FMA;
+#endif
+#ifdef __F16C__
+    f |= F_F16C;
+#endif
+#ifdef __BMI2__
+    f |= F_BMI2;
+#endif
+#ifdef __AVX512F__
+    f |= F_AVX512F;
+#endif
+#ifdef __AVX512BW__
+    f |= F_AVX512BW;
+#endif
+#ifdef __AVX512VL__
+    f |= F_AVX512VL;
+#endif
+#ifdef __AVX512DQ__
+    f |= F_AVX512DQ;
+#endif
+#ifdef __AVX512VNNI__
+    f |= F_AVX512VNNI;
+#endif
+#ifdef __AVX512BF16__
+    f |= F_AVX512BF16;
+#endif
+#ifdef __ARM_NEON
+    f |= F_NEON;
+#endif
+    return f;
+}
+
+/* What the running CPU (and its operating system) can execute, in the same bits. Only the
+ * portable build's answer is asked for: it runs on every CPU. */
+LLMCLI_API int llmcli_cpu_features(void) {
+    int f = 0;
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    /* libgcc's and compiler-rt's checks include the OS's support (XGETBV) for the registers. */
+    if (__builtin_cpu_supports("avx2")) f |= F_AVX2;
+    if (__builtin_cpu_supports("fma")) f |= F_FMA;
+    if (__builtin_cpu_supports("f16c")) f |= F_F16C;
+    if (__builtin_cpu_supports("bmi2")) f |= F_BMI2;
+    if (__builtin_cpu_supports("avx512f")) f |= F_AVX512F;
+    if (__builtin_cpu_supports("avx512bw")) f |= F_AVX512BW;
+    if (__builtin_cpu_supports("avx512vl")) f |= F_AVX512VL;
+    if (__builtin_cpu_supports("avx512dq")) f |= F_AVX512DQ;
+    if (__builtin_cpu_supports("avx512vnni")) f |= F_AVX512VNNI;
+    if (__builtin_cpu_supports("avx512bf16")) f |= F_AVX512BF16;
+#endif
+#ifdef __ARM_NEON
+    f |= F_NEON;
+#endif
+    return f;
+}
+
+/* 1 where this build multiplies `type` (a GGUF type id), else 0. */
+LLMCLI_API int llmcli_has_type(int type) { return type_of(type) != NULL; }
+
+LLMCLI_API int64_t llmcli_block_elems(int type) {
+    const weight_type *t = type_of(type);
+    return t ? t->block_elems : 0;
+}
+
+LLMCLI_API int64_t llmcli_block_bytes(int type) {
+    const weight_type *t = type_of(type);
+    return t ? t->block_bytes : 0;
+}
+
+/* `rows` rows of `k` values from their blocks, as gguf.quants.dequantize reads them. */
+LLMCLI_API int llmcli_dequantize(int type, const void *blocks, int64_t rows, int64_t k, float *out) {
+    const weight_type *t = type_of(type);
+    if (!t || !t->dequantize_row || k % t->block_elems) return -1;
+    const int64_t row_bytes = k / t->block_elems * t->block_bytes;
+    for (int64_t r = 0; r < rows; r++)
+        t->dequantize_row((const char *)blocks + r * row_bytes, out + r * k, k);
+    return 0;
+}
+
+typedef struct {
+    const weight_type *t;
+    const char *w;
+    int64_t n, k, m, w_row_bytes, act_bytes;
+    const char *act;  /* m quantized activation rows */
+    float *y;         /* [m, n] */
+} product_job;
+
+/* Each thread takes a contiguous share of the weight rows (in runs of 4, so that neighbours do
+ * not write the same cache line of y) and multiplies each with every activation row: a weight
+ * row is read from memory once and stays in cache for all m. */
+static void product_rows(void *context, int ith, int nth) {
+    const product_job *job = context;
+    const int64_t runs = (job->n + 3) / 4;
+    const int64_t first = runs * ith / nth * 4, last_run = runs * (ith + 1) / nth * 4;
+    const int64_t last = last_run < job->n ? last_run : job->n;
+    for (int64_t r = first; r < last; r++) {
+        const char *w_row = job->w + r * job->w_row_bytes;
+        for (int64_t i = 0; i < job->m; i++)
+            job->y[i * job->n + r] = job->t->vec_dot(job->k, w_row, job->act + i * job->act_bytes);
+    }
+}
+
+typedef struct {
+    const weight_type *t;
+    const float *x;
+    char *act;
+    int64_t m, k, act_bytes;
+} quantize_job;
+
+static void quantize_rows(void *context, int ith, int nth) {
+    const quantize_job *job = context;
+    for (int64_t i = ith; i < job->m; i += nth)
+        quantize_act_row(job->t->act_type, job->x + i * job->k, job->act + i * job->act_bytes, job->k);
+}
+
+/* y[m, n] = x[m, k] · W[n, k]ᵀ, W being n rows of `type` blocks. 0, or -1 where this build has
+ * no kernel for the type or k is not a whole number of its blocks (the caller keeps its path). */
+LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t m,
+                             float *y, int n_threads) {
+    const weight_type *t = type_of(type);
+    if (!t || k % t->block_elems || k % 32) return -1;
+    const int64_t act_bytes = act_row_bytes(t->act_type, k);
+    char stack_act[16384];
+    char *act = act_bytes * m <= (int64_t)sizeof stack_act ? stack_act : malloc((size_t)(act_bytes * m));
+    if (!act) return -2;
+    quantize_job q = { t, x, act, m, k, act_bytes };
+    if (m == 1) quantize_rows(&q, 0, 1); /* one row: not worth waking the pool */
+    else pool_run(quantize_rows, &q, n_threads);
+    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y };
+    pool_run(product_rows, &p, n_threads);
+    if (act != stack_act) free(act);
+    return 0;
+}

@@ -1,0 +1,182 @@
+"""llmcli's compiled CPU kernels (src/csrc/), loaded through ctypes and called on tensors' data
+pointers: GGUF blocks multiplied in integers as llama.cpp multiplies them.
+
+setup.py compiles the same C sources once per instruction-set level (`LEVELS`); the best level
+the running CPU can execute is loaded, so one installed package serves every CPU of its
+architecture and none ever meets an instruction it lacks. `LLMCLI_CPU_KERNELS` chooses instead:
+`auto` (the default), a level by name (refused, in one line, where this CPU cannot run it), or
+`off` (torch's kernels, as a package built without a compiler runs). `which()` says, for
+`--json` and bench, which kernels multiply.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmcli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+ENV = "LLMCLI_CPU_KERNELS"
+# Best first. Each level's bits (src/csrc/matmul.c's F_*) are the features it was compiled for.
+LEVELS = ("avx512", "avx2", "portable")
+_AVX2_BITS = 1 | 2 | 4 | 1024  # AVX2, FMA, F16C, BMI2
+_NEEDS = {"avx512": _AVX2_BITS | 8 | 16 | 32 | 64 | 128 | 512, "avx2": _AVX2_BITS, "portable": 0}
+_FEATURE_NAMES = {
+    1: "avx2", 2: "fma", 4: "f16c", 8: "avx512f", 16: "avx512bw", 32: "avx512vl", 64: "avx512vnni",
+    128: "avx512bf16", 256: "neon", 512: "avx512dq", 1024: "bmi2",
+}  # fmt: skip
+# ggml's type ids (GGUF's tensor types) of the types the kernels may multiply.
+TYPE_IDS = {
+    "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+    "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30,
+}  # fmt: skip
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """One loaded level of the kernels."""
+
+    level: str
+    library: ctypes.CDLL
+
+    @functools.cached_property
+    def types(self) -> frozenset[str]:
+        """The GGUF types this build multiplies."""
+        return frozenset(name for name, type_id in TYPE_IDS.items() if self.library.llmcli_has_type(type_id))
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_name: str, rows: int) -> torch.Tensor:
+        """x [m, k] (fp32, contiguous) times the matrix whose `rows` rows `blocks` holds in
+        `type_name`, transposed: [m, rows] in fp32."""
+        import torch
+
+        m, k = x.shape
+        y = torch.empty((m, rows), dtype=torch.float32)
+        done = self.library.llmcli_matmul(
+            TYPE_IDS[type_name], blocks.data_ptr(), rows, k, x.data_ptr(), m, y.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if done != 0:
+            raise ValueError(f"llmcli's {self.level} kernels cannot multiply {type_name} rows of {k}")
+        return y
+
+    def dequantize(self, blocks: torch.Tensor, type_name: str, rows: int, k: int) -> torch.Tensor:
+        """The values of `rows` rows of `k` stored in `blocks`, in fp32 (the tests' reference
+        is gguf's own dequantization)."""
+        import torch
+
+        out = torch.empty((rows, k), dtype=torch.float32)
+        read = self.library.llmcli_dequantize(TYPE_IDS[type_name], blocks.data_ptr(), rows, k, out.data_ptr())
+        if read != 0:
+            raise ValueError(f"llmcli's {self.level} kernels cannot read {type_name} rows of {k}")
+        return out
+
+
+def _library_path(level: str) -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = _PACKAGE / f"_cpu_{level}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    c_int, c_int64, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    signatures = {
+        "llmcli_matmul": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int],
+        "llmcli_dequantize": [c_int, c_void_p, c_int64, c_int64, c_void_p],
+        "llmcli_has_type": [c_int],
+        "llmcli_cpu_features": [],
+        "llmcli_build_features": [],
+    }
+    for name, arguments in signatures.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = arguments, c_int
+    return library
+
+
+def built_levels() -> tuple[str, ...]:
+    """The levels this installation has a library for."""
+    return tuple(level for level in LEVELS if _library_path(level) is not None)
+
+
+def cpu_features() -> frozenset[str]:
+    """What this CPU (and its operating system) can execute, as the portable build reads it."""
+    path = _library_path("portable")
+    if path is None:
+        return frozenset()
+    bits = _open(path).llmcli_cpu_features()
+    return frozenset(name for bit, name in _FEATURE_NAMES.items() if bits & bit)
+
+
+def runs_here(level: str) -> bool:
+    """Whether this CPU has every feature `level` was compiled for."""
+    path = _library_path("portable")
+    if path is None:
+        return False
+    bits = _open(path).llmcli_cpu_features()
+    return bits & _NEEDS[level] == _NEEDS[level]
+
+
+def missing_features(level: str) -> list[str]:
+    path = _library_path("portable")
+    bits = _open(path).llmcli_cpu_features() if path is not None else 0
+    return [name for bit, name in _FEATURE_NAMES.items() if _NEEDS[level] & bit and not bits & bit]
+
+
+def _asked() -> str:
+    asked = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if asked not in ("auto", "off", *LEVELS):
+        levels = ", ".join(LEVELS)
+        raise UsageError(f"{ENV}={asked} is not a kernel level: choose auto, off, or one of {levels}")
+    return asked
+
+
+@functools.cache
+def _load(asked: str) -> CpuKernels | None:
+    if asked == "off":
+        return None
+    if asked != "auto":
+        path = _library_path(asked)
+        if path is None:
+            built = _built_text()
+            raise UsageError(f"{ENV}={asked}: this installation has no {asked} kernels (built: {built})")
+        if not runs_here(asked):
+            lacking = ", ".join(missing_features(asked))
+            raise UsageError(f"{ENV}={asked}: this CPU cannot run them (it lacks {lacking})")
+        return CpuKernels(asked, _open(path))
+    for level in LEVELS:
+        path = _library_path(level)
+        if path is not None and runs_here(level):
+            return CpuKernels(level, _open(path))
+    return None
+
+
+def kernels() -> CpuKernels | None:
+    """The kernels llmcli multiplies with on this CPU, or None (torch's kernels run)."""
+    return _load(_asked())
+
+
+def _built_text() -> str:
+    return ", ".join(built_levels()) or "none"
+
+
+def which() -> str:
+    """What multiplies a GGUF file's blocks here, in a few words (for --json and bench)."""
+    loaded = kernels()
+    if loaded is not None:
+        return f"llmcli {loaded.level}"
+    if _asked() == "off":
+        return f"torch ({ENV}=off)"
+    if not built_levels():
+        return "torch (llmcli was installed without its compiled kernels: no C compiler was found)"
+    return "torch (this CPU runs none of the compiled kernels)"
