@@ -34,6 +34,23 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache" / "llmcli" / "gguf"
 
 
+@pytest.fixture(params=["torch", "compiled"])
+def products(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> frozenset[str]:
+    """Each way a quantized file's products run on a CPU: torch's int4/int8 kernels on codes
+    read from the blocks (LLMCLI_CPU_KERNELS=off, as an installation without a compiler runs),
+    or llmcli's compiled kernels on the blocks as they are. The types the latter multiply."""
+    from llmcli.models import cpu_kernels
+
+    if request.param == "torch":
+        monkeypatch.setenv(cpu_kernels.ENV, "off")
+        return frozenset()
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    loaded = cpu_kernels.kernels()
+    if loaded is None:
+        pytest.skip("llmcli was built without its compiled kernels")
+    return loaded.types
+
+
 def load(path: Path, **settings: object):
     from llmcli.config.settings import LoadSettings
     from llmcli.models.load import load_model
@@ -112,13 +129,15 @@ def test_4_bit_blocks_read_as_int4_codes_are_bit_equal_to_ggufs_dequantization(k
     assert checked >= 12  # every layer's 4-bit projections at least
 
 
-def test_a_mixed_file_holds_each_matrix_in_its_own_type(own_cache: Path) -> None:
-    """Q4_K_M mixes Q4_K and Q6_K matrices: the Q4_K ones are int4 codes whose weights (fp32
-    compute) are bit-equal to gguf's dequantization, the Q6_K ones int8, not requantized onto
-    the file's main 4-bit grid; q, k and v stay apart where their types differ."""
+def test_a_mixed_file_holds_each_matrix_in_its_own_type(own_cache: Path, products: frozenset[str]) -> None:
+    """Q4_K_M mixes Q4_K and Q6_K matrices: each is held in the file's own blocks where the
+    compiled kernels multiply its type, its weights bit-equal to gguf's dequantization;
+    otherwise the Q4_K ones are int4 codes, bit-equal too (fp32 compute), the Q6_K ones int8, not
+    requantized onto the file's main 4-bit grid; q, k and v stay apart where their types differ."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    from llmcli.models.block_linear import BlockLinear
     from llmcli.models.gguf_int4 import unpermute_rows
     from llmcli.models.quantized import QuantizedLinear, QuantizedSlice
 
@@ -137,12 +156,14 @@ def test_a_mixed_file_holds_each_matrix_in_its_own_type(own_cache: Path) -> None
         if isinstance(layer, QuantizedSlice):  # fused with its siblings of the same type
             whole, rows = layer.whole, slice(layer.start, layer.end)
         else:
-            assert isinstance(layer, QuantizedLinear), tensor.name
+            assert isinstance(layer, (QuantizedLinear, BlockLinear)), tensor.name
             whole, rows = layer, slice(None)
         kind = tensor.tensor_type.name
         kinds.add(kind)
-        if kind == "Q4_K":
-            assert whole.kind == "int4"
+        if kind in products:
+            assert isinstance(whole, BlockLinear) and whole.type_name == kind, tensor.name
+        if kind in products or kind == "Q4_K":
+            assert kind in products or whole.kind == "int4"
             expected = dequantize(tensor.data, tensor.tensor_type).reshape(layer.out_features, -1)
             if parts[2] in heads:
                 expected = unpermute_rows(expected, heads[parts[2]])
@@ -150,6 +171,8 @@ def test_a_mixed_file_holds_each_matrix_in_its_own_type(own_cache: Path) -> None
         else:
             assert whole.kind == "int8", tensor.name
     assert kinds == {"Q4_K", "Q6_K"}
+    if products >= kinds:  # the file's own bytes, nothing else
+        assert loaded.quant == "gguf-blocks" and loaded.weight_bytes <= 1.05 * path.stat().st_size
 
 
 def test_the_table_is_read_as_ggufs_own_reader_reads_it() -> None:
@@ -650,14 +673,15 @@ def test_a_file_with_tensors_the_llama_layout_has_no_place_for_is_not_read_in_pl
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
-def test_a_tied_table_is_held_once_and_read_from_its_int8_head(
-    kind: str, own_cache: Path, tmp_path: Path
+def test_a_tied_table_is_held_once_and_read_from_its_head(
+    kind: str, own_cache: Path, tmp_path: Path, products: frozenset[str]
 ) -> None:
-    """A file whose head is its embedding (no output tensor, as the demo's): the head is int8 —
-    Q8_0's way, and Q4_0's here too, since the CPU's int4 kernel packs no 4098 rows (its codes
-    are dequantized exactly for it, not a stand-in quantized) — and the table is read from the
-    head's rows, so the file's one tensor is held once. The logits are transformers' own GGUF
-    loader's (fp32) within the noise of int8 and bf16."""
+    """A file whose head is its embedding (no output tensor, as the demo's): the head is the
+    file's blocks where the compiled kernels multiply them, the table reading its rows from the
+    same bytes; otherwise int8 — Q8_0's way, and Q4_0's here too, since the CPU's int4 kernel
+    packs no 4098 rows (its codes are dequantized exactly for it, not a stand-in quantized) —
+    and the table is read from the head's rows. Either way the file's one tensor is held once.
+    The logits are transformers' own GGUF loader's (fp32) within the noise of int8 and bf16."""
     from transformers import AutoModelForCausalLM
 
     from llmcli.models.load_plan import default_load
@@ -670,7 +694,11 @@ def test_a_tied_table_is_held_once_and_read_from_its_int8_head(
     with torch.inference_mode():
         expected = reference(torch.tensor([ids.tolist()])).logits[0]
     loaded = load(tied)
-    assert type(loaded.model.get_input_embeddings()).__name__ == "HeadRows"
+    table, head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
+    if kind in products:
+        assert type(table).__name__ == "BlockEmbedding" and table.blocks.data_ptr() == head.blocks.data_ptr()
+    else:
+        assert type(table).__name__ == "HeadRows"
     kl, top1 = kl_and_top1(expected.numpy(), logits_on(loaded, ids))
     assert kl < 0.006 and top1 >= 0.9, (kl, top1)
     _, _, _, estimate = default_load(resolve_model(str(tied)).path, "gguf")  # `models show`'s figure

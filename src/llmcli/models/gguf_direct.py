@@ -873,6 +873,26 @@ class GGUFCodes:
         codes, scale, zero = (torch.from_numpy(np.ascontiguousarray(part)) for part in parts)
         return codes.to(torch.int32), scale, zero
 
+    def block_type(self, name: str) -> str | None:
+        """The GGUF type of the blocks a quantized layer is stored in (the head: its own, or the
+        embedding's it is tied to), where they are read as the file holds them; else None."""
+        if name not in self.int8_names:
+            return None
+        return (self._head_entry() if name == "lm_head" else self._tensors.entry(f"{name}.weight")).type_name
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """The layer's blocks, uint8 [out_features, bytes per row], copied from the file (read,
+        not mapped: the copy is all the process holds of them), its rows in transformers' order."""
+        import torch
+
+        weight = f"{name}.weight"
+        entry = self._head_entry() if name == "lm_head" else self._tensors.entry(weight)
+        blocks = self._tensors.read(entry)
+        heads = self._tensors.rows_heads(weight)
+        if heads is not None:
+            blocks = np.ascontiguousarray(unpermute_rows(blocks, heads))
+        return torch.from_numpy(blocks)
+
     def int8(self, name: str, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's per-channel int8 codes and scales, its blocks dequantized a slice of rows
         at a time (never a whole fp32 copy: the demo's Q8_0 head is 113 MB of it); None for a

@@ -23,11 +23,17 @@ class BlockEmbedding(torch.nn.Module):
         return self.blocks.device
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        from gguf.constants import GGMLQuantizationType
-        from gguf.quants import dequantize
+        from llmcli.models.cpu_kernels import kernels
 
-        picked = self.blocks[tokens.reshape(-1)].numpy()
-        values = torch.from_numpy(dequantize(picked, GGMLQuantizationType[self.type_name]))
+        picked = self.blocks[tokens.reshape(-1)]
+        compiled = kernels()
+        if compiled is not None and self.type_name in compiled.types:  # bit-equal to gguf's, faster
+            values = compiled.dequantize(picked, self.type_name, picked.shape[0], self.shape[1])
+        else:
+            from gguf.constants import GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            values = torch.from_numpy(dequantize(picked.numpy(), GGMLQuantizationType[self.type_name]))
         return values.to(self.dtype).view(*tokens.shape, self.shape[1])
 
 
@@ -57,7 +63,15 @@ class HeadRows(torch.nn.Module):
 def share_tied_head(model: torch.nn.Module) -> None:
     """Once quantized: a table kept in its blocks and tied to a head that became int8 is read from
     the head instead (HeadRows). A head of int4 codes keeps the table: its packed layout has no
-    rows to read."""
+    rows to read. A head kept in the file's blocks (block_linear.py) is the table's own bytes:
+    the table reads its rows from the head's copy, so the process holds them once."""
+    from llmcli.models.block_linear import BlockLinear
+
     head = model.get_output_embeddings()
+    table = model.get_input_embeddings()
+    same_blocks = isinstance(head, BlockLinear) and head.type_name == getattr(table, "type_name", None)
+    if isinstance(table, BlockEmbedding) and same_blocks:
+        table.blocks = head.blocks
+        return
     if isinstance(model.get_input_embeddings(), BlockEmbedding) and getattr(head, "kind", None) == "int8":
         model.model.embed_tokens = HeadRows(head)

@@ -188,6 +188,13 @@ class Int4Blocks:
     def names(self) -> frozenset[str]:
         return frozenset(self._names)
 
+    def block_type(self, name: str) -> None:
+        """A conversion keeps no file blocks for the compiled kernels to multiply."""
+        return None
+
+    def blocks(self, name: str) -> None:
+        return None
+
     def int8(self, name: str, scale_dtype: Any) -> None:
         """A conversion's other layers are read as floats from its safetensors."""
         return None

@@ -34,6 +34,7 @@ from llmcli.models.vision.load import VisionSource, vision_source
 
 if TYPE_CHECKING:
     from llmcli.models.built import Built
+    from llmcli.models.cpu_kernels import CpuKernels
     from llmcli.models.quantized import ExactCodes
 
 
@@ -109,7 +110,9 @@ def load_model(
         raise out_of_memory_error(checkpoint, plan.settings, plan.config, plan.device, plan.dtype) from error
     quant, quant_backend = built.quant, built.quant_backend
     if plan.native_quant is not None:
-        quant, quant_backend = _quantized(built.model, plan.native_quant, plan.group, exact), "native"
+        kernels = _block_kernels(settings, plan, exact)
+        quant = _quantized(built.model, plan.native_quant, plan.group, exact, kernels)
+        quant_backend = "native"
     if isinstance(choice, NativeChoice):
         build_native.after_quantize(built, choice, plan, checkpoint.name)
     model, tokenizer = built.model, built.tokenizer
@@ -179,13 +182,29 @@ def _configure_threads(plan: LoadPlan) -> None:
         configure_cpu_threads(plan.settings.threads)
 
 
-def _quantized(model: Any, kind: str, group: int | None = None, exact: ExactCodes | None = None) -> str:
+def _block_kernels(settings: LoadSettings, plan: LoadPlan, exact: ExactCodes | None) -> CpuKernels | None:
+    """llmcli's compiled kernels, where they multiply a GGUF file's layers in its own blocks: on
+    a CPU, for --quant auto (int4 or int8 named asks for llmcli's requantized layers)."""
+    if exact is None or plan.device.type != "cpu" or settings.quant != "auto":
+        return None
+    from llmcli.models.cpu_kernels import kernels
+
+    return kernels()
+
+
+def _quantized(
+    model: Any,
+    kind: str,
+    group: int | None = None,
+    exact: ExactCodes | None = None,
+    kernels: CpuKernels | None = None,
+) -> str:
     """`model` quantized in place by llmcli's own int8/int4; the label. A GGUF file's 4-bit
     layers take its own blocks (`exact`), not requantized weights, and its wider ones int8 (read
     from the blocks where the file is read in place)."""
     from llmcli.models.quantized import quantize_model
 
-    return quantize_model(model, kind, group, exact)
+    return quantize_model(model, kind, group, exact, kernels)
 
 
 def exact_codes_of(folder: Path) -> ExactCodes | None:

@@ -217,8 +217,34 @@ def settled_load(checkpoint: Checkpoint, quant: str = "auto") -> tuple[str, str,
         label = mode.removeprefix("native-")
     else:
         label = (stored or "none") if mode in ("none", "stored") else mode
-    weight_bytes = estimate_weight_bytes(shapes, _ITEMSIZE[dtype], mode, device_type=device_type)
-    return device_type, dtype, label, weight_bytes
+    blocks = block_types(checkpoint, quant, device_type) if native else frozenset()
+    itemsize = _ITEMSIZE[dtype]
+    weight_bytes = estimate_weight_bytes(shapes, itemsize, mode, device_type=device_type, block_types=blocks)
+    return device_type, dtype, _blocks_label(shapes, blocks, label), weight_bytes
+
+
+def _blocks_label(shapes: dict[str, Any], blocks: frozenset[str], label: str) -> str:
+    """quantize_model's label where the file's blocks are kept: all its linear layers (the head,
+    or the table tied to it, included), or some beside llmcli's own int8/int4."""
+    from llmcli.models.memory import is_native_linear
+
+    types = {tensor.gguf_type for name, tensor in shapes.items() if is_native_linear(name, tensor.shape)}
+    if not any(name.endswith("lm_head.weight") for name in shapes):  # tied: the table is the head
+        types |= {tensor.gguf_type for name, tensor in shapes.items() if name.endswith("embed_tokens.weight")}
+    if not types & blocks:
+        return label
+    return "gguf-blocks" if types <= blocks else f"gguf-blocks+{label}"
+
+
+def block_types(checkpoint: Checkpoint, quant: str, device_type: str) -> frozenset[str]:
+    """The GGUF types a load of `checkpoint` keeps in the file's own blocks, multiplied by llmcli's
+    compiled kernels: on a CPU, a file read in place, --quant auto (load.py's _block_kernels)."""
+    if checkpoint.source != "gguf" or quant != "auto" or device_type != "cpu" or not checkpoint.read_in_place:
+        return frozenset()
+    from llmcli.models.cpu_kernels import kernels
+
+    loaded = kernels()
+    return loaded.types if loaded is not None else frozenset()
 
 
 def _gguf_float_dtype_name(type_name: str | None, device_type: str) -> str | None:

@@ -154,22 +154,30 @@ def native_mode(kind: str, group: int | None, tensors: dict[str, TensorHeader]) 
     widths = {
         t.shape[1]
         for name, t in tensors.items()
-        if _is_native_linear(name, t.shape) and ".experts." not in name
+        if is_native_linear(name, t.shape) and ".experts." not in name
     }
     return f"native-int4-g{group or pick_int4_group(widths)}"
 
 
-def _is_native_linear(name: str, shape: list[int]) -> bool:
+def is_native_linear(name: str, shape: list[int]) -> bool:
     return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith("lm_head.weight"))
 
 
-def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str, device_type: str) -> float:
+def _native_bytes(
+    tensors: dict[str, TensorHeader],
+    dtype_bytes: int,
+    mode: str,
+    device_type: str,
+    block_types: frozenset[str] = frozenset(),
+) -> float:
     """llmcli's int8 (a byte per weight and a scale per row) and int4 (half a byte per weight and
     a scale and a zero per group) for the linear layers; the output head int8, and its own copy
     when it was tied to the embedding; everything else in the load dtype. A GGUF file read in
     place holds its own types: its 4-bit blocks int4 (the head's too), its other quantized
     matrices int8, and on a CPU a quantized embedding in its blocks, or, tied to an int8 head,
-    read from the head (gguf_direct.py, gguf_embedding.py)."""
+    read from the head (gguf_direct.py, gguf_embedding.py). `block_types`: the GGUF types llmcli's
+    compiled kernels multiply in the file's own blocks (block_linear.py), held at the file's size;
+    a tied table then reads its rows from the head's blocks."""
     group = int(mode.rpartition("-g")[2]) if "int4" in mode else 0
 
     def held_as_int4(tensor: TensorHeader, is_head: bool) -> bool:
@@ -179,13 +187,15 @@ def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str,
         return bool(fits) and (coded or quantized_here)
 
     def linear_bytes(tensor: TensorHeader, is_head: bool) -> float:
+        if tensor.gguf_type in block_types:
+            return tensor.gguf_bytes
         if held_as_int4(tensor, is_head):
             return tensor.count / 2 + tensor.count / group * 2 * dtype_bytes
         return tensor.count + tensor.shape[0] * dtype_bytes
 
     total = 0.0
     for name, tensor in tensors.items():
-        if _is_native_linear(name, tensor.shape):
+        if is_native_linear(name, tensor.shape):
             total += linear_bytes(tensor, name.endswith("lm_head.weight"))
         elif (
             name.endswith("embed_tokens.weight") and device_type == "cpu" and tensor.gguf_type not in _FLOATS
@@ -198,8 +208,8 @@ def _native_bytes(tensors: dict[str, TensorHeader], dtype_bytes: int, mode: str,
         if embedding is not None:  # tied: the head becomes a matrix of its own
             total += linear_bytes(embedding, True)
             packed = device_type == "cpu" and embedding.gguf_type not in _FLOATS
-            if packed and not held_as_int4(embedding, True):
-                total -= embedding.gguf_bytes  # an int8 head: the table is read from it (HeadRows)
+            if packed and (embedding.gguf_type in block_types or not held_as_int4(embedding, True)):
+                total -= embedding.gguf_bytes  # an int8 head or the blocks: the table is read from it
     return total
 
 
@@ -220,12 +230,13 @@ def estimate_weight_bytes(
     quant: str,
     double_quant: bool = True,
     device_type: str = "cpu",
+    block_types: frozenset[str] = frozenset(),
 ) -> int:
     """Bytes the weights will take once loaded. `quant` "stored" means as they are in the files
     (a checkpoint that comes quantized loads as it is); "native-…" llmcli's own formats (see
-    native_mode); int8/int4 bitsandbytes'."""
+    native_mode, with the file's `block_types` held as blocks); int8/int4 bitsandbytes'."""
     if quant.startswith("native-"):
-        return int(_native_bytes(tensors, dtype_bytes, quant, device_type))
+        return int(_native_bytes(tensors, dtype_bytes, quant, device_type, block_types))
     total = 0.0
     for name, tensor in tensors.items():
         count = tensor.count

@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from llmcli.models.block_linear import BlockLinear
+from llmcli.models.cpu_kernels import CpuKernels
 from llmcli.models.gguf_int4 import dequantize as dequantize_codes
 from llmcli.models.quant import pick_int4_group
 
@@ -260,7 +262,11 @@ class QuantizedSlice(torch.nn.Module):
 
 
 def quantize_model(
-    model: torch.nn.Module, kind: str, group: int | None = None, exact: ExactCodes | None = None
+    model: torch.nn.Module,
+    kind: str,
+    group: int | None = None,
+    exact: ExactCodes | None = None,
+    kernels: CpuKernels | None = None,
 ) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
     peak is the model plus one layer). q/k/v and gate/up become one matrix each (see
@@ -269,8 +275,10 @@ def quantize_model(
     `group`: int4's group size (default: the largest preferred one that fits). `exact`: int4
     codes to use as they are, by module name, instead of quantizing the weights (a GGUF file's
     4-bit blocks), and the layers int8 holds even when `kind` is int4 (`exact.wider`: a GGUF
-    file's layers of more than 4 bits; their fused siblings are not fused with them). Returns
-    the label."""
+    file's layers of more than 4 bits; their fused siblings are not fused with them).
+    `kernels`: llmcli's compiled CPU kernels, which multiply a GGUF file's layers in their own
+    blocks (block_linear.py) wherever they have the layer's type; the other layers as above.
+    Returns the label."""
     from llmcli.models.tensor_file import is_stand_in
 
     if kind == "int4" and group is None:
@@ -284,6 +292,10 @@ def quantize_model(
     def quantized(
         names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
     ) -> QuantizedLinear:
+        if kernels is not None and exact is not None:
+            kept = _file_blocks(kernels, exact, names, weight, bias)
+            if kept is not None:
+                return _counted(kept)
         coded = exact is not None and group == exact.group and all(name in exact for name in names)
 
         def file_codes() -> tuple[torch.Tensor, ...]:  # codes, scales, zeros of `names`, stacked
@@ -303,7 +315,7 @@ def quantize_model(
             return _counted(QuantizedLinear.int8(weight, bias))
         return _counted(QuantizedLinear.int4(weight, bias, group))
 
-    def _counted(layer: QuantizedLinear) -> QuantizedLinear:
+    def _counted(layer: QuantizedLinear | BlockLinear) -> QuantizedLinear | BlockLinear:
         kinds.add(layer.kind)
         return layer
 
@@ -316,6 +328,9 @@ def quantize_model(
                 continue
             if len({f"{module_name}.{name}" in wider for name in names}) > 1:
                 continue  # int4 and int8 parts: each quantized as it is, run in turn
+            in_blocks = kernels is not None and exact is not None
+            if in_blocks and len({exact.block_type(f"{module_name}.{name}") for name in names}) > 1:
+                continue  # blocks of several types (Q4_K beside Q6_K): each its own
             if len({is_stand_in(part.weight) for part in parts}) > 1:
                 continue  # parts read from the file's blocks beside parts read as floats
             weight = torch.cat([part.weight.detach() for part in parts])
@@ -343,7 +358,24 @@ def quantize_model(
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own (int8) matrix now
     # What the layers became: on CUDA, widths the int4 kernel cannot tile stay int8.
-    return f"int4-g{group}" if "int4" in kinds else "int8"
+    label = f"int4-g{group}" if "int4" in kinds else "int8"
+    if "blocks" in kinds:  # the file's own blocks, and what the kernels have no type for
+        return "gguf-blocks" if kinds == {"blocks"} else f"gguf-blocks+{label}"
+    return label
+
+
+def _file_blocks(
+    kernels: CpuKernels, exact: ExactCodes, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
+) -> BlockLinear | None:
+    """`names` (one layer, or parts fused into one) as the file's blocks, where all are stored
+    in one type the compiled kernels multiply; None otherwise."""
+    types = {exact.block_type(name) for name in names}
+    type_name = types.pop() if len(types) == 1 else None
+    if type_name is None or type_name not in kernels.types:
+        return None
+    parts = [exact.blocks(name) for name in names]
+    blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return BlockLinear(kernels, blocks, type_name, weight.shape[1], bias, weight.dtype)
 
 
 def stacked_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -394,6 +426,10 @@ class ExactCodes(Protocol):
     def get(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def int8(self, name: str, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def block_type(self, name: str) -> str | None: ...
+
+    def blocks(self, name: str) -> torch.Tensor | None: ...
 
 
 def _tinygemm_fits(weight: torch.Tensor) -> bool:

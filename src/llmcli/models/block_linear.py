@@ -1,0 +1,45 @@
+"""A linear layer kept as a GGUF file's own blocks, multiplied by llmcli's compiled CPU kernels
+(cpu_kernels.py) as llama.cpp multiplies them: each row of the input quantized once to the 8-bit
+block format llama.cpp pairs with the weights' type, integer dot products on the blocks as the
+file stores them. The weights held are the file's bytes: nothing is dequantized or requantized."""
+
+from __future__ import annotations
+
+import torch
+
+from llmcli.models.cpu_kernels import CpuKernels
+
+
+class BlockLinear(torch.nn.Module):
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        blocks: torch.Tensor,
+        type_name: str,
+        in_features: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        """`blocks`: uint8 [out_features, bytes per row], each row a whole number of blocks."""
+        super().__init__()
+        self.kernels, self.type_name = kernels, type_name
+        self.kind = "blocks"
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        self.dtype = dtype  # what the rest of the model computes in: the product's result is cast to it
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    @property
+    def label(self) -> str:
+        return self.type_name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
+        out = self.kernels.matmul(rows, self.blocks, self.type_name, self.out_features).to(x.dtype)
+        out = out.view(*shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights the blocks stand for, [out, in] in fp32: the reference in tests."""
+        return self.kernels.dequantize(self.blocks, self.type_name, self.out_features, self.in_features)
