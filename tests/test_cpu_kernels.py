@@ -103,6 +103,19 @@ def test_products_equal_a_scalar_reference(level: str, type_name: str, m: int) -
     np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=scale * 2e-5)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_bf16_rows_are_read_and_written_as_they_are(level: str) -> None:
+    """A bf16 model's rows go in and come out in bf16: the same products as the fp32 rows they
+    stand for, each rounded to bf16 once (a 4,096-wide row is widened in pieces)."""
+    kernels = _level(level)
+    blocks, (_, k) = TENSORS["Q8_0"]
+    wide = np.tile(blocks[:64], (1, 20))  # rows of 5,120 values: widened in two pieces
+    x = torch.randn(5, k * 20).bfloat16()
+    expected = kernels.matmul(x.float(), torch.from_numpy(wide), "Q8_0", 64).bfloat16()
+    got = kernels.matmul(x, torch.from_numpy(wide), "Q8_0", 64)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
 def test_each_build_was_compiled_for_no_more_than_its_level_needs() -> None:
     """The loader's table of what each level needs is what the compiler was told: a level
     whose flags grew without the table would be loaded on a CPU that lacks them."""

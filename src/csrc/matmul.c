@@ -113,7 +113,8 @@ typedef struct {
     const char *w;
     int64_t n, k, m, w_row_bytes, act_bytes;
     const char *act;  /* m quantized activation rows */
-    float *y;         /* [m, n] */
+    void *y;          /* [m, n], fp32 or bf16 */
+    int y_bf16;
 } product_job;
 
 /* Each thread takes a contiguous share of the weight rows (in runs of 4, so that neighbours do
@@ -126,38 +127,57 @@ static void product_rows(void *context, int ith, int nth) {
     const int64_t last = last_run < job->n ? last_run : job->n;
     for (int64_t r = first; r < last; r++) {
         const char *w_row = job->w + r * job->w_row_bytes;
-        for (int64_t i = 0; i < job->m; i++)
-            job->y[i * job->n + r] = job->t->vec_dot(job->k, w_row, job->act + i * job->act_bytes);
+        for (int64_t i = 0; i < job->m; i++) {
+            const float v = job->t->vec_dot(job->k, w_row, job->act + i * job->act_bytes);
+            if (job->y_bf16) ((uint16_t *)job->y)[i * job->n + r] = fp32_to_bf16(v);
+            else ((float *)job->y)[i * job->n + r] = v;
+        }
     }
 }
 
 typedef struct {
     const weight_type *t;
-    const float *x;
+    const void *x;    /* [m, k], fp32 or bf16 */
+    int x_bf16;
     char *act;
     int64_t m, k, act_bytes;
 } quantize_job;
 
 static void quantize_rows(void *context, int ith, int nth) {
     const quantize_job *job = context;
-    for (int64_t i = ith; i < job->m; i += nth)
-        quantize_act_row(job->t->act_type, job->x + i * job->k, job->act + i * job->act_bytes, job->k);
+    float row[4096];
+    for (int64_t i = ith; i < job->m; i += nth) {
+        char *out = job->act + i * job->act_bytes;
+        if (!job->x_bf16) {
+            quantize_act_row(job->t->act_type, (const float *)job->x + i * job->k, out, job->k);
+            continue;
+        }
+        /* A bf16 row widened in pieces of whole activation blocks (QK_K divides 4096). */
+        const uint16_t *x = (const uint16_t *)job->x + i * job->k;
+        for (int64_t start = 0; start < job->k; start += 4096) {
+            const int64_t count = job->k - start < 4096 ? job->k - start : 4096;
+            for (int64_t j = 0; j < count; j++) row[j] = bf16_to_fp32(x[start + j]);
+            quantize_act_row(job->t->act_type, row, out + act_row_bytes(job->t->act_type, start), count);
+        }
+    }
 }
 
-/* y[m, n] = x[m, k] · W[n, k]ᵀ, W being n rows of `type` blocks. 0, or -1 where this build has
- * no kernel for the type or k is not a whole number of its blocks (the caller keeps its path). */
-LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t m,
-                             float *y, int n_threads) {
+/* y[m, n] = x[m, k] · W[n, k]ᵀ, W being n rows of `type` blocks; x and y in fp32, or bf16 where
+ * x_bf16 / y_bf16 (the model's own dtype: no conversion call around each product). 0, or -1
+ * where this build has no kernel for the type or k is not a whole number of its blocks (the
+ * caller keeps its path). */
+LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, const void *x, int x_bf16,
+                             int64_t m, void *y, int y_bf16, int n_threads) {
     const weight_type *t = type_of(type);
     if (!t || k % t->block_elems || k % 32) return -1;
     const int64_t act_bytes = act_row_bytes(t->act_type, k);
     char stack_act[16384];
     char *act = act_bytes * m <= (int64_t)sizeof stack_act ? stack_act : malloc((size_t)(act_bytes * m));
     if (!act) return -2;
-    quantize_job q = { t, x, act, m, k, act_bytes };
+    quantize_job q = { t, x, x_bf16, act, m, k, act_bytes };
     if (m == 1) quantize_rows(&q, 0, 1); /* one row: not worth waking the pool */
     else pool_run(quantize_rows, &q, n_threads);
-    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y };
+    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_bf16 };
     pool_run(product_rows, &p, n_threads);
     if (act != stack_act) free(act);
     return 0;

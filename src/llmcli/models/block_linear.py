@@ -35,7 +35,7 @@ class BlockLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
+        rows = x.reshape(-1, shape[-1]).contiguous()  # fp32 and bf16 are read and written as they are
         out = self.kernels.matmul(rows, self.blocks, self.type_name, self.out_features).to(x.dtype)
         out = out.view(*shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out

@@ -54,14 +54,18 @@ class CpuKernels:
         return frozenset(name for name, type_id in TYPE_IDS.items() if self.library.llmcli_has_type(type_id))
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_name: str, rows: int) -> torch.Tensor:
-        """x [m, k] (fp32, contiguous) times the matrix whose `rows` rows `blocks` holds in
-        `type_name`, transposed: [m, rows] in fp32."""
+        """x [m, k] (contiguous) times the matrix whose `rows` rows `blocks` holds in `type_name`,
+        transposed: [m, rows], in x's dtype where it is fp32 or bf16 (read and written as they
+        are), else in fp32."""
         import torch
 
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        bf16 = int(x.dtype == torch.bfloat16)
         m, k = x.shape
-        y = torch.empty((m, rows), dtype=torch.float32)
+        y = torch.empty((m, rows), dtype=x.dtype)
         done = self.library.llmcli_matmul(
-            TYPE_IDS[type_name], blocks.data_ptr(), rows, k, x.data_ptr(), m, y.data_ptr(),
+            TYPE_IDS[type_name], blocks.data_ptr(), rows, k, x.data_ptr(), bf16, m, y.data_ptr(), bf16,
             torch.get_num_threads(),
         )  # fmt: skip
         if done != 0:
@@ -92,7 +96,19 @@ def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     c_int, c_int64, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     signatures = {
-        "llmcli_matmul": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int],
+        # type, weights, n, k, x, x in bf16, m, y, y in bf16, threads
+        "llmcli_matmul": [
+            c_int,
+            c_void_p,
+            c_int64,
+            c_int64,
+            c_void_p,
+            c_int,
+            c_int64,
+            c_void_p,
+            c_int,
+            c_int,
+        ],  # noqa: E501
         "llmcli_dequantize": [c_int, c_void_p, c_int64, c_int64, c_void_p],
         "llmcli_has_type": [c_int],
         "llmcli_cpu_features": [],
