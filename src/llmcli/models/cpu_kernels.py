@@ -108,7 +108,7 @@ def _open(path: Path) -> ctypes.CDLL:
             c_void_p,
             c_int,
             c_int,
-        ],  # noqa: E501
+        ],
         "llmcli_dequantize": [c_int, c_void_p, c_int64, c_int64, c_void_p],
         "llmcli_has_type": [c_int],
         "llmcli_cpu_features": [],
