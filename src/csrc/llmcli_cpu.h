@@ -72,6 +72,12 @@ static inline float bf16_to_fp32(uint16_t h) {
 }
 uint16_t fp32_to_bf16(float f);
 
+/* A type's kernels, or NULL where this build has none (matmul.c). */
+const weight_type *weight_type_of(int type);
+/* y[m, n] (rows y_stride apart, fp32) = activation rows already quantized to t's format · Wᵀ. */
+void multiply_quantized(const weight_type *t, const void *w, int64_t n, int64_t k, const char *act, int64_t m,
+                        float *y, int64_t y_stride, int n_threads);
+
 /* The thread pool (pool.c): `task(context, ith, nth)` on nth threads, the caller being ith 0. */
 typedef void (*pool_task)(void *context, int ith, int nth);
 void pool_run(pool_task task, void *context, int n_threads);

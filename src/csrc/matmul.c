@@ -113,8 +113,9 @@ typedef struct {
     const char *w;
     int64_t n, k, m, w_row_bytes, act_bytes;
     const char *act;  /* m quantized activation rows */
-    void *y;          /* [m, n], fp32 or bf16 */
+    void *y;          /* [m, n], fp32 or bf16, rows y_stride apart */
     int y_bf16;
+    int64_t y_stride;
 } product_job;
 
 /* Each thread takes a contiguous share of the weight rows (in runs of 4, so that neighbours do
@@ -129,8 +130,8 @@ static void product_rows(void *context, int ith, int nth) {
         const char *w_row = job->w + r * job->w_row_bytes;
         for (int64_t i = 0; i < job->m; i++) {
             const float v = job->t->vec_dot(job->k, w_row, job->act + i * job->act_bytes);
-            if (job->y_bf16) ((uint16_t *)job->y)[i * job->n + r] = fp32_to_bf16(v);
-            else ((float *)job->y)[i * job->n + r] = v;
+            if (job->y_bf16) ((uint16_t *)job->y)[i * job->y_stride + r] = fp32_to_bf16(v);
+            else ((float *)job->y)[i * job->y_stride + r] = v;
         }
     }
 }
@@ -162,6 +163,15 @@ static void quantize_rows(void *context, int ith, int nth) {
     }
 }
 
+const weight_type *weight_type_of(int type) { return type_of(type); }
+
+void multiply_quantized(const weight_type *t, const void *w, int64_t n, int64_t k, const char *act, int64_t m,
+                        float *y, int64_t y_stride, int n_threads) {
+    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_row_bytes(t->act_type, k), act,
+                      y, 0, y_stride };
+    pool_run(product_rows, &p, n_threads);
+}
+
 /* y[m, n] = x[m, k] · W[n, k]ᵀ, W being n rows of `type` blocks; x and y in fp32, or bf16 where
  * x_bf16 / y_bf16 (the model's own dtype: no conversion call around each product). 0, or -1
  * where this build has no kernel for the type or k is not a whole number of its blocks (the
@@ -177,7 +187,7 @@ LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, cons
     quantize_job q = { t, x, x_bf16, act, m, k, act_bytes };
     if (m == 1) quantize_rows(&q, 0, 1); /* one row: not worth waking the pool */
     else pool_run(quantize_rows, &q, n_threads);
-    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_bf16 };
+    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_bf16, n };
     pool_run(product_rows, &p, n_threads);
     if (act != stack_act) free(act);
     return 0;

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from llmcli.engine.native.attention import Attention
+    from llmcli.engine.native.compiled_layer import CompiledLayer
     from llmcli.engine.native.layers import Shape
     from llmcli.engine.native.plans import Plan
 
@@ -32,8 +33,13 @@ class Block:
     ffn_norm: Layer
     feed_forward: Layer
     rope: str = "global"  # which of the model's RoPE tables (Weights.local_rope) its attention uses
+    # The block around its attention in llmcli's compiled kernels (compiled_layer.py), where taken.
+    compiled: CompiledLayer | None = None
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan) -> torch.Tensor:
+        compiled = self.compiled
+        if compiled is not None and compiled.usable(h, cos):
+            return compiled(h, cos, sin, plan, self.attention)
         attention = self.attention
         q, k, v = attention.project(self.attention_norm(h), cos, sin)
         h = h + attention.out(plan.attend(attention, q, k, v))

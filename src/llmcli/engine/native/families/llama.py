@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from llmcli.engine.native.attention import Attention
+from llmcli.engine.native.compiled_layer import CompiledLayer
 from llmcli.engine.native.families.base import Block, Layer, NotSupported, Weights
 from llmcli.engine.native.layers import FeedForward, RMSNorm, Shape, projection
 
@@ -130,9 +131,11 @@ def _block(
     window: int | None,
     dtype: torch.dtype,
 ) -> Block:
-    return Block(
+    block = Block(
         attention_norm=RMSNorm(layer.input_layernorm.weight, shape.eps, dtype),
         attention=Attention(layer.self_attn, shape, index, window=window),
         ffn_norm=RMSNorm(layer.post_attention_layernorm.weight, shape.eps, dtype),
         feed_forward=feed_forward(layer, index) if feed_forward else FeedForward(layer.mlp),
     )
+    block.compiled = CompiledLayer.of(layer, block)  # a GGUF file's blocks, on a CPU
+    return block
