@@ -24,7 +24,6 @@ from llmcli.models.cpu_kernels import TYPE_IDS, CpuKernels
 
 if TYPE_CHECKING:
     from llmcli.engine.native.attention import Attention
-    from llmcli.engine.native.families.base import Block
     from llmcli.engine.native.plans import Plan
 
 ENV = "LLMCLI_CPU_FUSED"
@@ -101,8 +100,9 @@ class CompiledLayer:
         self._attention_in.restype = self._feed_forward.restype = c_int
 
     @classmethod
-    def of(cls, layer: Any, block: Block) -> CompiledLayer | None:
-        """The block compiled, where its matrices and pieces allow (see the module's docstring)."""
+    def of(cls, layer: Any, block: Any) -> CompiledLayer | None:
+        """`block` (families/base.py's Block, built from the model's `layer`) compiled, where its
+        matrices and pieces allow (see the module's docstring)."""
         attention, feed_forward = block.attention, block.feed_forward
         norms = (block.attention_norm, block.ffn_norm)
         if attention is None or not all(type(norm) is RMSNorm for norm in norms):
