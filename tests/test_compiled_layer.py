@@ -49,7 +49,9 @@ def _run(
     backend = Engine.for_loaded(loaded).backend
     compiled = [block.compiled is not None for block in backend.net.blocks]
     assert compiled == [fused == "1"] * len(compiled)
-    ids = [int(i) for i in np.load(fixture("Q8_0").with_name("fixture-Q8_0.reference.npz"))["ids"][:40]]
+    ids = [
+        int(i) for i in np.load(fixture("Q8_0").with_name("fixture-Q8_0.reference.npz"))["ids"][:40]
+    ]  # same text
     with torch.inference_mode():
         logits = backend.score(ids).float()
         backend.reset()
@@ -78,6 +80,30 @@ def test_a_compiled_block_computes_what_torchs_calls_compute(
     assert (ours - theirs).abs().max().item() <= tolerance * scale
     if dtype == "fp32":
         assert our_tokens == their_tokens
+
+
+def test_a_16_bit_file_is_multiplied_on_its_own_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An F16 file on a CPU that holds it in fp16: every linear layer is the kernels' F16 rows
+    over the weights' own bytes (nothing held twice), its blocks compiled, the logits those of
+    torch's small calls over the same products within fp16's rounding."""
+    from llmcli.models.block_linear import BlockLinear
+
+    path = fixture("F16")
+    if "F16" not in cpu_kernels.kernels().types:
+        pytest.skip("no F16 kernel in this build")
+    ours, _ = _run(path, "auto", "1", monkeypatch)
+    theirs, _ = _run(path, "auto", "0", monkeypatch)
+    assert (ours - theirs).abs().max().item() <= 0.01 * theirs.abs().max().item()
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.load import load_model
+    from llmcli.models.resolve import resolve_model
+
+    loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu"), lean=True)
+    if loaded.dtype_name != "fp16":
+        pytest.skip("this CPU holds F16 files in fp32")
+    linears = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
+    assert linears and all(m.type_name == "F16" for m in linears) and loaded.quant == "gguf-blocks"
+    assert loaded.weight_bytes <= 1.05 * path.stat().st_size
 
 
 def test_a_wrong_switch_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

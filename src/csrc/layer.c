@@ -33,15 +33,6 @@ typedef struct {
     matrix down;
 } layer_weights;
 
-static inline float load_value(const void *p, int bf16, int64_t i) {
-    return bf16 ? bf16_to_fp32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void store_value(void *p, int bf16, int64_t i, float v) {
-    if (bf16) ((uint16_t *)p)[i] = fp32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
 /* out = x / rms(x) · weight, each of m rows of `width`. */
 static void rms_norm(const float *x, const float *weight, float eps, int64_t m, int64_t width, float *out) {
     for (int64_t i = 0; i < m; i++) {
@@ -78,7 +69,7 @@ static char *activation_scratch(int64_t m, int64_t k) {
 /* A row of a head: RMS-normed by `weight` where given, then RoPE (rotate-half, as transformers
  * applies it: x·cos + swap(x)·signed_sin over the first rot_width values). */
 static void finish_head(float *x, const float *weight, float eps, int64_t d, const void *cos, const void *sin,
-                        int rope_bf16, int64_t rope_row, int64_t rot) {
+                        int rope_dtype, int64_t rope_row, int64_t rot) {
     if (weight) {
         double sum = 0.0;
         for (int64_t j = 0; j < d; j++) sum += (double)x[j] * x[j];
@@ -88,17 +79,17 @@ static void finish_head(float *x, const float *weight, float eps, int64_t d, con
     float rotated[1024];
     const int64_t half = rot / 2;
     for (int64_t j = 0; j < rot; j++) {
-        const float c = load_value(cos, rope_bf16, rope_row * rot + j);
-        const float s = load_value(sin, rope_bf16, rope_row * rot + j);
+        const float c = load_value(cos, rope_dtype, rope_row * rot + j);
+        const float s = load_value(sin, rope_dtype, rope_row * rot + j);
         rotated[j] = x[j] * c + x[j < half ? j + half : j - half] * s;
     }
     memcpy(x, rotated, (size_t)rot * sizeof(float));
 }
 
 /* From the residual stream h [m, hidden] (fp32) to q [m, heads, d], k and v [m, kv_heads, d]
- * (fp32 or bf16: out_bf16), RoPE'd by cos and signed sin [m, rot_width] (fp32 or bf16). */
+ * (in out_dtype: D_F32, D_BF16 or D_F16), RoPE'd by cos and signed sin [m, rot_width] (in rope_dtype). */
 LLMCLI_API int llmcli_layer_attention_in(const layer_weights *L, const float *h, int64_t m, const void *cos,
-                                         const void *sin, int rope_bf16, void *q, void *k, void *v, int out_bf16,
+                                         const void *sin, int rope_dtype, void *q, void *k, void *v, int out_dtype,
                                          int n_threads) {
     const int64_t hidden = L->hidden, d = L->head_dim;
     const int64_t q_width = L->heads * d, kv_width = L->kv_heads * d, width = q_width + 2 * kv_width;
@@ -118,13 +109,13 @@ LLMCLI_API int llmcli_layer_attention_in(const layer_weights *L, const float *h,
         float *row = qkv + i * width;
         for (int64_t head = 0; head < L->heads + L->kv_heads; head++) {
             const int is_q = head < L->heads;
-            finish_head(row + head * d, is_q ? L->q_norm : L->k_norm, L->eps, d, cos, sin, rope_bf16, i,
+            finish_head(row + head * d, is_q ? L->q_norm : L->k_norm, L->eps, d, cos, sin, rope_dtype, i,
                         L->rot_width);
         }
-        for (int64_t j = 0; j < q_width; j++) store_value(q, out_bf16, i * q_width + j, row[j]);
+        for (int64_t j = 0; j < q_width; j++) store_value(q, out_dtype, i * q_width + j, row[j]);
         for (int64_t j = 0; j < kv_width; j++) {
-            store_value(k, out_bf16, i * kv_width + j, row[q_width + j]);
-            store_value(v, out_bf16, i * kv_width + j, row[q_width + kv_width + j]);
+            store_value(k, out_dtype, i * kv_width + j, row[q_width + j]);
+            store_value(v, out_dtype, i * kv_width + j, row[q_width + kv_width + j]);
         }
     }
     free(x); free(qkv); free(act);
@@ -133,11 +124,11 @@ LLMCLI_API int llmcli_layer_attention_in(const layer_weights *L, const float *h,
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* From attention's output a [m, heads · d] (fp32 or bf16) and the residual stream h [m, hidden]
+/* From attention's output a [m, heads · d] (in a_dtype) and the residual stream h [m, hidden]
  * to the next residual stream h_out = h + o(a), then + down(silu(gate(n)) · up(n)) with n its
  * RMS norm. */
 LLMCLI_API int llmcli_layer_feed_forward(const layer_weights *L, const float *h, int64_t m, const void *a,
-                                         int a_bf16, float *h_out, int n_threads) {
+                                         int a_dtype, float *h_out, int n_threads) {
     const int64_t hidden = L->hidden, inner = L->intermediate, a_width = L->heads * L->head_dim;
     const int64_t widest = a_width > hidden ? a_width : hidden;
     float *x = malloc((size_t)(m * (widest > inner ? widest : inner)) * sizeof(float));
@@ -145,7 +136,7 @@ LLMCLI_API int llmcli_layer_feed_forward(const layer_weights *L, const float *h,
     float *gate_up = malloc((size_t)(m * (2 * inner > hidden ? 2 * inner : hidden)) * sizeof(float));
     char *act = activation_scratch(m, widest > inner ? widest : inner);
     if (!x || !gate_up || !act) { free(x); free(gate_up); free(act); return -2; }
-    for (int64_t i = 0; i < m * a_width; i++) x[i] = load_value(a, a_bf16, i);
+    for (int64_t i = 0; i < m * a_width; i++) x[i] = load_value(a, a_dtype, i);
     product(&L->out, x, m, a_width, act, -1, h_out, hidden, n_threads);
     for (int64_t i = 0; i < m * hidden; i++) h_out[i] += h[i];
     rms_norm(h_out, L->ffn_norm, L->eps, m, hidden, x);

@@ -72,6 +72,21 @@ static inline float bf16_to_fp32(uint16_t h) {
 }
 uint16_t fp32_to_bf16(float f);
 
+/* The dtypes rows come in and go out in: the model's own, so no conversion call is needed. */
+enum { D_F32 = 0, D_BF16 = 1, D_F16 = 2 };
+
+static inline float load_value(const void *p, int dtype, int64_t i) {
+    if (dtype == D_BF16) return bf16_to_fp32(((const uint16_t *)p)[i]);
+    if (dtype == D_F16) return fp16_to_fp32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void store_value(void *p, int dtype, int64_t i, float v) {
+    if (dtype == D_BF16) ((uint16_t *)p)[i] = fp32_to_bf16(v);
+    else if (dtype == D_F16) ((uint16_t *)p)[i] = fp32_to_fp16(v);
+    else ((float *)p)[i] = v;
+}
+
 /* A type's kernels, or NULL where this build has none (matmul.c). */
 const weight_type *weight_type_of(int type);
 /* y[m, n] (rows y_stride apart, fp32) = activation rows already quantized to t's format · Wᵀ. */

@@ -113,8 +113,8 @@ typedef struct {
     const char *w;
     int64_t n, k, m, w_row_bytes, act_bytes;
     const char *act;  /* m quantized activation rows */
-    void *y;          /* [m, n], fp32 or bf16, rows y_stride apart */
-    int y_bf16;
+    void *y;          /* [m, n] in y_dtype, rows y_stride apart */
+    int y_dtype;
     int64_t y_stride;
 } product_job;
 
@@ -130,16 +130,15 @@ static void product_rows(void *context, int ith, int nth) {
         const char *w_row = job->w + r * job->w_row_bytes;
         for (int64_t i = 0; i < job->m; i++) {
             const float v = job->t->vec_dot(job->k, w_row, job->act + i * job->act_bytes);
-            if (job->y_bf16) ((uint16_t *)job->y)[i * job->y_stride + r] = fp32_to_bf16(v);
-            else ((float *)job->y)[i * job->y_stride + r] = v;
+            store_value(job->y, job->y_dtype, i * job->y_stride + r, v);
         }
     }
 }
 
 typedef struct {
     const weight_type *t;
-    const void *x;    /* [m, k], fp32 or bf16 */
-    int x_bf16;
+    const void *x;    /* [m, k] in x_dtype */
+    int x_dtype;
     char *act;
     int64_t m, k, act_bytes;
 } quantize_job;
@@ -149,15 +148,14 @@ static void quantize_rows(void *context, int ith, int nth) {
     float row[4096];
     for (int64_t i = ith; i < job->m; i += nth) {
         char *out = job->act + i * job->act_bytes;
-        if (!job->x_bf16) {
+        if (job->x_dtype == D_F32) {
             quantize_act_row(job->t->act_type, (const float *)job->x + i * job->k, out, job->k);
             continue;
         }
-        /* A bf16 row widened in pieces of whole activation blocks (QK_K divides 4096). */
-        const uint16_t *x = (const uint16_t *)job->x + i * job->k;
+        /* A 16-bit row widened in pieces of whole activation blocks (QK_K divides 4096). */
         for (int64_t start = 0; start < job->k; start += 4096) {
             const int64_t count = job->k - start < 4096 ? job->k - start : 4096;
-            for (int64_t j = 0; j < count; j++) row[j] = bf16_to_fp32(x[start + j]);
+            for (int64_t j = 0; j < count; j++) row[j] = load_value(job->x, job->x_dtype, i * job->k + start + j);
             quantize_act_row(job->t->act_type, row, out + act_row_bytes(job->t->act_type, start), count);
         }
     }
@@ -172,22 +170,22 @@ void multiply_quantized(const weight_type *t, const void *w, int64_t n, int64_t 
     pool_run(product_rows, &p, n_threads);
 }
 
-/* y[m, n] = x[m, k] · W[n, k]ᵀ, W being n rows of `type` blocks; x and y in fp32, or bf16 where
- * x_bf16 / y_bf16 (the model's own dtype: no conversion call around each product). 0, or -1
+/* y[m, n] = x[m, k] · W[n, k]ᵀ, W being n rows of `type` blocks; x and y each in fp32, bf16 or
+ * fp16 (x_dtype, y_dtype: the model's own, so no conversion call around each product). 0, or -1
  * where this build has no kernel for the type or k is not a whole number of its blocks (the
  * caller keeps its path). */
-LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, const void *x, int x_bf16,
-                             int64_t m, void *y, int y_bf16, int n_threads) {
+LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, const void *x, int x_dtype,
+                             int64_t m, void *y, int y_dtype, int n_threads) {
     const weight_type *t = type_of(type);
     if (!t || k % t->block_elems || k % 32) return -1;
     const int64_t act_bytes = act_row_bytes(t->act_type, k);
     char stack_act[16384];
     char *act = act_bytes * m <= (int64_t)sizeof stack_act ? stack_act : malloc((size_t)(act_bytes * m));
     if (!act) return -2;
-    quantize_job q = { t, x, x_bf16, act, m, k, act_bytes };
+    quantize_job q = { t, x, x_dtype, act, m, k, act_bytes };
     if (m == 1) quantize_rows(&q, 0, 1); /* one row: not worth waking the pool */
     else pool_run(quantize_rows, &q, n_threads);
-    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_bf16, n };
+    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_dtype, n };
     pool_run(product_rows, &p, n_threads);
     if (act != stack_act) free(act);
     return 0;

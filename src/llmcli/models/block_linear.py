@@ -29,6 +29,13 @@ class BlockLinear(torch.nn.Module):
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
+    @classmethod
+    def of_weight(cls, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
+        """A 16-bit weight [out, in] as the kernels' F16 or BF16 rows: its own bytes, not a copy."""
+        type_name = {torch.float16: "F16", torch.bfloat16: "BF16"}[weight.dtype]
+        blocks = weight.detach().contiguous().view(torch.uint8)
+        return cls(kernels, blocks, type_name, weight.shape[1], bias, weight.dtype)
+
     @property
     def label(self) -> str:
         return self.type_name

@@ -55,17 +55,17 @@ class CpuKernels:
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_name: str, rows: int) -> torch.Tensor:
         """x [m, k] (contiguous) times the matrix whose `rows` rows `blocks` holds in `type_name`,
-        transposed: [m, rows], in x's dtype where it is fp32 or bf16 (read and written as they
-        are), else in fp32."""
+        transposed: [m, rows], in x's dtype where it is fp32, bf16 or fp16 (read and written as
+        they are), else in fp32."""
         import torch
 
-        if x.dtype not in (torch.float32, torch.bfloat16):
+        if dtype_code(x.dtype) is None:
             x = x.float()
-        bf16 = int(x.dtype == torch.bfloat16)
+        code = dtype_code(x.dtype)
         m, k = x.shape
         y = torch.empty((m, rows), dtype=x.dtype)
         done = self.library.llmcli_matmul(
-            TYPE_IDS[type_name], blocks.data_ptr(), rows, k, x.data_ptr(), bf16, m, y.data_ptr(), bf16,
+            TYPE_IDS[type_name], blocks.data_ptr(), rows, k, x.data_ptr(), code, m, y.data_ptr(), code,
             torch.get_num_threads(),
         )  # fmt: skip
         if done != 0:
@@ -84,6 +84,13 @@ class CpuKernels:
         return out
 
 
+def dtype_code(dtype: torch.dtype) -> int | None:
+    """src/csrc/llmcli_cpu.h's code for a dtype rows may come in and go out in; None for others."""
+    import torch
+
+    return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype)
+
+
 def _library_path(level: str) -> Path | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = _PACKAGE / f"_cpu_{level}{suffix}"
@@ -96,7 +103,7 @@ def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     c_int, c_int64, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     signatures = {
-        # type, weights, n, k, x, x in bf16, m, y, y in bf16, threads
+        # type, weights, n, k, x, x's dtype, m, y, y's dtype, threads
         "llmcli_matmul": [
             c_int,
             c_void_p,

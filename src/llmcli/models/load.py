@@ -113,6 +113,8 @@ def load_model(
         kernels = _block_kernels(settings, plan, exact)
         quant = _quantized(built.model, plan.native_quant, plan.group, exact, kernels)
         quant_backend = "native"
+    elif (kernels := _float_block_kernels(checkpoint, settings, plan)) is not None:
+        quant = _quantized(built.model, "blocks", None, None, kernels)
     if isinstance(choice, NativeChoice):
         build_native.after_quantize(built, choice, plan, checkpoint.name)
     model, tokenizer = built.model, built.tokenizer
@@ -186,6 +188,19 @@ def _block_kernels(settings: LoadSettings, plan: LoadPlan, exact: ExactCodes | N
     """llmcli's compiled kernels, where they multiply a GGUF file's layers in its own blocks: on
     a CPU, for --quant auto (int4 or int8 named asks for llmcli's requantized layers)."""
     if exact is None or plan.device.type != "cpu" or settings.quant != "auto":
+        return None
+    from llmcli.models.cpu_kernels import kernels
+
+    return kernels()
+
+
+def _float_block_kernels(checkpoint: Checkpoint, settings: LoadSettings, plan: LoadPlan) -> CpuKernels | None:
+    """llmcli's compiled kernels, where they multiply a 16-bit GGUF file's layers on the weights'
+    own bytes: on a CPU that holds them in the file's width (fp16, bf16), for --quant auto."""
+    from llmcli.models.load_plan import block_types
+
+    wanted = {torch.float16: "F16", torch.bfloat16: "BF16"}.get(plan.dtype)
+    if wanted is None or wanted not in block_types(checkpoint, settings.quant, plan.device.type):
         return None
     from llmcli.models.cpu_kernels import kernels
 

@@ -278,6 +278,8 @@ def quantize_model(
     file's layers of more than 4 bits; their fused siblings are not fused with them).
     `kernels`: llmcli's compiled CPU kernels, which multiply a GGUF file's layers in their own
     blocks (block_linear.py) wherever they have the layer's type; the other layers as above.
+    `kind` "blocks": a model of fp16 or bf16 weights (a 16-bit GGUF file's) keeps them, each
+    linear layer multiplied by the kernels on its own bytes (stacked experts stay as they are).
     Returns the label."""
     from llmcli.models.tensor_file import is_stand_in
 
@@ -292,6 +294,8 @@ def quantize_model(
     def quantized(
         names: list[str], weight: torch.Tensor, bias: torch.Tensor | None, is_head: bool
     ) -> QuantizedLinear:
+        if kind == "blocks":  # a 16-bit model's own weights are the kernels' F16/BF16 rows
+            return _counted(BlockLinear.of_weight(kernels, weight, bias))
         if kernels is not None and exact is not None:
             kept = _file_blocks(kernels, exact, names, weight, bias)
             if kept is not None:
@@ -353,7 +357,7 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, quantized([name], linear.weight, linear.bias, is_head=linear is head))
-    for experts in stacked_experts(model):
+    for experts in stacked_experts(model) if kind != "blocks" else ():
         kinds |= quantize_experts(experts, kind, group)
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own (int8) matrix now

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from llmcli.engine.native.layers import FeedForward, RMSNorm, identity
 from llmcli.errors import UsageError
 from llmcli.models.block_linear import BlockLinear
-from llmcli.models.cpu_kernels import TYPE_IDS, CpuKernels
+from llmcli.models.cpu_kernels import TYPE_IDS, CpuKernels, dtype_code
 
 if TYPE_CHECKING:
     from llmcli.engine.native.attention import Attention
@@ -83,7 +83,7 @@ class CompiledLayer:
         self._attention_in = library.llmcli_layer_attention_in
         self._feed_forward = library.llmcli_layer_feed_forward
         c_int, layer = ctypes.c_int, ctypes.POINTER(_LayerWeights)
-        # layer, h, rows, cos, sin, rope in bf16, q, k, v, q/k/v in bf16, threads
+        # layer, h, rows, cos, sin, their dtype, q, k, v, their dtype, threads (dtypes: dtype_code)
         self._attention_in.argtypes = [
             layer,
             _POINTER,
@@ -95,7 +95,7 @@ class CompiledLayer:
             c_int,
             c_int,
         ]
-        # layer, h, rows, attention's output, it in bf16, h out, threads
+        # layer, h, rows, attention's output, its dtype, h out, threads
         self._feed_forward.argtypes = [layer, _POINTER, _INT64, _POINTER, c_int, _POINTER, c_int]
         self._attention_in.restype = self._feed_forward.restype = c_int
 
@@ -167,19 +167,23 @@ class CompiledLayer:
         q = torch.empty((rows, shape.heads, d), dtype=dtype)
         k = torch.empty((rows, shape.kv_heads, d), dtype=dtype)
         v = torch.empty((rows, shape.kv_heads, d), dtype=dtype)
-        bf16 = int(dtype == torch.bfloat16)
-        rope_bf16 = int(cos.dtype == torch.bfloat16)
+        code = dtype_code(dtype)
         self._attention_in(
-            self._reference, h.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), rope_bf16,
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, threads,
+            self._reference, h.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), dtype_code(cos.dtype),
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), code, threads,
         )  # fmt: skip
         attended = plan.attend(
             attention, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         ).contiguous()
         out = torch.empty_like(h)
-        a_bf16 = int(attended.dtype == torch.bfloat16)
         self._feed_forward(
-            self._reference, h.data_ptr(), rows, attended.data_ptr(), a_bf16, out.data_ptr(), threads
+            self._reference,
+            h.data_ptr(),
+            rows,
+            attended.data_ptr(),
+            dtype_code(attended.dtype),
+            out.data_ptr(),
+            threads,
         )
         return out
 
@@ -187,6 +191,6 @@ class CompiledLayer:
         """Whether this pass's tensors are the layouts the C code reads."""
         return (
             h.dtype == torch.float32 and h.dim() == 2 and h.is_contiguous() and cos.is_contiguous()
-            and cos.dtype in (torch.float32, torch.bfloat16) and cos.shape[0] == h.shape[0]
-            and self.dtype in (torch.float32, torch.bfloat16)
+            and dtype_code(cos.dtype) is not None and cos.shape[0] == h.shape[0]
+            and dtype_code(self.dtype) is not None
         )  # fmt: skip
