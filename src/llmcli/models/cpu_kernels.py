@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,11 +80,10 @@ class CpuKernels:
 
 
 def _library_path(level: str) -> Path | None:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = _PACKAGE / f"_cpu_{level}{suffix}"
-        if path.is_file():
-            return path
-    return None
+    # The name setup.py gives each level: no Python tag, one file for every Python version (and
+    # a library left by an older build under a tagged name is never loaded in its stead).
+    path = _PACKAGE / f"_cpu_{level}.so"
+    return path if path.is_file() else None
 
 
 def _open(path: Path) -> ctypes.CDLL:
