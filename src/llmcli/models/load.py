@@ -14,7 +14,7 @@ import torch
 
 from llmcli.config.settings import LoadSettings
 from llmcli.errors import LlmcliError, MemoryShortage, UsageError
-from llmcli.models import build_native, build_transformers
+from llmcli.models import build_native, build_transformers, cpu_kernels
 from llmcli.models.build_native import NativeChoice, Refusal
 from llmcli.models.build_transformers import lacks_sdpa
 from llmcli.models.checkpoint import Checkpoint
@@ -113,7 +113,8 @@ def load_model(
     if isinstance(choice, NativeChoice):
         build_native.after_quantize(built, choice, plan, checkpoint.name)
     model, tokenizer = built.model, built.tokenizer
-    notes = [note for note in (built.fallback_note, plan.context_note, *built.notes) if note]
+    kernels_note = cpu_kernels.load_note(plan.device, checkpoint.source == "gguf")
+    notes = [note for note in (built.fallback_note, plan.context_note, *built.notes, kernels_note) if note]
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
