@@ -19,6 +19,7 @@ from llmcli.models.build_native import NativeChoice, Refusal
 from llmcli.models.build_transformers import lacks_sdpa
 from llmcli.models.checkpoint import Checkpoint
 from llmcli.models.device import DTYPE_NAMES, choose_device, configure_cpu_threads
+from llmcli.models.gguf_finite import check_finite
 from llmcli.models.lean_config import DamagedCheckpoint, LeanUnsupported
 from llmcli.models.libraries import quiet_libraries
 from llmcli.models.load_plan import LoadPlan, estimate_mode, plan_dtype, plan_load, plan_quantization
@@ -99,6 +100,8 @@ def load_model(
     and transformers' builder builds with the same plan. `mtp`: the native builder reads the
     checkpoint's MTP module too (--speculative mtp)."""
     plan = plan_load(checkpoint, settings)
+    if checkpoint.read_in_place:  # a NaN or Inf scale named before any weight is used
+        check_finite(checkpoint.gguf_table)
     generation_config = checkpoint.generation_config  # checked before either builder reads the folder
     choice = build_native.choose(checkpoint, plan, settings) if lean else Refusal()
     from_blocks = plan.native_quant is not None and checkpoint.source == "gguf"
