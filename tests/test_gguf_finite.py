@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gguf_fixtures_dir import FIXTURES, MISSING
 from llmcli.errors import ModelLoadError
 from llmcli.models.gguf_finite import BLOCK_SCALES, FLOATS, check_finite
 from llmcli.models.gguf_table import TableEntry, read_table
@@ -18,8 +19,7 @@ from llmcli.models.gguf_table import TableEntry, read_table
 from cli_helpers import one_error_line, run_cli
 
 gguf = pytest.importorskip("gguf")
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures"
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="no GGUF fixtures here")
+pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=MISSING)
 FILES = sorted(FIXTURES.glob("fixture-*.gguf")) if FIXTURES.is_dir() else []
 NAN = {2: b"\x00\x7e", 4: b"\x00\x00\xc0\x7f", 1: b"\xff"}  # fp16 / fp32 NaN, E8M0's NaN
 INF = {2: b"\x00\x7c", 4: b"\x00\x00\x80\x7f"}
