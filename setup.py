@@ -20,8 +20,12 @@ import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
-from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1, met where build isolation is off: wheel's own
+    from wheel.bdist_wheel import bdist_wheel
 
 SOURCES = sorted(str(path) for path in Path("src/csrc").glob("*.c"))
 COMMON = ["-O3", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-fno-math-errno"]
