@@ -13,6 +13,7 @@ import pytest
 
 from gguf_fixtures_dir import FIXTURES, MISSING
 from llmcli.errors import ModelLoadError
+from llmcli.models import gguf_finite
 from llmcli.models.gguf_finite import BLOCK_SCALES, FLOATS, check_finite
 from llmcli.models.gguf_table import TableEntry, read_table
 
@@ -82,8 +83,14 @@ def test_a_nan_scale_is_named_with_its_tensor_and_block(
         check_finite(read_table(copy))
 
 
+@pytest.mark.parametrize("chunk", [None, 3])
 @pytest.mark.parametrize("type_name", [name for name in FLOATS if name in TYPES])
-def test_an_inf_value_of_a_float_tensor_is_named(tmp_path: Path, type_name: str) -> None:
+def test_an_inf_value_of_a_float_tensor_is_named(
+    tmp_path: Path, type_name: str, chunk: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`chunk`: values read a few at a time, so that the one found is past the first chunk."""
+    if chunk is not None:
+        monkeypatch.setattr(gguf_finite, "_CHUNK", chunk)
     size = 4 if type_name == "F32" else 2
     inf = INF[4][2:] if type_name == "BF16" else INF[size]  # bf16 is fp32's upper half
     copy, entry = _damaged(tmp_path, type_name, 7 * size, inf)
