@@ -4,7 +4,9 @@ The same sources are compiled once per instruction-set level — portable (the b
 architecture: SSE2 on x86-64, NEON on arm64), AVX2 + FMA, and AVX-512 with VNNI and BF16 — and
 llmcli loads the best one the running CPU can execute (models/cpu_kernels.py): one build for every
 CPU of an architecture, never -march=native. Each library is plain C called through ctypes on
-tensors' data pointers: nothing links against Python's or torch's C API, so any torch works.
+tensors' data pointers: nothing links against Python's or torch's C API, so any torch works — and
+any Python: the libraries are named without a Python tag (`_cpu_avx2.so`) and the wheel is tagged
+py3-none-<platform>, one wheel per platform for every Python llmcli supports.
 
 Every extension is optional: where no compiler is found, or one level does not compile, pip still
 installs llmcli, which runs those products on torch and says so (`llmcli bench --json`).
@@ -18,6 +20,12 @@ import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1, met where build isolation is off: wheel's own
+    from wheel.bdist_wheel import bdist_wheel
 
 SOURCES = sorted(str(path) for path in Path("src/csrc").glob("*.c"))
 COMMON = ["-O3", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-fno-math-errno"]
@@ -29,7 +37,7 @@ def kernels(level: str, flags: list[str]) -> Extension:
     return Extension(
         f"llmcli._cpu_{level}",
         sources=SOURCES,
-        depends=["src/csrc/llmcli_cpu.h"],
+        depends=sorted(str(path) for path in Path("src/csrc").glob("*.h")),
         extra_compile_args=[*COMMON, *flags],
         extra_link_args=["-pthread"],
         optional=True,  # a failed build leaves llmcli on its torch path, never uninstallable
@@ -46,4 +54,21 @@ def extensions() -> list[Extension]:
     return levels
 
 
-setup(ext_modules=extensions())
+class SharedLibraries(build_ext):
+    """Each level as `llmcli/_cpu_<level>.so`, without Python's ABI tag: ctypes loads it, so one
+    file serves every Python version (cpu_kernels.py looks for exactly this name)."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        return str(Path(*fullname.split("."))) + ".so"
+
+
+class AnyPythonWheel(bdist_wheel):
+    """py3-none-<platform>: the libraries hold machine code for a platform but nothing of
+    CPython's ABI, so the wheel claims the platform only."""
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _python, _abi, platform_tag = super().get_tag()
+        return "py3", "none", platform_tag
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": SharedLibraries, "bdist_wheel": AnyPythonWheel})

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from llmcli.models import cpu_kernels
+
 from cli_helpers import run_cli
 
 REPORT_FIELDS = (
@@ -40,6 +42,7 @@ REPORT_FIELDS = (
     "context_fill",
     "decode_tok_s_at_fill",
     "transformers_model",
+    "cpu_kernels",
 )
 # 24 new tokens: decode speed is T(24) - T(1), which must stay well above the noise of a busy machine.
 QUICK = ["--runs", "3", "-n", "24", "--prompt-lengths", "16,32", "--device", "cpu"]
@@ -86,6 +89,7 @@ def test_bench_on_random_weights_reports_every_field(tiny_llama: Path, engine: s
         assert report[name] > 0, name
     assert report["itl_p99_ms"] >= report["itl_p50_ms"] > 0
     assert report["model"].endswith("(random weights)")
+    assert report["cpu_kernels"] == cpu_kernels.which()  # on the CPU: which kernels multiply
     assert report["transformers_model"] is True  # model.generate timed: transformers' model loaded
 
 
@@ -103,6 +107,7 @@ def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
         "model.generate",
         "ceiling (the linear layers alone",
         "engine native",
+        f"CPU kernels {cpu_kernels.which()} · ",
         "median (lowest–highest) of 3 runs",
     ):
         assert row in out

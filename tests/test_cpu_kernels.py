@@ -4,7 +4,9 @@ reference in float64 on the same quantized activations, on every level this CPU 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +17,11 @@ import torch
 
 from llmcli.models import cpu_kernels
 
+from cli_helpers import one_error_line, run_cli
+
 gguf = pytest.importorskip("gguf")
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "gguf-fixtures"
+PACKAGE = Path(cpu_kernels.__file__).resolve().parents[1]
 LEVELS = [level for level in cpu_kernels.built_levels() if cpu_kernels.runs_here(level)]
 pytestmark = pytest.mark.skipif(not LEVELS, reason="llmcli was built without its compiled kernels")
 
@@ -138,3 +143,62 @@ def test_a_level_is_chosen_by_name_or_turned_off() -> None:
         assert _which(level).stdout.strip() == f"llmcli {level}"
     wrong = _which("sse9")
     assert wrong.returncode != 0 and "not a kernel level" in wrong.stderr
+
+
+def test_a_bad_choice_at_the_command_line_is_one_line_before_any_model_is_looked_for() -> None:
+    line = one_error_line(
+        run_cli("generate", "-m", "/nonexistent/model", "hi", env={cpu_kernels.ENV: "sse9"}), 2
+    )
+    assert f"{cpu_kernels.ENV}=sse9 is not a kernel level" in line
+
+
+def _installation_without(tmp_path: Path, libraries: str) -> dict[str, str]:
+    """An environment whose llmcli is a copy of this one less the libraries matching `libraries`:
+    an installation built where some level (or every one) did not compile."""
+    shutil.copytree(PACKAGE, tmp_path / "llmcli", ignore=shutil.ignore_patterns("__pycache__", libraries))
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def test_a_level_this_installation_lacks_is_refused_in_one_line(tmp_path: Path) -> None:
+    if "avx512" not in cpu_kernels.built_levels():
+        pytest.skip("this installation holds no avx512 kernels to take away")
+    env = {**_installation_without(tmp_path, "_cpu_avx512.*"), cpu_kernels.ENV: "avx512"}
+    line = one_error_line(run_cli("generate", "-m", "/nonexistent/model", "hi", env=env), 2)
+    built = ", ".join(level for level in cpu_kernels.built_levels() if level != "avx512")
+    assert line.endswith(
+        f"{cpu_kernels.ENV}=avx512: this installation has no avx512 kernels (built: {built})"
+    )
+
+
+@pytest.mark.parametrize("level", [level for level in cpu_kernels.LEVELS if level != "portable"])
+def test_a_level_this_cpu_cannot_run_is_refused_never_run(level: str) -> None:
+    """Where the CPU lacks what a level was compiled for (as the portable build reads the CPU),
+    forcing it is one line naming what is missing — never an illegal instruction."""
+    if level not in cpu_kernels.built_levels() or cpu_kernels.runs_here(level):
+        pytest.skip(f"this CPU runs the {level} kernels (or none were built)")
+    line = one_error_line(
+        run_cli("generate", "-m", "/nonexistent/model", "hi", env={cpu_kernels.ENV: level}), 2
+    )
+    lacking = ", ".join(cpu_kernels.missing_features(level))
+    assert lacking and line.endswith(
+        f"{cpu_kernels.ENV}={level}: this CPU cannot run them (it lacks {lacking})"
+    )
+    assert _which("auto").stdout.strip() != f"llmcli {level}"
+
+
+def _generate_json(model: Path, env: dict[str, str]) -> tuple[dict[str, object], str]:
+    proc = run_cli("generate", "-m", str(model), "--device", "cpu", "-n", "1", "--json", "hi", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout), proc.stderr.decode()
+
+
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason="no GGUF fixtures here")
+def test_json_names_the_kernels_and_a_build_without_them_says_so_once(tmp_path: Path) -> None:
+    model = FIXTURES / "fixture-Q4_0.gguf"
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    record, err = _generate_json(model, cache)
+    assert record["cpu_kernels"] == f"llmcli {LEVELS[0]}" and "compiled" not in err
+    bare = {**cache, **_installation_without(tmp_path / "bare", "_cpu_*")}
+    record, err = _generate_json(model, bare)
+    assert str(record["cpu_kernels"]).startswith("torch (llmcli was installed without its compiled kernels")
+    assert err.count("installed without its compiled CPU kernels") == 1, err

@@ -919,10 +919,11 @@ def test_an_architecture_transformers_has_no_mapping_for_is_named_in_one_line(
 def test_a_model_that_computes_nan_stops_with_one_line_not_an_empty_reply(
     sampling: list[str], tmp_path: Path
 ) -> None:
-    """A NaN in a norm makes every score NaN: greedy decoding picked token 0 at every step (an
-    empty reply, exit 0), sampling failed inside torch ("unexpected"). The first step's scores
-    are checked: one line saying what the model computed."""
-    norm = np.full(256, np.nan, dtype=np.float32)
+    """A norm whose weights overflow fp32 makes every score NaN: greedy decoding picked token 0 at
+    every step (an empty reply, exit 0), sampling failed inside torch ("unexpected"). The first
+    step's scores are checked: one line saying what the model computed. (Finite weights: a NaN
+    stored in the file is named at load, tests/test_gguf_finite.py.)"""
+    norm = np.full(256, 3e38, dtype=np.float32)
     damaged = rewrite_gguf(
         fixture("F16"), tmp_path / "nan.gguf", keep=lambda name: name != "output_norm.weight",
         add={"output_norm.weight": norm},

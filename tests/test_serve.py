@@ -23,6 +23,7 @@ from llmcli.engine.conversation import build_messages, prompt_ids
 from llmcli.engine.loop import Engine
 from llmcli.frontends.chat_session import TurnReport
 from llmcli.frontends.target import Outcome
+from llmcli.models import cpu_kernels
 from llmcli.models.load import load_model
 from llmcli.models.resolve import ResolvedModel, demo_gguf_path
 
@@ -214,6 +215,7 @@ def test_generate_format_through_the_server(server: Server, tiny_llama: Path) ->
     assert proc.returncode == 0, proc.stderr.decode()
     record = json.loads(proc.stdout)
     assert record["server"] and record["value"] in ("yes", "no")
+    assert record["cpu_kernels"] == cpu_kernels.which()  # the server's load facts, as in-process
     cut = run_cli(*args, "--format", "json", "-n", "1", "--seed", "2", "-t", "1", "Anything", env=env)
     assert cut.returncode == 1 and "not a complete JSON value" in cut.stderr.decode()
 

@@ -27,6 +27,7 @@ import torch
 
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.loop import Engine
+from llmcli.models.cpu_kernels import which_on
 from llmcli.models.load import LoadedModel
 
 
@@ -36,6 +37,7 @@ class BenchReport:
     device: str
     dtype: str
     quant: str
+    cpu_kernels: str | None  # what multiplies a GGUF file's blocks on the CPU (None elsewhere)
     engine: str  # the backend that ran llmcli's loop: native or transformers
     graphs: bool  # decode replayed as CUDA graphs
     weight_bytes: int
@@ -273,6 +275,7 @@ def run_bench(
         device=str(device),
         dtype=loaded.dtype_name,
         quant=loaded.quant,
+        cpu_kernels=which_on(device),
         engine=engine.name,
         graphs=engine.backend.captures_graphs,
         weight_bytes=loaded.weight_bytes,

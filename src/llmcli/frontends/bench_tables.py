@@ -66,8 +66,9 @@ def render_table(report: BenchReport) -> str:
         ),
         ("peak memory", format_bytes(report.peak_memory_bytes), "", ""),
     ]
+    kernels = f"CPU kernels {report.cpu_kernels} · " if report.cpu_kernels else ""
     head = (
-        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
+        f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · {kernels}"
         f"engine {report.engine}{' with CUDA graphs' if report.graphs else ''} · "
         f"weights {format_bytes(report.weight_bytes)}{_whose(report)} · "
         f"bandwidth {report.bandwidth_gb_s:.1f} GB/s (measured) · "

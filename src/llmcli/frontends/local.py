@@ -18,6 +18,7 @@ from llmcli.errors import LlmcliError, UsageError
 from llmcli.frontends import terminal
 from llmcli.frontends.loading import engine_with_feedback, speculation_with_feedback
 from llmcli.frontends.target import Ask, Outcome
+from llmcli.models.cpu_kernels import which_on
 
 if TYPE_CHECKING:
     from llmcli.engine.image_rows import ImageTable
@@ -74,6 +75,7 @@ class InProcessTarget:
             "dtype": loaded.dtype_name,
             "quant": loaded.quant,
             "quant_backend": loaded.quant_backend,
+            "cpu_kernels": which_on(loaded.device),
             "engine": self.engine_name,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,

@@ -42,6 +42,7 @@ LOAD_FACTS = (
     "dtype",
     "quant",
     "quant_backend",
+    "cpu_kernels",
     "engine",
     "kv_bytes_per_token",
     "context_length",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,11 +91,10 @@ def dtype_code(dtype: torch.dtype) -> int | None:
 
 
 def _library_path(level: str) -> Path | None:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = _PACKAGE / f"_cpu_{level}{suffix}"
-        if path.is_file():
-            return path
-    return None
+    # The name setup.py gives each level: no Python tag, one file for every Python version (and
+    # a library left by an older build under a tagged name is never loaded in its stead).
+    path = _PACKAGE / f"_cpu_{level}.so"
+    return path if path.is_file() else None
 
 
 def _open(path: Path) -> ctypes.CDLL:
@@ -156,6 +154,12 @@ def missing_features(level: str) -> list[str]:
     return [name for bit, name in _FEATURE_NAMES.items() if _NEEDS[level] & bit and not bits & bit]
 
 
+def check_choice() -> None:
+    """LLMCLI_CPU_KERNELS checked before a model is looked for: a name that is no level, or a
+    level this installation lacks or this CPU cannot run, is refused in one line (UsageError)."""
+    kernels()
+
+
 def _asked() -> str:
     asked = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if asked not in ("auto", "off", *LEVELS):
@@ -203,3 +207,24 @@ def which() -> str:
     if not built_levels():
         return "torch (llmcli was installed without its compiled kernels: no C compiler was found)"
     return "torch (this CPU runs none of the compiled kernels)"
+
+
+def which_on(device: torch.device) -> str | None:
+    """which() where the model runs on the CPU; None elsewhere: these are CPU kernels."""
+    return which() if device.type == "cpu" else None
+
+
+_torch_noted = False
+
+
+def load_note(device: torch.device, gguf: bool) -> str | None:
+    """Said once per process, where a GGUF file loads on the CPU of an installation built without
+    the kernels: its products run on torch, slower, and the user can change that."""
+    global _torch_noted
+    if _torch_noted or not gguf or device.type != "cpu" or built_levels():
+        return None
+    _torch_noted = True
+    return (
+        "llmcli was installed without its compiled CPU kernels (no C compiler was found): this GGUF "
+        "file's products run on torch, slower — reinstall with a C compiler, or from a wheel"
+    )

@@ -14,11 +14,12 @@ import torch
 
 from llmcli.config.settings import LoadSettings
 from llmcli.errors import LlmcliError, MemoryShortage, UsageError
-from llmcli.models import build_native, build_transformers
+from llmcli.models import build_native, build_transformers, cpu_kernels
 from llmcli.models.build_native import NativeChoice, Refusal
 from llmcli.models.build_transformers import lacks_sdpa
 from llmcli.models.checkpoint import Checkpoint
 from llmcli.models.device import DTYPE_NAMES, choose_device, configure_cpu_threads
+from llmcli.models.gguf_finite import check_finite
 from llmcli.models.lean_config import DamagedCheckpoint, LeanUnsupported
 from llmcli.models.libraries import quiet_libraries
 from llmcli.models.load_plan import LoadPlan, estimate_mode, plan_dtype, plan_load, plan_quantization
@@ -100,6 +101,8 @@ def load_model(
     and transformers' builder builds with the same plan. `mtp`: the native builder reads the
     checkpoint's MTP module too (--speculative mtp)."""
     plan = plan_load(checkpoint, settings)
+    if checkpoint.read_in_place:  # a NaN or Inf scale named before any weight is used
+        check_finite(checkpoint.gguf_table)
     generation_config = checkpoint.generation_config  # checked before either builder reads the folder
     choice = build_native.choose(checkpoint, plan, settings) if lean else Refusal()
     from_blocks = plan.native_quant is not None and checkpoint.source == "gguf"
@@ -118,7 +121,8 @@ def load_model(
     if isinstance(choice, NativeChoice):
         build_native.after_quantize(built, choice, plan, checkpoint.name)
     model, tokenizer = built.model, built.tokenizer
-    notes = [note for note in (built.fallback_note, plan.context_note, *built.notes) if note]
+    kernels_note = cpu_kernels.load_note(plan.device, checkpoint.source == "gguf")
+    notes = [note for note in (built.fallback_note, plan.context_note, *built.notes, kernels_note) if note]
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

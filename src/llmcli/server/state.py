@@ -12,6 +12,7 @@ from typing import Any
 
 from llmcli.engine.scheduler import ComputeThread, Slots
 from llmcli.errors import KVMemoryFull, LlmcliError
+from llmcli.models.cpu_kernels import which_on
 from llmcli.server.metrics import Metrics
 
 
@@ -104,6 +105,7 @@ class Served:
             "dtype": loaded.dtype_name,
             "quant": loaded.quant,
             "quant_backend": loaded.quant_backend,
+            "cpu_kernels": which_on(loaded.device),
             "engine": self.engine.name,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
