@@ -60,12 +60,14 @@ def timed_us(fn: Callable[[], object], runs: int) -> tuple[float, float]:
     start = time.perf_counter()
     fn()
     calls = max(1, int(0.04 / max(time.perf_counter() - start, 1e-7)))
-    times = []
-    for _ in range(runs):
+
+    def one_run() -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
+        return (time.perf_counter() - start) / calls * 1e6
+
+    times = [one_run() for _ in range(runs)]
     return statistics.median(times), (max(times) - min(times)) / 2
 
 

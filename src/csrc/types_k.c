@@ -215,10 +215,23 @@ static inline __m256i q6_offset_256(const int8_t *scales, const int16_t *bsums) 
     return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 5));
 }
 
-/* Per super-block of Q4_K/Q5_K: the minimums' share, d·dmin·Σ min_j·Σa_j, into four lanes. */
-static inline __m128 k4_mins(const uint8_t mins[8], const block_q8_K *a, uint16_t dmin, __m128 acc) {
-    const __m128 scale = _mm_set1_ps(a->d * half_to_float(dmin));
+/* Per super-block w of Q4_K/Q5_K: its scales unpacked, and the minimums' share,
+ * d·dmin·Σ min_j·Σa_j, added into four lanes of acc. */
+static inline __m128 k4_scales_and_mins(const uint8_t *w, const block_q8_K *a, uint8_t scales[8], __m128 acc) {
+    uint8_t mins[8];
+    scales_mins_k4(w + 4, scales, mins);
+    const __m128 scale = _mm_set1_ps(a->d * half_to_float(((const uint16_t *)w)[1]));
     return _mm_fmadd_ps(scale, _mm_cvtepi32_ps(mins_dot_bsums_128(mins, a->bsums)), acc);
+}
+
+/* What a Q4_K/Q5_K super-block's integer sum is multiplied by: its d and the activation's. */
+static inline float k4_scale(const uint8_t *w, const block_q8_K *a) {
+    return a->d * half_to_float(*(const uint16_t *)w);
+}
+
+/* Q5_K's 32 bytes of fifth bits (qh_at 0: Q4_K has none). */
+static inline __m256i fifth_bits(const uint8_t *w, int qh_at) {
+    return qh_at ? LOAD256(w + qh_at) : _mm256_setzero_si256();
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
@@ -242,12 +255,10 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
     __m512 acc = _mm512_setzero_ps();
     __m128 acc_mins = _mm_setzero_ps();
     for (int64_t i = 0; i < k / QK_K; i++, w += block_bytes) {
-        const uint16_t *d = (const uint16_t *)w;
-        uint8_t scales[8], mins[8];
-        scales_mins_k4(w + 4, scales, mins);
-        acc_mins = k4_mins(mins, &a[i], d[1], acc_mins);
+        uint8_t scales[8];
+        acc_mins = k4_scales_and_mins(w, &a[i], scales, acc_mins);
         const __m512i scales16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(LOAD64(scales)));
-        __m256i high = qh_at ? LOAD256(w + qh_at) : _mm256_setzero_si256();
+        __m256i high = fifth_bits(w, qh_at);
         __m512i sumi = _mm512_setzero_si512();
         for (int j = 0; j < QK_K / 64; j++) {
             const __m256i q = LOAD256(w + qs_at + 32 * j);
@@ -260,7 +271,7 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
             const __m512i p = _mm512_maddubs_epi16(values, LOAD512(a[i].qs + 64 * j));
             sumi = _mm512_dpwssd_epi32(sumi, p, _mm512_permutexvar_epi16(pair_index[j], scales16));
         }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(a[i].d * half_to_float(d[0])), _mm512_cvtepi32_ps(sumi), acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(k4_scale(w, &a[i])), _mm512_cvtepi32_ps(sumi), acc);
     }
     return _mm512_reduce_add_ps(acc) - hsum_ps_128(acc_mins);
 }
@@ -322,13 +333,10 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_mins = _mm_setzero_ps();
     for (int64_t i = 0; i < k / QK_K; i++, w += block_bytes) {
-        const uint16_t *d = (const uint16_t *)w;
-        uint8_t scales[8], mins[8];
-        scales_mins_k4(w + 4, scales, mins);
-        acc_mins = k4_mins(mins, &a[i], d[1], acc_mins);
+        uint8_t scales[8];
+        acc_mins = k4_scales_and_mins(w, &a[i], scales, acc_mins);
+        __m256i sumi = _mm256_setzero_si256(), high = fifth_bits(w, qh_at);
         const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(LOAD64(scales)));
-        __m256i high = qh_at ? LOAD256(w + qh_at) : _mm256_setzero_si256();
-        __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < QK_K / 64; j++) {
             const __m256i q = LOAD256(w + qs_at + 32 * j);
             __m256i lo = _mm256_and_si256(q, nibble);
@@ -345,7 +353,7 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_lo, scale_lo));
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p_hi, scale_hi));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * half_to_float(d[0])), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(k4_scale(w, &a[i])), _mm256_cvtepi32_ps(sumi), acc);
     }
     return hsum_ps_256(acc) - hsum_ps_128(acc_mins);
 }
