@@ -283,7 +283,7 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
 static float dot_q6_K(int64_t k, const void *w_row, const void *act_row) {
     const block_q6_K *w = w_row;
     const block_q8_K *a = act_row;
-    const __m512i nibble = _mm512_set1_epi8(0x0F), two_bits = _mm512_set1_epi8(3);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bits_4_5 = _mm512_set1_epi8(0x30);
     /* 16-bit lanes: scales 4g .. 4g+3, eight lanes (16 elements) each */
     const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
                                           13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -299,11 +299,10 @@ static float dot_q6_K(int64_t k, const void *w_row, const void *act_row) {
             const __m512i ql = LOAD512(w[i].ql + 64 * half);
             const __m256i qh = LOAD256(w[i].qh + 32 * half);
             const __m512i h = join_256(qh, _mm256_srli_epi16(qh, 2));
-            const __m512i h_first = _mm512_and_si512(h, two_bits);
-            const __m512i h_second = _mm512_and_si512(_mm512_srli_epi16(h, 4), two_bits);
-            const __m512i first = _mm512_or_si512(_mm512_and_si512(ql, nibble), _mm512_slli_epi16(h_first, 4));
-            const __m512i second =
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), _mm512_slli_epi16(h_second, 4));
+            const __m512i h_first = _mm512_and_si512(_mm512_slli_epi16(h, 4), bits_4_5);
+            const __m512i h_second = _mm512_and_si512(h, bits_4_5);
+            const __m512i first = _mm512_or_si512(_mm512_and_si512(ql, nibble), h_first);
+            const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), h_second);
             const int8_t *x = a[i].qs + 128 * half;
             sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(first, LOAD512(x)),
                                        _mm512_permutexvar_epi16(quad_index[2 * half], scales16));
@@ -361,12 +360,14 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
     return hsum_ps_256(acc) - hsum_ps_128(acc_mins);
 }
 
-/* 0..63 from four bits of `low` (shifted right by `nibble_shift`) and two of `high` (by
- * `pair_shift`). */
-static inline __m256i six_bits(__m256i low, int nibble_shift, __m256i high, int pair_shift) {
-    const __m256i l = _mm256_and_si256(_mm256_srli_epi16(low, nibble_shift), _mm256_set1_epi8(0x0F));
-    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(high, pair_shift), _mm256_set1_epi8(3));
-    return _mm256_or_si256(l, _mm256_slli_epi16(h, 4));
+/* 0..63 from four bits of `low` (the low nibble, or the high one where `high_nibble`) and the two
+ * bits of `high` at bit `pair_at`, moved to bits 4-5 in place (one shift, one mask). */
+static inline __m256i six_bits(__m256i low, int high_nibble, __m256i high, int pair_at) {
+    const __m256i l = _mm256_and_si256(high_nibble ? _mm256_srli_epi16(low, 4) : low, _mm256_set1_epi8(0x0F));
+    const __m256i h = pair_at < 4   ? _mm256_slli_epi16(high, 4 - pair_at)
+                      : pair_at > 4 ? _mm256_srli_epi16(high, pair_at - 4)
+                                    : high;
+    return _mm256_or_si256(l, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
 }
 
 /* Q6_K: values 0..63 against the activations, less 32·Σ scale_j·bsums_j. */
@@ -379,8 +380,8 @@ static float dot_q6_K(int64_t k, const void *w_row, const void *act_row) {
         for (int half = 0; half < 2; half++) {
             const __m256i ql0 = LOAD256(w[i].ql + 64 * half), ql1 = LOAD256(w[i].ql + 64 * half + 32);
             const __m256i qh = LOAD256(w[i].qh + 32 * half);
-            const __m256i q[4] = { six_bits(ql0, 0, qh, 0), six_bits(ql1, 0, qh, 2), six_bits(ql0, 4, qh, 4),
-                                   six_bits(ql1, 4, qh, 6) };
+            const __m256i q[4] = { six_bits(ql0, 0, qh, 0), six_bits(ql1, 0, qh, 2), six_bits(ql0, 1, qh, 4),
+                                   six_bits(ql1, 1, qh, 6) };
             /* This half's eight scales in 16 bits, in both 128-bit lanes, for a shuffle to spread
              * scales 2t and 2t+1 over the two 16-element halves of step t. */
             const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(LOAD64(w[i].scales + 8 * half)));
