@@ -249,11 +249,12 @@ static inline __m512i join_256(__m256i low, __m256i high) {
 /* A Q4_K or Q5_K row (qh_at 0: Q4_K, no fifth bits). */
 static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, int qs_at, int qh_at,
                                 const block_q8_K *a) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bit_4 = _mm512_set1_epi8(0x10);
     /* Shifts by 16-bit lane: the low half of a 512-bit step takes the low nibbles (and bit 2j of
-     * qh), the high half the high nibbles (and bit 2j+1), from the same 32 bytes in both halves. */
+     * qh, moved to bit 4), the high half the high nibbles (and bit 2j+1), from the same 32 bytes in
+     * both halves. */
     const __m512i low_then_high = join_256(_mm256_setzero_si256(), _mm256_set1_epi16(4));
-    const __m512i bit_then_next = join_256(_mm256_setzero_si256(), _mm256_set1_epi16(1));
+    const __m512i to_bit_4 = join_256(_mm256_set1_epi16(4), _mm256_set1_epi16(3));
     __m512i pair_index[4]; /* 16-bit lanes: scale 2j below, 2j+1 above */
     for (int j = 0; j < 4; j++) pair_index[j] = join_256(_mm256_set1_epi16(2 * j), _mm256_set1_epi16(2 * j + 1));
     __m512 acc = _mm512_setzero_ps();
@@ -267,8 +268,7 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
             const __m512i q = _mm512_broadcast_i64x4(LOAD256(w + qs_at + 32 * j));
             __m512i values = _mm512_and_si512(_mm512_srlv_epi16(q, low_then_high), nibble);
             if (qh_at) {
-                const __m512i bits = _mm512_and_si512(_mm512_srlv_epi16(high, bit_then_next), one);
-                values = _mm512_or_si512(values, _mm512_slli_epi16(bits, 4));
+                values = _mm512_or_si512(values, _mm512_and_si512(_mm512_sllv_epi16(high, to_bit_4), bit_4));
                 high = _mm512_srli_epi16(high, 2);
             }
             const __m512i p = _mm512_maddubs_epi16(values, LOAD512(a[i].qs + 64 * j));
@@ -331,7 +331,7 @@ static inline __m256i spread_pairs(int t) {
 /* A Q4_K or Q5_K row (qh_at 0: Q4_K, no fifth bits). */
 static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, int qs_at, int qh_at,
                                 const block_q8_K *a) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), bit_4 = _mm256_set1_epi8(0x10);
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_mins = _mm_setzero_ps();
     for (int64_t i = 0; i < k / QK_K; i++, w += block_bytes) {
@@ -344,8 +344,8 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
             __m256i lo = _mm256_and_si256(q, nibble);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
             if (qh_at) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 1), one), 4));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(high, 4), bit_4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(high, 3), bit_4));
                 high = _mm256_srli_epi16(high, 2);
             }
             const __m256i p_lo = _mm256_maddubs_epi16(lo, LOAD256(a[i].qs + 64 * j));
