@@ -237,8 +237,8 @@ static inline __m256i fifth_bits(const uint8_t *w, int qh_at) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 /* AVX-512: 64 weights a step, a whole pair of Q4_K/Q5_K sub-blocks or four of Q6_K's, the
  * scales spread by one permute and applied by dpwssd. Measured on this EPYC (Zen 4, one thread,
- * 2816×1024, m = 16, best of 15): Q4_K 780 µs against AVX2's 821, Q5_K 940 against 1189, Q6_K
- * 650 against 1130. */
+ * 2816×1024, m = 16, best of 15): Q4_K 780 µs against AVX2's 821, Q5_K 890 against 1150, Q6_K
+ * 620 against 1025. */
 #define LOAD512(p) _mm512_loadu_si512((const void *)(p))
 
 /* 256 bits below, 256 above. */
