@@ -121,6 +121,17 @@ def test_bf16_rows_are_read_and_written_as_they_are(level: str) -> None:
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
+MAIN_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_level_multiplies_the_main_k_quants(level: str) -> None:
+    """Q4_K_M and Q5_K_M files are mostly these three types: a level without them would fall
+    back to torch on every such file, and the tests above would skip instead of failing."""
+    assert set(MAIN_K_QUANTS) <= _level(level).types
+    assert set(MAIN_K_QUANTS) <= set(TENSORS), "the fixtures hold a tensor of each"
+
+
 def test_each_build_was_compiled_for_no_more_than_its_level_needs() -> None:
     """The loader's table of what each level needs is what the compiler was told: a level
     whose flags grew without the table would be loaded on a CPU that lacks them."""

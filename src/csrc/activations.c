@@ -87,23 +87,72 @@ static inline int nearest_int(float fval) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
+/* The block's value of largest magnitude, signed: the first such, as the reference's strict `>`
+ * keeps it; NaNs never win (their comparisons are false); 0 for a block of zeros. */
+static float signed_peak(const float *xs) {
+#if defined(__AVX2__)
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 peak8 = _mm256_setzero_ps();
+    for (int j = 0; j < QK_K; j += 8) /* max_ps returns its second operand where either is NaN */
+        peak8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xs + j), magnitude), peak8);
+    __m128 peak4 = _mm_max_ps(_mm256_castps256_ps128(peak8), _mm256_extractf128_ps(peak8, 1));
+    peak4 = _mm_max_ps(peak4, _mm_movehl_ps(peak4, peak4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(peak4, _mm_movehdup_ps(peak4)));
+    if (!amax) return 0.0f;
+    const __m256 wanted = _mm256_set1_ps(amax);
+    for (int j = 0; j < QK_K; j += 8) {
+        const __m256 v = _mm256_loadu_ps(xs + j);
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v, magnitude), wanted, _CMP_EQ_OQ));
+        if (hits) return xs[j + __builtin_ctz((unsigned)hits)];
+    }
+    return 0.0f; /* not reached: amax came from one of them */
+#else
+    float max = 0.0f, amax = 0.0f;
+    for (int j = 0; j < QK_K; j++) {
+        const float ax = fabsf(xs[j]);
+        if (ax > amax) { amax = ax; max = xs[j]; }
+    }
+    return max;
+#endif
+}
+
+/* qs[j] = min(nearest_int(iscale · xs[j]), 127), the product rounded once before the addition
+ * of nearest_int's trick, as the reference rounds it (no fused multiply-add). */
+static void quantize_block_q8_K(const float *xs, float iscale, int8_t *qs) {
+#if defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(iscale), magic = _mm256_set1_ps(12582912.f);
+    const __m256i mantissa = _mm256_set1_epi32(0x007fffff), bias = _mm256_set1_epi32(0x00400000);
+    const __m256i top = _mm256_set1_epi32(127), low_byte = _mm256_set1_epi32(0xFF);
+    for (int j = 0; j < QK_K; j += 32) {
+        __m256i v[4];
+        for (int t = 0; t < 4; t++) {
+            const __m256 f = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + j + 8 * t), scale), magic);
+            const __m256i n = _mm256_sub_epi32(_mm256_and_si256(_mm256_castps_si256(f), mantissa), bias);
+            /* the low byte, as the scalar (int8_t) cast keeps it: no saturation in the packs */
+            v[t] = _mm256_and_si256(_mm256_min_epi32(n, top), low_byte);
+        }
+        const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]), _mm256_packus_epi32(v[2], v[3]));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane split */
+        _mm256_storeu_si256((__m256i *)(qs + j), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+#else
+    for (int j = 0; j < QK_K; j++) {
+        const int v = nearest_int(iscale * xs[j]);
+        qs[j] = (int8_t)(v < 127 ? v : 127);
+    }
+#endif
+}
+
 void quantize_row_q8_K(const float *x, block_q8_K *out, int64_t k) {
     for (int64_t i = 0; i < k / QK_K; i++) {
         const float *xs = x + i * QK_K;
-        float max = 0.0f, amax = 0.0f;
-        for (int j = 0; j < QK_K; j++) {
-            const float ax = fabsf(xs[j]);
-            if (ax > amax) { amax = ax; max = xs[j]; }
-        }
-        if (!amax) {
+        const float max = signed_peak(xs);
+        if (!max) {
             out[i].d = 0.0f;
             memset(out[i].qs, 0, QK_K);
         } else {
             const float iscale = -127.f / max;
-            for (int j = 0; j < QK_K; j++) {
-                const int v = nearest_int(iscale * xs[j]);
-                out[i].qs[j] = (int8_t)(v < 127 ? v : 127);
-            }
+            quantize_block_q8_K(xs, iscale, out[i].qs);
             out[i].d = 1 / iscale;
         }
         for (int j = 0; j < QK_K / 16; j++) {
