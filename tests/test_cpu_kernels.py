@@ -70,6 +70,27 @@ def _gguf_values(blocks: np.ndarray, type_name: str, rows: int, k: int) -> np.nd
 
 ACTIVATIONS = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
                "Q4_1": "Q8_1", "Q5_1": "Q8_1"}  # fmt: skip
+# The 32-element types: every level multiplies all of them (none may fall back to torch).
+THIRTY_TWO_ELEMENT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+
+
+def _reference_product(x: np.ndarray, blocks: np.ndarray, type_name: str, rows: int, k: int) -> np.ndarray:
+    """x · Wᵀ in float64 on x's quantized activations, as llama.cpp computes it: for the types
+    with a minimum (Q4_1, Q5_1: d·q + m), the minimum multiplies the Q8_1 block's `s`, its
+    d · Σq rounded to fp16, rather than the activations themselves."""
+    act = ACTIVATIONS.get(type_name, "Q8_K")
+    weights = _gguf_values(blocks, type_name, rows, k).astype(np.float64)
+    activations = _reference_activations(x, act)
+    if act != "Q8_1":
+        return activations @ weights.T
+    block_bytes = blocks.shape[1] * 32 // k
+    minimums = blocks.reshape(rows, -1, block_bytes)[:, :, 2:4].copy().view(np.float16)[..., 0]
+    minimums = minimums.astype(np.float64)
+    d32 = (np.abs(x.reshape(x.shape[0], -1, 32)).max(-1) / np.float32(127)).astype(np.float32)
+    d16 = np.where(d32 == 0, 1, d32.astype(np.float16))
+    quantized = activations.reshape(x.shape[0], -1, 32) / d16[..., None]
+    sums = (np.rint(quantized).sum(-1).astype(np.float32) * d32).astype(np.float16).astype(np.float64)
+    return activations @ (weights - np.repeat(minimums, 32, axis=1)).T + sums @ minimums.T
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -94,13 +115,20 @@ def test_products_equal_a_scalar_reference(level: str, type_name: str, m: int) -
     blocks, (rows, k) = TENSORS[type_name]
     rows = min(rows, 301)  # an odd count: the threads' shares end inside a run of rows
     blocks = blocks[:rows]
-    weights = _gguf_values(blocks, type_name, rows, k)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # a block of zeros: its scale is 0
-    expected = _reference_activations(x, ACTIVATIONS.get(type_name, "Q8_K")) @ weights.astype(np.float64).T
+    expected = _reference_product(x, blocks, type_name, rows, k)
     got = kernels.matmul(torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(blocks)), type_name, rows)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=scale * 2e-5)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_32_element_type_has_a_kernel_on_every_level(level: str) -> None:
+    """The product tests skip a type without a kernel; for these six, none may skip."""
+    assert set(THIRTY_TWO_ELEMENT_TYPES) <= _level(level).types
+    if FIXTURES.is_dir():
+        assert set(THIRTY_TWO_ELEMENT_TYPES) <= set(TENSORS)
 
 
 def test_each_build_was_compiled_for_no_more_than_its_level_needs() -> None:
