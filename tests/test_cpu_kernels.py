@@ -114,7 +114,25 @@ def test_products_equal_a_scalar_reference(level: str, type_name: str, m: int) -
         pytest.skip(f"no {type_name} kernel yet")
     blocks, (rows, k) = TENSORS[type_name]
     rows = min(rows, 301)  # an odd count: the threads' shares end inside a run of rows
-    blocks = blocks[:rows]
+    _assert_product_equals_reference(kernels, blocks[:rows], type_name, rows, k, m)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("type_name", THIRTY_TWO_ELEMENT_TYPES)
+def test_products_on_rows_of_an_odd_number_of_blocks(level: str, type_name: str) -> None:
+    """The vector kernels take blocks two or more at a time: a row of 11 blocks ends on a lone
+    one. The fixture's blocks, each independent of its row, are cut into rows of 11."""
+    blocks, (rows, k) = TENSORS[type_name]
+    block_bytes = blocks.shape[1] * 32 // k
+    rows = 200
+    k = 11 * 32
+    cut = blocks.reshape(-1)[: rows * 11 * block_bytes].reshape(rows, -1)
+    _assert_product_equals_reference(_level(level), cut, type_name, rows, k, m=3)
+
+
+def _assert_product_equals_reference(
+    kernels: cpu_kernels.CpuKernels, blocks: np.ndarray, type_name: str, rows: int, k: int, m: int
+) -> None:
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # a block of zeros: its scale is 0
     expected = _reference_product(x, blocks, type_name, rows, k)

@@ -55,16 +55,16 @@ static inline void five_bits_of(const uint8_t qs[QK / 2], const uint8_t qh[4], i
     }
 }
 
-static void ints_q4_0(const void *b, int8_t out[QK]) { nibbles_of(((const block_q4_0 *)b)->qs, out, 8); }
-static void ints_q4_1(const void *b, int8_t out[QK]) { nibbles_of(((const block_q4_1 *)b)->qs, out, 0); }
-static void ints_q5_0(const void *b, int8_t out[QK]) {
+static inline __attribute__((always_inline)) void ints_q4_0(const void *b, int8_t out[QK]) { nibbles_of(((const block_q4_0 *)b)->qs, out, 8); }
+static inline __attribute__((always_inline)) void ints_q4_1(const void *b, int8_t out[QK]) { nibbles_of(((const block_q4_1 *)b)->qs, out, 0); }
+static inline __attribute__((always_inline)) void ints_q5_0(const void *b, int8_t out[QK]) {
     five_bits_of(((const block_q5_0 *)b)->qs, ((const block_q5_0 *)b)->qh, out, 16);
 }
-static void ints_q5_1(const void *b, int8_t out[QK]) {
+static inline __attribute__((always_inline)) void ints_q5_1(const void *b, int8_t out[QK]) {
     five_bits_of(((const block_q5_1 *)b)->qs, ((const block_q5_1 *)b)->qh, out, 0);
 }
-static void ints_q8_0(const void *b, int8_t out[QK]) { memcpy(out, ((const block_w8_0 *)b)->qs, QK); }
-static void ints_iq4_nl(const void *b, int8_t out[QK]) {
+static inline __attribute__((always_inline)) void ints_q8_0(const void *b, int8_t out[QK]) { memcpy(out, ((const block_w8_0 *)b)->qs, QK); }
+static inline __attribute__((always_inline)) void ints_iq4_nl(const void *b, int8_t out[QK]) {
     const block_iq4_nl *x = b;
     for (int j = 0; j < QK / 2; j++) {
         out[j] = IQ4_NL_VALUES[x->qs[j] & 0x0F];
@@ -80,7 +80,7 @@ typedef void (*block_ints)(const void *block, int8_t out[QK]);
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-static inline void dequantize_blocks(const char *blocks, int bytes, block_ints ints, int has_min,
+static inline __attribute__((always_inline)) void dequantize_blocks(const char *blocks, int bytes, block_ints ints, int has_min,
                                      float *out, int64_t k) {
     int8_t q[QK];
     for (int64_t i = 0; i < k / QK; i++, blocks += bytes) {
@@ -94,8 +94,9 @@ static inline void dequantize_blocks(const char *blocks, int bytes, block_ints i
     }
 }
 
-/* Σ w·a per block, times both scales; for the types with a minimum, + m · s of the Q8_1 block. */
-static inline float dot_blocks(int64_t k, const char *w, int bytes, block_ints ints, int has_min,
+/* Σ w·a per block, times both scales; for the types with a minimum, + m · s of the Q8_1 block.
+ * Inlined into each type's function with its `ints` known, so the compiler vectorizes the whole. */
+static inline __attribute__((always_inline)) float dot_blocks(int64_t k, const char *w, int bytes, block_ints ints, int has_min,
                                const void *act) {
     int8_t q[QK];
     float sum = 0.0f;
@@ -127,7 +128,103 @@ SCALAR_TYPE(q5_1, block_q5_1, 1)
 SCALAR_TYPE(q8_0, block_w8_0, 0)
 SCALAR_TYPE(iq4_nl, block_iq4_nl, 0)
 
+/* Where a product reads its activation block: Q8_1 (the types with a minimum) or Q8_0. */
+#define ACT_BYTES(has_min) ((has_min) ? (int)sizeof(block_q8_1) : (int)sizeof(block_q8_0))
+#define ACT_QS(block, has_min) ((const int8_t *)(block) + ((has_min) ? 4 : 2))
+#define ACT_D(block) (((const uint16_t *)(block))[0])
+#define ACT_S(block) (((const uint16_t *)(block))[1])
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* AVX-512 VNNI: two blocks per 512-bit register (bytes 0–31 the first block's integers, 32–63 the
+ * second's). vpdpbusd multiplies unsigned bytes by signed ones, so each type hands it its
+ * integers as stored plus an offset (Q4_0: q + 8; Q8_0 and IQ4_NL: q + 128), and the offset times
+ * Σa, one more vpdpbusd on the activations alone, is taken off before the block's scale. */
+static inline __m512i pair_of(__m256i first, __m256i second) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+}
+
+static inline __m512i nibbles_x2(const uint8_t *qs0, const uint8_t *qs1) {
+    const __m512i both = pair_of(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs0)),
+                                 _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs1)));
+    /* 128-bit lanes 0 and 2 keep the low nibbles, 1 and 3 take the high ones. */
+    const __m512i halves = _mm512_mask_blend_epi64(0xCC, both, _mm512_srli_epi16(both, 4));
+    return _mm512_and_si512(halves, _mm512_set1_epi8(0x0F));
+}
+
+/* Q5's fifth bits: bit j of qh belongs to element j, so the 64 bits are a byte mask. */
+static inline __m512i fives_x2(__m512i nibbles, const uint8_t *qh0, const uint8_t *qh1) {
+    const __mmask64 fifth = high_bits(qh0) | (uint64_t)high_bits(qh1) << 32;
+    return _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(0x10));
+}
+
+typedef __m512i (*stored_x2)(const char *w0, const char *w1);
+
+static inline __m512i q4_0_x2(const char *w0, const char *w1) {
+    return nibbles_x2(((const block_q4_0 *)w0)->qs, ((const block_q4_0 *)w1)->qs);
+}
+static inline __m512i q4_1_x2(const char *w0, const char *w1) {
+    return nibbles_x2(((const block_q4_1 *)w0)->qs, ((const block_q4_1 *)w1)->qs);
+}
+static inline __m512i q5_0_x2(const char *w0, const char *w1) {
+    const block_q5_0 *x0 = (const block_q5_0 *)w0, *x1 = (const block_q5_0 *)w1;
+    return fives_x2(nibbles_x2(x0->qs, x1->qs), x0->qh, x1->qh);
+}
+static inline __m512i q5_1_x2(const char *w0, const char *w1) {
+    const block_q5_1 *x0 = (const block_q5_1 *)w0, *x1 = (const block_q5_1 *)w1;
+    return fives_x2(nibbles_x2(x0->qs, x1->qs), x0->qh, x1->qh);
+}
+static inline __m512i q8_0_x2(const char *w0, const char *w1) {
+    const __m512i q = pair_of(_mm256_loadu_si256((const __m256i *)((const block_w8_0 *)w0)->qs),
+                              _mm256_loadu_si256((const __m256i *)((const block_w8_0 *)w1)->qs));
+    return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+}
+static inline __m512i iq4_nl_x2(const char *w0, const char *w1) {
+    const __m512i levels = _mm512_broadcast_i32x4(_mm_xor_si128(
+        _mm_loadu_si128((const __m128i *)IQ4_NL_VALUES), _mm_set1_epi8((char)0x80)));
+    return _mm512_shuffle_epi8(levels, nibbles_x2(((const block_iq4_nl *)w0)->qs, ((const block_iq4_nl *)w1)->qs));
+}
+
+static inline __attribute__((always_inline)) float dot_x2(int64_t k, const char *w, int bytes, stored_x2 stored,
+                                                          int offset, int has_min, const char *act,
+                                                          float (*scalar)(int64_t, const void *, const void *)) {
+    const int64_t blocks = k / QK;
+    const int act_bytes = ACT_BYTES(has_min);
+    const __m512i offsets = _mm512_set1_epi8((char)offset);
+    __m512 acc = _mm512_setzero_ps();
+    float minimums = 0.0f;
+    int64_t i = 0;
+    for (; i + 1 < blocks; i += 2, w += 2 * bytes, act += 2 * act_bytes) {
+        const char *a1 = act + act_bytes;
+        const __m512i a = pair_of(_mm256_loadu_si256((const __m256i *)ACT_QS(act, has_min)),
+                                  _mm256_loadu_si256((const __m256i *)ACT_QS(a1, has_min)));
+        __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), stored(w, w + bytes), a);
+        if (offset) sums = _mm512_sub_epi32(sums, _mm512_dpbusd_epi32(_mm512_setzero_si512(), offsets, a));
+        const uint16_t *h0 = (const uint16_t *)w, *h1 = (const uint16_t *)(w + bytes);
+        const __m512 scales = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(h0[0]) * half(ACT_D(act))),
+                                                   _mm512_set1_ps(half(h1[0]) * half(ACT_D(a1))));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scales, acc);
+        if (has_min) minimums += half(h0[1]) * half(ACT_S(act)) + half(h1[1]) * half(ACT_S(a1));
+    }
+    float sum = _mm512_reduce_add_ps(acc) + minimums;
+    if (i < blocks) sum += scalar(QK, w, act);
+    return sum;
+}
+
+#define SIMD_DOT(name, block, offset, has_min)                                                    \
+    static float dot_##name(int64_t k, const void *w, const void *a) {                            \
+        return dot_x2(k, w, sizeof(block), name##_x2, offset, has_min, a, dot_##name##_scalar);   \
+    }
+SIMD_DOT(q4_0, block_q4_0, 8, 0)
+SIMD_DOT(q4_1, block_q4_1, 0, 1)
+SIMD_DOT(q5_0, block_q5_0, 16, 0)
+SIMD_DOT(q5_1, block_q5_1, 0, 1)
+SIMD_DOT(q8_0, block_w8_0, 128, 0)
+SIMD_DOT(iq4_nl, block_iq4_nl, 128, 0)
+#define DOT(name) dot_##name
+
+#else
 #define DOT(name) dot_##name##_scalar
+#endif
 
 const weight_type TYPE_Q4_0 = { QK, sizeof(block_q4_0), T_Q8_0, dequantize_q4_0, DOT(q4_0) };
 const weight_type TYPE_Q4_1 = { QK, sizeof(block_q4_1), T_Q8_1, dequantize_q4_1, DOT(q4_1) };
