@@ -157,34 +157,34 @@ static inline __m512i fives_x2(__m512i nibbles, const uint8_t *qh0, const uint8_
     return _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(0x10));
 }
 
-typedef __m512i (*stored_x2)(const char *w0, const char *w1);
+typedef __m512i (*stored_ints)(const char *w0, const char *w1);
 
-static inline __m512i q4_0_x2(const char *w0, const char *w1) {
+static inline __m512i q4_0_stored(const char *w0, const char *w1) {
     return nibbles_x2(((const block_q4_0 *)w0)->qs, ((const block_q4_0 *)w1)->qs);
 }
-static inline __m512i q4_1_x2(const char *w0, const char *w1) {
+static inline __m512i q4_1_stored(const char *w0, const char *w1) {
     return nibbles_x2(((const block_q4_1 *)w0)->qs, ((const block_q4_1 *)w1)->qs);
 }
-static inline __m512i q5_0_x2(const char *w0, const char *w1) {
+static inline __m512i q5_0_stored(const char *w0, const char *w1) {
     const block_q5_0 *x0 = (const block_q5_0 *)w0, *x1 = (const block_q5_0 *)w1;
     return fives_x2(nibbles_x2(x0->qs, x1->qs), x0->qh, x1->qh);
 }
-static inline __m512i q5_1_x2(const char *w0, const char *w1) {
+static inline __m512i q5_1_stored(const char *w0, const char *w1) {
     const block_q5_1 *x0 = (const block_q5_1 *)w0, *x1 = (const block_q5_1 *)w1;
     return fives_x2(nibbles_x2(x0->qs, x1->qs), x0->qh, x1->qh);
 }
-static inline __m512i q8_0_x2(const char *w0, const char *w1) {
+static inline __m512i q8_0_stored(const char *w0, const char *w1) {
     const __m512i q = pair_of(_mm256_loadu_si256((const __m256i *)((const block_w8_0 *)w0)->qs),
                               _mm256_loadu_si256((const __m256i *)((const block_w8_0 *)w1)->qs));
     return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
 }
-static inline __m512i iq4_nl_x2(const char *w0, const char *w1) {
+static inline __m512i iq4_nl_stored(const char *w0, const char *w1) {
     const __m512i levels = _mm512_broadcast_i32x4(_mm_xor_si128(
         _mm_loadu_si128((const __m128i *)IQ4_NL_VALUES), _mm_set1_epi8((char)0x80)));
     return _mm512_shuffle_epi8(levels, nibbles_x2(((const block_iq4_nl *)w0)->qs, ((const block_iq4_nl *)w1)->qs));
 }
 
-static inline __attribute__((always_inline)) float dot_x2(int64_t k, const char *w, int bytes, stored_x2 stored,
+static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
                                                           int offset, int has_min, const char *act,
                                                           float (*scalar)(int64_t, const void *, const void *)) {
     const int64_t blocks = k / QK;
@@ -210,18 +210,101 @@ static inline __attribute__((always_inline)) float dot_x2(int64_t k, const char 
     return sum;
 }
 
-#define SIMD_DOT(name, block, offset, has_min)                                                    \
-    static float dot_##name(int64_t k, const void *w, const void *a) {                            \
-        return dot_x2(k, w, sizeof(block), name##_x2, offset, has_min, a, dot_##name##_scalar);   \
+#define SIGNED 128 /* Q8_0's and IQ4_NL's signed integers, handed over + 128 */
+
+#elif defined(__AVX2__)
+/* AVX2 (+FMA): one block per 256-bit register, two blocks per step. vpmaddubsw multiplies
+ * unsigned bytes by signed ones into int16 pairs: the 4- and 5-bit types give it their integers
+ * as stored (q + offset) and take offset · a off the pairs; the signed types (Q8_0, IQ4_NL), whose
+ * bytes + 128 would overflow an int16 pair, give it |q| and a carrying q's sign instead. */
+#define SIGNED -1
+
+static inline __m256i nibbles_x1(const uint8_t *qs) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+}
+
+/* Q5's fifth bits: byte j takes qh's byte j / 8, keeps its bit j % 8, and becomes 0x10 if set. */
+static inline __m256i fives_x1(__m256i nibbles, const uint8_t *qh) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)high_bits(qh)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+typedef __m256i (*stored_ints)(const char *w);
+
+static inline __m256i q4_0_stored(const char *w) { return nibbles_x1(((const block_q4_0 *)w)->qs); }
+static inline __m256i q4_1_stored(const char *w) { return nibbles_x1(((const block_q4_1 *)w)->qs); }
+static inline __m256i q5_0_stored(const char *w) {
+    return fives_x1(nibbles_x1(((const block_q5_0 *)w)->qs), ((const block_q5_0 *)w)->qh);
+}
+static inline __m256i q5_1_stored(const char *w) {
+    return fives_x1(nibbles_x1(((const block_q5_1 *)w)->qs), ((const block_q5_1 *)w)->qh);
+}
+static inline __m256i q8_0_stored(const char *w) {
+    return _mm256_loadu_si256((const __m256i *)((const block_w8_0 *)w)->qs);
+}
+static inline __m256i iq4_nl_stored(const char *w) {
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+    return _mm256_shuffle_epi8(levels, nibbles_x1(((const block_iq4_nl *)w)->qs));
+}
+
+/* One block's Σ q·a as eight int32 lanes, as floats. */
+static inline __attribute__((always_inline)) __m256 block_sums(__m256i q, __m256i a, int offset) {
+    __m256i pairs;
+    if (offset == SIGNED) {
+        pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q));
+    } else {
+        pairs = _mm256_maddubs_epi16(q, a);
+        if (offset) pairs = _mm256_sub_epi16(pairs, _mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), a));
+    }
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
+                                                            int offset, int has_min, const char *act,
+                                                            float (*scalar)(int64_t, const void *, const void *)) {
+    const int64_t blocks = k / QK;
+    const int act_bytes = ACT_BYTES(has_min);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float minimums = 0.0f;
+    int64_t i = 0;
+    for (; i + 1 < blocks; i += 2, w += 2 * bytes, act += 2 * act_bytes) {
+        const char *w1 = w + bytes, *a1 = act + act_bytes;
+        const __m256i a_first = _mm256_loadu_si256((const __m256i *)ACT_QS(act, has_min));
+        const __m256i a_second = _mm256_loadu_si256((const __m256i *)ACT_QS(a1, has_min));
+        const uint16_t *h0 = (const uint16_t *)w, *h1 = (const uint16_t *)w1;
+        acc0 = _mm256_fmadd_ps(block_sums(stored(w), a_first, offset),
+                               _mm256_set1_ps(half(h0[0]) * half(ACT_D(act))), acc0);
+        acc1 = _mm256_fmadd_ps(block_sums(stored(w1), a_second, offset),
+                               _mm256_set1_ps(half(h1[0]) * half(ACT_D(a1))), acc1);
+        if (has_min) minimums += half(h0[1]) * half(ACT_S(act)) + half(h1[1]) * half(ACT_S(a1));
+    }
+    const __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    float sum = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four))) + minimums;
+    if (i < blocks) sum += scalar(QK, w, act);
+    return sum;
+}
+#endif
+
+#if defined(SIGNED)
+/* Each level's dot_simd with a type's reading of its blocks, the offset of its stored integers,
+ * and its scalar product for a row's last lone block. */
+#define SIMD_DOT(name, block, offset, has_min)                                                     \
+    static float dot_##name(int64_t k, const void *w, const void *a) {                             \
+        return dot_simd(k, w, sizeof(block), name##_stored, offset, has_min, a, dot_##name##_scalar); \
     }
 SIMD_DOT(q4_0, block_q4_0, 8, 0)
 SIMD_DOT(q4_1, block_q4_1, 0, 1)
 SIMD_DOT(q5_0, block_q5_0, 16, 0)
 SIMD_DOT(q5_1, block_q5_1, 0, 1)
-SIMD_DOT(q8_0, block_w8_0, 128, 0)
-SIMD_DOT(iq4_nl, block_iq4_nl, 128, 0)
+SIMD_DOT(q8_0, block_w8_0, SIGNED, 0)
+SIMD_DOT(iq4_nl, block_iq4_nl, SIGNED, 0)
 #define DOT(name) dot_##name
-
 #else
 #define DOT(name) dot_##name##_scalar
 #endif
