@@ -184,29 +184,53 @@ static inline __m512i iq4_nl_stored(const char *w0, const char *w1) {
     return _mm512_shuffle_epi8(levels, nibbles_x2(((const block_iq4_nl *)w0)->qs, ((const block_iq4_nl *)w1)->qs));
 }
 
+/* Four blocks' products x·y of two halves each (field 0: d, field 1: m or s), converted together. */
+static inline __m128 half_products_x4(const char *x, int x_bytes, const char *y, int y_bytes, int field) {
+#define HALF_AT(base, stride, j) ((const uint16_t *)((base) + (j) * (stride)))[field]
+    const __m128i halves = _mm_setr_epi16(
+        (short)HALF_AT(x, x_bytes, 0), (short)HALF_AT(x, x_bytes, 1), (short)HALF_AT(x, x_bytes, 2),
+        (short)HALF_AT(x, x_bytes, 3), (short)HALF_AT(y, y_bytes, 0), (short)HALF_AT(y, y_bytes, 1),
+        (short)HALF_AT(y, y_bytes, 2), (short)HALF_AT(y, y_bytes, 3));
+#undef HALF_AT
+    const __m256 both = _mm256_cvtph_ps(halves);
+    return _mm_mul_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+}
+
+static inline __m512i acts_x2(const char *a0, const char *a1, int has_min) {
+    return pair_of(_mm256_loadu_si256((const __m256i *)ACT_QS(a0, has_min)),
+                   _mm256_loadu_si256((const __m256i *)ACT_QS(a1, has_min)));
+}
+
+/* Four blocks per step, in two registers; their four scales are converted at once and spread
+ * over each block's eight lanes. */
 static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
                                                           int offset, int has_min, const char *act,
                                                           float (*scalar)(int64_t, const void *, const void *)) {
     const int64_t blocks = k / QK;
     const int act_bytes = ACT_BYTES(has_min);
     const __m512i offsets = _mm512_set1_epi8((char)offset);
-    __m512 acc = _mm512_setzero_ps();
-    float minimums = 0.0f;
+    const __m512i first_two = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i last_two = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m128 minimums = _mm_setzero_ps();
     int64_t i = 0;
-    for (; i + 1 < blocks; i += 2, w += 2 * bytes, act += 2 * act_bytes) {
-        const char *a1 = act + act_bytes;
-        const __m512i a = pair_of(_mm256_loadu_si256((const __m256i *)ACT_QS(act, has_min)),
-                                  _mm256_loadu_si256((const __m256i *)ACT_QS(a1, has_min)));
-        __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), stored(w, w + bytes), a);
-        if (offset) sums = _mm512_sub_epi32(sums, _mm512_dpbusd_epi32(_mm512_setzero_si512(), offsets, a));
-        const uint16_t *h0 = (const uint16_t *)w, *h1 = (const uint16_t *)(w + bytes);
-        const __m512 scales = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(h0[0]) * half(ACT_D(act))),
-                                                   _mm512_set1_ps(half(h1[0]) * half(ACT_D(a1))));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scales, acc);
-        if (has_min) minimums += half(h0[1]) * half(ACT_S(act)) + half(h1[1]) * half(ACT_S(a1));
+    for (; i + 3 < blocks; i += 4, w += 4 * bytes, act += 4 * act_bytes) {
+        const __m512i a01 = acts_x2(act, act + act_bytes, has_min);
+        const __m512i a23 = acts_x2(act + 2 * act_bytes, act + 3 * act_bytes, has_min);
+        __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), stored(w, w + bytes), a01);
+        __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), stored(w + 2 * bytes, w + 3 * bytes), a23);
+        if (offset) {
+            s01 = _mm512_sub_epi32(s01, _mm512_dpbusd_epi32(_mm512_setzero_si512(), offsets, a01));
+            s23 = _mm512_sub_epi32(s23, _mm512_dpbusd_epi32(_mm512_setzero_si512(), offsets, a23));
+        }
+        const __m512 scales = _mm512_castps128_ps512(half_products_x4(w, bytes, act, act_bytes, 0));
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s01), _mm512_permutexvar_ps(first_two, scales), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_permutexvar_ps(last_two, scales), acc1);
+        if (has_min) minimums = _mm_add_ps(minimums, half_products_x4(w, bytes, act, act_bytes, 1));
     }
-    float sum = _mm512_reduce_add_ps(acc) + minimums;
-    if (i < blocks) sum += scalar(QK, w, act);
+    __m128 pairs = _mm_add_ps(minimums, _mm_movehl_ps(minimums, minimums));
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+    for (; i < blocks; i++, w += bytes, act += act_bytes) sum += scalar(QK, w, act);
     return sum;
 }
 
