@@ -134,6 +134,26 @@ SCALAR_TYPE(iq4_nl, block_iq4_nl, 0)
 #define ACT_D(block) (((const uint16_t *)(block))[0])
 #define ACT_S(block) (((const uint16_t *)(block))[1])
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* Four blocks' products x·y of two halves each (field 0: d, field 1: m or s), converted together. */
+static inline __m128 half_products_x4(const char *x, int x_bytes, const char *y, int y_bytes, int field) {
+#define HALF_AT(base, stride, j) ((const uint16_t *)((base) + (j) * (stride)))[field]
+    const __m128i halves = _mm_setr_epi16(
+        (short)HALF_AT(x, x_bytes, 0), (short)HALF_AT(x, x_bytes, 1), (short)HALF_AT(x, x_bytes, 2),
+        (short)HALF_AT(x, x_bytes, 3), (short)HALF_AT(y, y_bytes, 0), (short)HALF_AT(y, y_bytes, 1),
+        (short)HALF_AT(y, y_bytes, 2), (short)HALF_AT(y, y_bytes, 3));
+#undef HALF_AT
+    const __m256 both = _mm256_cvtph_ps(halves);
+    return _mm_mul_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+}
+
+/* Sum of an accumulator's four lanes. */
+static inline float sum_of_four(__m128 four) {
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 /* AVX-512 VNNI: two blocks per 512-bit register (bytes 0–31 the first block's integers, 32–63 the
  * second's). vpdpbusd multiplies unsigned bytes by signed ones, so each type hands it its
@@ -184,18 +204,6 @@ static inline __m512i iq4_nl_stored(const char *w0, const char *w1) {
     return _mm512_shuffle_epi8(levels, nibbles_x2(((const block_iq4_nl *)w0)->qs, ((const block_iq4_nl *)w1)->qs));
 }
 
-/* Four blocks' products x·y of two halves each (field 0: d, field 1: m or s), converted together. */
-static inline __m128 half_products_x4(const char *x, int x_bytes, const char *y, int y_bytes, int field) {
-#define HALF_AT(base, stride, j) ((const uint16_t *)((base) + (j) * (stride)))[field]
-    const __m128i halves = _mm_setr_epi16(
-        (short)HALF_AT(x, x_bytes, 0), (short)HALF_AT(x, x_bytes, 1), (short)HALF_AT(x, x_bytes, 2),
-        (short)HALF_AT(x, x_bytes, 3), (short)HALF_AT(y, y_bytes, 0), (short)HALF_AT(y, y_bytes, 1),
-        (short)HALF_AT(y, y_bytes, 2), (short)HALF_AT(y, y_bytes, 3));
-#undef HALF_AT
-    const __m256 both = _mm256_cvtph_ps(halves);
-    return _mm_mul_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-}
-
 static inline __m512i acts_x2(const char *a0, const char *a1, int has_min) {
     return pair_of(_mm256_loadu_si256((const __m256i *)ACT_QS(a0, has_min)),
                    _mm256_loadu_si256((const __m256i *)ACT_QS(a1, has_min)));
@@ -228,8 +236,7 @@ static inline __attribute__((always_inline)) float dot_simd(int64_t k, const cha
         acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_permutexvar_ps(last_two, scales), acc1);
         if (has_min) minimums = _mm_add_ps(minimums, half_products_x4(w, bytes, act, act_bytes, 1));
     }
-    __m128 pairs = _mm_add_ps(minimums, _mm_movehl_ps(minimums, minimums));
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + sum_of_four(minimums);
     for (; i < blocks; i++, w += bytes, act += act_bytes) sum += scalar(QK, w, act);
     return sum;
 }
@@ -287,30 +294,28 @@ static inline __attribute__((always_inline)) __m256 block_sums(__m256i q, __m256
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+/* Four blocks per step, one register each; their four scales are converted at once. */
 static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
                                                             int offset, int has_min, const char *act,
                                                             float (*scalar)(int64_t, const void *, const void *)) {
     const int64_t blocks = k / QK;
     const int act_bytes = ACT_BYTES(has_min);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float minimums = 0.0f;
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    __m128 minimums = _mm_setzero_ps();
     int64_t i = 0;
-    for (; i + 1 < blocks; i += 2, w += 2 * bytes, act += 2 * act_bytes) {
-        const char *w1 = w + bytes, *a1 = act + act_bytes;
-        const __m256i a_first = _mm256_loadu_si256((const __m256i *)ACT_QS(act, has_min));
-        const __m256i a_second = _mm256_loadu_si256((const __m256i *)ACT_QS(a1, has_min));
-        const uint16_t *h0 = (const uint16_t *)w, *h1 = (const uint16_t *)w1;
-        acc0 = _mm256_fmadd_ps(block_sums(stored(w), a_first, offset),
-                               _mm256_set1_ps(half(h0[0]) * half(ACT_D(act))), acc0);
-        acc1 = _mm256_fmadd_ps(block_sums(stored(w1), a_second, offset),
-                               _mm256_set1_ps(half(h1[0]) * half(ACT_D(a1))), acc1);
-        if (has_min) minimums += half(h0[1]) * half(ACT_S(act)) + half(h1[1]) * half(ACT_S(a1));
+    for (; i + 3 < blocks; i += 4, w += 4 * bytes, act += 4 * act_bytes) {
+        const __m128 scales = half_products_x4(w, bytes, act, act_bytes, 0);
+        for (int j = 0; j < 4; j++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)ACT_QS(act + j * act_bytes, has_min));
+            const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales), _mm256_set1_epi32(j));
+            acc[j] = _mm256_fmadd_ps(block_sums(stored(w + j * bytes), a, offset), scale, acc[j]);
+        }
+        if (has_min) minimums = _mm_add_ps(minimums, half_products_x4(w, bytes, act, act_bytes, 1));
     }
-    const __m256 acc = _mm256_add_ps(acc0, acc1);
-    __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    float sum = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four))) + minimums;
-    if (i < blocks) sum += scalar(QK, w, act);
+    const __m256 all = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    float sum = sum_of_four(_mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
+    sum += sum_of_four(minimums);
+    for (; i < blocks; i++, w += bytes, act += act_bytes) sum += scalar(QK, w, act);
     return sum;
 }
 #endif
