@@ -4,6 +4,7 @@ reference in float64 on the same quantized activations, on every level this CPU 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -139,6 +140,33 @@ def _assert_product_equals_reference(
     got = kernels.matmul(torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(blocks)), type_name, rows)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=scale * 2e-5)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("act", ["Q8_0", "Q8_1"])
+def test_activations_are_quantized_as_the_reference_quantizer_does(level: str, act: str) -> None:
+    """Byte for byte, on every level (the vector quantizers round half away from zero as roundf
+    does): a row of ordinary values, one of half-integers whose block maximum is 127 (the scale is
+    1, so every value is a tie), and a block of zeros."""
+    rng = np.random.default_rng(5)
+    ties = rng.integers(-254, 255, 256) / 2
+    ties[::32] = 127
+    x = np.concatenate([rng.standard_normal(256) * 3, ties, np.zeros(32)]).astype(np.float32)
+    block_bytes = 34 if act == "Q8_0" else 36
+    got = np.zeros(len(x) // 32 * block_bytes, dtype=np.uint8)
+    quantize = _level(level).library.llmcli_quantize_activations
+    quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    assert quantize(gguf.GGMLQuantizationType[act].value, x.ctypes.data, len(x), got.ctypes.data) == 0
+    got = got.reshape(-1, block_bytes)
+    blocks = x.reshape(-1, 32)
+    d32 = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    scaled = blocks * np.where(d32 == 0, 0, 1 / np.where(d32 == 0, 1, d32)).astype(np.float32)[:, None]
+    q = (np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)).astype(np.int8)
+    np.testing.assert_array_equal(got[:, :2].copy().view(np.float16)[:, 0], d32.astype(np.float16))
+    np.testing.assert_array_equal(got[:, block_bytes - 32 :].view(np.int8), q)
+    if act == "Q8_1":
+        sums = (q.sum(-1).astype(np.float32) * d32).astype(np.float16)
+        np.testing.assert_array_equal(got[:, 2:4].copy().view(np.float16)[:, 0], sums)
 
 
 @pytest.mark.parametrize("level", LEVELS)
