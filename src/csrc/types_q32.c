@@ -47,11 +47,17 @@ static inline void nibbles_of(const uint8_t qs[QK / 2], int8_t out[QK], int offs
     }
 }
 
+/* 1 << j for each element j: testing qh against a table, not shifting by j, lets the compiler
+ * vectorize the loop on targets without per-lane shifts (SSE2). */
+#define FOUR_BITS(j) 1u << (j), 1u << ((j) + 1), 1u << ((j) + 2), 1u << ((j) + 3)
+static const uint32_t BIT_OF[QK] = { FOUR_BITS(0), FOUR_BITS(4), FOUR_BITS(8), FOUR_BITS(12),
+                                     FOUR_BITS(16), FOUR_BITS(20), FOUR_BITS(24), FOUR_BITS(28) };
+
 static inline void five_bits_of(const uint8_t qs[QK / 2], const uint8_t qh[4], int8_t out[QK], int offset) {
     const uint32_t bits = high_bits(qh);
     for (int j = 0; j < QK / 2; j++) {
-        out[j] = (int8_t)(((qs[j] & 0x0F) | ((bits >> j & 1) << 4)) - offset);
-        out[j + QK / 2] = (int8_t)(((qs[j] >> 4) | ((bits >> (j + QK / 2) & 1) << 4)) - offset);
+        out[j] = (int8_t)(((qs[j] & 0x0F) | (bits & BIT_OF[j] ? 0x10 : 0)) - offset);
+        out[j + QK / 2] = (int8_t)(((qs[j] >> 4) | (bits & BIT_OF[j + QK / 2] ? 0x10 : 0)) - offset);
     }
 }
 
