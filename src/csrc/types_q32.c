@@ -324,6 +324,81 @@ static inline __attribute__((always_inline)) float dot_simd(int64_t k, const cha
     for (; i < blocks; i++, w += bytes, act += act_bytes) sum += scalar(QK, w, act);
     return sum;
 }
+
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+/* NEON (AArch64's baseline, no dot-product extension assumed): one block per step, its 32
+ * integers made signed (stored minus offset), multiplied by vmull_s8 into int16 and summed in
+ * pairs into int32. No ARM machine runs it here: scripts/check_neon_products.c holds it to the
+ * scalar product under qemu-aarch64. */
+#define SIGNED 0 /* Q8_0's and IQ4_NL's integers are read signed already */
+
+typedef int8x16x2_t (*stored_ints)(const char *w);
+
+static inline int8x16x2_t nibbles_neon(const uint8_t *qs) {
+    const uint8x16_t packed = vld1q_u8(qs);
+    const int8x16x2_t halves = { { vreinterpretq_s8_u8(vandq_u8(packed, vdupq_n_u8(0x0F))),
+                                   vreinterpretq_s8_u8(vshrq_n_u8(packed, 4)) } };
+    return halves;
+}
+
+/* Q5's fifth bits: element j's is bit j % 8 of qh[j / 8]; vtst turns it into a byte mask. */
+static inline int8x16x2_t fives_neon(int8x16x2_t nibbles, const uint8_t *qh) {
+    static const uint8_t BIT[16] = { 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128 };
+    const uint8x16_t bit = vld1q_u8(BIT), fifth = vdupq_n_u8(0x10);
+    for (int half_index = 0; half_index < 2; half_index++) {
+        const uint8x16_t spread = vcombine_u8(vdup_n_u8(qh[2 * half_index]), vdup_n_u8(qh[2 * half_index + 1]));
+        nibbles.val[half_index] = vorrq_s8(nibbles.val[half_index],
+                                           vreinterpretq_s8_u8(vandq_u8(vtstq_u8(spread, bit), fifth)));
+    }
+    return nibbles;
+}
+
+static inline int8x16x2_t q4_0_stored(const char *w) { return nibbles_neon(((const block_q4_0 *)w)->qs); }
+static inline int8x16x2_t q4_1_stored(const char *w) { return nibbles_neon(((const block_q4_1 *)w)->qs); }
+static inline int8x16x2_t q5_0_stored(const char *w) {
+    return fives_neon(nibbles_neon(((const block_q5_0 *)w)->qs), ((const block_q5_0 *)w)->qh);
+}
+static inline int8x16x2_t q5_1_stored(const char *w) {
+    return fives_neon(nibbles_neon(((const block_q5_1 *)w)->qs), ((const block_q5_1 *)w)->qh);
+}
+static inline int8x16x2_t q8_0_stored(const char *w) {
+    const int8_t *qs = ((const block_w8_0 *)w)->qs;
+    const int8x16x2_t q = { { vld1q_s8(qs), vld1q_s8(qs + 16) } };
+    return q;
+}
+static inline int8x16x2_t iq4_nl_stored(const char *w) {
+    const int8x16_t levels = vld1q_s8(IQ4_NL_VALUES);
+    int8x16x2_t q = nibbles_neon(((const block_iq4_nl *)w)->qs);
+    q.val[0] = vqtbl1q_s8(levels, vreinterpretq_u8_s8(q.val[0]));
+    q.val[1] = vqtbl1q_s8(levels, vreinterpretq_u8_s8(q.val[1]));
+    return q;
+}
+
+static inline int32x4_t products_neon(int8x16_t q, int8x16_t a, int32x4_t acc) {
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(q), vget_low_s8(a)));
+    return vpadalq_s16(acc, vmull_high_s8(q, a));
+}
+
+static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
+                                                            int offset, int has_min, const char *act,
+                                                            float (*scalar)(int64_t, const void *, const void *)) {
+    (void)scalar; /* every block goes through the vector path */
+    const int act_bytes = ACT_BYTES(has_min);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < k / QK; i++, w += bytes, act += act_bytes) {
+        int8x16x2_t q = stored(w);
+        if (offset) {
+            q.val[0] = vsubq_s8(q.val[0], vdupq_n_s8((int8_t)offset));
+            q.val[1] = vsubq_s8(q.val[1], vdupq_n_s8((int8_t)offset));
+        }
+        const int8_t *a = ACT_QS(act, has_min);
+        const int32x4_t s = products_neon(q.val[1], vld1q_s8(a + 16), products_neon(q.val[0], vld1q_s8(a), vdupq_n_s32(0)));
+        const uint16_t *halves = (const uint16_t *)w;
+        sum += (float)vaddvq_s32(s) * half(halves[0]) * half(ACT_D(act));
+        if (has_min) sum += half(halves[1]) * half(ACT_S(act));
+    }
+    return sum;
+}
 #endif
 
 #if defined(SIGNED)
