@@ -270,16 +270,10 @@ static inline __m256i fives_x1(__m256i nibbles, const uint8_t *qh) {
     return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-typedef __m256i (*stored_ints)(const char *w);
-
-static inline __m256i q4_0_stored(const char *w) { return nibbles_x1(((const block_q4_0 *)w)->qs); }
-static inline __m256i q4_1_stored(const char *w) { return nibbles_x1(((const block_q4_1 *)w)->qs); }
-static inline __m256i q5_0_stored(const char *w) {
-    return fives_x1(nibbles_x1(((const block_q5_0 *)w)->qs), ((const block_q5_0 *)w)->qh);
-}
-static inline __m256i q5_1_stored(const char *w) {
-    return fives_x1(nibbles_x1(((const block_q5_1 *)w)->qs), ((const block_q5_1 *)w)->qh);
-}
+typedef __m256i block_vector; /* one block's 32 integers */
+typedef block_vector (*stored_ints)(const char *w);
+#define block_nibbles nibbles_x1
+#define block_fives fives_x1
 static inline __m256i q8_0_stored(const char *w) {
     return _mm256_loadu_si256((const __m256i *)((const block_w8_0 *)w)->qs);
 }
@@ -332,7 +326,8 @@ static inline __attribute__((always_inline)) float dot_simd(int64_t k, const cha
  * scalar product under qemu-aarch64. */
 #define SIGNED 0 /* Q8_0's and IQ4_NL's integers are read signed already */
 
-typedef int8x16x2_t (*stored_ints)(const char *w);
+typedef int8x16x2_t block_vector; /* one block's 32 integers */
+typedef block_vector (*stored_ints)(const char *w);
 
 static inline int8x16x2_t nibbles_neon(const uint8_t *qs) {
     const uint8x16_t packed = vld1q_u8(qs);
@@ -353,14 +348,8 @@ static inline int8x16x2_t fives_neon(int8x16x2_t nibbles, const uint8_t *qh) {
     return nibbles;
 }
 
-static inline int8x16x2_t q4_0_stored(const char *w) { return nibbles_neon(((const block_q4_0 *)w)->qs); }
-static inline int8x16x2_t q4_1_stored(const char *w) { return nibbles_neon(((const block_q4_1 *)w)->qs); }
-static inline int8x16x2_t q5_0_stored(const char *w) {
-    return fives_neon(nibbles_neon(((const block_q5_0 *)w)->qs), ((const block_q5_0 *)w)->qh);
-}
-static inline int8x16x2_t q5_1_stored(const char *w) {
-    return fives_neon(nibbles_neon(((const block_q5_1 *)w)->qs), ((const block_q5_1 *)w)->qh);
-}
+#define block_nibbles nibbles_neon
+#define block_fives fives_neon
 static inline int8x16x2_t q8_0_stored(const char *w) {
     const int8_t *qs = ((const block_w8_0 *)w)->qs;
     const int8x16x2_t q = { { vld1q_s8(qs), vld1q_s8(qs + 16) } };
@@ -398,6 +387,18 @@ static inline __attribute__((always_inline)) float dot_simd(int64_t k, const cha
         if (has_min) sum += half(halves[1]) * half(ACT_S(act));
     }
     return sum;
+}
+#endif
+
+#if defined(block_nibbles)
+/* The 4- and 5-bit types' readers, alike on the levels that hold one block per register. */
+static inline block_vector q4_0_stored(const char *w) { return block_nibbles(((const block_q4_0 *)w)->qs); }
+static inline block_vector q4_1_stored(const char *w) { return block_nibbles(((const block_q4_1 *)w)->qs); }
+static inline block_vector q5_0_stored(const char *w) {
+    return block_fives(block_nibbles(((const block_q5_0 *)w)->qs), ((const block_q5_0 *)w)->qh);
+}
+static inline block_vector q5_1_stored(const char *w) {
+    return block_fives(block_nibbles(((const block_q5_1 *)w)->qs), ((const block_q5_1 *)w)->qh);
 }
 #endif
 
