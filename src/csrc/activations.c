@@ -53,8 +53,8 @@ uint16_t fp32_to_bf16(float f) {
  * the vector max, which no finite activation row meets). */
 static inline float block_amax(const float *xs) {
 #if defined(__AVX512F__)
-    const __m512 both = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xs)), _mm512_abs_ps(_mm512_loadu_ps(xs + 16)));
-    return _mm512_reduce_max_ps(both);
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xs)),
+                                              _mm512_abs_ps(_mm512_loadu_ps(xs + 16))));
 #elif defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(xs));
@@ -78,7 +78,8 @@ static inline int round_block(const float *xs, float id, int8_t *q) {
     for (int j = 0; j < QK; j += 16) {
         const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xs + j), _mm512_set1_ps(id));
         const __m512 cut = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        const __mmask16 away = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, cut)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+        const __m512 cut_off = _mm512_abs_ps(_mm512_sub_ps(v, cut));
+        const __mmask16 away = _mm512_cmp_ps_mask(cut_off, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
         const __m512 step = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
             _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u))));
         const __m512i rounded = _mm512_cvttps_epi32(_mm512_mask_add_ps(cut, away, cut, step));
@@ -92,15 +93,18 @@ static inline int round_block(const float *xs, float id, int8_t *q) {
     for (int j = 0; j < 4; j++) {
         const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xs + 8 * j), _mm256_set1_ps(id));
         const __m256 cut = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, cut)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+        const __m256 cut_off = _mm256_andnot_ps(sign, _mm256_sub_ps(v, cut));
+        const __m256 away = _mm256_cmp_ps(cut_off, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
         const __m256 step = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(sign, v));
         rounded[j] = _mm256_cvttps_epi32(_mm256_add_ps(cut, _mm256_and_ps(away, step)));
     }
     /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes back in order */
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(rounded[0], rounded[1]),
                                              _mm256_packs_epi32(rounded[2], rounded[3]));
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(rounded[0], rounded[1]), _mm256_add_epi32(rounded[2], rounded[3]));
+    const __m256i in_order = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, in_order);
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(rounded[0], rounded[1]),
+                                           _mm256_add_epi32(rounded[2], rounded[3]));
     __m128i four = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4E));
     return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xB1)));

@@ -4,8 +4,9 @@
  * activation block's `s` (d · Σqs), the others pair with Q8_0.
  *
  * Every type has a scalar reading of its block into 32 integers, which dequantization and the
- * portable product share. The AVX2 and AVX-512 (VNNI) products read the same integers with
- * vector instructions, two blocks per step; a build without them keeps the scalar product. */
+ * portable product share. The vector products read the same integers: AVX-512 VNNI four blocks
+ * per step (vpdpbusd), AVX2 four (vpmaddubsw), NEON one (vmull_s8); a build with none of them
+ * keeps the scalar product, and each vector product hands a row's last blocks to it. */
 #include <string.h>
 
 #include "llmcli_cpu.h"
@@ -23,6 +24,10 @@ _Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20 && sizeof(bl
 /* IQ4_NL's 16 levels (ggml-common.h's kvalues_iq4nl): a non-uniform 4-bit grid. */
 static const int8_t IQ4_NL_VALUES[16] = { -127, -104, -83, -65, -49, -35, -22, -10,
                                           1, 13, 25, 38, 53, 69, 89, 113 };
+
+/* Inlined even where the compiler would not: the per-type wrappers pass their block readers as
+ * constants, and only inlining turns those into straight-line, vectorizable code. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 static inline float half(uint16_t h) {
 #if defined(__F16C__)
@@ -61,16 +66,22 @@ static inline void five_bits_of(const uint8_t qs[QK / 2], const uint8_t qh[4], i
     }
 }
 
-static inline __attribute__((always_inline)) void ints_q4_0(const void *b, int8_t out[QK]) { nibbles_of(((const block_q4_0 *)b)->qs, out, 8); }
-static inline __attribute__((always_inline)) void ints_q4_1(const void *b, int8_t out[QK]) { nibbles_of(((const block_q4_1 *)b)->qs, out, 0); }
-static inline __attribute__((always_inline)) void ints_q5_0(const void *b, int8_t out[QK]) {
+static ALWAYS_INLINE void ints_q4_0(const void *b, int8_t out[QK]) {
+    nibbles_of(((const block_q4_0 *)b)->qs, out, 8);
+}
+static ALWAYS_INLINE void ints_q4_1(const void *b, int8_t out[QK]) {
+    nibbles_of(((const block_q4_1 *)b)->qs, out, 0);
+}
+static ALWAYS_INLINE void ints_q5_0(const void *b, int8_t out[QK]) {
     five_bits_of(((const block_q5_0 *)b)->qs, ((const block_q5_0 *)b)->qh, out, 16);
 }
-static inline __attribute__((always_inline)) void ints_q5_1(const void *b, int8_t out[QK]) {
+static ALWAYS_INLINE void ints_q5_1(const void *b, int8_t out[QK]) {
     five_bits_of(((const block_q5_1 *)b)->qs, ((const block_q5_1 *)b)->qh, out, 0);
 }
-static inline __attribute__((always_inline)) void ints_q8_0(const void *b, int8_t out[QK]) { memcpy(out, ((const block_w8_0 *)b)->qs, QK); }
-static inline __attribute__((always_inline)) void ints_iq4_nl(const void *b, int8_t out[QK]) {
+static ALWAYS_INLINE void ints_q8_0(const void *b, int8_t out[QK]) {
+    memcpy(out, ((const block_w8_0 *)b)->qs, QK);
+}
+static ALWAYS_INLINE void ints_iq4_nl(const void *b, int8_t out[QK]) {
     const block_iq4_nl *x = b;
     for (int j = 0; j < QK / 2; j++) {
         out[j] = IQ4_NL_VALUES[x->qs[j] & 0x0F];
@@ -80,14 +91,11 @@ static inline __attribute__((always_inline)) void ints_iq4_nl(const void *b, int
 
 typedef void (*block_ints)(const void *block, int8_t out[QK]);
 
-/* d · q (+ m for the types with a minimum, whose half sits right after d), as gguf computes it:
- * a product rounded to float, then the sum. GCC would fuse the two into one FMA (another
- * rounding) in the builds that have FMA, so it is told not to. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
-static inline __attribute__((always_inline)) void dequantize_blocks(const char *blocks, int bytes, block_ints ints, int has_min,
-                                     float *out, int64_t k) {
+/* d · q (+ m for the types with a minimum, whose half sits right after d), as gguf computes it.
+ * d · q is exact in float (11 significant bits times at most 5), so a compiler that fuses the sum
+ * into an FMA rounds once, as gguf's product-then-sum does. */
+static ALWAYS_INLINE void dequantize_blocks(const char *blocks, int bytes, block_ints ints, int has_min, float *out,
+                                            int64_t k) {
     int8_t q[QK];
     for (int64_t i = 0; i < k / QK; i++, blocks += bytes) {
         const uint16_t *halves = (const uint16_t *)blocks;
@@ -102,8 +110,8 @@ static inline __attribute__((always_inline)) void dequantize_blocks(const char *
 
 /* Σ w·a per block, times both scales; for the types with a minimum, + m · s of the Q8_1 block.
  * Inlined into each type's function with its `ints` known, so the compiler vectorizes the whole. */
-static inline __attribute__((always_inline)) float dot_blocks(int64_t k, const char *w, int bytes, block_ints ints, int has_min,
-                               const void *act) {
+static ALWAYS_INLINE float dot_blocks(int64_t k, const char *w, int bytes, block_ints ints, int has_min,
+                                      const void *act) {
     int8_t q[QK];
     float sum = 0.0f;
     for (int64_t i = 0; i < k / QK; i++, w += bytes) {
@@ -217,9 +225,8 @@ static inline __m512i acts_x2(const char *a0, const char *a1, int has_min) {
 
 /* Four blocks per step, in two registers; their four scales are converted at once and spread
  * over each block's eight lanes. */
-static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
-                                                          int offset, int has_min, const char *act,
-                                                          float (*scalar)(int64_t, const void *, const void *)) {
+static ALWAYS_INLINE float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored, int offset, int has_min,
+                                    const char *act, float (*scalar)(int64_t, const void *, const void *)) {
     const int64_t blocks = k / QK;
     const int act_bytes = ACT_BYTES(has_min);
     const __m512i offsets = _mm512_set1_epi8((char)offset);
@@ -283,7 +290,7 @@ static inline __m256i iq4_nl_stored(const char *w) {
 }
 
 /* One block's Σ q·a as eight int32 lanes, as floats. */
-static inline __attribute__((always_inline)) __m256 block_sums(__m256i q, __m256i a, int offset) {
+static ALWAYS_INLINE __m256 block_sums(__m256i q, __m256i a, int offset) {
     __m256i pairs;
     if (offset == SIGNED) {
         pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q));
@@ -295,9 +302,8 @@ static inline __attribute__((always_inline)) __m256 block_sums(__m256i q, __m256
 }
 
 /* Four blocks per step, one register each; their four scales are converted at once. */
-static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
-                                                            int offset, int has_min, const char *act,
-                                                            float (*scalar)(int64_t, const void *, const void *)) {
+static ALWAYS_INLINE float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored, int offset, int has_min,
+                                    const char *act, float (*scalar)(int64_t, const void *, const void *)) {
     const int64_t blocks = k / QK;
     const int act_bytes = ACT_BYTES(has_min);
     __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
@@ -368,9 +374,8 @@ static inline int32x4_t products_neon(int8x16_t q, int8x16_t a, int32x4_t acc) {
     return vpadalq_s16(acc, vmull_high_s8(q, a));
 }
 
-static inline __attribute__((always_inline)) float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored,
-                                                            int offset, int has_min, const char *act,
-                                                            float (*scalar)(int64_t, const void *, const void *)) {
+static ALWAYS_INLINE float dot_simd(int64_t k, const char *w, int bytes, stored_ints stored, int offset, int has_min,
+                                    const char *act, float (*scalar)(int64_t, const void *, const void *)) {
     (void)scalar; /* every block goes through the vector path */
     const int act_bytes = ACT_BYTES(has_min);
     float sum = 0.0f;
@@ -381,7 +386,8 @@ static inline __attribute__((always_inline)) float dot_simd(int64_t k, const cha
             q.val[1] = vsubq_s8(q.val[1], vdupq_n_s8((int8_t)offset));
         }
         const int8_t *a = ACT_QS(act, has_min);
-        const int32x4_t s = products_neon(q.val[1], vld1q_s8(a + 16), products_neon(q.val[0], vld1q_s8(a), vdupq_n_s32(0)));
+        const int32x4_t first = products_neon(q.val[0], vld1q_s8(a), vdupq_n_s32(0));
+        const int32x4_t s = products_neon(q.val[1], vld1q_s8(a + 16), first);
         const uint16_t *halves = (const uint16_t *)w;
         sum += (float)vaddvq_s32(s) * half(halves[0]) * half(ACT_D(act));
         if (has_min) sum += half(halves[1]) * half(ACT_S(act));
