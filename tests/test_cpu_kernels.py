@@ -4,6 +4,7 @@ reference in float64 on the same quantized activations, on every level this CPU 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -75,6 +76,27 @@ def _gguf_values(blocks: np.ndarray, type_name: str, rows: int, k: int) -> np.nd
 
 ACTIVATIONS = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
                "Q4_1": "Q8_1", "Q5_1": "Q8_1"}  # fmt: skip
+# The 32-element types: every level multiplies all of them (none may fall back to torch).
+THIRTY_TWO_ELEMENT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+
+
+def _reference_product(x: np.ndarray, blocks: np.ndarray, type_name: str, rows: int, k: int) -> np.ndarray:
+    """x · Wᵀ in float64 on x's quantized activations, as llama.cpp computes it: for the types
+    with a minimum (Q4_1, Q5_1: d·q + m), the minimum multiplies the Q8_1 block's `s`, its
+    d · Σq rounded to fp16, rather than the activations themselves."""
+    act = ACTIVATIONS.get(type_name, "Q8_K")
+    weights = _gguf_values(blocks, type_name, rows, k).astype(np.float64)
+    activations = _reference_activations(x, act)
+    if act != "Q8_1":
+        return activations @ weights.T
+    block_bytes = blocks.shape[1] * 32 // k
+    minimums = blocks.reshape(rows, -1, block_bytes)[:, :, 2:4].copy().view(np.float16)[..., 0]
+    minimums = minimums.astype(np.float64)
+    d32 = (np.abs(x.reshape(x.shape[0], -1, 32)).max(-1) / np.float32(127)).astype(np.float32)
+    d16 = np.where(d32 == 0, 1, d32.astype(np.float16))
+    quantized = activations.reshape(x.shape[0], -1, 32) / d16[..., None]
+    sums = (np.rint(quantized).sum(-1).astype(np.float32) * d32).astype(np.float16).astype(np.float64)
+    return activations @ (weights - np.repeat(minimums, 32, axis=1)).T + sums @ minimums.T
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -98,11 +120,28 @@ def test_products_equal_a_scalar_reference(level: str, type_name: str, m: int) -
         pytest.skip(f"no {type_name} kernel yet")
     blocks, (rows, k) = TENSORS[type_name]
     rows = min(rows, 301)  # an odd count: the threads' shares end inside a run of rows
-    blocks = blocks[:rows]
-    weights = _gguf_values(blocks, type_name, rows, k)
+    _assert_product_equals_reference(kernels, blocks[:rows], type_name, rows, k, m)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("type_name", THIRTY_TWO_ELEMENT_TYPES)
+def test_products_on_rows_of_an_odd_number_of_blocks(level: str, type_name: str) -> None:
+    """The vector kernels take blocks two or more at a time: a row of 11 blocks ends on a lone
+    one. The fixture's blocks, each independent of its row, are cut into rows of 11."""
+    blocks, (rows, k) = TENSORS[type_name]
+    block_bytes = blocks.shape[1] * 32 // k
+    rows = 200
+    k = 11 * 32
+    cut = blocks.reshape(-1)[: rows * 11 * block_bytes].reshape(rows, -1)
+    _assert_product_equals_reference(_level(level), cut, type_name, rows, k, m=3)
+
+
+def _assert_product_equals_reference(
+    kernels: cpu_kernels.CpuKernels, blocks: np.ndarray, type_name: str, rows: int, k: int, m: int
+) -> None:
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # a block of zeros: its scale is 0
-    expected = _reference_activations(x, ACTIVATIONS.get(type_name, "Q8_K")) @ weights.astype(np.float64).T
+    expected = _reference_product(x, blocks, type_name, rows, k)
     got = kernels.matmul(torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(blocks)), type_name, rows)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=scale * 2e-5)
@@ -130,6 +169,41 @@ def test_every_level_multiplies_the_main_k_quants(level: str) -> None:
     back to torch on every such file, and the tests above would skip instead of failing."""
     assert set(MAIN_K_QUANTS) <= _level(level).types
     assert set(MAIN_K_QUANTS) <= set(TENSORS), "the fixtures hold a tensor of each"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("act", ["Q8_0", "Q8_1"])
+def test_activations_are_quantized_as_the_reference_quantizer_does(level: str, act: str) -> None:
+    """Byte for byte, on every level (the vector quantizers round half away from zero as roundf
+    does): a row of ordinary values, one of half-integers whose block maximum is 127 (the scale is
+    1, so every value is a tie), and a block of zeros."""
+    rng = np.random.default_rng(5)
+    ties = rng.integers(-254, 255, 256) / 2
+    ties[::32] = 127
+    x = np.concatenate([rng.standard_normal(256) * 3, ties, np.zeros(32)]).astype(np.float32)
+    block_bytes = 34 if act == "Q8_0" else 36
+    got = np.zeros(len(x) // 32 * block_bytes, dtype=np.uint8)
+    quantize = _level(level).library.llmcli_quantize_activations
+    quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    assert quantize(gguf.GGMLQuantizationType[act].value, x.ctypes.data, len(x), got.ctypes.data) == 0
+    got = got.reshape(-1, block_bytes)
+    blocks = x.reshape(-1, 32)
+    d32 = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    scaled = blocks * np.where(d32 == 0, 0, 1 / np.where(d32 == 0, 1, d32)).astype(np.float32)[:, None]
+    q = (np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)).astype(np.int8)
+    np.testing.assert_array_equal(got[:, :2].copy().view(np.float16)[:, 0], d32.astype(np.float16))
+    np.testing.assert_array_equal(got[:, block_bytes - 32 :].view(np.int8), q)
+    if act == "Q8_1":
+        sums = (q.sum(-1).astype(np.float32) * d32).astype(np.float16)
+        np.testing.assert_array_equal(got[:, 2:4].copy().view(np.float16)[:, 0], sums)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_32_element_type_has_a_kernel_on_every_level(level: str) -> None:
+    """The product tests skip a type without a kernel; for these six, none may skip."""
+    assert set(THIRTY_TWO_ELEMENT_TYPES) <= _level(level).types
+    if FIXTURES.is_dir():
+        assert set(THIRTY_TWO_ELEMENT_TYPES) <= set(TENSORS)
 
 
 def test_each_build_was_compiled_for_no_more_than_its_level_needs() -> None:

@@ -49,34 +49,98 @@ uint16_t fp32_to_bf16(float f) {
     return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
 }
 
-/* x * id rounded half away from zero, as roundf does in llama.cpp's reference quantizer. */
+/* A block's largest magnitude (fmaxf over |x|; a NaN in the block is not ordered the same way by
+ * the vector max, which no finite activation row meets). */
+static inline float block_amax(const float *xs) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xs)),
+                                              _mm512_abs_ps(_mm512_loadu_ps(xs + 16))));
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(xs));
+    for (int j = 8; j < QK; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xs + j)));
+    __m128 four = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xs[j]));
+    return amax;
+#endif
+}
+
+/* q = x * id rounded half away from zero, as roundf does in llama.cpp's reference quantizer;
+ * returns Σq. The vector paths round the same way: truncate, then step away from zero where the
+ * part cut off (exact, |x * id| <= 127) is at least one half. */
+static inline int round_block(const float *xs, float id, int8_t *q) {
+#if defined(__AVX512F__)
+    __m512i sum = _mm512_setzero_si512();
+    for (int j = 0; j < QK; j += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xs + j), _mm512_set1_ps(id));
+        const __m512 cut = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m512 cut_off = _mm512_abs_ps(_mm512_sub_ps(v, cut));
+        const __mmask16 away = _mm512_cmp_ps_mask(cut_off, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+        const __m512 step = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
+            _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u))));
+        const __m512i rounded = _mm512_cvttps_epi32(_mm512_mask_add_ps(cut, away, cut, step));
+        _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(rounded));
+        sum = _mm512_add_epi32(sum, rounded);
+    }
+    return _mm512_reduce_add_epi32(sum);
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256i rounded[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xs + 8 * j), _mm256_set1_ps(id));
+        const __m256 cut = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 cut_off = _mm256_andnot_ps(sign, _mm256_sub_ps(v, cut));
+        const __m256 away = _mm256_cmp_ps(cut_off, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+        const __m256 step = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(sign, v));
+        rounded[j] = _mm256_cvttps_epi32(_mm256_add_ps(cut, _mm256_and_ps(away, step)));
+    }
+    /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes back in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(rounded[0], rounded[1]),
+                                             _mm256_packs_epi32(rounded[2], rounded[3]));
+    const __m256i in_order = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, in_order);
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(rounded[0], rounded[1]),
+                                           _mm256_add_epi32(rounded[2], rounded[3]));
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xB1)));
+#else
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        q[j] = (int8_t)roundf(xs[j] * id);
+        sum += q[j];
+    }
+    return sum;
+#endif
+}
+
 void quantize_row_q8_0(const float *x, block_q8_0 *out, int64_t k) {
     for (int64_t i = 0; i < k / QK; i++) {
-        const float *xs = x + i * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xs[j]));
-        const float d = amax / 127.0f;
-        const float id = d ? 1.0f / d : 0.0f;
+        const float d = block_amax(x + i * QK) / 127.0f;
         out[i].d = fp32_to_fp16(d);
-        for (int j = 0; j < QK; j++) out[i].qs[j] = (int8_t)roundf(xs[j] * id);
+        round_block(x + i * QK, d ? 1.0f / d : 0.0f, out[i].qs);
     }
 }
 
 void quantize_row_q8_1(const float *x, block_q8_1 *out, int64_t k) {
     for (int64_t i = 0; i < k / QK; i++) {
-        const float *xs = x + i * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xs[j]));
-        const float d = amax / 127.0f;
-        const float id = d ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            out[i].qs[j] = (int8_t)roundf(xs[j] * id);
-            sum += out[i].qs[j];
-        }
+        const float d = block_amax(x + i * QK) / 127.0f;
+        const int sum = round_block(x + i * QK, d ? 1.0f / d : 0.0f, out[i].qs);
         out[i].d = fp32_to_fp16(d);
         out[i].s = fp32_to_fp16((float)sum * d);
     }
+}
+
+/* One activation row quantized as `act_type`, for the tests to hold against the reference. */
+LLMCLI_API int llmcli_quantize_activations(int act_type, const float *x, int64_t k, void *out) {
+    if (k % QK_K && act_type == T_Q8_K) return -1;
+    if (k % QK) return -1;
+    quantize_act_row(act_type, x, out, k);
+    return 0;
 }
 
 /* Round half to even by the float trick llama.cpp's nearest_int uses. */
