@@ -38,7 +38,8 @@ def _file(architecture: str, tmp_path: Path) -> Path:
 def _run(
     path: Path, dtype: str, fused: str, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[torch.Tensor, list[int]]:
-    """The prompt's logits at every position, and 8 greedy tokens after it, one step at a time."""
+    """The prompt's logits at every position, and 8 greedy tokens after it, one step at a time.
+    The prompt is shorter than block_linear.GEMM_ROWS: longer ones take torch's GEMM instead."""
     from llmcli.config.settings import LoadSettings
     from llmcli.engine.loop import Engine
     from llmcli.models.load import load_model

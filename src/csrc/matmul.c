@@ -110,6 +110,41 @@ LLMCLI_API int llmcli_dequantize(int type, const void *blocks, int64_t rows, int
 
 typedef struct {
     const weight_type *t;
+    const char *blocks;
+    int64_t rows, k, row_bytes;
+    void *out;
+    int out_dtype;
+} dequantize_job;
+
+static void dequantize_rows(void *context, int ith, int nth) {
+    const dequantize_job *job = context;
+    float *row = job->out_dtype == D_F32 ? NULL : malloc((size_t)job->k * sizeof(float));
+    const int64_t first = job->rows * ith / nth, last = job->rows * (ith + 1) / nth;
+    for (int64_t r = first; r < last; r++) {
+        const char *blocks = job->blocks + r * job->row_bytes;
+        if (!row) {
+            job->t->dequantize_row(blocks, (float *)job->out + r * job->k, job->k);
+            continue;
+        }
+        job->t->dequantize_row(blocks, row, job->k);
+        for (int64_t j = 0; j < job->k; j++) store_value(job->out, job->out_dtype, r * job->k + j, row[j]);
+    }
+    free(row);
+}
+
+/* As llmcli_dequantize, on n_threads, the values written in out_dtype (D_F32, D_BF16, D_F16):
+ * a prefill's products dequantize a matrix once and multiply it by torch's GEMM. */
+LLMCLI_API int llmcli_dequantize_to(int type, const void *blocks, int64_t rows, int64_t k, void *out,
+                                    int out_dtype, int n_threads) {
+    const weight_type *t = type_of(type);
+    if (!t || !t->dequantize_row || k % t->block_elems) return -1;
+    dequantize_job job = { t, blocks, rows, k, k / t->block_elems * t->block_bytes, out, out_dtype };
+    pool_run(dequantize_rows, &job, n_threads);
+    return 0;
+}
+
+typedef struct {
+    const weight_type *t;
     const char *w;
     int64_t n, k, m, w_row_bytes, act_bytes;
     const char *act;  /* m quantized activation rows */

@@ -71,6 +71,23 @@ class CpuKernels:
             raise ValueError(f"llmcli's {self.level} kernels cannot multiply {type_name} rows of {k}")
         return y
 
+    def dequantized(
+        self, blocks: torch.Tensor, type_name: str, rows: int, k: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The matrix's values [rows, k] in `dtype` (fp32, bf16 or fp16), read on every thread:
+        what a prefill multiplies by torch's GEMM (faster than the block products from ~32 rows
+        on, measured in docs/benchmarks.md)."""
+        import torch
+
+        out = torch.empty((rows, k), dtype=dtype)
+        code = dtype_code(dtype)
+        read = self.library.llmcli_dequantize_to(
+            TYPE_IDS[type_name], blocks.data_ptr(), rows, k, out.data_ptr(), code, torch.get_num_threads()
+        )
+        if read != 0:
+            raise ValueError(f"llmcli's {self.level} kernels cannot read {type_name} rows of {k}")
+        return out
+
     def dequantize(self, blocks: torch.Tensor, type_name: str, rows: int, k: int) -> torch.Tensor:
         """The values of `rows` rows of `k` stored in `blocks`, in fp32 (the tests' reference
         is gguf's own dequantization)."""
@@ -115,6 +132,8 @@ def _open(path: Path) -> ctypes.CDLL:
             c_int,
         ],
         "llmcli_dequantize": [c_int, c_void_p, c_int64, c_int64, c_void_p],
+        # type, blocks, rows, k, out, out's dtype, threads
+        "llmcli_dequantize_to": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int, c_int],
         "llmcli_has_type": [c_int],
         "llmcli_cpu_features": [],
         "llmcli_build_features": [],

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from llmcli.engine.native.layers import FeedForward, RMSNorm, identity
 from llmcli.errors import UsageError
-from llmcli.models.block_linear import BlockLinear
+from llmcli.models.block_linear import GEMM_ROWS, BlockLinear
 from llmcli.models.cpu_kernels import TYPE_IDS, CpuKernels, dtype_code
 
 if TYPE_CHECKING:
@@ -188,9 +188,10 @@ class CompiledLayer:
         return out
 
     def usable(self, h: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Whether this pass's tensors are the layouts the C code reads."""
+        """Whether this pass's tensors are the layouts the C code reads, and few enough rows that
+        the block products beat a GEMM (a prefill takes torch's calls, block_linear.GEMM_ROWS)."""
         return (
-            h.dtype == torch.float32 and h.dim() == 2 and h.is_contiguous() and cos.is_contiguous()
-            and dtype_code(cos.dtype) is not None and cos.shape[0] == h.shape[0]
+            h.shape[0] < GEMM_ROWS and h.dtype == torch.float32 and h.dim() == 2 and h.is_contiguous()
+            and cos.is_contiguous() and dtype_code(cos.dtype) is not None and cos.shape[0] == h.shape[0]
             and dtype_code(self.dtype) is not None
         )  # fmt: skip
