@@ -72,6 +72,15 @@ ACTIVATIONS = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5
                "Q4_1": "Q8_1", "Q5_1": "Q8_1"}  # fmt: skip
 
 
+# The types every level must multiply: a build that lost one would otherwise only skip its tests.
+WRITTEN = {"F16", "BF16", "Q4_0", "Q8_0", "Q2_K", "Q3_K", "IQ4_XS"}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_written_type_has_its_kernel(level: str) -> None:
+    assert _level(level).types >= WRITTEN
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("type_name", sorted(TENSORS))
 def test_blocks_read_back_as_gguf_reads_them(level: str, type_name: str) -> None:
