@@ -2,6 +2,8 @@
  * activations in Q8_K as llama.cpp does: each 16- or 32-element sub-block's integers against the
  * activations' in integers, times the sub-block's small integer scale, and one float product per
  * super-block. Q2_K's minimums come out of Q8_K's 16-element sums (bsums), never per element. */
+#include <string.h>
+
 #include "llmcli_cpu.h"
 
 typedef struct {
@@ -71,7 +73,7 @@ static void dequantize_q2_K(const void *blocks, float *out, int64_t k) {
     }
 }
 
-static float dot_q2_K(int64_t k, const void *w_row, const void *act_row) {
+__attribute__((unused)) static float dot_q2_K(int64_t k, const void *w_row, const void *act_row) {
     const block_q2_K *w = w_row;
     const block_q8_K *a = act_row;
     float sum = 0.0f;
@@ -99,7 +101,7 @@ static void dequantize_q3_K(const void *blocks, float *out, int64_t k) {
     }
 }
 
-static float dot_q3_K(int64_t k, const void *w_row, const void *act_row) {
+__attribute__((unused)) static float dot_q3_K(int64_t k, const void *w_row, const void *act_row) {
     const block_q3_K *w = w_row;
     const block_q8_K *a = act_row;
     float sum = 0.0f;
@@ -126,7 +128,7 @@ static void dequantize_iq4_xs(const void *blocks, float *out, int64_t k) {
     }
 }
 
-static float dot_iq4_xs(int64_t k, const void *w_row, const void *act_row) {
+__attribute__((unused)) static float dot_iq4_xs(int64_t k, const void *w_row, const void *act_row) {
     const block_iq4_xs *w = w_row;
     const block_q8_K *a = act_row;
     float sum = 0.0f;
@@ -142,6 +144,132 @@ static float dot_iq4_xs(int64_t k, const void *w_row, const void *act_row) {
     return sum;
 }
 
-const weight_type TYPE_Q2_K = { QK_K, sizeof(block_q2_K), T_Q8_K, dequantize_q2_K, dot_q2_K };
-const weight_type TYPE_Q3_K = { QK_K, sizeof(block_q3_K), T_Q8_K, dequantize_q3_K, dot_q3_K };
-const weight_type TYPE_IQ4_XS = { QK_K, sizeof(block_iq4_xs), T_Q8_K, dequantize_iq4_xs, dot_iq4_xs };
+#if defined(__AVX2__)
+/* The AVX2 products: 32 elements per instruction, maddubs (unsigned × signed bytes into 16-bit
+ * pairs) then madd with each sub-block's scale into 32-bit sums, one fp32 FMA per super-block,
+ * llama.cpp's scheme. No 16-bit sum can saturate: |2·3·127| and |2·4·127| are far below 32767. */
+static inline float hsum_8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 16-bit scales of 8 sub-blocks of 16 sit in both halves of a register; group g (32
+ * elements: sub-blocks 2g and 2g + 1) needs sub-block 2g's in the low half, 2g + 1's in the high. */
+static inline __m256i scales_of_group(__m256i scales, int g) {
+    const __m128i low = _mm_set1_epi16((short)((4 * g + 1) << 8 | 4 * g));
+    const __m128i high = _mm_set1_epi16((short)((4 * g + 3) << 8 | (4 * g + 2)));
+    return _mm256_shuffle_epi8(scales, _mm256_set_m128i(high, low));
+}
+
+/* 8 int16 scales, repeated in both 128-bit halves. */
+static inline __m256i both_halves(__m128i scales16) { return _mm256_set_m128i(scales16, scales16); }
+
+static float dot_q2_K_avx2(int64_t k, const void *w_row, const void *act_row) {
+    const block_q2_K *w = w_row;
+    const block_q8_K *a = act_row;
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m128i nibble = _mm_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k / QK_K; i++) {
+        const __m128i packed = _mm_loadu_si128((const __m128i *)w[i].scales);
+        const __m256i minimums = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+        const __m256i minimum_sums = _mm256_madd_epi16(minimums, _mm256_loadu_si256((const __m256i *)a[i].bsums));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(-a[i].d * fp16_to_fp32(w[i].dmin)), _mm256_cvtepi32_ps(minimum_sums), acc);
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_and_si128(packed, nibble));
+        const __m256i halves[2] = { both_halves(_mm256_castsi256_si128(scales)),
+                                    both_halves(_mm256_extracti128_si256(scales, 1)) };
+        __m256i sums = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w[i].qs + 32 * half));
+            const int8_t *q8 = a[i].qs + 128 * half;
+            for (int g = 0; g < 4; g++) {
+                const __m256i values = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * g), three);
+                const __m256i pairs = _mm256_maddubs_epi16(values, _mm256_loadu_si256((const __m256i *)(q8 + 32 * g)));
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales_of_group(halves[half], g), pairs));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return hsum_8(acc);
+}
+
+/* Q3_K's sixteen 6-bit scales, minus 32, as bytes (the bit layout in q3_scale, 32 bits at a time). */
+static inline __m128i q3_scales(const block_q3_K *b) {
+    uint32_t aux[4];
+    memcpy(aux, b->scales, 12);
+    const uint32_t high = aux[2], low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    aux[2] = ((aux[0] >> 4) & low4) | (((high >> 4) & low2) << 4);
+    aux[3] = ((aux[1] >> 4) & low4) | (((high >> 6) & low2) << 4);
+    aux[0] = (aux[0] & low4) | ((high & low2) << 4);
+    aux[1] = (aux[1] & low4) | (((high >> 2) & low2) << 4);
+    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32));
+}
+
+static float dot_q3_K_avx2(int64_t k, const void *w_row, const void *act_row) {
+    const block_q3_K *w = w_row;
+    const block_q8_K *a = act_row;
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k / QK_K; i++) {
+        const __m256i scales = _mm256_cvtepi8_epi16(q3_scales(&w[i]));
+        const __m256i halves[2] = { both_halves(_mm256_castsi256_si128(scales)),
+                                    both_halves(_mm256_extracti128_si256(scales, 1)) };
+        const __m256i high_bits = _mm256_loadu_si256((const __m256i *)w[i].hmask);
+        __m256i sums = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w[i].qs + 32 * half));
+            const int8_t *q8 = a[i].qs + 128 * half;
+            for (int g = 0; g < 4; g++) {
+                const int bit = 4 * half + g;
+                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * g), three);
+                /* 4 where the value's high bit is clear: subtracted from the low bits' product. */
+                const __m256i minus = _mm256_slli_epi16(
+                    _mm256_srli_epi16(_mm256_andnot_si256(high_bits, _mm256_slli_epi16(one, bit)), bit), 2);
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(q8 + 32 * g));
+                const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(low, x), _mm256_maddubs_epi16(minus, x));
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales_of_group(halves[half], g), pairs));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return hsum_8(acc);
+}
+
+/* Signed bytes times signed bytes into 16-bit pairs: maddubs takes the first operand unsigned,
+ * so it gets |x| and the second operand takes x's sign. */
+static inline __m256i signed_pairs(__m256i x, __m256i y) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+}
+
+static float dot_iq4_xs_avx2(int64_t k, const void *w_row, const void *act_row) {
+    const block_iq4_xs *w = w_row;
+    const block_q8_K *a = act_row;
+    const __m128i levels = _mm_loadu_si128((const __m128i *)IQ4_LEVELS), nibble = _mm_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k / QK_K; i++) {
+        __m256i sums = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 32; j++) {
+            const __m128i bits = _mm_loadu_si128((const __m128i *)(w[i].qs + 16 * j));
+            const __m256i values = _mm256_set_m128i(_mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(bits, 4), nibble)),
+                                                    _mm_shuffle_epi8(levels, _mm_and_si128(bits, nibble)));
+            const __m256i pairs = signed_pairs(values, _mm256_loadu_si256((const __m256i *)(a[i].qs + 32 * j)));
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16((short)iq4_xs_scale(&w[i], j))));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return hsum_8(acc);
+}
+#define DOT_Q2_K dot_q2_K_avx2
+#define DOT_Q3_K dot_q3_K_avx2
+#define DOT_IQ4_XS dot_iq4_xs_avx2
+#else
+#define DOT_Q2_K dot_q2_K
+#define DOT_Q3_K dot_q3_K
+#define DOT_IQ4_XS dot_iq4_xs
+#endif
+
+const weight_type TYPE_Q2_K = { QK_K, sizeof(block_q2_K), T_Q8_K, dequantize_q2_K, DOT_Q2_K };
+const weight_type TYPE_Q3_K = { QK_K, sizeof(block_q3_K), T_Q8_K, dequantize_q3_K, DOT_Q3_K };
+const weight_type TYPE_IQ4_XS = { QK_K, sizeof(block_iq4_xs), T_Q8_K, dequantize_iq4_xs, DOT_IQ4_XS };
