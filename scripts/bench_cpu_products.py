@@ -7,9 +7,10 @@ the spread between the fastest and the slowest run, in µs per product. The shap
 width: a square projection, gate/up (2816×1024) and down (1024×2816); m = 1 is a decode step's
 GEMV, m = 16 a short prefill's.
 
-  python scripts/bench_cpu_products.py [--threads 2] [--runs 7] [--types F16,BF16]
+  python scripts/bench_cpu_products.py [--threads 2] [--runs 7] [--types F16,BF16] [--clock cpu]
 
-Compare on a quiet machine only (load < 1.5).
+Compare on a quiet machine only (load < 1.5); on a busy one, `--threads 1 --clock cpu` still
+ranks the levels against each other (the process's own CPU time, one thread, no pool waits).
 """
 
 from __future__ import annotations
@@ -56,18 +57,21 @@ def weight_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> t
     return torch.from_numpy(np.ascontiguousarray(blocks.reshape(n, -1)))
 
 
-def timed_us(fn: Callable[[], object], runs: int) -> tuple[float, float]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed_us(fn: Callable[[], object], runs: int, clock: Callable[[], float]) -> tuple[float, float]:
     """Median and half-spread of `runs` runs, in µs per call."""
     fn()
-    start = time.perf_counter()
+    start = clock()
     fn()
-    calls = max(1, int(0.04 / max(time.perf_counter() - start, 1e-7)))
+    calls = max(1, int(0.04 / max(clock() - start, 1e-7)))
     times = []
     for _ in range(runs):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
+        times.append((clock() - start) / calls * 1e6)
     return statistics.median(times), (max(times) - min(times)) / 2
 
 
@@ -80,13 +84,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="wall",
+        help="cpu: the process's CPU time, which other work on a busy machine does not inflate (--threads 1)",
+    )
     parser.add_argument("--types", default=",".join(TYPES), help="comma-separated GGUF type names")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     levels = [level for level in cpu_kernels.built_levels() if cpu_kernels.runs_here(level)]
     loaded = {level: cpu_kernels._load(level) for level in levels}
     rng = np.random.default_rng(0)
-    print(f"{args.threads} threads, µs per product: median ± half the spread of {args.runs} runs\n")
+    runs, clock = args.runs, CLOCKS[args.clock]
+    print(f"{args.threads} threads, {args.clock} µs per product: median ± half the spread of {runs} runs\n")
     print("| type | n×k | m | torch bf16 | " + " | ".join(levels) + " |")
     print("|---|---|---:|---:|" + "---:|" * len(levels))
     for type_name in args.types.split(","):
@@ -96,14 +107,14 @@ def main() -> None:
             for m in BATCHES:
                 x = torch.randn(m, k)
                 x_bf16 = x.to(torch.bfloat16)
-                cells = [cell(timed_us(functools.partial(F.linear, x_bf16, dense), args.runs))]
+                cells = [cell(timed_us(functools.partial(F.linear, x_bf16, dense), runs, clock))]
                 for level in levels:
                     kernels = loaded[level]
                     if kernels is None or type_name not in kernels.types:
                         cells.append("—")
                         continue
                     product = functools.partial(kernels.matmul, x, blocks, type_name, n)
-                    cells.append(cell(timed_us(product, args.runs)))
+                    cells.append(cell(timed_us(product, runs, clock)))
                 print(f"| {type_name} | {n}×{k} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -195,40 +195,45 @@ static float dot_q2_K_avx2(int64_t k, const void *w_row, const void *act_row) {
     return hsum_8(acc);
 }
 
-/* Q3_K's sixteen 6-bit scales, minus 32, as bytes (the bit layout in q3_scale, 32 bits at a time). */
+/* Q3_K's sixteen 6-bit scales, minus 32, as bytes (the bit layout in q3_scale, 32 bits at a
+ * time). Built from registers: four 32-bit stores read back as one 128-bit load would stall on
+ * store forwarding. */
 static inline __m128i q3_scales(const block_q3_K *b) {
-    uint32_t aux[4];
-    memcpy(aux, b->scales, 12);
-    const uint32_t high = aux[2], low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    aux[2] = ((aux[0] >> 4) & low4) | (((high >> 4) & low2) << 4);
-    aux[3] = ((aux[1] >> 4) & low4) | (((high >> 6) & low2) << 4);
-    aux[0] = (aux[0] & low4) | ((high & low2) << 4);
-    aux[1] = (aux[1] & low4) | (((high >> 2) & low2) << 4);
-    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32));
+    uint32_t low[2], high;
+    memcpy(low, b->scales, 8);
+    memcpy(&high, b->scales + 8, 4);
+    const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const __m128i scales = _mm_set_epi32((int)(((low[1] >> 4) & low4) | (((high >> 6) & low2) << 4)),
+                                         (int)(((low[0] >> 4) & low4) | (((high >> 4) & low2) << 4)),
+                                         (int)((low[1] & low4) | (((high >> 2) & low2) << 4)),
+                                         (int)((low[0] & low4) | ((high & low2) << 4)));
+    return _mm_sub_epi8(scales, _mm_set1_epi8(32));
 }
 
+/* Each value is u − 4, u = its two low bits plus 4 where its high bit is set (0..7, unsigned, as
+ * maddubs wants it): Σ scale·(u − 4)·x = Σ scale·u·x − 4·Σ scale·bsum, the last term one madd
+ * over Q8_K's 16-element sums per super-block. */
 static float dot_q3_K_avx2(int64_t k, const void *w_row, const void *act_row) {
     const block_q3_K *w = w_row;
     const block_q8_K *a = act_row;
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < k / QK_K; i++) {
         const __m256i scales = _mm256_cvtepi8_epi16(q3_scales(&w[i]));
+        const __m256i offsets = _mm256_madd_epi16(scales, _mm256_loadu_si256((const __m256i *)a[i].bsums));
         const __m256i halves[2] = { both_halves(_mm256_castsi256_si128(scales)),
                                     both_halves(_mm256_extracti128_si256(scales, 1)) };
         const __m256i high_bits = _mm256_loadu_si256((const __m256i *)w[i].hmask);
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offsets, 2));
         for (int half = 0; half < 2; half++) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(w[i].qs + 32 * half));
             const int8_t *q8 = a[i].qs + 128 * half;
             for (int g = 0; g < 4; g++) {
-                const int bit = 4 * half + g;
-                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * g), three);
-                /* 4 where the value's high bit is clear: subtracted from the low bits' product. */
-                const __m256i minus = _mm256_slli_epi16(
-                    _mm256_srli_epi16(_mm256_andnot_si256(high_bits, _mm256_slli_epi16(one, bit)), bit), 2);
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(q8 + 32 * g));
-                const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(low, x), _mm256_maddubs_epi16(minus, x));
+                const int bit = 4 * half + g; /* moved to bit 2 of its byte: worth 4 */
+                const __m256i high = bit >= 2 ? _mm256_srli_epi16(high_bits, bit - 2) : _mm256_slli_epi16(high_bits, 2 - bit);
+                const __m256i values = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 2 * g), three),
+                                                       _mm256_and_si256(high, four));
+                const __m256i pairs = _mm256_maddubs_epi16(values, _mm256_loadu_si256((const __m256i *)(q8 + 32 * g)));
                 sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales_of_group(halves[half], g), pairs));
             }
         }
