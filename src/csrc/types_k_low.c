@@ -29,15 +29,35 @@ typedef struct {
 /* IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h's kvalues_iq4nl). */
 static const int8_t IQ4_LEVELS[16] = { -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113 };
 
-/* Q2_K's element e of a super-block: byte e / 128 * 32 + e % 32, bits 2 * (e / 32 % 4). */
-static inline int q2_value(const block_q2_K *b, int e) {
-    return (b->qs[e / 128 * 32 + e % 32] >> (2 * (e / 32 % 4))) & 3;
+/* Each type's super-block read once into its 256 small integers: that serves dequantization and
+ * the portable product alike, and its fixed-stride loops (unlike an element-at-a-time reading)
+ * are ones the compiler vectorizes on any target, NEON included. */
+
+/* Q2_K: byte 32·h + l holds elements 128·h + 32·g + l in bits 2g, 2g + 1. */
+static void unpack_q2_K(const block_q2_K *b, int8_t q[QK_K]) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 4; g++)
+            for (int l = 0; l < 32; l++) q[128 * h + 32 * g + l] = (int8_t)((b->qs[32 * h + l] >> (2 * g)) & 3);
 }
 
-/* Q3_K's element e: Q2_K's two low bits, minus 4 where bit e / 32 of hmask[e % 32] is clear. */
-static inline int q3_value(const block_q3_K *b, int e) {
-    const int low = (b->qs[e / 128 * 32 + e % 32] >> (2 * (e / 32 % 4))) & 3;
-    return low - ((b->hmask[e % 32] >> (e / 32)) & 1 ? 0 : 4);
+/* Q3_K: Q2_K's two low bits, minus 4 where bit 4h + g of hmask[l] is clear. */
+static void unpack_q3_K(const block_q3_K *b, int8_t q[QK_K]) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 4; g++)
+            for (int l = 0; l < 32; l++) {
+                const int low = (b->qs[32 * h + l] >> (2 * g)) & 3;
+                const int high = (b->hmask[l] >> (4 * h + g)) & 1;
+                q[128 * h + 32 * g + l] = (int8_t)(low - 4 + 4 * high);
+            }
+}
+
+/* IQ4_XS: sub-block j's 16 bytes hold its first 16 indices in their low nibbles, the rest high. */
+static void unpack_iq4_xs(const block_iq4_xs *b, int8_t q[QK_K]) {
+    for (int j = 0; j < QK_K / 32; j++)
+        for (int l = 0; l < 16; l++) {
+            q[32 * j + l] = IQ4_LEVELS[b->qs[16 * j + l] & 0xF];
+            q[32 * j + 16 + l] = IQ4_LEVELS[b->qs[16 * j + l] >> 4];
+        }
 }
 
 /* Q3_K's scale of sub-block j (of 16): four low bits from bytes 0-7, two high from 8-11. */
@@ -53,9 +73,10 @@ static inline int iq4_xs_scale(const block_iq4_xs *b, int j) {
     return (low | high << 4) - 32;
 }
 
-/* Element l of a 32-element IQ4_XS sub-block's 16 bytes: low nibbles first, then high ones. */
-static inline int iq4_value(const uint8_t *qs, int l) {
-    return IQ4_LEVELS[l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4];
+static inline int dot_i8(const int8_t *x, const int8_t *y, int n) {
+    int sum = 0;
+    for (int l = 0; l < n; l++) sum += x[l] * y[l];
+    return sum;
 }
 
 /* gguf rounds d·q and then d·q − m; a fused multiply-add (which -mfma lets the compiler form
@@ -63,12 +84,14 @@ static inline int iq4_value(const uint8_t *qs, int l) {
  * a 2-bit value is exact in fp32, so the product has nothing to round. */
 static void dequantize_q2_K(const void *blocks, float *out, int64_t k) {
     const block_q2_K *b = blocks;
+    int8_t q[QK_K];
     for (int64_t i = 0; i < k / QK_K; i++, out += QK_K) {
         const float d = fp16_to_fp32(b[i].d), dmin = fp16_to_fp32(b[i].dmin);
+        unpack_q2_K(&b[i], q);
         for (int j = 0; j < QK_K / 16; j++) {
             const float scale = d * (float)(b[i].scales[j] & 0xF);
             const float minimum = dmin * (float)(b[i].scales[j] >> 4);
-            for (int e = j * 16; e < j * 16 + 16; e++) out[e] = scale * (float)q2_value(&b[i], e) - minimum;
+            for (int e = j * 16; e < j * 16 + 16; e++) out[e] = scale * (float)q[e] - minimum;
         }
     }
 }
@@ -76,13 +99,13 @@ static void dequantize_q2_K(const void *blocks, float *out, int64_t k) {
 __attribute__((unused)) static float dot_q2_K(int64_t k, const void *w_row, const void *act_row) {
     const block_q2_K *w = w_row;
     const block_q8_K *a = act_row;
+    int8_t q[QK_K];
     float sum = 0.0f;
     for (int64_t i = 0; i < k / QK_K; i++) {
+        unpack_q2_K(&w[i], q);
         int scaled = 0, minimums = 0;
         for (int j = 0; j < QK_K / 16; j++) {
-            int dot = 0;
-            for (int e = j * 16; e < j * 16 + 16; e++) dot += q2_value(&w[i], e) * a[i].qs[e];
-            scaled += (w[i].scales[j] & 0xF) * dot;
+            scaled += (w[i].scales[j] & 0xF) * dot_i8(q + 16 * j, a[i].qs + 16 * j, 16);
             minimums += (w[i].scales[j] >> 4) * a[i].bsums[j];
         }
         sum += a[i].d * fp16_to_fp32(w[i].d) * (float)scaled - a[i].d * fp16_to_fp32(w[i].dmin) * (float)minimums;
@@ -92,11 +115,13 @@ __attribute__((unused)) static float dot_q2_K(int64_t k, const void *w_row, cons
 
 static void dequantize_q3_K(const void *blocks, float *out, int64_t k) {
     const block_q3_K *b = blocks;
+    int8_t q[QK_K];
     for (int64_t i = 0; i < k / QK_K; i++, out += QK_K) {
         const float d = fp16_to_fp32(b[i].d);
+        unpack_q3_K(&b[i], q);
         for (int j = 0; j < QK_K / 16; j++) {
             const float scale = d * (float)q3_scale(&b[i], j);
-            for (int e = j * 16; e < j * 16 + 16; e++) out[e] = scale * (float)q3_value(&b[i], e);
+            for (int e = j * 16; e < j * 16 + 16; e++) out[e] = scale * (float)q[e];
         }
     }
 }
@@ -104,14 +129,12 @@ static void dequantize_q3_K(const void *blocks, float *out, int64_t k) {
 __attribute__((unused)) static float dot_q3_K(int64_t k, const void *w_row, const void *act_row) {
     const block_q3_K *w = w_row;
     const block_q8_K *a = act_row;
+    int8_t q[QK_K];
     float sum = 0.0f;
     for (int64_t i = 0; i < k / QK_K; i++) {
+        unpack_q3_K(&w[i], q);
         int scaled = 0;
-        for (int j = 0; j < QK_K / 16; j++) {
-            int dot = 0;
-            for (int e = j * 16; e < j * 16 + 16; e++) dot += q3_value(&w[i], e) * a[i].qs[e];
-            scaled += q3_scale(&w[i], j) * dot;
-        }
+        for (int j = 0; j < QK_K / 16; j++) scaled += q3_scale(&w[i], j) * dot_i8(q + 16 * j, a[i].qs + 16 * j, 16);
         sum += a[i].d * fp16_to_fp32(w[i].d) * (float)scaled;
     }
     return sum;
@@ -119,11 +142,13 @@ __attribute__((unused)) static float dot_q3_K(int64_t k, const void *w_row, cons
 
 static void dequantize_iq4_xs(const void *blocks, float *out, int64_t k) {
     const block_iq4_xs *b = blocks;
+    int8_t q[QK_K];
     for (int64_t i = 0; i < k / QK_K; i++, out += QK_K) {
         const float d = fp16_to_fp32(b[i].d);
+        unpack_iq4_xs(&b[i], q);
         for (int j = 0; j < QK_K / 32; j++) {
             const float scale = d * (float)iq4_xs_scale(&b[i], j);
-            for (int l = 0; l < 32; l++) out[j * 32 + l] = scale * (float)iq4_value(b[i].qs + 16 * j, l);
+            for (int e = j * 32; e < j * 32 + 32; e++) out[e] = scale * (float)q[e];
         }
     }
 }
@@ -131,14 +156,12 @@ static void dequantize_iq4_xs(const void *blocks, float *out, int64_t k) {
 __attribute__((unused)) static float dot_iq4_xs(int64_t k, const void *w_row, const void *act_row) {
     const block_iq4_xs *w = w_row;
     const block_q8_K *a = act_row;
+    int8_t q[QK_K];
     float sum = 0.0f;
     for (int64_t i = 0; i < k / QK_K; i++) {
+        unpack_iq4_xs(&w[i], q);
         int scaled = 0;
-        for (int j = 0; j < QK_K / 32; j++) {
-            int dot = 0;
-            for (int l = 0; l < 32; l++) dot += iq4_value(w[i].qs + 16 * j, l) * a[i].qs[32 * j + l];
-            scaled += iq4_xs_scale(&w[i], j) * dot;
-        }
+        for (int j = 0; j < QK_K / 32; j++) scaled += iq4_xs_scale(&w[i], j) * dot_i8(q + 32 * j, a[i].qs + 32 * j, 32);
         sum += a[i].d * fp16_to_fp32(w[i].d) * (float)scaled;
     }
     return sum;
