@@ -72,6 +72,16 @@ static inline float bf16_to_fp32(uint16_t h) {
 }
 uint16_t fp32_to_bf16(float f);
 
+#if defined(__AVX2__)
+/* The sum of a vector's eight floats. */
+static inline float hsum_f32x8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* The thread pool (pool.c): `task(context, ith, nth)` on nth threads, the caller being ith 0. */
 typedef void (*pool_task)(void *context, int ith, int nth);
 void pool_run(pool_task task, void *context, int n_threads);

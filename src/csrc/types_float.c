@@ -7,89 +7,65 @@
  * multiplies bf16 pairs and sums them in fp32 in one instruction, as ggml_vec_dot_bf16 does. */
 #include "llmcli_cpu.h"
 
-#if defined(__AVX2__)
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+/* One vector of fp32 lanes, and halves or bf16s read into it, at the widest width the build has. */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 f32_vector;
+#define vector_zero _mm512_setzero_ps
+#define vector_fma _mm512_fmadd_ps
+#define vector_add _mm512_add_ps
+#define vector_sum _mm512_reduce_add_ps
+#define vector_store _mm512_storeu_ps
+#define load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define load_bf16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 f32_vector;
+#define vector_zero _mm256_setzero_ps
+#define vector_fma _mm256_fmadd_ps
+#define vector_add _mm256_add_ps
+#define vector_sum hsum_f32x8
+#define vector_store _mm256_storeu_ps
+#define load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define load_bf16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
-static void dequantize_f16(const void *blocks, float *out, int64_t k) {
-    const uint16_t *h = blocks;
+static inline float half_to_fp32(uint16_t h, int bf16) { return bf16 ? bf16_to_fp32(h) : fp16_to_fp32(h); }
+
+/* `bf16` is a constant at every call: each caller gets its own loop, with no test inside. */
+static inline void dequantize_halves(const uint16_t *h, float *out, int64_t k, int bf16) {
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= k; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= k; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#ifdef LANES
+    for (; i + LANES <= k; i += LANES) vector_store(out + i, bf16 ? load_bf16(h + i) : load_f16(h + i));
 #endif
-    for (; i < k; i++) out[i] = fp16_to_fp32(h[i]);
+    for (; i < k; i++) out[i] = half_to_fp32(h[i], bf16);
 }
 
-#if defined(__AVX512F__)
-/* Four independent accumulators: FMA's latency (4 cycles) would otherwise bound the loop. */
-static float dot_f16(int64_t k, const void *w_row, const void *act_row) {
-    const uint16_t *w = w_row, *a = act_row;
-    __m512 acc[4] = { _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps() };
-    int64_t i = 0;
-    for (; i + 64 <= k; i += 64)
-        for (int j = 0; j < 4; j++) {
-            const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16 * j)));
-            const __m512 av = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(a + i + 16 * j)));
-            acc[j] = _mm512_fmadd_ps(wv, av, acc[j]);
-        }
-    for (; i + 16 <= k; i += 16) {
-        const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
-        const __m512 av = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(a + i)));
-        acc[0] = _mm512_fmadd_ps(wv, av, acc[0]);
-    }
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-    for (; i < k; i++) sum += fp16_to_fp32(w[i]) * fp16_to_fp32(a[i]);
-    return sum;
-}
-#elif defined(__F16C__) && defined(__FMA__)
-static float dot_f16(int64_t k, const void *w_row, const void *act_row) {
-    const uint16_t *w = w_row, *a = act_row;
-    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
-    int64_t i = 0;
-    for (; i + 32 <= k; i += 32)
-        for (int j = 0; j < 4; j++) {
-            const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8 * j)));
-            const __m256 av = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i + 8 * j)));
-            acc[j] = _mm256_fmadd_ps(wv, av, acc[j]);
-        }
-    float sum = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; i < k; i++) sum += fp16_to_fp32(w[i]) * fp16_to_fp32(a[i]);
-    return sum;
-}
-#else
-static float dot_f16(int64_t k, const void *w_row, const void *act_row) {
-    const uint16_t *w = w_row, *a = act_row;
+static inline float dot_halves(const uint16_t *w, const uint16_t *a, int64_t k, int bf16) {
     float sum = 0.0f;
-    for (int64_t i = 0; i < k; i++) sum += fp16_to_fp32(w[i]) * fp16_to_fp32(a[i]);
+    int64_t i = 0;
+#ifdef LANES
+    /* Four independent accumulators: FMA's latency (4 cycles) would otherwise bound the loop. */
+    f32_vector acc[4] = { vector_zero(), vector_zero(), vector_zero(), vector_zero() };
+    for (; i + 4 * LANES <= k; i += 4 * LANES)
+        for (int j = 0; j < 4; j++) {
+            const int64_t at = i + LANES * j;
+            acc[j] = bf16 ? vector_fma(load_bf16(w + at), load_bf16(a + at), acc[j])
+                          : vector_fma(load_f16(w + at), load_f16(a + at), acc[j]);
+        }
+    sum = vector_sum(vector_add(vector_add(acc[0], acc[1]), vector_add(acc[2], acc[3])));
+#endif
+    for (; i < k; i++) sum += half_to_fp32(w[i], bf16) * half_to_fp32(a[i], bf16);
     return sum;
 }
-#endif
 
-static void dequantize_bf16(const void *blocks, float *out, int64_t k) {
-    const uint16_t *h = blocks;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= k; i += 16) {
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + i)));
-        _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-    }
-#elif defined(__AVX2__)
-    for (; i + 8 <= k; i += 8) {
-        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
-        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-    }
-#endif
-    for (; i < k; i++) out[i] = bf16_to_fp32(h[i]);
-}
+static void dequantize_f16(const void *blocks, float *out, int64_t k) { dequantize_halves(blocks, out, k, 0); }
+
+static float dot_f16(int64_t k, const void *w_row, const void *act_row) { return dot_halves(w_row, act_row, k, 0); }
+
+static void dequantize_bf16(const void *blocks, float *out, int64_t k) { dequantize_halves(blocks, out, k, 1); }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 /* vdpbf16ps: 32 bf16 pairs per instruction, each pair's two products added into one fp32 lane. */
@@ -112,29 +88,8 @@ static float dot_bf16(int64_t k, const void *w_row, const void *act_row) {
     for (; i < k; i++) sum += bf16_to_fp32(w[i]) * bf16_to_fp32(a[i]);
     return sum;
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline __m256 bf16x8_to_fp32(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-static float dot_bf16(int64_t k, const void *w_row, const void *act_row) {
-    const uint16_t *w = w_row, *a = act_row;
-    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
-    int64_t i = 0;
-    for (; i + 32 <= k; i += 32)
-        for (int j = 0; j < 4; j++)
-            acc[j] = _mm256_fmadd_ps(bf16x8_to_fp32(w + i + 8 * j), bf16x8_to_fp32(a + i + 8 * j), acc[j]);
-    float sum = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; i < k; i++) sum += bf16_to_fp32(w[i]) * bf16_to_fp32(a[i]);
-    return sum;
-}
 #else
-static float dot_bf16(int64_t k, const void *w_row, const void *act_row) {
-    const uint16_t *w = w_row, *a = act_row;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < k; i++) sum += bf16_to_fp32(w[i]) * bf16_to_fp32(a[i]);
-    return sum;
-}
+static float dot_bf16(int64_t k, const void *w_row, const void *act_row) { return dot_halves(w_row, act_row, k, 1); }
 #endif
 
 const weight_type TYPE_F16 = { 1, 2, T_F16, dequantize_f16, dot_f16 };

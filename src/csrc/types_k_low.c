@@ -113,71 +113,74 @@ __attribute__((unused)) static float dot_q2_K(int64_t k, const void *w_row, cons
     return sum;
 }
 
-static void dequantize_q3_K(const void *blocks, float *out, int64_t k) {
-    const block_q3_K *b = blocks;
+/* Q3_K and IQ4_XS are symmetric (a value is d · scale · q, no minimum): one reading of a block
+ * into its integers, its sub-blocks' scales and d serves both types' dequantization and product. */
+typedef float (*read_symmetric)(const void *block, int8_t q[QK_K], int scales[QK_K / 16]);
+
+static float read_q3_K(const void *block, int8_t q[QK_K], int scales[QK_K / 16]) {
+    const block_q3_K *b = block;
+    unpack_q3_K(b, q);
+    for (int j = 0; j < QK_K / 16; j++) scales[j] = q3_scale(b, j);
+    return fp16_to_fp32(b->d);
+}
+
+static float read_iq4_xs(const void *block, int8_t q[QK_K], int scales[QK_K / 16]) {
+    const block_iq4_xs *b = block;
+    unpack_iq4_xs(b, q);
+    for (int j = 0; j < QK_K / 32; j++) scales[j] = iq4_xs_scale(b, j);
+    return fp16_to_fp32(b->d);
+}
+
+static inline void dequantize_symmetric(read_symmetric read, int64_t block_bytes, int sub_blocks,
+                                        const void *blocks, float *out, int64_t k) {
     int8_t q[QK_K];
+    int scales[QK_K / 16];
+    const int size = QK_K / sub_blocks;
     for (int64_t i = 0; i < k / QK_K; i++, out += QK_K) {
-        const float d = fp16_to_fp32(b[i].d);
-        unpack_q3_K(&b[i], q);
-        for (int j = 0; j < QK_K / 16; j++) {
-            const float scale = d * (float)q3_scale(&b[i], j);
-            for (int e = j * 16; e < j * 16 + 16; e++) out[e] = scale * (float)q[e];
+        const float d = read((const char *)blocks + i * block_bytes, q, scales);
+        for (int j = 0; j < sub_blocks; j++) {
+            const float scale = d * (float)scales[j];
+            for (int e = j * size; e < j * size + size; e++) out[e] = scale * (float)q[e];
         }
     }
+}
+
+static inline float dot_symmetric(read_symmetric read, int64_t block_bytes, int sub_blocks, int64_t k,
+                                  const void *w_row, const void *act_row) {
+    const block_q8_K *a = act_row;
+    int8_t q[QK_K];
+    int scales[QK_K / 16];
+    const int size = QK_K / sub_blocks;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < k / QK_K; i++) {
+        const float d = read((const char *)w_row + i * block_bytes, q, scales);
+        int scaled = 0;
+        for (int j = 0; j < sub_blocks; j++) scaled += scales[j] * dot_i8(q + size * j, a[i].qs + size * j, size);
+        sum += a[i].d * d * (float)scaled;
+    }
+    return sum;
+}
+
+static void dequantize_q3_K(const void *blocks, float *out, int64_t k) {
+    dequantize_symmetric(read_q3_K, sizeof(block_q3_K), QK_K / 16, blocks, out, k);
 }
 
 __attribute__((unused)) static float dot_q3_K(int64_t k, const void *w_row, const void *act_row) {
-    const block_q3_K *w = w_row;
-    const block_q8_K *a = act_row;
-    int8_t q[QK_K];
-    float sum = 0.0f;
-    for (int64_t i = 0; i < k / QK_K; i++) {
-        unpack_q3_K(&w[i], q);
-        int scaled = 0;
-        for (int j = 0; j < QK_K / 16; j++) scaled += q3_scale(&w[i], j) * dot_i8(q + 16 * j, a[i].qs + 16 * j, 16);
-        sum += a[i].d * fp16_to_fp32(w[i].d) * (float)scaled;
-    }
-    return sum;
+    return dot_symmetric(read_q3_K, sizeof(block_q3_K), QK_K / 16, k, w_row, act_row);
 }
 
 static void dequantize_iq4_xs(const void *blocks, float *out, int64_t k) {
-    const block_iq4_xs *b = blocks;
-    int8_t q[QK_K];
-    for (int64_t i = 0; i < k / QK_K; i++, out += QK_K) {
-        const float d = fp16_to_fp32(b[i].d);
-        unpack_iq4_xs(&b[i], q);
-        for (int j = 0; j < QK_K / 32; j++) {
-            const float scale = d * (float)iq4_xs_scale(&b[i], j);
-            for (int e = j * 32; e < j * 32 + 32; e++) out[e] = scale * (float)q[e];
-        }
-    }
+    dequantize_symmetric(read_iq4_xs, sizeof(block_iq4_xs), QK_K / 32, blocks, out, k);
 }
 
 __attribute__((unused)) static float dot_iq4_xs(int64_t k, const void *w_row, const void *act_row) {
-    const block_iq4_xs *w = w_row;
-    const block_q8_K *a = act_row;
-    int8_t q[QK_K];
-    float sum = 0.0f;
-    for (int64_t i = 0; i < k / QK_K; i++) {
-        unpack_iq4_xs(&w[i], q);
-        int scaled = 0;
-        for (int j = 0; j < QK_K / 32; j++) scaled += iq4_xs_scale(&w[i], j) * dot_i8(q + 32 * j, a[i].qs + 32 * j, 32);
-        sum += a[i].d * fp16_to_fp32(w[i].d) * (float)scaled;
-    }
-    return sum;
+    return dot_symmetric(read_iq4_xs, sizeof(block_iq4_xs), QK_K / 32, k, w_row, act_row);
 }
 
 #if defined(__AVX2__)
 /* The AVX2 products: 32 elements per instruction, maddubs (unsigned × signed bytes into 16-bit
  * pairs) then madd with each sub-block's scale into 32-bit sums, one fp32 FMA per super-block,
  * llama.cpp's scheme. No 16-bit sum can saturate: |2·3·127| and |2·4·127| are far below 32767. */
-static inline float hsum_8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* The 16-bit scales of 8 sub-blocks of 16 sit in both halves of a register; group g (32
  * elements: sub-blocks 2g and 2g + 1) needs sub-block 2g's in the low half, 2g + 1's in the high. */
 static inline __m256i scales_of_group(__m256i scales, int g) {
@@ -215,7 +218,7 @@ static float dot_q2_K_avx2(int64_t k, const void *w_row, const void *act_row) {
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
     }
-    return hsum_8(acc);
+    return hsum_f32x8(acc);
 }
 
 /* Q3_K's sixteen 6-bit scales, minus 32, as bytes (the bit layout in q3_scale, 32 bits at a
@@ -262,7 +265,7 @@ static float dot_q3_K_avx2(int64_t k, const void *w_row, const void *act_row) {
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
     }
-    return hsum_8(acc);
+    return hsum_f32x8(acc);
 }
 
 /* Signed bytes times signed bytes into 16-bit pairs: maddubs takes the first operand unsigned,
@@ -287,7 +290,7 @@ static float dot_iq4_xs_avx2(int64_t k, const void *w_row, const void *act_row) 
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
     }
-    return hsum_8(acc);
+    return hsum_f32x8(acc);
 }
 #define DOT_Q2_K dot_q2_K_avx2
 #define DOT_Q3_K dot_q3_K_avx2
