@@ -112,6 +112,29 @@ def test_products_equal_a_scalar_reference(level: str, type_name: str, m: int) -
     np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=scale * 2e-5)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("type_name", ["F16", "BF16"])
+@pytest.mark.parametrize("k", [32, 96, 160])
+def test_float_rows_end_inside_a_vector(level: str, type_name: str, k: int) -> None:
+    """F16 and BF16 take any row of whole 32s: the vector loops (64 or 128 elements a step) end
+    on a remainder the tail must finish, which the fixtures' widths never leave."""
+    kernels = _level(level)
+    rng = np.random.default_rng(k)
+    rows, m = 37, 3
+    blocks = np.ascontiguousarray(
+        gguf.quants.quantize(
+            rng.standard_normal((rows, k)).astype(np.float32), gguf.GGMLQuantizationType[type_name]
+        )
+    ).view(np.uint8)
+    weights = _gguf_values(blocks, type_name, rows, k)
+    read = kernels.dequantize(torch.from_numpy(blocks), type_name, rows, k).numpy()
+    np.testing.assert_array_equal(read, weights.astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    expected = _reference_activations(x, type_name) @ weights.astype(np.float64).T
+    got = kernels.matmul(torch.from_numpy(x), torch.from_numpy(blocks), type_name, rows)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=np.abs(expected).max() * 2e-5)
+
+
 def test_each_build_was_compiled_for_no_more_than_its_level_needs() -> None:
     """The loader's table of what each level needs is what the compiler was told: a level
     whose flags grew without the table would be loaded on a CPU that lacks them."""
