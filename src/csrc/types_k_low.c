@@ -181,6 +181,10 @@ __attribute__((unused)) static float dot_iq4_xs(int64_t k, const void *w_row, co
 /* The AVX2 products: 32 elements per instruction, maddubs (unsigned × signed bytes into 16-bit
  * pairs) then madd with each sub-block's scale into 32-bit sums, one fp32 FMA per super-block,
  * llama.cpp's scheme. No 16-bit sum can saturate: |2·3·127| and |2·4·127| are far below 32767. */
+
+/* fp16 to fp32 by F16C's one instruction: fp16_to_fp32 lives in another file and costs a call,
+ * two per super-block, a measurable share of a product this short. */
+static inline float half_to_fp32(uint16_t h) { return _cvtsh_ss(h); }
 /* The 16-bit scales of 8 sub-blocks of 16 sit in both halves of a register; group g (32
  * elements: sub-blocks 2g and 2g + 1) needs sub-block 2g's in the low half, 2g + 1's in the high. */
 static inline __m256i scales_of_group(__m256i scales, int g) {
@@ -202,7 +206,7 @@ static float dot_q2_K_avx2(int64_t k, const void *w_row, const void *act_row) {
         const __m128i packed = _mm_loadu_si128((const __m128i *)w[i].scales);
         const __m256i minimums = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
         const __m256i minimum_sums = _mm256_madd_epi16(minimums, _mm256_loadu_si256((const __m256i *)a[i].bsums));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(-a[i].d * fp16_to_fp32(w[i].dmin)), _mm256_cvtepi32_ps(minimum_sums), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(-a[i].d * half_to_fp32(w[i].dmin)), _mm256_cvtepi32_ps(minimum_sums), acc);
         const __m256i scales = _mm256_cvtepi8_epi16(_mm_and_si128(packed, nibble));
         const __m256i halves[2] = { both_halves(_mm256_castsi256_si128(scales)),
                                     both_halves(_mm256_extracti128_si256(scales, 1)) };
@@ -216,7 +220,7 @@ static float dot_q2_K_avx2(int64_t k, const void *w_row, const void *act_row) {
                 sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales_of_group(halves[half], g), pairs));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * half_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
     }
     return hsum_f32x8(acc);
 }
@@ -263,7 +267,7 @@ static float dot_q3_K_avx2(int64_t k, const void *w_row, const void *act_row) {
                 sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales_of_group(halves[half], g), pairs));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * half_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
     }
     return hsum_f32x8(acc);
 }
@@ -288,7 +292,7 @@ static float dot_iq4_xs_avx2(int64_t k, const void *w_row, const void *act_row) 
             const __m256i pairs = signed_pairs(values, _mm256_loadu_si256((const __m256i *)(a[i].qs + 32 * j)));
             sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16((short)iq4_xs_scale(&w[i], j))));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * fp16_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * half_to_fp32(w[i].d)), _mm256_cvtepi32_ps(sums), acc);
     }
     return hsum_f32x8(acc);
 }
