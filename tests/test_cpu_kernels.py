@@ -76,8 +76,6 @@ def _gguf_values(blocks: np.ndarray, type_name: str, rows: int, k: int) -> np.nd
 
 ACTIVATIONS = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "IQ4_NL": "Q8_0",
                "Q4_1": "Q8_1", "Q5_1": "Q8_1"}  # fmt: skip
-# The 32-element types: every level multiplies all of them (none may fall back to torch).
-THIRTY_TWO_ELEMENT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 
 
 def _reference_product(x: np.ndarray, blocks: np.ndarray, type_name: str, rows: int, k: int) -> np.ndarray:
@@ -100,11 +98,19 @@ def _reference_product(x: np.ndarray, blocks: np.ndarray, type_name: str, rows: 
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_every_type_has_its_kernel_on_every_level(level: str) -> None:
+    """Every type llmcli names is multiplied on every level (a build that lost one would fall back
+    to torch on every such file while the tests of that type skipped), and the fixtures hold a
+    tensor of each, so none of the tests above is left out."""
+    assert _level(level).types == set(cpu_kernels.TYPE_IDS)
+    if FIXTURES.is_dir():
+        assert set(TENSORS) == set(cpu_kernels.TYPE_IDS)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("type_name", sorted(TENSORS))
 def test_blocks_read_back_as_gguf_reads_them(level: str, type_name: str) -> None:
     kernels = _level(level)
-    if type_name not in kernels.types:
-        pytest.skip(f"no {type_name} kernel yet")
     blocks, (rows, k) = TENSORS[type_name]
     expected = _gguf_values(blocks, type_name, rows, k)
     got = kernels.dequantize(torch.from_numpy(blocks), type_name, rows, k).numpy()
@@ -116,15 +122,13 @@ def test_blocks_read_back_as_gguf_reads_them(level: str, type_name: str) -> None
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_products_equal_a_scalar_reference(level: str, type_name: str, m: int) -> None:
     kernels = _level(level)
-    if type_name not in kernels.types:
-        pytest.skip(f"no {type_name} kernel yet")
     blocks, (rows, k) = TENSORS[type_name]
     rows = min(rows, 301)  # an odd count: the threads' shares end inside a run of rows
     _assert_product_equals_reference(kernels, blocks[:rows], type_name, rows, k, m)
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("type_name", THIRTY_TWO_ELEMENT_TYPES)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"])
 def test_products_on_rows_of_an_odd_number_of_blocks(level: str, type_name: str) -> None:
     """The vector kernels take blocks two or more at a time: a row of 11 blocks ends on a lone
     one. The fixture's blocks, each independent of its row, are cut into rows of 11."""
@@ -160,17 +164,6 @@ def test_bf16_rows_are_read_and_written_as_they_are(level: str) -> None:
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
-MAIN_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
-
-
-@pytest.mark.parametrize("level", LEVELS)
-def test_every_level_multiplies_the_main_k_quants(level: str) -> None:
-    """Q4_K_M and Q5_K_M files are mostly these three types: a level without them would fall
-    back to torch on every such file, and the tests above would skip instead of failing."""
-    assert set(MAIN_K_QUANTS) <= _level(level).types
-    assert set(MAIN_K_QUANTS) <= set(TENSORS), "the fixtures hold a tensor of each"
-
-
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("act", ["Q8_0", "Q8_1"])
 def test_activations_are_quantized_as_the_reference_quantizer_does(level: str, act: str) -> None:
@@ -199,11 +192,26 @@ def test_activations_are_quantized_as_the_reference_quantizer_does(level: str, a
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_every_32_element_type_has_a_kernel_on_every_level(level: str) -> None:
-    """The product tests skip a type without a kernel; for these six, none may skip."""
-    assert set(THIRTY_TWO_ELEMENT_TYPES) <= _level(level).types
-    if FIXTURES.is_dir():
-        assert set(THIRTY_TWO_ELEMENT_TYPES) <= set(TENSORS)
+@pytest.mark.parametrize("type_name", ["F16", "BF16"])
+@pytest.mark.parametrize("k", [32, 96, 160])
+def test_float_rows_end_inside_a_vector(level: str, type_name: str, k: int) -> None:
+    """F16 and BF16 take any row of whole 32s: the vector loops (64 or 128 elements a step) end
+    on a remainder the tail must finish, which the fixtures' widths never leave."""
+    kernels = _level(level)
+    rng = np.random.default_rng(k)
+    rows, m = 37, 3
+    blocks = np.ascontiguousarray(
+        gguf.quants.quantize(
+            rng.standard_normal((rows, k)).astype(np.float32), gguf.GGMLQuantizationType[type_name]
+        )
+    ).view(np.uint8)
+    weights = _gguf_values(blocks, type_name, rows, k)
+    read = kernels.dequantize(torch.from_numpy(blocks), type_name, rows, k).numpy()
+    np.testing.assert_array_equal(read, weights.astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    expected = _reference_activations(x, type_name) @ weights.astype(np.float64).T
+    got = kernels.matmul(torch.from_numpy(x), torch.from_numpy(blocks), type_name, rows)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=np.abs(expected).max() * 2e-5)
 
 
 def test_each_build_was_compiled_for_no_more_than_its_level_needs() -> None:

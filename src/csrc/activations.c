@@ -8,22 +8,6 @@
 static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-float fp16_to_fp32(uint16_t h) {
-    /* Maratyszcza's FP16 conversion: exact for every half, subnormals included. */
-    const uint32_t w = (uint32_t)h << 16;
-    const uint32_t sign = w & 0x80000000u;
-    const uint32_t two_w = w + w;
-    const uint32_t exp_offset = 0xE0u << 23;
-    const float exp_scale = float_of(0x7800000u);
-    const float normalized = float_of((two_w >> 4) + exp_offset) * exp_scale;
-    const uint32_t magic_mask = 126u << 23;
-    const float magic_bias = 0.5f;
-    const float denormalized = float_of((two_w >> 17) | magic_mask) - magic_bias;
-    const uint32_t denormalized_cutoff = 1u << 27;
-    const uint32_t result = sign | (two_w < denormalized_cutoff ? bits_of(denormalized) : bits_of(normalized));
-    return float_of(result);
-}
-
 uint16_t fp32_to_fp16(float f) {
     /* Round to nearest even, as F16C's vcvtps2ph with rounding mode 0 does. */
     const float scale_to_inf = float_of(0x77800000u);

@@ -63,8 +63,23 @@ void quantize_row_q8_0(const float *x, block_q8_0 *out, int64_t k);
 void quantize_row_q8_1(const float *x, block_q8_1 *out, int64_t k);
 void quantize_row_q8_K(const float *x, block_q8_K *out, int64_t k);
 
-/* fp16 and bf16 to and from fp32, by their bits (no compiler support needed). */
-float fp16_to_fp32(uint16_t h);
+/* fp16 and bf16 to and from fp32, by their bits (no compiler support needed). Reading is inline:
+ * a call per value (or per block scale) cost more than the conversion, and kept the compiler from
+ * vectorizing the portable F16 loops. */
+static inline float fp16_to_fp32(uint16_t h) {
+    /* Maratyszcza's FP16 conversion: exact for every half, subnormals included. */
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const uint32_t exp_offset = 0xE0u << 23;
+    union { uint32_t u; float f; } scale = { 0x7800000u }, normalized = { (two_w >> 4) + exp_offset },
+                                   denormalized = { (two_w >> 17) | (126u << 23) }, result;
+    normalized.f *= scale.f;
+    denormalized.f -= 0.5f;
+    const uint32_t denormalized_cutoff = 1u << 27;
+    result.u = sign | (two_w < denormalized_cutoff ? denormalized.u : normalized.u);
+    return result.f;
+}
 uint16_t fp32_to_fp16(float f);
 static inline float bf16_to_fp32(uint16_t h) {
     union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
@@ -92,6 +107,16 @@ const weight_type *weight_type_of(int type);
 /* y[m, n] (rows y_stride apart, fp32) = activation rows already quantized to t's format · Wᵀ. */
 void multiply_quantized(const weight_type *t, const void *w, int64_t n, int64_t k, const char *act, int64_t m,
                         float *y, int64_t y_stride, int n_threads);
+
+#if defined(__AVX2__)
+/* The sum of a vector's eight floats. */
+static inline float hsum_f32x8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 /* The thread pool (pool.c): `task(context, ith, nth)` on nth threads, the caller being ith 0. */
 typedef void (*pool_task)(void *context, int ith, int nth);
