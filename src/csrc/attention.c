@@ -10,9 +10,9 @@
  * a sliding window, with Gemma 2's soft cap on scores and gpt-oss's per-head sink logit. The G
  * query heads that share a KV head are scored together, so each key and value row is read once
  * for all of them; the softmax is online and in fp32 (a running maximum, sum and weighted sum
- * per query row). Work is (sequence, KV head, span of positions): long spans are split so that
- * two threads stay busy on one sequence of three KV heads, and the spans' partial sums are
- * merged afterwards as flash-decoding merges them. */
+ * per query row). Work is (sequence, span of positions), all KV heads together: a long sequence
+ * is split so that every thread stays busy on it, and the spans' partial sums are merged
+ * afterwards as flash-decoding merges them. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -20,7 +20,7 @@
 
 #include "llmcli_cpu.h"
 
-#define TILE 32                /* positions scored at once: one row of scores stays in registers */
+#define TILE 16                /* positions scored at once: one vector of scores (AVX-512), two (AVX2) */
 #define MIN_SPAN 256           /* positions a work item takes at least: below, splitting costs more */
 #define ITEMS_PER_THREAD 4     /* enough items that threads finishing early find more */
 
@@ -45,35 +45,17 @@ static void widen_row(int dtype, const void *src, float *dst, int64_t n) {
         for (; i < n; i++) dst[i] = bf16_to_fp32(h[i]);
     } else { /* T_F16 */
 #if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
 #elif defined(__F16C__)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
         for (; i < n; i++) dst[i] = fp16_to_fp32(h[i]);
     }
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
-#if defined(__AVX512F__)
-    __m512 sum = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
-    if (i < n) {
-        const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
-        sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), sum);
-    }
-    return _mm512_reduce_add_ps(sum);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 sum = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum);
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    float total = _mm_cvtss_f32(half);
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
-#else
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0; /* four chains: the adds need not wait on each other */
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
@@ -84,22 +66,117 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     }
     for (; i < n; i++) s0 += a[i] * b[i];
     return (s0 + s1) + (s2 + s3);
-#endif
 }
 
-/* y = y·keep + a·x: a row's weighted sum rescaled for a new maximum and given one more value row. */
-static inline void scale_add(float *y, float keep, float a, const float *x, int64_t n) {
-    int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 k = _mm512_set1_ps(keep), w = _mm512_set1_ps(a);
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(w, _mm512_loadu_ps(x + i), _mm512_mul_ps(k, _mm512_loadu_ps(y + i))));
+/* The 16 sums of 16 vectors' lanes, as one vector: a transposing tree of adds, 45 operations
+ * where 16 horizontal sums take 128. */
+static inline __m512 sum_lanes16(__m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int j = 0; j < 8; j++)
+        t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) {
+        const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+        u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* u[j]: each 128-bit lane holds part of the sums of vectors 4j .. 4j + 3. */
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 k = _mm256_set1_ps(keep), w = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i), _mm256_mul_ps(k, _mm256_loadu_ps(y + i))));
+static inline __m256 sum_lanes8(__m256 v[8]) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #endif
-    for (; i < n; i++) y[i] = y[i] * keep + a * x[i];
+
+/* s[r·TILE + i] = qs_r · k_i for every row r and the TILE key rows `k` (those past the tile's
+ * end repeat one of its rows: their scores are masked afterwards). The key rows are read from
+ * L1 once per query row; the sums are made across positions at once, not one by one. */
+static void score_tile(const float *qs, int64_t rows, const float *const *k, int64_t d, float *s) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *q = qs + r * d;
+#if defined(__AVX512F__)
+        __m512 acc[TILE];
+        for (int i = 0; i < TILE; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16) {
+            const __mmask16 in = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
+            const __m512 qc = _mm512_maskz_loadu_ps(in, q + c);
+            for (int i = 0; i < TILE; i++) acc[i] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(in, k[i] + c), acc[i]);
+        }
+        _mm512_storeu_ps(s + r * TILE, sum_lanes16(acc));
+#elif defined(__AVX2__) && defined(__FMA__)
+        const int64_t whole = d & ~(int64_t)7;
+        for (int half = 0; half < TILE; half += 8) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < whole; c += 8) {
+                const __m256 qc = _mm256_loadu_ps(q + c);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[half + i] + c), acc[i]);
+            }
+            _mm256_storeu_ps(s + r * TILE + half, sum_lanes8(acc));
+            if (whole < d)
+                for (int i = 0; i < 8; i++) s[r * TILE + half + i] += dot(q + whole, k[half + i] + whole, d - whole);
+        }
+#else
+        for (int i = 0; i < TILE; i++) s[r * TILE + i] = dot(q, k[i], d);
+#endif
+    }
+}
+
+/* acc_r = acc_r·keep[r] + Σ_i p[r·TILE + i]·v_i over the tile's n value rows, for the rows
+ * that saw some of the tile (keep[r] < 0 marks one that did not). Up to four vectors of a row
+ * are summed side by side: one chain of adds alone waits on each add's latency. */
+static void accumulate_tile(float *acc, const float *keep, const float *p, int64_t rows, const float *const *v,
+                            int64_t n, int64_t d) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (keep[r] < 0) continue;
+        float *a = acc + r * d;
+        const float *w = p + r * TILE;
+        int64_t c = 0;
+#if defined(__AVX512F__)
+        const __m512 kept = _mm512_set1_ps(keep[r]);
+        for (; c < d; c += 64) {
+            __mmask16 in[4];
+            __m512 sum[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t left = d - c - 16 * j;
+                in[j] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+                sum[j] = _mm512_mul_ps(kept, _mm512_maskz_loadu_ps(in[j], a + c + 16 * j));
+            }
+            for (int64_t i = 0; i < n; i++) {
+                const __m512 weight = _mm512_set1_ps(w[i]);
+                for (int j = 0; j < 4; j++)
+                    sum[j] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(in[j], v[i] + c + 16 * j), sum[j]);
+            }
+            for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(a + c + 16 * j, in[j], sum[j]);
+        }
+#else
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 kept = _mm256_set1_ps(keep[r]);
+        for (; c + 32 <= d; c += 32) {
+            __m256 sum[4];
+            for (int j = 0; j < 4; j++) sum[j] = _mm256_mul_ps(kept, _mm256_loadu_ps(a + c + 8 * j));
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 weight = _mm256_set1_ps(w[i]);
+                for (int j = 0; j < 4; j++) sum[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v[i] + c + 8 * j), sum[j]);
+            }
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(a + c + 8 * j, sum[j]);
+        }
+        for (; c + 8 <= d; c += 8) {
+            __m256 sum = _mm256_mul_ps(kept, _mm256_loadu_ps(a + c));
+            for (int64_t i = 0; i < n; i++) sum = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), _mm256_loadu_ps(v[i] + c), sum);
+            _mm256_storeu_ps(a + c, sum);
+        }
+#endif
+        for (int64_t x = c; x < d; x++) a[x] *= keep[r];
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t x = c; x < d; x++) a[x] += w[i] * v[i][x];
+#endif
+    }
 }
 
 /* exp(x) for the n ≤ TILE scores of a tile, x ≤ 0 (a score less the row's maximum), −inf → 0.
@@ -190,113 +267,133 @@ typedef struct {
     atomic_int failed;          /* a thread could not get its scratch memory */
 } paged_job;
 
-/* The first position any of a sequence's queries sees (the earliest query's window start). */
-static int64_t first_seen(const paged_job *job, int64_t length) {
+/* The start of the block holding the first position any of a sequence's queries sees (the
+ * earliest query's window start): the spans start on blocks, so that tiles are whole blocks. */
+static int64_t first_block_start(const paged_job *job, int64_t length) {
     if (job->window <= 0) return 0;
     const int64_t first = length - job->q_tokens - job->window + 1;
-    return first > 0 ? first : 0;
+    return first > 0 ? first - first % job->block_size : 0;
 }
 
 typedef struct {
-    float *qs;      /* [rows, d]: the queries, scaled */
-    float *acc;     /* [rows, d] */
-    float *m, *l;   /* [rows] */
+    float *qs;          /* [rows, d]: the queries, scaled */
+    float *acc;         /* [rows, d] */
+    float *m, *l, *keep; /* [rows]: running maximum and sum; a tile's rescaling of what came before */
     float *kbuf, *vbuf; /* [TILE, d]: a tile's rows widened to fp32 */
-    float *s, *p;   /* [rows, TILE] scores, then their exponentials */
+    float *s, *p;       /* [rows, TILE] scores, then their exponentials */
 } scratch;
 
-/* One item: sequence b, KV head h, positions [start, end) of it, for all G × q_tokens rows. */
+/* The TILE rows of a tile of n positions starting at `row` (rows of kv_heads · d elements), as
+ * fp32 rows: the pool's own where it holds fp32, else widened into `buffer`. Past n, the first
+ * row again: read, scored, then masked. */
+static void tile_rows(int dtype, const char *row, int64_t stride, int64_t n, int64_t d, float *buffer,
+                      const float *rows[TILE]) {
+    for (int64_t i = 0; i < n; i++) {
+        if (dtype == T_F32) rows[i] = (const float *)row + i * stride;
+        else {
+            widen_row(dtype, (const uint16_t *)row + i * stride, buffer + i * d, d);
+            rows[i] = buffer + i * d;
+        }
+    }
+    for (int64_t i = n; i < TILE; i++) rows[i] = rows[0];
+}
+
+/* One tile of n positions from `pos`, for KV head h's G × q_tokens rows (from `first_row` of the
+ * item's): their scores, the online softmax's step, and the values' weighted sum. */
+static void attend_tile(const paged_job *job, const scratch *w, int64_t h, int64_t pos, int64_t n,
+                        int64_t first_query, int64_t at, int64_t next_at) {
+    const int64_t G = job->heads / job->kv_heads, d = job->d, rows = G * job->q_tokens;
+    const int64_t first_row = h * rows, stride = job->kv_heads * d, elem = job->dtype == T_F32 ? 4 : 2;
+    const int64_t head_at = at + h * d * elem;
+    if (next_at >= 0) /* this KV head's rows of the next tile */
+        for (int64_t i = 0; i < TILE; i++)
+            for (int64_t byte = 0; byte < d * elem; byte += 64) {
+                const int64_t where = next_at + (i * stride + h * d) * elem + byte;
+                __builtin_prefetch(job->keys + where);
+                __builtin_prefetch(job->values + where);
+            }
+    const float *krow[TILE], *vrow[TILE];
+    float *m = w->m + first_row, *l = w->l + first_row, *keep = w->keep + first_row;
+    tile_rows(job->dtype, job->keys + head_at, stride, n, d, w->kbuf, krow);
+    score_tile(w->qs + first_row * d, rows, krow, d, w->s);
+    int any_weight = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t own = first_query + r / G; /* this row's position: it sees up to it */
+        float *score = w->s + r * TILE, tile_max = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t p = pos + i;
+            if (p > own || (job->window > 0 && p <= own - job->window)) score[i] = -INFINITY;
+            else if (job->softcap > 0) score[i] = job->softcap * tanhf(score[i] / job->softcap);
+            if (score[i] > tile_max) tile_max = score[i];
+        }
+        if (tile_max == -INFINITY) { /* this row sees none of the tile */
+            keep[r] = -1.0f;
+            continue;
+        }
+        const float max = tile_max > m[r] ? tile_max : m[r];
+        keep[r] = expf(m[r] - max); /* rescales what came before; 0 from −inf */
+        l[r] = l[r] * keep[r] + exp_tile(score, max, w->p + r * TILE, (int)n);
+        m[r] = max;
+        any_weight = 1;
+    }
+    if (!any_weight) return;
+    tile_rows(job->dtype, job->values + head_at, stride, n, d, w->vbuf, vrow);
+    accumulate_tile(w->acc + first_row * d, keep, w->p, rows, vrow, n, d);
+}
+
+/* One item: sequence b's positions [start, end), for every row of it (KV head by KV head, each
+ * of its G query heads for each query token). All KV heads of a position lie side by side in a
+ * block, so walking them together reads the pool in order; one item per KV head would read it
+ * in strides the prefetchers follow badly (an fp32 decode at 4,000 tokens took 1.8× longer). */
 static void attend_span(const paged_job *job, const scratch *w, int64_t item) {
     const int64_t G = job->heads / job->kv_heads, Q = job->q_tokens, d = job->d, rows = G * Q;
-    const int64_t b = item / (job->kv_heads * job->spans);
-    const int64_t h = item / job->spans % job->kv_heads, c = item % job->spans;
-    const int64_t length = job->lengths[b], first_query = length - Q, lo = first_seen(job, length);
+    const int64_t b = item / job->spans, c = item % job->spans;
+    const int64_t length = job->lengths[b], first_query = length - Q, lo = first_block_start(job, length);
     const int64_t start = lo + c * job->span;
     const int64_t end = start + job->span < length ? start + job->span : length;
-    for (int64_t r = 0; r < rows; r++) { /* row r: query token r / G, head h·G + r % G */
-        const int64_t head = h * G + r % G;
-        const float *q = job->q + ((b * Q + r / G) * job->heads + head) * d;
-        for (int64_t i = 0; i < d; i++) w->qs[r * d + i] = q[i] * job->scale;
+    const int64_t all_rows = rows * job->kv_heads;
+    for (int64_t row = 0; row < all_rows; row++) { /* KV head h, query token t, query head h·G + g */
+        const int64_t h = row / rows, t = row % rows / G, head = h * G + row % G;
+        const float *q = job->q + ((b * Q + t) * job->heads + head) * d;
+        for (int64_t i = 0; i < d; i++) w->qs[row * d + i] = q[i] * job->scale;
         /* The sink joins the softmax once per row: in its first span. */
         const int sink = job->sinks && c == 0;
-        w->m[r] = sink ? job->sinks[head] : -INFINITY;
-        w->l[r] = sink ? 1.0f : 0.0f;
+        w->m[row] = sink ? job->sinks[head] : -INFINITY;
+        w->l[row] = sink ? 1.0f : 0.0f;
     }
-    memset(w->acc, 0, (size_t)(rows * d) * sizeof(float));
-    const int64_t row_stride = job->kv_heads * d, elem = job->dtype == T_F32 ? 4 : 2;
+    memset(w->acc, 0, (size_t)(all_rows * d) * sizeof(float));
+    const int64_t elem = job->dtype == T_F32 ? 4 : 2;
     const int32_t *table = job->tables + b * job->max_blocks;
-    const float *krow[TILE], *vrow[TILE];
     for (int64_t pos = start; pos < end;) {
         /* A tile: up to TILE positions inside one block. */
         const int64_t block = table[pos / job->block_size], offset = pos % job->block_size;
         int64_t n = end - pos;
         if (n > TILE) n = TILE;
         if (n > job->block_size - offset) n = job->block_size - offset;
-        const int64_t at = ((block * job->block_size + offset) * job->kv_heads + h) * d * elem;
-        for (int64_t i = 0; i < n; i++) {
-            const char *k = job->keys + at + i * row_stride * elem;
-            if (job->dtype == T_F32) krow[i] = (const float *)k;
-            else {
-                widen_row(job->dtype, k, w->kbuf + i * d, d);
-                krow[i] = w->kbuf + i * d;
-            }
+        const int64_t at = (block * job->block_size + offset) * job->kv_heads * d * elem;
+        int64_t next_at = -1;
+        const int64_t next_pos = pos + n, next_offset = next_pos % job->block_size;
+        if (end - next_pos >= TILE && job->block_size - next_offset >= TILE) {
+            /* A whole next tile: its rows are fetched while this one is worked on (the stream
+             * prefetchers stop where the table jumps to another block). */
+            const int64_t next = table[next_pos / job->block_size];
+            next_at = (next * job->block_size + next_offset) * job->kv_heads * d * elem;
         }
-        int any_weight = 0;
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t own = first_query + r / G; /* this row's position: it sees up to it */
-            float *s = w->s + r * TILE, tile_max = -INFINITY;
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t p = pos + i;
-                if (p > own || (job->window > 0 && p <= own - job->window)) {
-                    s[i] = -INFINITY;
-                    continue;
-                }
-                float score = dot(w->qs + r * d, krow[i], d);
-                if (job->softcap > 0) score = job->softcap * tanhf(score / job->softcap);
-                s[i] = score;
-                if (score > tile_max) tile_max = score;
-            }
-            if (tile_max == -INFINITY) { /* this row sees none of the tile */
-                for (int64_t i = 0; i < n; i++) w->p[r * TILE + i] = 0.0f;
-                continue;
-            }
-            const float max = tile_max > w->m[r] ? tile_max : w->m[r];
-            const float keep = expf(w->m[r] - max); /* rescales what came before; 0 from −inf */
-            const float sum = exp_tile(s, max, w->p + r * TILE, (int)n);
-            w->l[r] = w->l[r] * keep + sum;
-            w->m[r] = max;
-            if (keep != 1.0f)
-                for (int64_t i = 0; i < d; i++) w->acc[r * d + i] *= keep;
-            any_weight = 1;
-        }
-        if (any_weight) {
-            for (int64_t i = 0; i < n; i++) {
-                const char *v = job->values + at + i * row_stride * elem;
-                if (job->dtype == T_F32) vrow[i] = (const float *)v;
-                else {
-                    widen_row(job->dtype, v, w->vbuf + i * d, d);
-                    vrow[i] = w->vbuf + i * d;
-                }
-            }
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t i = 0; i < n; i++) {
-                    const float weight = w->p[r * TILE + i];
-                    if (weight != 0.0f) scale_add(w->acc + r * d, 1.0f, weight, vrow[i], d);
-                }
-        }
+        for (int64_t h = 0; h < job->kv_heads; h++) attend_tile(job, w, h, pos, n, first_query, at, next_at);
         pos += n;
     }
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t row = 0; row < all_rows; row++) {
         if (job->spans > 1) { /* merged with the other spans' afterwards */
-            float *part = job->partial + (item * rows + r) * (d + 2);
-            part[0] = w->m[r];
-            part[1] = w->l[r];
-            memcpy(part + 2, w->acc + r * d, (size_t)d * sizeof(float));
+            float *part = job->partial + (item * all_rows + row) * (d + 2);
+            part[0] = w->m[row];
+            part[1] = w->l[row];
+            memcpy(part + 2, w->acc + row * d, (size_t)d * sizeof(float));
             continue;
         }
-        const float inverse = w->l[r] > 0 ? 1.0f / w->l[r] : 0.0f;
-        float *o = job->out + ((b * Q + r / G) * job->heads + h * G + r % G) * d;
-        for (int64_t i = 0; i < d; i++) o[i] = w->acc[r * d + i] * inverse;
+        const int64_t h = row / rows, t = row % rows / G, head = h * G + row % G;
+        const float inverse = w->l[row] > 0 ? 1.0f / w->l[row] : 0.0f;
+        float *o = job->out + ((b * Q + t) * job->heads + head) * d;
+        for (int64_t i = 0; i < d; i++) o[i] = w->acc[row * d + i] * inverse;
     }
 }
 
@@ -304,8 +401,9 @@ static void attend_items(void *context, int ith, int nth) {
     (void)ith;
     (void)nth;
     paged_job *job = context;
-    const int64_t rows = job->heads / job->kv_heads * job->q_tokens, d = job->d;
-    const size_t floats = (size_t)(rows * d * 2 + rows * 2 + TILE * d * 2 + rows * TILE * 2);
+    /* Every row of an item; the scores and their exponentials for one KV head's rows at a time. */
+    const int64_t all_rows = job->heads * job->q_tokens, rows = all_rows / job->kv_heads, d = job->d;
+    const size_t floats = (size_t)(all_rows * d * 2 + all_rows * 3 + TILE * d * 2 + rows * TILE * 2);
     float *memory = malloc(floats * sizeof(float));
     if (!memory) {
         atomic_store(&job->failed, 1);
@@ -313,10 +411,11 @@ static void attend_items(void *context, int ith, int nth) {
     }
     scratch w;
     w.qs = memory;
-    w.acc = w.qs + rows * d;
-    w.m = w.acc + rows * d;
-    w.l = w.m + rows;
-    w.kbuf = w.l + rows;
+    w.acc = w.qs + all_rows * d;
+    w.m = w.acc + all_rows * d;
+    w.l = w.m + all_rows;
+    w.keep = w.l + all_rows;
+    w.kbuf = w.keep + all_rows;
     w.vbuf = w.kbuf + TILE * d;
     w.s = w.vbuf + TILE * d;
     w.p = w.s + rows * TILE;
@@ -331,28 +430,28 @@ static void attend_items(void *context, int ith, int nth) {
 /* The spans of each (sequence, KV head) made one: each rescaled to the largest maximum. */
 static void merge_spans(const paged_job *job, int64_t batch) {
     const int64_t G = job->heads / job->kv_heads, Q = job->q_tokens, d = job->d, rows = G * Q;
+    const int64_t all_rows = rows * job->kv_heads;
     for (int64_t b = 0; b < batch; b++)
-        for (int64_t h = 0; h < job->kv_heads; h++)
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t first_item = (b * job->kv_heads + h) * job->spans;
-                float max = -INFINITY, sum = 0.0f;
-                for (int64_t c = 0; c < job->spans; c++) {
-                    const float m = job->partial[((first_item + c) * rows + r) * (d + 2)];
-                    if (m > max) max = m;
-                }
-                float *o = job->out + ((b * Q + r / G) * job->heads + h * G + r % G) * d;
-                memset(o, 0, (size_t)d * sizeof(float));
-                if (max == -INFINITY) continue;
-                for (int64_t c = 0; c < job->spans; c++) {
-                    const float *part = job->partial + ((first_item + c) * rows + r) * (d + 2);
-                    if (part[0] == -INFINITY) continue;
-                    const float weight = expf(part[0] - max);
-                    sum += part[1] * weight;
-                    scale_add(o, 1.0f, weight, part + 2, d);
-                }
-                const float inverse = sum > 0 ? 1.0f / sum : 0.0f;
-                for (int64_t i = 0; i < d; i++) o[i] *= inverse;
+        for (int64_t row = 0; row < all_rows; row++) {
+            const float *first = job->partial + (b * job->spans * all_rows + row) * (d + 2);
+            const int64_t next_span = all_rows * (d + 2);
+            float max = -INFINITY, sum = 0.0f;
+            for (int64_t c = 0; c < job->spans; c++)
+                if (first[c * next_span] > max) max = first[c * next_span];
+            const int64_t h = row / rows, t = row % rows / G, head = h * G + row % G;
+            float *o = job->out + ((b * Q + t) * job->heads + head) * d;
+            memset(o, 0, (size_t)d * sizeof(float));
+            if (max == -INFINITY) continue;
+            for (int64_t c = 0; c < job->spans; c++) {
+                const float *part = first + c * next_span;
+                if (part[0] == -INFINITY) continue;
+                const float weight = expf(part[0] - max);
+                sum += part[1] * weight;
+                for (int64_t i = 0; i < d; i++) o[i] += weight * part[i + 2];
             }
+            const float inverse = sum > 0 ? 1.0f / sum : 0.0f;
+            for (int64_t i = 0; i < d; i++) o[i] *= inverse;
+        }
 }
 
 /* Attention of each sequence's last `q_tokens` queries over its blocks. `dtype`: the pool's,
@@ -377,7 +476,7 @@ LLMCLI_API int llmcli_paged_attention(int dtype, const float *q, const void *key
     for (int64_t b = 0; b < batch; b++) {
         const int64_t length = lengths[b];
         if (length < q_tokens || length > max_blocks * block_size) return -2;
-        const int64_t lo = first_seen(&job, length);
+        const int64_t lo = first_block_start(&job, length);
         for (int64_t i = lo / block_size; i <= (length - 1) / block_size; i++) {
             const int32_t block = tables[b * max_blocks + i];
             if (block < 0 || block >= num_blocks) return -2;
@@ -385,19 +484,19 @@ LLMCLI_API int llmcli_paged_attention(int dtype, const float *q, const void *key
         if (length - lo > longest) longest = length - lo;
         total += length - lo;
     }
-    /* Split along the positions only where the (sequence, KV head) pairs are too few to keep
-     * every thread busy, and never into spans shorter than MIN_SPAN. */
+    /* Split along the positions only where the sequences are too few to keep every thread busy,
+     * and never into spans shorter than MIN_SPAN. */
     if (n_threads < 1) n_threads = 1;
-    const int64_t pairs = batch * kv_heads, wanted = (int64_t)n_threads * ITEMS_PER_THREAD;
-    int64_t spans = n_threads > 1 && pairs < wanted ? (wanted + pairs - 1) / pairs : 1;
+    const int64_t wanted = (int64_t)n_threads * ITEMS_PER_THREAD;
+    int64_t spans = n_threads > 1 && batch < wanted ? (wanted + batch - 1) / batch : 1;
     const int64_t most = (longest + MIN_SPAN - 1) / MIN_SPAN;
     if (spans > most) spans = most > 0 ? most : 1;
     job.spans = spans;
     job.span = (longest + spans - 1) / spans;
-    job.items = pairs * spans;
-    const int64_t rows = heads / kv_heads * q_tokens;
+    job.span += (block_size - job.span % block_size) % block_size; /* whole blocks */
+    job.items = batch * spans;
     if (spans > 1) {
-        job.partial = malloc((size_t)(job.items * rows * (head_dim + 2)) * sizeof(float));
+        job.partial = malloc((size_t)(job.items * heads * q_tokens * (head_dim + 2)) * sizeof(float));
         if (!job.partial) return -3;
     }
     atomic_init(&job.next, 0);
