@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcli.engine.native.kvcache import MIN_BUCKET
-from llmcli.engine.native.paged_cpu import paged_attention
+from llmcli.engine.native.paged_cpu import AttentionRules, PagedKV, paged_attention
 from llmcli.models import cpu_kernels
 
 SHAPES = {"SmolLM2-135M (9/3 × 64)": (9, 3, 64), "Llama-1B-like (32/8 × 64)": (32, 8, 64)}
@@ -63,8 +63,10 @@ def _paths(
         values = pool_values[tables.long()].flatten(1, 2)[:, :tokens].transpose(1, 2)
         return F.scaled_dot_product_attention(q_heads, keys, values, scale=scale)
 
+    paged, rules = PagedKV(pool_keys, pool_values, tables, lengths), AttentionRules(scale)
+
     def in_place() -> torch.Tensor:
-        return paged_attention(q_tokens, pool_keys, pool_values, tables, lengths, scale)
+        return paged_attention(q_tokens, paged, rules)
 
     return {"contiguous SDPA (today)": contiguous, "gather + SDPA": gathered, "blocks in place": in_place}
 

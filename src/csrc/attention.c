@@ -180,27 +180,10 @@ static void accumulate_tile(float *acc, const float *keep, const float *p, int64
 }
 
 /* exp(x) for the n ≤ TILE scores of a tile, x ≤ 0 (a score less the row's maximum), −inf → 0.
- * The SIMD builds use Cephes' polynomial (within 2 ulp of expf): one libm call per score was
- * most of a long decode's time. */
-#if defined(__AVX512F__)
-static inline __m512 exp_ps(__m512 x) {
-    const __mmask16 vanishes = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~vanishes, y, _mm512_castsi512_ps(power));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
+ * The SIMD builds use Cephes' polynomial (within 2 ulp of expf), eight at a time (the AVX-512
+ * build too: the exponentials are a small part of a tile): one libm call per score was most of
+ * a long decode's time. */
+#if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 exp_ps(__m256 x) {
     const __m256 vanishes = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -224,16 +207,7 @@ static inline __m256 exp_ps(__m256 x) {
 static float exp_tile(const float *s, float max, float *p, int n) {
     int i = 0;
     float sum = 0.0f;
-#if defined(__AVX512F__)
-    __m512 total = _mm512_setzero_ps();
-    for (; i < n; i += 16) {
-        const __mmask16 in = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + i), _mm512_set1_ps(max)));
-        _mm512_mask_storeu_ps(p + i, in, e);
-        total = _mm512_mask_add_ps(total, in, total, e);
-    }
-    sum = _mm512_reduce_add_ps(total);
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
     __m256 total = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(max)));

@@ -16,6 +16,7 @@ by both paths.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -30,37 +31,50 @@ _UNSUPPORTED = -1  # the kernel's answer for a shape it does not take
 _OUT_OF_POOL = -2
 
 
+@dataclass(frozen=True)
+class PagedKV:
+    """One layer's pool as a batch of sequences sees it: keys and values [num_blocks, block_size,
+    kv_heads, d], each sequence's block ids (block_tables [batch, max_blocks]) and the positions
+    it holds (lengths [batch], its queries' own included)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    block_tables: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionRules:
+    """How a query scores keys: `scale`; `window`: each query sees that many positions up to its
+    own; `softcap`: scores pass through cap · tanh(score / cap) (Gemma 2); `sinks` [heads]: a
+    logit per head that joins the softmax's denominator and takes no value (gpt-oss)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
 def paged_attention(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
+    kv: PagedKV,
+    rules: AttentionRules,
     *,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
     kernels: CpuKernels | Literal["auto"] | None = "auto",
 ) -> torch.Tensor:
-    """q [batch, q_tokens, heads, d] (the last q_tokens positions of each sequence), keys and
-    values [num_blocks, block_size, kv_heads, d], block_tables [batch, max_blocks] (block ids),
-    lengths [batch] (positions held, the queries' own included) → [batch, q_tokens, heads, d]
-    in q's dtype. `window`: each query sees that many positions up to its own; `softcap`: scores
-    pass through cap · tanh(score / cap); `sinks` [heads]: a logit per head that joins the
-    softmax's denominator. `kernels`: which compiled level runs ("auto": the one llmcli loads
+    """q [batch, q_tokens, heads, d], each sequence's last q_tokens positions → [batch, q_tokens,
+    heads, d] in q's dtype. `kernels`: which compiled level runs ("auto": the one llmcli loads
     here; None: the gathering path)."""
     loaded = cpu_kernels.kernels() if kernels == "auto" else kernels
-    if loaded is not None and _kernel_takes(q, keys, values):
-        out = _in_place(loaded, q, keys, values, block_tables, lengths, scale, window, softcap, sinks)
+    if loaded is not None and _kernel_takes(q, kv):
+        out = _in_place(loaded, q, kv, rules)
         if out is not None:
             return out
-    return gathered_attention(
-        q, keys, values, block_tables, lengths, scale, window=window, softcap=softcap, sinks=sinks
-    )
+    return gathered_attention(q, kv, rules)
 
 
-def _kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+def _kernel_takes(q: torch.Tensor, kv: PagedKV) -> bool:
+    keys, values = kv.keys, kv.values
     return (
         keys.dtype in _KERNEL_DTYPES
         and values.dtype == keys.dtype
@@ -71,32 +85,21 @@ def _kernel_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> 
     )
 
 
-def _in_place(
-    loaded: CpuKernels,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor | None:
+def _in_place(loaded: CpuKernels, q: torch.Tensor, kv: PagedKV, rules: AttentionRules) -> torch.Tensor | None:
     """The kernel's answer, or None where it does not take this shape."""
     batch, q_tokens, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = keys.shape
+    num_blocks, block_size, kv_heads, _ = kv.keys.shape
     query = q.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    held = lengths.to(torch.int32).contiguous()
-    sink_logits = sinks.to(torch.float32).contiguous() if sinks is not None else None
+    tables = kv.block_tables.to(torch.int32).contiguous()
+    held = kv.lengths.to(torch.int32).contiguous()
+    sinks = rules.sinks.to(torch.float32).contiguous() if rules.sinks is not None else None
     out = torch.empty((batch, q_tokens, heads, head_dim), dtype=torch.float32)
     done = loaded.library.llmcli_paged_attention(
-        _KERNEL_DTYPES[keys.dtype], query.data_ptr(), keys.data_ptr(), values.data_ptr(),
+        _KERNEL_DTYPES[kv.keys.dtype], query.data_ptr(), kv.keys.data_ptr(), kv.values.data_ptr(),
         tables.data_ptr(), tables.shape[1], num_blocks, held.data_ptr(),
-        sink_logits.data_ptr() if sink_logits is not None else None,
-        batch, q_tokens, heads, kv_heads, head_dim, block_size, scale, window or 0, softcap or 0.0,
-        out.data_ptr(), torch.get_num_threads(),
+        sinks.data_ptr() if sinks is not None else None,
+        batch, q_tokens, heads, kv_heads, head_dim, block_size, rules.scale, rules.window or 0,
+        rules.softcap or 0.0, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if done == _UNSUPPORTED:
         return None
@@ -107,39 +110,27 @@ def _in_place(
     return out.to(q.dtype)
 
 
-def gathered_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def gathered_attention(q: torch.Tensor, kv: PagedKV, rules: AttentionRules) -> torch.Tensor:
     """`paged_attention` by gathering each sequence's blocks into one tensor first (the path
     for what the kernel does not take), scored in fp32."""
     q_tokens, heads = q.shape[1:3]
-    _, block_size, kv_heads, _ = keys.shape
+    _, block_size, kv_heads, _ = kv.keys.shape
     groups = heads // kv_heads
-    compute = torch.float32
     out = torch.empty_like(q)
-    for b, length in enumerate(int(n) for n in lengths):
-        used = block_tables[b, : -(-length // block_size)].long()
+    sinks = rules.sinks.view(1, heads, 1).float() if rules.sinks is not None else None
+    for b, length in enumerate(int(n) for n in kv.lengths):
+        used = kv.block_tables[b, : -(-length // block_size)].long()
         # [kv_heads, length, d], then one copy per query head, as the scores are laid out.
-        seq_keys = keys[used].flatten(0, 1)[:length].transpose(0, 1).to(compute)
-        seq_values = values[used].flatten(0, 1)[:length].transpose(0, 1).to(compute)
-        seq_keys = seq_keys.repeat_interleave(groups, dim=0)[None]
-        seq_values = seq_values.repeat_interleave(groups, dim=0)[None]
+        seq_keys, seq_values = (
+            pool[used].flatten(0, 1)[:length].transpose(0, 1).float().repeat_interleave(groups, dim=0)[None]
+            for pool in (kv.keys, kv.values)
+        )
         own = torch.arange(length - q_tokens, length, device=q.device).view(-1, 1)
         seen = torch.arange(length, device=q.device).view(1, -1)
         mask = seen <= own
-        if window is not None:
-            mask &= seen > own - window
-        sink_logits = sinks.view(1, heads, 1).to(compute) if sinks is not None else None
-        query = q[b].transpose(0, 1)[None].to(compute)  # [1, heads, q_tokens, d]
-        attended = _scored_attention(query, seq_keys, seq_values, mask, scale, sink_logits, softcap)
+        if rules.window is not None:
+            mask &= seen > own - rules.window
+        query = q[b].transpose(0, 1)[None].float()  # [1, heads, q_tokens, d]
+        attended = _scored_attention(query, seq_keys, seq_values, mask, rules.scale, sinks, rules.softcap)
         out[b] = attended[0].transpose(0, 1).to(q.dtype)
     return out
