@@ -283,8 +283,8 @@ static void attend_tile(const paged_job *job, const scratch *w, int64_t h, int64
         for (int64_t i = 0; i < TILE; i++)
             for (int64_t byte = 0; byte < d * elem; byte += 64) {
                 const int64_t where = next_at + (i * stride + h * d) * elem + byte;
-                __builtin_prefetch(job->keys + where);
-                __builtin_prefetch(job->values + where);
+                __builtin_prefetch(job->keys + where, 0, 2);
+                __builtin_prefetch(job->values + where, 0, 2);
             }
     const float *krow[TILE], *vrow[TILE];
     float *m = w->m + first_row, *l = w->l + first_row, *keep = w->keep + first_row;
