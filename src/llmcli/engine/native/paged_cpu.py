@@ -65,7 +65,7 @@ def paged_attention(
     """q [batch, q_tokens, heads, d], each sequence's last q_tokens positions → [batch, q_tokens,
     heads, d] in q's dtype. `kernels`: which compiled level runs ("auto": the one llmcli loads
     here; None: the gathering path)."""
-    loaded = cpu_kernels.kernels() if kernels == "auto" else kernels
+    loaded = cpu_kernels.kernels() if isinstance(kernels, str) else kernels
     if loaded is not None and _kernel_takes(q, kv):
         out = _in_place(loaded, q, kv, rules)
         if out is not None:
@@ -79,25 +79,32 @@ def _kernel_takes(q: torch.Tensor, kv: PagedKV) -> bool:
         keys.dtype in _KERNEL_DTYPES
         and values.dtype == keys.dtype
         and keys.shape == values.shape
-        and all(t.device.type == "cpu" for t in (q, keys, values))
+        and keys.device.type == "cpu"
+        and q.device.type == "cpu"
         and keys.is_contiguous()
         and values.is_contiguous()
     )
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype`, contiguous; itself where it is already (this runs once a layer, and
+    each needless torch call is a microsecond)."""
+    if tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 def _in_place(loaded: CpuKernels, q: torch.Tensor, kv: PagedKV, rules: AttentionRules) -> torch.Tensor | None:
     """The kernel's answer, or None where it does not take this shape."""
     batch, q_tokens, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = kv.keys.shape
-    query = q.to(torch.float32).contiguous()
-    tables = kv.block_tables.to(torch.int32).contiguous()
-    held = kv.lengths.to(torch.int32).contiguous()
-    sinks = rules.sinks.to(torch.float32).contiguous() if rules.sinks is not None else None
+    query, tables = _as(q, torch.float32), _as(kv.block_tables, torch.int32)
+    held = _as(kv.lengths, torch.int32)
+    sinks = _as(rules.sinks, torch.float32).data_ptr() if rules.sinks is not None else None
     out = torch.empty((batch, q_tokens, heads, head_dim), dtype=torch.float32)
     done = loaded.library.llmcli_paged_attention(
         _KERNEL_DTYPES[kv.keys.dtype], query.data_ptr(), kv.keys.data_ptr(), kv.values.data_ptr(),
-        tables.data_ptr(), tables.shape[1], num_blocks, held.data_ptr(),
-        sinks.data_ptr() if sinks is not None else None,
+        tables.data_ptr(), tables.shape[1], num_blocks, held.data_ptr(), sinks,
         batch, q_tokens, heads, kv_heads, head_dim, block_size, rules.scale, rules.window or 0,
         rules.softcap or 0.0, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
@@ -107,7 +114,7 @@ def _in_place(loaded: CpuKernels, q: torch.Tensor, kv: PagedKV, rules: Attention
         raise ValueError("a sequence's length or block id lies outside the KV pool")
     if done != 0:
         raise MemoryError("llmcli's paged attention kernel ran out of memory")
-    return out.to(q.dtype)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def gathered_attention(q: torch.Tensor, kv: PagedKV, rules: AttentionRules) -> torch.Tensor:
