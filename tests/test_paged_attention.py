@@ -112,6 +112,7 @@ def test_sequences_of_unlike_lengths_equal_sdpa_on_their_gathered_blocks(
         ([2000], 16, 9, 3, 64),  # one long sequence: its positions in spans over the threads
         ([7, 33, 129], 5, 8, 2, 20),  # a head width no vector divides, blocks of 5
         ([300, 1000], 32, 32, 8, 72),  # wide groups (Llama 1B's), a head width 8 past the vector
+        ([70, 20], 16, 8, 1, 256),  # one KV head for all (multi-query), heads as wide as Gemma's
     ],
 )
 def test_shapes_equal_sdpa(level, dtype, lengths, block_size, heads, kv_heads, head_dim) -> None:

@@ -237,7 +237,7 @@ typedef struct {
     int64_t items;
     float *out;                 /* [batch, q_tokens, heads, d], fp32 */
     float *partial;             /* spans > 1: [items, rows, d + 2] (max, sum, weighted sum) */
-    atomic_long next;           /* the next item a thread takes */
+    _Atomic int64_t next;       /* the next item a thread takes */
     atomic_int failed;          /* a thread could not get its scratch memory */
 } paged_job;
 
