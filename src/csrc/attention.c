@@ -55,17 +55,20 @@ static void widen_row(int dtype, const void *src, float *dst, int64_t n) {
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s0 = 0, s1 = 0, s2 = 0, s3 = 0; /* four chains: the adds need not wait on each other */
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        s0 += a[i] * b[i];
-        s1 += a[i + 1] * b[i + 1];
-        s2 += a[i + 2] * b[i + 2];
-        s3 += a[i + 3] * b[i + 3];
-    }
-    for (; i < n; i++) s0 += a[i] * b[i];
-    return (s0 + s1) + (s2 + s3);
+/* Four lanes of the compiler's generic vectors: SSE2 in the portable x86-64 build, NEON on arm64. */
+typedef float f32x4 __attribute__((vector_size(16)));
+
+static inline f32x4 load4(const float *p) {
+    f32x4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The few products past the AVX2 build's whole vectors of a row. */
+static inline float dot_tail(const float *a, const float *b, int64_t n) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; i++) total += a[i] * b[i];
+    return total;
 }
 
 #if defined(__AVX512F__)
@@ -119,10 +122,21 @@ static void score_tile(const float *qs, int64_t rows, const float *const *k, int
             }
             _mm256_storeu_ps(s + r * TILE + half, sum_lanes8(acc));
             if (whole < d)
-                for (int i = 0; i < 8; i++) s[r * TILE + half + i] += dot(q + whole, k[half + i] + whole, d - whole);
+                for (int i = 0; i < 8; i++) s[r * TILE + half + i] += dot_tail(q + whole, k[half + i] + whole, d - whole);
         }
 #else
-        for (int i = 0; i < TILE; i++) s[r * TILE + i] = dot(q, k[i], d);
+        f32x4 acc[TILE];
+        const int64_t whole = d & ~(int64_t)3;
+        for (int i = 0; i < TILE; i++) acc[i] = (f32x4){ 0 };
+        for (int64_t c = 0; c < whole; c += 4) {
+            const f32x4 qc = load4(q + c);
+            for (int i = 0; i < TILE; i++) acc[i] += qc * load4(k[i] + c);
+        }
+        for (int i = 0; i < TILE; i++) {
+            float total = (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]);
+            for (int64_t c = whole; c < d; c++) total += q[c] * k[i][c];
+            s[r * TILE + i] = total;
+        }
 #endif
     }
 }
@@ -171,6 +185,14 @@ static void accumulate_tile(float *acc, const float *keep, const float *p, int64
             for (int64_t i = 0; i < n; i++) sum = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), _mm256_loadu_ps(v[i] + c), sum);
             _mm256_storeu_ps(a + c, sum);
         }
+#else
+        for (; c + 16 <= d; c += 16) {
+            f32x4 sum[4];
+            for (int j = 0; j < 4; j++) sum[j] = load4(a + c + 4 * j) * keep[r];
+            for (int64_t i = 0; i < n; i++)
+                for (int j = 0; j < 4; j++) sum[j] += load4(v[i] + c + 4 * j) * w[i];
+            memcpy(a + c, sum, sizeof sum);
+        }
 #endif
         for (int64_t x = c; x < d; x++) a[x] *= keep[r];
         for (int64_t i = 0; i < n; i++)
@@ -179,45 +201,45 @@ static void accumulate_tile(float *acc, const float *keep, const float *p, int64
     }
 }
 
-/* exp(x) for the n ≤ TILE scores of a tile, x ≤ 0 (a score less the row's maximum), −inf → 0.
- * The SIMD builds use Cephes' polynomial (within 2 ulp of expf), eight at a time (the AVX-512
- * build too: the exponentials are a small part of a tile): one libm call per score was most of
- * a long decode's time. */
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 exp_ps(__m256 x) {
-    const __m256 vanishes = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(vanishes, _mm256_mul_ps(y, _mm256_castsi256_ps(power)));
+/* exp(x) for the n ≤ TILE scores of a tile, x ≤ 0 (a score less the row's maximum), −inf → 0:
+ * Cephes' polynomial (within 2 ulp of expf) on eight lanes of the compiler's generic vectors,
+ * so that every build has it (AVX2 in the SIMD builds, SSE2 or NEON pairs in the portable one).
+ * One libm call per score was most of a long decode's time. */
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* p[0..7] = exp(s[0..7] − max), added to *total too (vectors passed by address: by value they
+ * would change the portable build's calling convention, which the compiler warns of). */
+static inline void exp8(const float *s, float max, float *p, f32x8 *total) {
+    f32x8 x;
+    memcpy(&x, s, sizeof x);
+    x -= max;
+    const f32x8 floor = (f32x8){ 0 } - 87.0f;
+    const i32x8 vanishes = x < floor;
+    x = (f32x8)(((i32x8)x & ~vanishes) | ((i32x8)floor & vanishes));
+    const float magic = 12582912.0f; /* 1.5 · 2^23: adding it rounds to an integer */
+    const f32x8 n = (x * 1.44269504088896341f + magic) - magic;
+    x = x - n * 0.693359375f;
+    x = x - n * -2.12194440e-4f;
+    f32x8 y = (f32x8){ 0 } + 1.9875691500e-4f;
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    const i32x8 power = (__builtin_convertvector(n, i32x8) + 127) << 23;
+    const f32x8 e = (f32x8)((i32x8)(y * (f32x8)power) & ~vanishes);
+    memcpy(p, &e, sizeof e);
+    *total += e;
 }
-#endif
 
 /* p[i] = exp(s[i] − max) for i < n; returns their sum. */
 static float exp_tile(const float *s, float max, float *p, int n) {
     int i = 0;
-    float sum = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 total = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(max)));
-        _mm256_storeu_ps(p + i, e);
-        total = _mm256_add_ps(total, e);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, total);
-    for (int j = 0; j < 8; j++) sum += lanes[j];
-#endif
+    f32x8 total = { 0 };
+    for (; i + 8 <= n; i += 8) exp8(s + i, max, p + i, &total);
+    float sum = ((total[0] + total[1]) + (total[2] + total[3])) + ((total[4] + total[5]) + (total[6] + total[7]));
     for (; i < n; i++) sum += p[i] = expf(s[i] - max);
     return sum;
 }
