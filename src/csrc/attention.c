@@ -21,7 +21,8 @@
 #include "llmcli_cpu.h"
 
 #define TILE 16                /* positions scored at once: one vector of scores (AVX-512), two (AVX2) */
-#define MIN_SPAN 256           /* positions a work item takes at least: below, splitting costs more */
+#define MIN_SPAN 256           /* positions a work item takes at least (chosen, not measured: each span
+                                * costs a partial sum per query row and its merge) */
 #define ITEMS_PER_THREAD 4     /* enough items that threads finishing early find more */
 
 /* ---------------------------------------------------------------------------------------------
