@@ -116,21 +116,17 @@ def _library_path(level: str) -> Path | None:
 
 def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
-    c_int, c_int64, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    c_int, c_int64, c_void_p, c_float = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    # engine/native/paged_cpu.py: dtype, q, keys, values, tables, max_blocks, num_blocks, lengths,
+    # sinks, batch, q_tokens, heads, kv_heads, head_dim, block_size, scale, window, softcap, out, threads
+    paged = [
+        c_int, *[c_void_p] * 4, c_int64, c_int64, c_void_p, c_void_p, *[c_int64] * 6, c_float, c_int64,
+        c_float, c_void_p, c_int,
+    ]  # fmt: skip
     signatures = {
         # type, weights, n, k, x, x's dtype, m, y, y's dtype, threads
-        "llmcli_matmul": [
-            c_int,
-            c_void_p,
-            c_int64,
-            c_int64,
-            c_void_p,
-            c_int,
-            c_int64,
-            c_void_p,
-            c_int,
-            c_int,
-        ],
+        "llmcli_matmul": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int, c_int64, c_void_p, *[c_int] * 2],
+        "llmcli_paged_attention": paged,
         "llmcli_dequantize": [c_int, c_void_p, c_int64, c_int64, c_void_p],
         # type, blocks, rows, k, out, out's dtype, threads
         "llmcli_dequantize_to": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int, c_int],
