@@ -123,9 +123,10 @@ def _open(path: Path) -> ctypes.CDLL:
         c_int, *[c_void_p] * 4, c_int64, c_int64, c_void_p, c_void_p, *[c_int64] * 6, c_float, c_int64,
         c_float, c_void_p, c_int,
     ]  # fmt: skip
+    # type, weights, n, k, x, x's dtype, m, y, y's dtype, threads
+    matmul = [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int, c_int64, c_void_p, c_int, c_int]
     signatures = {
-        # type, weights, n, k, x, x's dtype, m, y, y's dtype, threads
-        "llmcli_matmul": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int, c_int64, c_void_p, *[c_int] * 2],
+        "llmcli_matmul": matmul,
         "llmcli_paged_attention": paged,
         "llmcli_dequantize": [c_int, c_void_p, c_int64, c_int64, c_void_p],
         # type, blocks, rows, k, out, out's dtype, threads
