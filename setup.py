@@ -40,6 +40,7 @@ def kernels(level: str, flags: list[str]) -> Extension:
         depends=sorted(str(path) for path in Path("src/csrc").glob("*.h")),
         extra_compile_args=[*COMMON, *flags],
         extra_link_args=["-pthread"],
+        libraries=["m"],  # expf, tanhf: linked, not left to whatever loaded the library first
         optional=True,  # a failed build leaves llmcli on its torch path, never uninstallable
     )
 

@@ -1,5 +1,6 @@
 /* The entry points llmcli calls (models/cpu_kernels.py, through ctypes): y = x · Wᵀ on a
  * matrix kept as the file's blocks, which CPU features this build uses, and dequantization. */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -151,22 +152,30 @@ typedef struct {
     void *y;          /* [m, n] in y_dtype, rows y_stride apart */
     int y_dtype;
     int64_t y_stride;
+    atomic_llong next_run; /* the next run of rows a thread takes */
 } product_job;
 
-/* Each thread takes a contiguous share of the weight rows (in runs of 4, so that neighbours do
- * not write the same cache line of y) and multiplies each with every activation row: a weight
- * row is read from memory once and stays in cache for all m. */
+#define RUN_ROWS 64 /* rows a thread takes at a time (a whole number of cache lines of y in fp32 and
+                       * in 16 bits): a late thread's share is taken by the others */
+
+/* The threads take runs of RUN_ROWS weight rows from a shared counter (a thread the scheduler
+ * runs late finds its share taken, rather than holding everyone up) and multiply each with every
+ * activation row: a weight row is read from memory once and stays in cache for all m. */
 static void product_rows(void *context, int ith, int nth) {
-    const product_job *job = context;
-    const int64_t runs = (job->n + 3) / 4;
-    const int64_t first = runs * ith / nth * 4, last_run = runs * (ith + 1) / nth * 4;
-    const int64_t last = last_run < job->n ? last_run : job->n;
+    (void)ith;
+    (void)nth;
+    product_job *job = context;
+    for (;;) {
+    const int64_t first = atomic_fetch_add(&job->next_run, 1) * RUN_ROWS;
+    if (first >= job->n) break;
+    const int64_t last = first + RUN_ROWS < job->n ? first + RUN_ROWS : job->n;
     for (int64_t r = first; r < last; r++) {
         const char *w_row = job->w + r * job->w_row_bytes;
         for (int64_t i = 0; i < job->m; i++) {
             const float v = job->t->vec_dot(job->k, w_row, job->act + i * job->act_bytes);
             store_value(job->y, job->y_dtype, i * job->y_stride + r, v);
         }
+    }
     }
 }
 
@@ -201,7 +210,7 @@ const weight_type *weight_type_of(int type) { return type_of(type); }
 void multiply_quantized(const weight_type *t, const void *w, int64_t n, int64_t k, const char *act, int64_t m,
                         float *y, int64_t y_stride, int n_threads) {
     product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_row_bytes(t->act_type, k), act,
-                      y, 0, y_stride };
+                      y, 0, y_stride, 0 };
     pool_run(product_rows, &p, n_threads);
 }
 
@@ -220,7 +229,7 @@ LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, cons
     quantize_job q = { t, x, x_dtype, act, m, k, act_bytes };
     if (m == 1) quantize_rows(&q, 0, 1); /* one row: not worth waking the pool */
     else pool_run(quantize_rows, &q, n_threads);
-    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_dtype, n };
+    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_dtype, n, 0 };
     pool_run(product_rows, &p, n_threads);
     if (act != stack_act) free(act);
     return 0;

@@ -5,16 +5,33 @@ file stores them. The weights held are the file's bytes: nothing is dequantized 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
-from llmcli.models.cpu_kernels import CpuKernels
+from llmcli.models.cpu_kernels import CpuKernels, kernel_threads
 
 # From this many rows on, a product dequantizes the matrix (in the model's dtype) and runs torch's
 # GEMM: the block products decode each block once per row, a GEMM once per matrix. Measured on
 # one thread here: at 16 rows the block products lead (Q4_K 0.81 ms against 0.93), at 64 the GEMM
 # (Q4_K 1.41 ms against 3.24; Q8_0 1.43 against 4.25); at 512, 3-4x.
 GEMM_ROWS = 32
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` inside, as they were after."""
+    before = torch.get_num_threads()
+    if before == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class BlockLinear(torch.nn.Module):
@@ -56,10 +73,9 @@ class BlockLinear(torch.nn.Module):
         rows = x.reshape(-1, shape[-1]).contiguous()  # fp32, bf16 and fp16 are read and written as they are
         if rows.shape[0] >= GEMM_ROWS:  # a prefill: the matrix read once, multiplied by torch's GEMM
             dtype = self.dtype if rows.dtype == torch.float32 else rows.dtype
-            weight = self.kernels.dequantized(
-                self.blocks, self.type_name, self.out_features, self.in_features, dtype
-            )
-            out = F.linear(rows.to(weight.dtype), weight).to(x.dtype)
+            weight = self.kernels.dequantized(self.blocks, self.type_name, *self.shape, dtype)
+            with torch_threads(kernel_threads()):  # torch keeps one thread between the kernels' calls
+                out = F.linear(rows.to(weight.dtype), weight).to(x.dtype)
         else:
             out = self.kernels.matmul(rows, self.blocks, self.type_name, self.out_features).to(x.dtype)
         out = out.view(*shape[:-1], self.out_features)

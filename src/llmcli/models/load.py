@@ -117,7 +117,11 @@ def load_model(
         quant = _quantized(built.model, plan.native_quant, plan.group, exact, kernels)
         quant_backend = "native"
     elif (kernels := _float_block_kernels(checkpoint, settings, plan)) is not None:
-        quant = _quantized(built.model, "blocks", None, None, kernels)
+        quant, quant_backend = _quantized(built.model, "blocks", None, None, kernels), "native"
+    if quant.startswith("gguf-blocks"):  # its steps are the kernels' products
+        from llmcli.models.cpu_kernels import run_on_kernels
+
+        run_on_kernels(torch.get_num_threads())
     if isinstance(choice, NativeChoice):
         build_native.after_quantize(built, choice, plan, checkpoint.name)
     model, tokenizer = built.model, built.tokenizer

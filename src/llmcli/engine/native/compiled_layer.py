@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from llmcli.engine.native.layers import FeedForward, RMSNorm, identity
 from llmcli.errors import UsageError
 from llmcli.models.block_linear import GEMM_ROWS, BlockLinear
-from llmcli.models.cpu_kernels import TYPE_IDS, CpuKernels, dtype_code
+from llmcli.models.cpu_kernels import TYPE_IDS, CpuKernels, dtype_code, kernel_threads
 
 if TYPE_CHECKING:
     from llmcli.engine.native.attention import Attention
@@ -162,7 +162,7 @@ class CompiledLayer:
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Plan, attention: Attention
     ) -> torch.Tensor:
         rows, shape = h.shape[0], attention.shape
-        d, dtype, threads = shape.head_dim, self.dtype, torch.get_num_threads()
+        d, dtype, threads = shape.head_dim, self.dtype, kernel_threads()
         self.weights.rot_width = cos.shape[-1]
         q = torch.empty((rows, shape.heads, d), dtype=dtype)
         k = torch.empty((rows, shape.kv_heads, d), dtype=dtype)
