@@ -59,6 +59,8 @@ backend = Engine.for_loaded(loaded).backend
 tokenizer = loaded.tokenizer
 ids = tokenizer.encode(text)
 add_bos = len(ids) > len(tokenizer.encode(text, add_special_tokens=False))
+if len(ids) < 2 * n_ctx:  # as llama-perplexity refuses it
+    sys.exit(f"{len(ids)} tokens: perplexity in chunks of {n_ctx} needs {2 * n_ctx}")
 first, nll, count = n_ctx // 2, 0.0, 0
 with torch.inference_mode():
     for start in range(0, len(ids) - n_ctx + 1, n_ctx):
@@ -260,6 +262,8 @@ def main() -> None:
     parser.add_argument("--table-from", type=Path, help="print the table of an earlier run's JSON and stop")
     args = parser.parse_args()
     if args.table_from:
+        if not args.table_from.is_file():
+            raise SystemExit(f"--table-from: {args.table_from} is not a file")
         print(table(json.loads(args.table_from.read_text()), args.refuse_loaded))
         return
     args.has_llama_cpp = (args.llama_cpp / "llama-bench").is_file()
