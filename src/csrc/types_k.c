@@ -199,10 +199,6 @@ static inline float hsum_ps_128(__m128 s) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-static inline float hsum_ps_256(__m256 v) {
-    return hsum_ps_128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
-}
-
 /* Σ min_j · (bsums[2j] + bsums[2j+1]), four lanes of 32 bits. */
 static inline __m128i mins_dot_bsums_128(const uint8_t mins[8], const int16_t *bsums) {
     const __m128i pairs = _mm_hadd_epi16(LOAD128(bsums), LOAD128(bsums + 8));
@@ -313,7 +309,7 @@ static float dot_q6_K(int64_t k, const void *w_row, const void *act_row) {
         const __m256i total = _mm256_add_epi32(halves, q6_offset_256(w[i].scales, a[i].bsums));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * half_to_float(w[i].d)), _mm256_cvtepi32_ps(total), acc);
     }
-    return hsum_ps_256(acc);
+    return hsum_f32x8(acc);
 }
 #else
 /* AVX2: 32 weights a step. */
@@ -357,7 +353,7 @@ static inline float dot_k4_simd(int64_t k, const uint8_t *w, int block_bytes, in
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(k4_scale(w, &a[i])), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return hsum_ps_256(acc) - hsum_ps_128(acc_mins);
+    return hsum_f32x8(acc) - hsum_ps_128(acc_mins);
 }
 
 /* 0..63 from four bits of `low` (the low nibble, or the high one where `high_nibble`) and the two
@@ -392,7 +388,7 @@ static float dot_q6_K(int64_t k, const void *w_row, const void *act_row) {
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(a[i].d * half_to_float(w[i].d)), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return hsum_ps_256(acc);
+    return hsum_f32x8(acc);
 }
 #endif
 
