@@ -226,6 +226,7 @@ def test_estimate_from_headers_matches_native_quantization(tiny_model: Path, qua
 def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
     """The demo ties its output head to the embedding: quantized, the head is a matrix of its own,
     and the embedding stays in the file's Q8_0 blocks (as `generate` loads it: the lean path)."""
+    from llmcli.models.load_plan import block_types
     from llmcli.models.memory import estimate_weight_bytes, native_mode, weight_shapes
     from llmcli.models.resolve import demo_gguf_path, resolve_model
 
@@ -235,8 +236,9 @@ def test_estimate_matches_the_demo_as_it_loads_by_default() -> None:
     resolved = resolve_model(str(demo))
     loaded = load_model(resolved, LoadSettings(device="cpu"), lean=True)
     shapes = weight_shapes(resolved.path)
-    estimate = estimate_weight_bytes(shapes, 2, native_mode("int4", 32, shapes))
-    assert loaded.quant == "int4-g32"
+    blocks = block_types(resolved, "auto", "cpu")  # the compiled kernels' types, where built
+    estimate = estimate_weight_bytes(shapes, 2, native_mode("int4", 32, shapes), block_types=blocks)
+    assert loaded.quant == ("gguf-blocks" if blocks else "int4-g32")
     assert abs(estimate - loaded.weight_bytes) / loaded.weight_bytes < 0.03
 
 
