@@ -46,6 +46,7 @@ def _run(
     from llmcli.models.resolve import resolve_model
 
     monkeypatch.setenv("LLMCLI_CPU_FUSED", fused)
+    monkeypatch.setenv(cpu_kernels.ENV, cpu_kernels.kernels().level)  # every file on the kernels
     loaded = load_model(resolve_model(str(path)), LoadSettings(device="cpu", dtype=dtype), lean=True)
     backend = Engine.for_loaded(loaded).backend
     compiled = [block.compiled is not None for block in backend.net.blocks]

@@ -214,6 +214,18 @@ def test_float_rows_end_inside_a_vector(level: str, type_name: str, k: int) -> N
     np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=np.abs(expected).max() * 2e-5)
 
 
+def test_auto_puts_on_the_kernels_the_files_torch_would_requantize(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `auto` a file with any layer torch's path holds as well (4-bit int4 codes, 16-bit
+    weights) keeps torch's path; one of 5-8-bit, IQ4 or Q2/Q3 layers takes the kernels; a level
+    named puts every file on them."""
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    assert cpu_kernels.takes_file(frozenset({"Q6_K", "IQ4_XS"}))
+    assert not cpu_kernels.takes_file(frozenset({"Q4_K", "Q6_K"}))
+    assert not cpu_kernels.takes_file(frozenset({"F16"}))
+    monkeypatch.setenv(cpu_kernels.ENV, LEVELS[0])
+    assert cpu_kernels.takes_file(frozenset({"Q4_K", "Q6_K"})) and cpu_kernels.takes_file(frozenset({"F16"}))
+
+
 def test_each_build_was_compiled_for_no_more_than_its_level_needs() -> None:
     """The loader's table of what each level needs is what the compiler was told: a level
     whose flags grew without the table would be loaded on a CPU that lacks them."""

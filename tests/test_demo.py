@@ -66,22 +66,13 @@ def test_stop_string_and_streamed_text_on_a_real_model(first_run) -> None:
     assert "Paris" not in text and text.startswith("The capital of France is")
 
 
-def default_quant() -> str:
-    """How the demo's layers load by default: its own blocks on the compiled kernels, where this
-    installation has them; else int4 groups of 32 (Q4_1's blocks of 32)."""
-    from llmcli.models.cpu_kernels import kernels
-
-    return "gguf-blocks" if kernels() is not None else "int4-g32"
-
-
-def test_the_gguf_4_bit_weights_stay_4_bit_by_default(first_run) -> None:
-    """The demo loads as its own Q4_1 blocks (or as int4 groups of 32 on torch's path) on the
-    native engine, a fifth of the fp32 bytes; --quant none dequantizes as before."""
+def test_the_gguf_4_bit_weights_stay_int4_by_default(first_run) -> None:
+    """Q4_1 blocks of 32 are int4 groups of 32: the demo loads as int4-g32 on the native engine,
+    a third of the fp32 bytes; --quant none dequantizes as before."""
     from llmcli.models.gguf_cache import stored_weight_kind, weight_kind
 
     record = json.loads(first_run.stdout)
-    loaded_as = (record["quant"], record["quant_backend"], record["engine"])
-    assert loaded_as == (default_quant(), "native", "native")
+    assert (record["quant"], record["quant_backend"], record["engine"]) == ("int4-g32", "native", "native")
     assert stored_weight_kind(demo_gguf_path()) == "int4 Q4_1"  # the kind, and GGUF's name for it
     (folder,) = cache_folders()
     assert weight_kind(folder) == "int4" and (folder / ".llmcli-weights").is_file()
@@ -112,5 +103,5 @@ def test_a_batch_of_one_replies_as_generate_does(first_run, tmp_path) -> None:
     batch = run_cli("generate", *greedy, "--batch", str(tmp_path / "prompts.txt"))
     assert alone.returncode == 0 and batch.returncode == 0, (alone.stderr.decode(), batch.stderr.decode())
     record = json.loads(alone.stdout)
-    assert record["quant"] == default_quant() and record["completion_tokens"] == 80
+    assert record["quant"] == "int4-g32" and record["completion_tokens"] == 80
     assert json.loads(batch.stdout)["text"] == record["text"]

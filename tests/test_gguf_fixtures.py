@@ -38,16 +38,17 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def products(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> frozenset[str]:
     """Each way a quantized file's products run on a CPU: torch's int4/int8 kernels on codes
     read from the blocks (LLMCLI_CPU_KERNELS=off, as an installation without a compiler runs),
-    or llmcli's compiled kernels on the blocks as they are. The types the latter multiply."""
+    or llmcli's compiled kernels on the blocks as they are (a level named, so that every file
+    takes them, not only those `auto` gives them). The types the latter multiply."""
     from llmcli.models import cpu_kernels
 
     if request.param == "torch":
         monkeypatch.setenv(cpu_kernels.ENV, "off")
         return frozenset()
-    monkeypatch.setenv(cpu_kernels.ENV, "auto")
     loaded = cpu_kernels.kernels()
     if loaded is None:
         pytest.skip("llmcli was built without its compiled kernels")
+    monkeypatch.setenv(cpu_kernels.ENV, loaded.level)  # a level named: every file on the kernels
     return loaded.types
 
 

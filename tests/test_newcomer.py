@@ -91,7 +91,7 @@ def test_the_demos_size_figures_agree_with_what_loads() -> None:
     text = run_cli("models", "show").stdout.decode()
     assert (
         "98.4 MB the GGUF file" in text
-        and f"as it loads here by default (cpu, bf16, {loaded['quant']} weights)" in text
+        and "as it loads here by default (cpu, bf16, int4-g32 weights)" in text
     )
     assert "_from_model_config" not in text and "transformers_version" not in text
     # bench times the model generate runs, and says the same weights: exactly, being one load.
@@ -99,7 +99,7 @@ def test_the_demos_size_figures_agree_with_what_loads() -> None:
     assert bench.returncode == 0, bench.stderr.decode()
     assert json.loads(bench.stdout)["weight_bytes"] == loaded["weight_bytes"]
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert f"runs as `{loaded['quant']}`: {loaded['weight_bytes'] / 1e6:.0f} MB of weights" in readme
+    assert f"runs as `int4-g32`: {loaded['weight_bytes'] / 1e6:.0f} MB of weights" in readme
 
 
 def test_a_plain_models_size_figure_agrees_with_what_loads(tiny_llama: Path) -> None:

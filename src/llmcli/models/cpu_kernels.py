@@ -227,6 +227,23 @@ def _load(asked: str) -> CpuKernels | None:
     return None
 
 
+# The types torch's path holds as well as the kernels do, and runs faster today: 4-bit blocks
+# as int4 codes on the file's own grid (tinygemm), 16-bit weights as they are. Measured beside
+# llama.cpp (docs/benchmarks.md, decode, 2 threads, kernels against torch's path): the demo's
+# Q4_1 0.66x, Q4_0 0.87x, F16 0.89x, Q4_K_M 1.03x; Q6_K 1.18x, IQ4_XS 1.06x, Q8_0 0.98x.
+TORCH_HOLDS_AS_WELL = frozenset({"Q4_0", "Q4_1", "Q4_K", "F16", "BF16"})
+
+
+def takes_file(types: frozenset[str]) -> bool:
+    """Whether a GGUF file whose linear layers are of `types` runs on the kernels: under `auto`,
+    a file none of whose layers torch's path holds as well (the 5-8-bit, IQ4 and Q2/Q3 types,
+    which torch's path requantizes to int8: more memory, another grid); a level named in
+    LLMCLI_CPU_KERNELS, every file the kernels have the types of."""
+    if _asked() != "auto":
+        return kernels() is not None
+    return kernels() is not None and not types & TORCH_HOLDS_AS_WELL
+
+
 def kernels() -> CpuKernels | None:
     """The kernels llmcli multiplies with on this CPU, or None (torch's kernels run)."""
     return _load(_asked())

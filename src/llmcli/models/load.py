@@ -113,7 +113,7 @@ def load_model(
         raise out_of_memory_error(checkpoint, plan.settings, plan.config, plan.device, plan.dtype) from error
     quant, quant_backend = built.quant, built.quant_backend
     if plan.native_quant is not None:
-        kernels = _block_kernels(settings, plan, exact)
+        kernels = _block_kernels(checkpoint, settings, plan, exact)
         quant = _quantized(built.model, plan.native_quant, plan.group, exact, kernels)
         quant_backend = "native"
     elif (kernels := _float_block_kernels(checkpoint, settings, plan)) is not None:
@@ -192,10 +192,15 @@ def _configure_threads(plan: LoadPlan) -> None:
         configure_cpu_threads(plan.settings.threads)
 
 
-def _block_kernels(settings: LoadSettings, plan: LoadPlan, exact: ExactCodes | None) -> CpuKernels | None:
+def _block_kernels(
+    checkpoint: Checkpoint, settings: LoadSettings, plan: LoadPlan, exact: ExactCodes | None
+) -> CpuKernels | None:
     """llmcli's compiled kernels, where they multiply a GGUF file's layers in its own blocks: on
-    a CPU, for --quant auto (int4 or int8 named asks for llmcli's requantized layers)."""
-    if exact is None or plan.device.type != "cpu" or settings.quant != "auto":
+    a CPU, for --quant auto (int4 or int8 named asks for llmcli's requantized layers), for the
+    files load_plan.block_types says."""
+    from llmcli.models.load_plan import block_types
+
+    if exact is None or not block_types(checkpoint, settings.quant, plan.device.type):
         return None
     from llmcli.models.cpu_kernels import kernels
 

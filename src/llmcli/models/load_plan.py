@@ -238,13 +238,19 @@ def _blocks_label(shapes: dict[str, Any], blocks: frozenset[str], label: str) ->
 
 def block_types(checkpoint: Checkpoint, quant: str, device_type: str) -> frozenset[str]:
     """The GGUF types a load of `checkpoint` keeps in the file's own blocks, multiplied by llmcli's
-    compiled kernels: on a CPU, a file read in place, --quant auto (load.py's _block_kernels)."""
+    compiled kernels: on a CPU, a file read in place, --quant auto (load.py's _block_kernels), where
+    cpu_kernels.takes_file says the kernels take a file of these types."""
     if checkpoint.source != "gguf" or quant != "auto" or device_type != "cpu" or not checkpoint.read_in_place:
         return frozenset()
-    from llmcli.models.cpu_kernels import kernels
+    from llmcli.models.cpu_kernels import kernels, takes_file
+    from llmcli.models.memory import is_native_linear
 
     loaded = kernels()
-    return loaded.types if loaded is not None else frozenset()
+    shapes = checkpoint.shapes
+    types = {tensor.gguf_type for name, tensor in shapes.items() if is_native_linear(name, tensor.shape)}
+    if loaded is None or not takes_file(frozenset(t for t in types if t)):
+        return frozenset()
+    return loaded.types
 
 
 def _gguf_float_dtype_name(type_name: str | None, device_type: str) -> str | None:
