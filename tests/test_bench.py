@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmcli.models import cpu_kernels
 
@@ -89,7 +90,7 @@ def test_bench_on_random_weights_reports_every_field(tiny_llama: Path, engine: s
         assert report[name] > 0, name
     assert report["itl_p99_ms"] >= report["itl_p50_ms"] > 0
     assert report["model"].endswith("(random weights)")
-    assert report["cpu_kernels"] == cpu_kernels.which()  # on the CPU: which kernels multiply
+    assert report["cpu_kernels"] == cpu_kernels.which_on(torch.device("cpu"), report["quant"])
     assert report["transformers_model"] is True  # model.generate timed: transformers' model loaded
 
 
@@ -107,7 +108,7 @@ def test_bench_table_on_a_real_tiny_model(tiny_llama: Path) -> None:
         "model.generate",
         "ceiling (the linear layers alone",
         "engine native",
-        f"CPU kernels {cpu_kernels.which()} · ",
+        f"CPU kernels {cpu_kernels.which_on(torch.device('cpu'), 'none')} · ",  # a float model: torch
         "median (lowest–highest) of 3 runs",
     ):
         assert row in out

@@ -299,10 +299,12 @@ def _generate_json(model: Path, env: dict[str, str]) -> tuple[dict[str, object],
 
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason="no GGUF fixtures here")
 def test_json_names_the_kernels_and_a_build_without_them_says_so_once(tmp_path: Path) -> None:
-    model = FIXTURES / "fixture-Q4_0.gguf"
+    model = FIXTURES / "fixture-Q6_K.gguf"  # a type `auto` gives the kernels
     cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     record, err = _generate_json(model, cache)
     assert record["cpu_kernels"] == f"llmcli {LEVELS[0]}" and "compiled" not in err
+    four_bit, _ = _generate_json(FIXTURES / "fixture-Q4_0.gguf", cache)  # one torch's path holds as well
+    assert str(four_bit["cpu_kernels"]).startswith("torch (this model's layers")
     bare = {**cache, **_installation_without(tmp_path / "bare", "_cpu_*")}
     record, err = _generate_json(model, bare)
     assert str(record["cpu_kernels"]).startswith("torch (llmcli was installed without its compiled kernels")

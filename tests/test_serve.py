@@ -215,7 +215,8 @@ def test_generate_format_through_the_server(server: Server, tiny_llama: Path) ->
     assert proc.returncode == 0, proc.stderr.decode()
     record = json.loads(proc.stdout)
     assert record["server"] and record["value"] in ("yes", "no")
-    assert record["cpu_kernels"] == cpu_kernels.which()  # the server's load facts, as in-process
+    # The server's load facts, as in-process.
+    assert record["cpu_kernels"] == cpu_kernels.which_on(torch.device("cpu"), record["quant"])
     cut = run_cli(*args, "--format", "json", "-n", "1", "--seed", "2", "-t", "1", "Anything", env=env)
     assert cut.returncode == 1 and "not a complete JSON value" in cut.stderr.decode()
 

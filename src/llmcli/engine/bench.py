@@ -275,7 +275,7 @@ def run_bench(
         device=str(device),
         dtype=loaded.dtype_name,
         quant=loaded.quant,
-        cpu_kernels=which_on(device),
+        cpu_kernels=which_on(device, loaded.quant),
         engine=engine.name,
         graphs=engine.backend.captures_graphs,
         weight_bytes=loaded.weight_bytes,

@@ -265,9 +265,16 @@ def which() -> str:
     return "torch (this CPU runs none of the compiled kernels)"
 
 
-def which_on(device: torch.device) -> str | None:
-    """which() where the model runs on the CPU; None elsewhere: these are CPU kernels."""
-    return which() if device.type == "cpu" else None
+def which_on(device: torch.device, quant: str) -> str | None:
+    """What multiplies the layers of a model loaded as `quant` (LoadedModel.quant), where it runs
+    on the CPU; None elsewhere: these are CPU kernels."""
+    if device.type != "cpu":
+        return None
+    loaded = kernels()
+    if quant.startswith("gguf-blocks") or loaded is None:
+        return which()
+    level = loaded.level
+    return f"torch (this model's layers; llmcli's {level} kernels take GGUF files torch would requantize)"
 
 
 _torch_noted = False

@@ -105,7 +105,7 @@ class Served:
             "dtype": loaded.dtype_name,
             "quant": loaded.quant,
             "quant_backend": loaded.quant_backend,
-            "cpu_kernels": which_on(loaded.device),
+            "cpu_kernels": which_on(loaded.device, loaded.quant),
             "engine": self.engine.name,
             "kv_bytes_per_token": loaded.kv_bytes_per_token,
             "context_length": loaded.context_length,
