@@ -72,7 +72,8 @@ class BlockLinear(torch.nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()  # fp32, bf16 and fp16 are read and written as they are
         if rows.shape[0] >= GEMM_ROWS:  # a prefill: the matrix read once, multiplied by torch's GEMM
-            dtype = self.dtype if rows.dtype == torch.float32 else rows.dtype
+            # bf16 where the model computes in it; fp32 otherwise (torch has no fast fp16 GEMM on a CPU)
+            dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
             weight = self.kernels.dequantized(self.blocks, self.type_name, *self.shape, dtype)
             with torch_threads(kernel_threads()):  # torch keeps one thread between the kernels' calls
                 out = F.linear(rows.to(weight.dtype), weight).to(x.dtype)

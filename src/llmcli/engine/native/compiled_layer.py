@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from llmcli.engine.native.plans import Plan
 
 ENV = "LLMCLI_CPU_FUSED"
+MAX_HEAD_DIM = 1024  # src/csrc/layer.c's finish_head
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -44,6 +45,14 @@ class _LayerWeights(ctypes.Structure):
         ("qkv_parts", _INT64), ("qkv", _Matrix * 3), ("out", _Matrix),
         ("gate_up_parts", _INT64), ("gate_up", _Matrix * 2), ("down", _Matrix),
     ]  # fmt: skip
+
+
+def _checked(code: int) -> None:
+    """layer.c's answer: 0, or what it could not do (never a result left half written)."""
+    if code == -2:
+        raise MemoryError("llmcli's compiled block could not allocate its scratch rows")
+    if code != 0:
+        raise ValueError(f"llmcli's compiled block refused its shapes (code {code})")
 
 
 def fused_layers_wanted() -> bool:
@@ -126,6 +135,8 @@ class CompiledLayer:
         if any(m.kernels is not kernels or m.type_name not in kernels.types for m in matrices):
             return None
         shape = attention.shape
+        if shape.head_dim > MAX_HEAD_DIM:  # layer.c rotates a head in a buffer of this many values
+            return None
         held: list[Any] = []
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -168,22 +179,19 @@ class CompiledLayer:
         k = torch.empty((rows, shape.kv_heads, d), dtype=dtype)
         v = torch.empty((rows, shape.kv_heads, d), dtype=dtype)
         code = dtype_code(dtype)
-        self._attention_in(
+        _checked(self._attention_in(
             self._reference, h.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), dtype_code(cos.dtype),
             q.data_ptr(), k.data_ptr(), v.data_ptr(), code, threads,
-        )  # fmt: skip
+        ))  # fmt: skip
         attended = plan.attend(
             attention, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         ).contiguous()
         out = torch.empty_like(h)
-        self._feed_forward(
-            self._reference,
-            h.data_ptr(),
-            rows,
-            attended.data_ptr(),
-            dtype_code(attended.dtype),
-            out.data_ptr(),
-            threads,
+        a_dtype = dtype_code(attended.dtype)
+        _checked(
+            self._feed_forward(
+                self._reference, h.data_ptr(), rows, attended.data_ptr(), a_dtype, out.data_ptr(), threads
+            )
         )
         return out
 
