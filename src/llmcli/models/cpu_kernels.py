@@ -169,28 +169,26 @@ def built_levels() -> tuple[str, ...]:
     return tuple(level for level in LEVELS if _library_path(level) is not None)
 
 
-def cpu_features() -> frozenset[str]:
-    """What this CPU (and its operating system) can execute, as the portable build reads it."""
+@functools.cache
+def _cpu_bits() -> int:
+    """What this CPU (and its operating system) can execute, as the portable build reads it
+    (src/csrc/matmul.c's F_* bits); 0 without one."""
     path = _library_path("portable")
-    if path is None:
-        return frozenset()
-    bits = _open(path).llmcli_cpu_features()
-    return frozenset(name for bit, name in _FEATURE_NAMES.items() if bits & bit)
+    return _open(path).llmcli_cpu_features() if path is not None else 0
+
+
+def cpu_features() -> frozenset[str]:
+    """What this CPU (and its operating system) can execute, by name."""
+    return frozenset(name for bit, name in _FEATURE_NAMES.items() if _cpu_bits() & bit)
 
 
 def runs_here(level: str) -> bool:
-    """Whether this CPU has every feature `level` was compiled for."""
-    path = _library_path("portable")
-    if path is None:
-        return False
-    bits = _open(path).llmcli_cpu_features()
-    return bits & _NEEDS[level] == _NEEDS[level]
+    """Whether this CPU has every feature `level` was compiled for (a portable build to ask)."""
+    return _library_path("portable") is not None and _cpu_bits() & _NEEDS[level] == _NEEDS[level]
 
 
 def missing_features(level: str) -> list[str]:
-    path = _library_path("portable")
-    bits = _open(path).llmcli_cpu_features() if path is not None else 0
-    return [name for bit, name in _FEATURE_NAMES.items() if _NEEDS[level] & bit and not bits & bit]
+    return [name for bit, name in _FEATURE_NAMES.items() if _NEEDS[level] & bit and not _cpu_bits() & bit]
 
 
 def check_choice() -> None:
