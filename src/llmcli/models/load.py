@@ -113,11 +113,13 @@ def load_model(
         raise out_of_memory_error(checkpoint, plan.settings, plan.config, plan.device, plan.dtype) from error
     quant, quant_backend = built.quant, built.quant_backend
     if plan.native_quant is not None:
-        kernels = _block_kernels(checkpoint, settings, plan, exact)
+        kernels = _block_kernels(checkpoint, settings, plan) if exact is not None else None
         quant = _quantized(built.model, plan.native_quant, plan.group, exact, kernels)
         quant_backend = "native"
-    elif (kernels := _float_block_kernels(checkpoint, settings, plan)) is not None:
-        quant, quant_backend = _quantized(built.model, "blocks", None, None, kernels), "native"
+    elif width := _FILE_WIDTHS.get(plan.dtype):  # a 16-bit file kept in its own width
+        kernels = _block_kernels(checkpoint, settings, plan, width)
+        if kernels is not None:
+            quant, quant_backend = _quantized(built.model, "blocks", None, None, kernels), "native"
     if quant.startswith("gguf-blocks"):  # its steps are the kernels' products
         from llmcli.models.cpu_kernels import run_on_kernels
 
@@ -192,28 +194,21 @@ def _configure_threads(plan: LoadPlan) -> None:
         configure_cpu_threads(plan.settings.threads)
 
 
+# A 16-bit GGUF file's type, by the dtype a load holds it in (its own width).
+_FILE_WIDTHS = {torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
 def _block_kernels(
-    checkpoint: Checkpoint, settings: LoadSettings, plan: LoadPlan, exact: ExactCodes | None
+    checkpoint: Checkpoint, settings: LoadSettings, plan: LoadPlan, type_name: str | None = None
 ) -> CpuKernels | None:
-    """llmcli's compiled kernels, where they multiply a GGUF file's layers in its own blocks: on
-    a CPU, for --quant auto (int4 or int8 named asks for llmcli's requantized layers), for the
-    files load_plan.block_types says."""
+    """llmcli's compiled kernels, where they multiply a GGUF file's layers in its own blocks (on a
+    CPU, for --quant auto: int4 or int8 named asks for llmcli's requantized layers), for the files
+    load_plan.block_types says; `type_name`: only where they take that type (a 16-bit file's F16
+    or BF16, held in the file's width)."""
     from llmcli.models.load_plan import block_types
 
-    if exact is None or not block_types(checkpoint, settings.quant, plan.device.type):
-        return None
-    from llmcli.models.cpu_kernels import kernels
-
-    return kernels()
-
-
-def _float_block_kernels(checkpoint: Checkpoint, settings: LoadSettings, plan: LoadPlan) -> CpuKernels | None:
-    """llmcli's compiled kernels, where they multiply a 16-bit GGUF file's layers on the weights'
-    own bytes: on a CPU that holds them in the file's width (fp16, bf16), for --quant auto."""
-    from llmcli.models.load_plan import block_types
-
-    wanted = {torch.float16: "F16", torch.bfloat16: "BF16"}.get(plan.dtype)
-    if wanted is None or wanted not in block_types(checkpoint, settings.quant, plan.device.type):
+    types = block_types(checkpoint, settings.quant, plan.device.type)
+    if not types or (type_name is not None and type_name not in types):
         return None
     from llmcli.models.cpu_kernels import kernels
 
