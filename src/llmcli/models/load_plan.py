@@ -226,14 +226,19 @@ def settled_load(checkpoint: Checkpoint, quant: str = "auto") -> tuple[str, str,
 def _blocks_label(shapes: dict[str, Any], blocks: frozenset[str], label: str) -> str:
     """quantize_model's label where the file's blocks are kept: all its linear layers (the head,
     or the table tied to it, included), or some beside llmcli's own int8/int4."""
-    from llmcli.models.memory import is_native_linear
-
-    types = {tensor.gguf_type for name, tensor in shapes.items() if is_native_linear(name, tensor.shape)}
+    types = _linear_types(shapes)
     if not any(name.endswith("lm_head.weight") for name in shapes):  # tied: the table is the head
         types |= {tensor.gguf_type for name, tensor in shapes.items() if name.endswith("embed_tokens.weight")}
     if not types & blocks:
         return label
     return "gguf-blocks" if types <= blocks else f"gguf-blocks+{label}"
+
+
+def _linear_types(shapes: dict[str, Any]) -> set[str | None]:
+    """The GGUF types of a checkpoint's linear layers (None: a layer not from a GGUF file)."""
+    from llmcli.models.memory import is_native_linear
+
+    return {tensor.gguf_type for name, tensor in shapes.items() if is_native_linear(name, tensor.shape)}
 
 
 def block_types(checkpoint: Checkpoint, quant: str, device_type: str) -> frozenset[str]:
@@ -243,12 +248,9 @@ def block_types(checkpoint: Checkpoint, quant: str, device_type: str) -> frozens
     if checkpoint.source != "gguf" or quant != "auto" or device_type != "cpu" or not checkpoint.read_in_place:
         return frozenset()
     from llmcli.models.cpu_kernels import kernels, takes_file
-    from llmcli.models.memory import is_native_linear
 
     loaded = kernels()
-    shapes = checkpoint.shapes
-    types = {tensor.gguf_type for name, tensor in shapes.items() if is_native_linear(name, tensor.shape)}
-    if loaded is None or not takes_file(frozenset(t for t in types if t)):
+    if loaded is None or not takes_file(frozenset(t for t in _linear_types(checkpoint.shapes) if t)):
         return frozenset()
     return loaded.types
 
