@@ -70,12 +70,7 @@ static char *activation_scratch(int64_t m, int64_t k) {
  * applies it: x·cos + swap(x)·signed_sin over the first rot_width values). */
 static void finish_head(float *x, const float *weight, float eps, int64_t d, const void *cos, const void *sin,
                         int rope_dtype, int64_t rope_row, int64_t rot) {
-    if (weight) {
-        double sum = 0.0;
-        for (int64_t j = 0; j < d; j++) sum += (double)x[j] * x[j];
-        const float scale = 1.0f / sqrtf((float)(sum / d) + eps);
-        for (int64_t j = 0; j < d; j++) x[j] = x[j] * scale * weight[j];
-    }
+    if (weight) rms_norm(x, weight, eps, 1, d, x); /* in place: each value is read before written */
     float rotated[1024];
     const int64_t half = rot / 2;
     for (int64_t j = 0; j < rot; j++) {
