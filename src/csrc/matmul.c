@@ -207,11 +207,17 @@ static void quantize_rows(void *context, int ith, int nth) {
 
 const weight_type *weight_type_of(int type) { return type_of(type); }
 
+/* The products of m activation rows already quantized to t's format with every weight row. */
+static void multiply(const weight_type *t, const void *w, int64_t n, int64_t k, const char *act, int64_t m,
+                     void *y, int y_dtype, int64_t y_stride, int n_threads) {
+    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_row_bytes(t->act_type, k), act,
+                      y, y_dtype, y_stride, 0 };
+    pool_run(product_rows, &p, n_threads);
+}
+
 void multiply_quantized(const weight_type *t, const void *w, int64_t n, int64_t k, const char *act, int64_t m,
                         float *y, int64_t y_stride, int n_threads) {
-    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_row_bytes(t->act_type, k), act,
-                      y, 0, y_stride, 0 };
-    pool_run(product_rows, &p, n_threads);
+    multiply(t, w, n, k, act, m, y, D_F32, y_stride, n_threads);
 }
 
 /* y[m, n] = x[m, k] · W[n, k]ᵀ, W being n rows of `type` blocks; x and y each in fp32, bf16 or
@@ -229,8 +235,7 @@ LLMCLI_API int llmcli_matmul(int type, const void *w, int64_t n, int64_t k, cons
     quantize_job q = { t, x, x_dtype, act, m, k, act_bytes };
     if (m == 1) quantize_rows(&q, 0, 1); /* one row: not worth waking the pool */
     else pool_run(quantize_rows, &q, n_threads);
-    product_job p = { t, w, n, k, m, k / t->block_elems * t->block_bytes, act_bytes, act, y, y_dtype, n, 0 };
-    pool_run(product_rows, &p, n_threads);
+    multiply(t, w, n, k, act, m, y, y_dtype, n, n_threads);
     if (act != stack_act) free(act);
     return 0;
 }
