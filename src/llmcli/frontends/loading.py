@@ -34,13 +34,11 @@ def load_with_feedback(
     from llmcli.models.busy_cores import open_window
 
     open_window()  # how busy the machine is, measured over the load rather than slept through
-    from llmcli.engine.native.compiled_layer import fused_layers_wanted
     from llmcli.models.cpu_kernels import check_choice
     from llmcli.models.quant import bitsandbytes_only, gguf_refusal
     from llmcli.models.resolve import default_model_spec, expand_default_alias, is_gguf_spec, resolve_model
 
-    check_choice()  # a bad LLMCLI_CPU_KERNELS or LLMCLI_CPU_FUSED, before a model is looked for
-    fused_layers_wanted()
+    check_choice()  # a bad LLMCLI_CPU_KERNELS, before a model is looked for
     model_spec = expand_default_alias(model_spec) or default_model_spec()
     if bitsandbytes_only(settings.quant, settings.engine) and is_gguf_spec(model_spec):
         raise gguf_refusal(settings.quant)  # before a conversion that may take a minute
