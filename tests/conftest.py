@@ -32,6 +32,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # test's prefill must not depend on which tests ran before it. test_disk_prompt_cache.py
     # turns it on, each test in a folder of its own.
     os.environ["LLMCLI_PROMPT_CACHE_SIZE"] = "0"
+    # Without a GPU, Triton's kernels run on CPU tensors through its interpreter
+    # (tests/triton_kernels.py). Triton reads this switch as each function is decorated, its own
+    # library's included, and importing bitsandbytes imports triton: so it is set before anything.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
     for name in (
         "LLMCLI_MODEL",
         "LLMCLI_CACHE_DIR",

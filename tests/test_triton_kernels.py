@@ -1,0 +1,64 @@
+"""llmcli's Triton kernels against their torch references, over shapes that cross the kernels'
+blocks: on the GPU where there is one, else on CPU tensors under Triton's interpreter (CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmcli.engine.native.gathered_cuda import gathered_matvec
+from llmcli.models.int8_cuda import GEMV_MAX_ROWS, int8_matmul
+from triton_kernels import kernel_device
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    return kernel_device()
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [
+        (1, 37, 100),  # widths that are no multiple of BLOCK_N (4) nor BLOCK_K
+        (3, 4, 16),  # the smallest block, exactly
+        (GEMV_MAX_ROWS, 9, 513),  # the most rows the GEMV takes; K one past a block
+        (GEMV_MAX_ROWS + 1, 9, 130),  # one more: the dequantizing path
+        (1, 11, 8200),  # K ≥ 8192: the long-row configuration (8 × 1024), ragged
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemv_matches_the_dequantized_product(
+    device: torch.device, rows: int, n: int, k: int, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=generator).to(device, dtype)
+    codes = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8).to(device)
+    scales = (torch.rand(n, generator=generator) / 64).to(device, dtype)
+    out = int8_matmul(x, codes, scales)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    reference = x.double() @ (codes.double() * scales.double()[:, None]).T
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(out.double() / scale, reference / scale, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["experts-out-in", "experts-in-out"])  # Qwen3-MoE, gpt-oss
+@pytest.mark.parametrize(("shared_input", "slots"), [(True, 4), (False, 3), (True, 1)])
+def test_gathered_experts_read_the_chosen_ones(
+    device: torch.device, dtype: torch.dtype, layout: str, shared_input: bool, slots: int
+) -> None:
+    generator = torch.Generator().manual_seed(slots)
+    experts, n, k = 6, 130, 520  # ragged against both layouts' blocks (4 × 512, 128 × 32)
+    stored = torch.randn(experts, n, k, generator=generator).to(device, dtype)
+    # gpt-oss stores [experts, in, out]: the same values, N the contiguous dimension
+    stacked = stored if layout == "experts-out-in" else stored.transpose(1, 2).contiguous().transpose(1, 2)
+    x = torch.randn(k if shared_input else (slots, k), generator=generator).to(device, dtype)
+    chosen = torch.tensor([5, 0, 5, 2][:slots], device=device)  # an expert twice, the first, the last
+    out = gathered_matvec(stacked, chosen, x)
+    assert out.shape == (slots, n) and out.dtype == dtype
+    inputs = x.double().expand(slots, -1).unsqueeze(-1)
+    reference = torch.matmul(stacked.double().index_select(0, chosen), inputs).squeeze(-1)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(out.double() / scale, reference / scale, rtol=0, atol=tolerance)
