@@ -42,6 +42,17 @@ def test_int8_gemv_matches_the_dequantized_product(
     torch.testing.assert_close(out.double() / scale, reference / scale, rtol=0, atol=tolerance)
 
 
+def test_int8_gemv_takes_strided_codes_on_a_correct_path(device: torch.device) -> None:
+    """The kernel indexes codes as contiguous [N, K] rows: a transposed view must not be read so."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 24, generator=generator).to(device)
+    stored = torch.randint(-127, 128, (24, 20), generator=generator, dtype=torch.int8).to(device)
+    codes = stored.T  # [20, 24], K not the contiguous dimension
+    scales = torch.rand(40, generator=generator).to(device)[::2]  # every other: strided too
+    reference = x.double() @ (codes.double() * scales.double()[:, None]).T
+    torch.testing.assert_close(int8_matmul(x, codes, scales).double(), reference, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["experts-out-in", "experts-in-out"])  # Qwen3-MoE, gpt-oss
 @pytest.mark.parametrize(("shared_input", "slots"), [(True, 4), (False, 3), (True, 1)])

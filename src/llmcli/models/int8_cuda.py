@@ -25,7 +25,8 @@ GEMV_MAX_ROWS = 8
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ (codes [N, K] int8 · scales [N]).T → [M, N] in x's dtype."""
-    if x.shape[0] > GEMV_MAX_ROWS:
+    if x.shape[0] > GEMV_MAX_ROWS or not (codes.is_contiguous() and scales.is_contiguous()):
+        # Many rows are compute-bound; strided codes or scales are not what the kernel indexes.
         return F.linear(x, codes.to(x.dtype)) * scales.to(x.dtype)
     rows, k = x.shape
     n = codes.shape[0]
