@@ -20,8 +20,9 @@ def device() -> torch.device:
     ("rows", "n", "k"),
     [
         (1, 37, 100),  # widths that are no multiple of BLOCK_N (4) nor BLOCK_K
+        (2, 33, 129),  # the few-rows kernel's smallest: channels and columns one past its block
         (3, 4, 16),  # the smallest block, exactly
-        (GEMV_MAX_ROWS, 9, 513),  # the most rows the GEMV takes; K one past a block
+        (GEMV_MAX_ROWS, 9, 513),  # the most rows read as codes (a check pass of 16); K one past a block
         (GEMV_MAX_ROWS + 1, 9, 130),  # one more: the dequantizing path
         (1, 11, 8200),  # K ≥ 8192: the long-row configuration (8 × 1024), ragged
     ],
