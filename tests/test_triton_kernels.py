@@ -7,6 +7,11 @@ import pytest
 import torch
 
 from llmcli.engine.native.gathered_cuda import gathered_matvec
+from llmcli.errors import UsageError
+from llmcli.models.int4_cuda import KERNEL_ENV, chosen_kernel, int4_matmul
+from llmcli.models.int4_cuda import MAX_ROWS as INT4_MAX_ROWS
+from llmcli.models.int4_cuda import pack as pack_int4
+from llmcli.models.int4_cuda import unpack as unpack_int4
 from llmcli.models.int8_cuda import GEMV_MAX_ROWS, int8_matmul
 from triton_kernels import kernel_device
 
@@ -63,3 +68,43 @@ def test_gathered_experts_read_the_chosen_ones(
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     scale = reference.abs().max().item()
     torch.testing.assert_close(out.double() / scale, reference / scale, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group"),
+    [
+        (1, 37, 96, 32),  # one row: N no multiple of its BLOCK_N (16), K short of its BLOCK_K (256)
+        (1, 5, 544, 32),  # one row, K past two blocks, the second ending inside a group
+        (2, 33, 160, 32),  # the fewest rows of a check: channels one past BLOCK_N (32), K past BLOCK_K
+        (INT4_MAX_ROWS, 9, 256, 64),  # the most rows read as codes: a check pass of 16
+        (INT4_MAX_ROWS + 1, 9, 128, 32),  # one more: the dequantizing path
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernel_matches_the_codes_product(
+    device: torch.device, rows: int, n: int, k: int, group: int, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=generator).to(device, dtype)
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
+    scales = (torch.rand(n, k // group, generator=generator) / 16).to(dtype)
+    zeros = (torch.randn(n, k // group, generator=generator) / 64).to(dtype)
+    # QuantizedLinear's layout for both kernels: [K / group, N, 2]
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(device)
+    packed = pack_int4(codes.to(device))
+    assert packed.shape == (n, k // 2) and torch.equal(unpack_int4(packed).cpu(), codes)
+    out = int4_matmul(x, packed, scales_and_zeros, group)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    grouped = (codes.double().view(n, -1, group) - 8) * scales.double()[..., None] + zeros.double()[..., None]
+    reference = x.double() @ grouped.view(n, k).to(device).T
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(out.double() / scale, reference / scale, rtol=0, atol=tolerance)
+
+
+def test_an_int4_kernel_that_is_none_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KERNEL_ENV, "fastest")
+    with pytest.raises(UsageError, match="LLMCLI_INT4_CUDA=fastest is not an int4 kernel: choose triton or"):
+        chosen_kernel()
+    monkeypatch.setenv(KERNEL_ENV, " TinyGemm ")
+    assert chosen_kernel() == "tinygemm"
