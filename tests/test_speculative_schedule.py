@@ -20,10 +20,11 @@ def padded(fed: int) -> int:
     return next((rows for rows in GRAPHED_ROWS if rows >= fed), fed) if fed > 1 else 1
 
 
-def measured(costs: dict[int, float], rows_of=padded) -> DraftLength:
-    length = DraftLength()
+def measured(costs: dict[int, float], rows_of=padded, fixed: int | None = None) -> DraftLength:
+    length = DraftLength(fixed)
     length.pass_rows = rows_of
     for rows, seconds in costs.items():
+        length.observe_pass(rows, 100 * seconds)  # the first pass of a size: its graph's capture
         length.observe_pass(rows, seconds)
     return length
 
@@ -79,16 +80,28 @@ def test_a_cheaper_check_drafts_at_least_as_far(accepted: list[int]) -> None:
 
 def test_each_size_is_measured_at_the_rows_it_runs() -> None:
     length = measured({1: 1.0})
+    length.observe_pass(4, 140.0)  # the graph of 4 captured: not counted
     length.observe_pass(3, 1.4)  # a pass of 3 tokens ran the graph of 4
     assert length.pass_seconds(4) == length.pass_seconds(3) == 1.4
     assert length.pass_seconds(5) == length.pass_seconds(8) > 1.4  # on the line, at 8 rows
 
 
-def test_a_fixed_length_stays_fixed_whatever_pays() -> None:
-    length = DraftLength(fixed=5)
+def test_a_graph_capture_on_the_first_pass_of_a_size_does_not_price_it_out() -> None:
+    """The first round drafts before any check was measured; on a GPU its pass captures the
+    graph of its rows (a hundred steps' worth). Counted, that size would never run again."""
+    length = DraftLength()
     length.pass_rows = padded
-    for rows, seconds in INT4_TINYGEMM.items():
-        length.observe_pass(rows, seconds)
+    for seconds in (50.0, 1.0, 1.0):  # the decode step: its capture, then steps
+        length.observe_pass(1, seconds)
+    observe_rounds(length, [16] * 10)
+    first = length.next(16)
+    length.observe_pass(first + 1, 150.0)  # its capture
+    length.observe_pass(first + 1, 1.3)
+    assert length.pass_seconds(first + 1) == 1.3 and length.next(16) > 0
+
+
+def test_a_fixed_length_stays_fixed_whatever_pays() -> None:
+    length = measured(INT4_TINYGEMM, fixed=5)
     observe_rounds(length, [0] * 20)
     assert length.next(16) == 5 and length.next(3) == 3
 

@@ -48,6 +48,7 @@ class DraftLength:
         self.most = fixed if fixed is not None else most
         self.pass_rows: Callable[[int], int] = _same
         self._pass_seconds: dict[int, float] = {}  # running mean by rows run
+        self._passed_once: set[int] = set()  # rows whose first pass was seen (and not counted)
         self._draft_seconds_per_token: float | None = None
         self._matched = 1.0  # running counts over all positions, from one success and one failure
         self._missed = 1.0
@@ -78,6 +79,11 @@ class DraftLength:
 
     def observe_pass(self, fed: int, seconds: float) -> None:
         rows = self.pass_rows(fed)
+        if rows not in self._passed_once:
+            # With CUDA graphs a size's first pass is the one that captured its graph, a hundred
+            # times its cost: counted, it would price that size out before it ever ran again.
+            self._passed_once.add(rows)
+            return
         last = self._pass_seconds.get(rows)
         self._pass_seconds[rows] = seconds if last is None else _blend(last, seconds)
 
