@@ -136,3 +136,10 @@ def test_a_graphed_backend_pads_its_passes(tiny_llama) -> None:
     loaded = load_model(ResolvedModel(name="tiny", path=tiny_llama, source="folder"), settings)
     backend = NativeBackend(loaded.model, loaded.context_length, graphs=True)
     assert [backend.pass_rows(fed) for fed in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, 17]
+
+
+def test_the_longest_draft_fits_the_largest_graphed_pass() -> None:
+    """16 drafts and the model's token would be a pass of 17 rows: no graph, a few steps' cost."""
+    length = measured({rows: 1.0 for rows in GRAPHED_ROWS})  # every pass as cheap as a step
+    observe_rounds(length, [16] * 20)
+    assert length.next(64) + 1 == GRAPHED_ROWS[-1]

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-MOST_DRAFT_TOKENS = 16
+# The drafts and the model's own token make a pass of at most 16 rows: the largest one a CUDA graph
+# replays (native/backend.py's GRAPHED_ROWS); a 17th row would run eagerly, a few steps' worth.
+MOST_DRAFT_TOKENS = 15
 FIRST_DRAFT_TOKENS = 3  # before anything is measured
 DECAY = 0.85  # weight of the past in the running estimates: forgets in about ten rounds
 # Before a second pass size is measured, each extra token is assumed to cost this fraction of a
