@@ -75,9 +75,12 @@ def test_gathered_experts_read_the_chosen_ones(
     [
         (1, 37, 96, 32),  # one row: N no multiple of its BLOCK_N (16), K short of its BLOCK_K (256)
         (1, 5, 544, 32),  # one row, K past two blocks, the second ending inside a group
+        (1, 19, 384, 128),  # one row, a block of a whole group (128 columns)
         (2, 33, 160, 32),  # the fewest rows of a check: channels one past BLOCK_N (32), K past BLOCK_K
+        (3, 20, 512, 256),  # a group of two blocks
         (INT4_MAX_ROWS, 9, 256, 64),  # the most rows read as codes: a check pass of 16
         (INT4_MAX_ROWS + 1, 9, 128, 32),  # one more: the dequantizing path
+        (4, 9, 96, 16),  # a group the kernel does not tile (< 32): the dequantizing path
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

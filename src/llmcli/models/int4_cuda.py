@@ -13,6 +13,11 @@ nibble, the next in the high one (tinygemm's CUDA layout is opaque, so no other 
 it). Scales and zero points stay as QuantizedLinear keeps them for tinygemm, [K / group, N, 2],
 with w = (q − 8)·scale + zero. LLMCLI_INT4_CUDA=tinygemm keeps torch's kernel and layout
 instead (to compare the two on one card).
+
+The loads are laid out for bandwidth: each block of columns lies inside one group, so a
+channel's scale and zero point are one load per block, and its bytes are read contiguously and
+split by nibble into the even and the odd columns rather than gathered per column. With 16-bit
+activations the dot rounds the dequantized weights to tf32 (10 bits, finer than bf16's 8).
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ KERNEL_ENV = "LLMCLI_INT4_CUDA"
 KERNELS = ("triton", "tinygemm")
 # Up to this many rows read the codes (the largest check pass, backend.GRAPHED_ROWS[-1]).
 MAX_ROWS = 16
-# (BLOCK_N, BLOCK_K, warps) for one row, (BLOCK_M, BLOCK_N, BLOCK_K, warps) for more: not tuned
-# on a GPU yet (scripts/bench_kernels.py is where to).
+# (BLOCK_N, BLOCK_K, warps) for one row, (BLOCK_M, BLOCK_N, BLOCK_K, warps) for more, BLOCK_K in
+# columns and cut to the group where that is smaller: not tuned on a GPU yet
+# (scripts/bench_check_kernels.py measures them).
 ONE_ROW_BLOCK = (16, 256, 4)
 FEW_ROWS_BLOCK = (16, 32, 128, 4)
 
@@ -72,9 +78,10 @@ def int4_matmul(
     x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
     """x [M, K] @ W.T → [M, N] in x's dtype, W the weights of `packed` (pack) and
-    `scales_and_zeros` [K / group, N, 2]."""
+    `scales_and_zeros` [K / group, N, 2]. Shapes the kernel does not tile (more rows than a
+    check's, a group of fewer than 32 or not a power of two) take the dequantizing path."""
     rows, k = x.shape
-    if rows > MAX_ROWS:
+    if rows > MAX_ROWS or not covers(group, k):
         return F.linear(x, dequantize(packed, scales_and_zeros, group).to(x.dtype))
     n = packed.shape[0]
     x = x.contiguous()
@@ -84,10 +91,17 @@ def int4_matmul(
     else:
         block_m, block_n, block_k, warps = FEW_ROWS_BLOCK
     _kernel()[(-(-n // block_n),)](
-        x, packed, scales_and_zeros, out, rows, n, k, group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=warps,
+        x, packed, scales_and_zeros, out, rows, n, k,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HALF_K=min(group, block_k) // 2,
+        PRECISION=dot_precision(x.dtype), num_warps=warps,
     )  # fmt: skip
     return out
+
+
+def covers(group: int, k: int) -> bool:
+    """Whether the kernel tiles this group: a power of two of at least 32 (each block of columns
+    inside one group, and 16 bytes at least for a dot) dividing the row."""
+    return group >= 32 and group & (group - 1) == 0 and k % group == 0
 
 
 @functools.cache
@@ -97,34 +111,41 @@ def _kernel() -> Any:  # a triton.JITFunction; triton is imported only where it 
 
     @triton.jit
     def int4_rows(
-        x, w, sz, out, M, N, K, GROUP,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        x, w, sz, out, M, N, K,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_K: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
+        # A block of HALF_K bytes (2 · HALF_K columns) lies inside one group, so each channel has
+        # one scale and zero point per block; the bytes load contiguously and split into the even
+        # columns (low nibbles) and the odd ones (high), each met by x's columns of that parity.
         channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        columns = tl.arange(0, BLOCK_K)
         rows = tl.arange(0, BLOCK_M)
         live = channels < N
         real = rows < M  # the rows past M are padding, read as zeros and never stored
         if BLOCK_M == 1:
-            partial = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            partial = tl.zeros((BLOCK_N, HALF_K), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + columns
-            tile = live[:, None] & (k < K)[None, :]
-            # Each byte is loaded for both its columns (the same address: one memory read).
-            pairs = tl.load(w + channels[:, None] * (K // 2) + k[None, :] // 2, mask=tile, other=0)
-            codes = (pairs.to(tl.int32) >> ((k[None, :] % 2) * 4)) & 15
-            # [K / group, N, 2]: the scale of (channel, column) and its zero point beside it
-            at = sz + ((k[None, :] // GROUP) * N + channels[:, None]) * 2
-            scale = tl.load(at, mask=tile, other=0.0).to(tl.float32)
-            zero = tl.load(at + 1, mask=tile, other=0.0).to(tl.float32)
-            weights = (codes.to(tl.float32) - 8) * scale + zero  # [BLOCK_N, BLOCK_K]
-            xs = tl.load(x + rows[:, None] * K + k[None, :], mask=real[:, None] & (k < K)[None, :], other=0.0)
+        for start in range(0, K // 2, HALF_K):
+            pairs = start + tl.arange(0, HALF_K)
+            tile = live[:, None] & (pairs < K // 2)[None, :]
+            packed = tl.load(w + channels[:, None] * (K // 2) + pairs[None, :], mask=tile, other=0).to(
+                tl.int32
+            )
+            at = sz + ((2 * start // GROUP) * N + channels) * 2  # [K / group, N, 2]
+            scale = tl.load(at, mask=live, other=0.0).to(tl.float32)[:, None]
+            zero = tl.load(at + 1, mask=live, other=0.0).to(tl.float32)[:, None]
+            even = ((packed & 15) - 8).to(tl.float32) * scale + zero  # [BLOCK_N, HALF_K]
+            odd = ((packed >> 4) - 8).to(tl.float32) * scale + zero
+            inputs = x + rows[:, None] * K + 2 * pairs[None, :]
+            reads = real[:, None] & (pairs < K // 2)[None, :]
+            x_even = tl.load(inputs, mask=reads, other=0.0).to(tl.float32)  # [BLOCK_M, HALF_K]
+            x_odd = tl.load(inputs + 1, mask=reads, other=0.0).to(tl.float32)
             if BLOCK_M == 1:
-                partial += weights * xs.to(tl.float32)
+                partial += even * x_even + odd * x_odd
             else:
-                acc = tl.dot(xs.to(tl.float32), tl.trans(weights), acc, input_precision=PRECISION)
+                acc = tl.dot(x_even, tl.trans(even), acc, input_precision=PRECISION)
+                acc = tl.dot(x_odd, tl.trans(odd), acc, input_precision=PRECISION)
         if BLOCK_M == 1:
             acc = tl.sum(partial, axis=1)[None, :]
         done = real[:, None] & live[None, :]
