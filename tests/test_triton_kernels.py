@@ -15,6 +15,8 @@ from llmcli.models.int4_cuda import unpack as unpack_int4
 from llmcli.models.int8_cuda import GEMV_MAX_ROWS, int8_matmul
 from triton_kernels import kernel_device
 
+from cli_helpers import one_error_line, run_cli
+
 
 @pytest.fixture(scope="module")
 def device() -> torch.device:
@@ -111,3 +113,12 @@ def test_an_int4_kernel_that_is_none_is_refused_in_one_line(monkeypatch: pytest.
         chosen_kernel()
     monkeypatch.setenv(KERNEL_ENV, " TinyGemm ")
     assert chosen_kernel() == "tinygemm"
+
+
+def test_a_bad_int4_kernel_name_is_refused_by_a_load_on_any_device(tiny_llama) -> None:
+    """Read wherever int4 codes are packed, not on CUDA alone: a CPU run that names none is told."""
+    proc = run_cli(
+        "generate", "-m", str(tiny_llama), "--quant", "int4", "--device", "cpu", "-n", "2", "hi",
+        env={KERNEL_ENV: "fastest"},
+    )  # fmt: skip
+    assert "LLMCLI_INT4_CUDA=fastest is not an int4 kernel" in one_error_line(proc, 2)

@@ -108,7 +108,8 @@ class QuantizedLinear(torch.nn.Module):
         device = codes.device
         # [K / group, N, 2]: the layout both tinygemm kernels read, and int4_cuda's.
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
-        if device.type == "cuda" and int4_cuda.chosen_kernel() == "triton":
+        kernel = int4_cuda.chosen_kernel()  # read on every device: a bad name is refused anywhere
+        if device.type == "cuda" and kernel == "triton":
             packed = int4_cuda.pack(codes)  # bytes [N, K / 2]: llmcli's kernel, one read for all rows
         elif device.type == "cuda":
             pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
