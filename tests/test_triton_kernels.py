@@ -122,3 +122,27 @@ def test_a_bad_int4_kernel_name_is_refused_by_a_load_on_any_device(tiny_llama) -
         env={KERNEL_ENV: "fastest"},
     )  # fmt: skip
     assert "LLMCLI_INT4_CUDA=fastest is not an int4 kernel" in one_error_line(proc, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_int4_kernel_reads_a_quantized_layer_as_torch_s_kernel_does(
+    device: torch.device, rows: int
+) -> None:
+    """The layer's own scales-and-zeros buffer (tinygemm's layout, built by from_codes) through
+    the Triton kernel, against torch's int4 kernel on the same layer: the two layouts agree."""
+    from llmcli.models.quantized import QuantizedLinear, _int4_mm_triton
+
+    generator = torch.Generator().manual_seed(rows)
+    n, k, group = 48, 256, 64
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=generator) / 16
+    zeros = torch.randn(n, k // group, generator=generator) / 64
+    torch_layer = QuantizedLinear.from_codes(codes, scales, zeros, None, group, torch.bfloat16)
+    ours = QuantizedLinear(
+        "int4", pack_int4(codes).to(device), torch_layer.scales.to(device), None, (n, k), group
+    )
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    expected = torch_layer(x).double()
+    got = _int4_mm_triton(x.to(device), ours).double().cpu()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got / scale, expected / scale, rtol=0, atol=2e-2)
