@@ -182,6 +182,35 @@ def test_bench_speculative_self_draft_on_random_weights(tiny_llama: Path) -> Non
     assert "with --random-weights the draft model can only be self" in other.stderr.decode()
 
 
+def test_bench_lookup_on_random_weights_replays_the_plain_run_as_copied_text(tiny_llama: Path) -> None:
+    """Random weights never repeat themselves, so lookup drafts nothing on them: the replay rows
+    draft the plain run's own tokens (all right, one in ten wrong, one in four), through the same
+    check passes, and the output stays the plain run's."""
+    config = str(tiny_llama / "config.json")
+    proc = run_cli(
+        "bench", "--config", config, "--random-weights", "--speculative", "lookup", *SPECULATIVE_QUICK
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode()
+    replays = [line for line in out.splitlines() if line.startswith("| replay: the plain run's tokens")]
+    assert len(replays) == 3 and all(line.endswith("| yes |") for line in replays)
+    cells = [line.split(" | ") for line in replays]
+    all_right, one_in_ten, one_in_four = ([int(n) for n in row[5].split(" ")[0].split("/")] for row in cells)
+    assert all_right[0] == all_right[1] > 0  # every draft accepted
+    assert 0 < one_in_four[0] < one_in_four[1] and one_in_ten[0] > 0
+    assert "drafts pay above (acceptance per token)" in out
+
+
+def test_break_even_acceptance_solves_for_the_check_cost() -> None:
+    from llmcli.engine.speculative.bench import break_even_acceptance
+
+    assert break_even_acceptance(1, 1.2) == pytest.approx(0.2)  # 1 + a = 1.2
+    a = break_even_acceptance(3, 1.5)
+    assert 1 + a + a**2 + a**3 == pytest.approx(1.5)
+    assert break_even_acceptance(3, 4.0) == 1.0  # a pass dearer than the tokens it could make
+    assert break_even_acceptance(15, 1.09) < 0.1 < break_even_acceptance(15, 3.0)
+
+
 def test_bandwidth_counts_the_bytes_a_decode_step_reads() -> None:
     """A decode step reads one row of an untied input embedding and k experts of each sparse
     layer: gpt-oss-20b reads 3.6B parameters a token (its model card's active count), Llama-3.1-8B

@@ -150,11 +150,16 @@ def test_transformers_compiled_decode_equals_the_dynamic_path(tiny_llama: Path) 
         assert got.result.token_ids == expected.result.token_ids
 
 
-@pytest.mark.parametrize("rows", [1, 5, 32])  # decode, a short verification, a prefill chunk
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_quantized_kernels_on_cuda_match_their_weights_and_replay_in_a_graph(kind: str, rows: int) -> None:
+# decode, a short check, the largest check (the few-rows kernels), one more (dequantized), a prefill chunk
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-tinygemm"])
+def test_quantized_kernels_on_cuda_match_their_weights_and_replay_in_a_graph(
+    kind: str, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from llmcli.models.quantized import QuantizedLinear
 
+    monkeypatch.setenv("LLMCLI_INT4_CUDA", "tinygemm" if kind == "int4-tinygemm" else "triton")
+    kind = kind.removesuffix("-tinygemm")
     torch.manual_seed(0)
     out_features = 516 if kind == "int8" else 520  # int8: a ragged last block of channels
     weight = torch.randn(out_features, 1024, device="cuda", dtype=torch.bfloat16) * 0.05

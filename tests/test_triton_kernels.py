@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from llmcli.engine.native.gathered_cuda import gathered_matvec
+from llmcli.errors import UsageError
+from llmcli.models.int4_cuda import KERNEL_ENV, chosen_kernel, int4_matmul
+from llmcli.models.int4_cuda import MAX_ROWS as INT4_MAX_ROWS
+from llmcli.models.int4_cuda import pack as pack_int4
+from llmcli.models.int4_cuda import unpack as unpack_int4
 from llmcli.models.int8_cuda import GEMV_MAX_ROWS, int8_matmul
 from triton_kernels import kernel_device
+
+from cli_helpers import one_error_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +27,9 @@ def device() -> torch.device:
     ("rows", "n", "k"),
     [
         (1, 37, 100),  # widths that are no multiple of BLOCK_N (4) nor BLOCK_K
+        (2, 33, 129),  # the few-rows kernel's smallest: channels and columns one past its block
         (3, 4, 16),  # the smallest block, exactly
-        (GEMV_MAX_ROWS, 9, 513),  # the most rows the GEMV takes; K one past a block
+        (GEMV_MAX_ROWS, 9, 513),  # the most rows read as codes (a check pass of 16); K one past a block
         (GEMV_MAX_ROWS + 1, 9, 130),  # one more: the dequantizing path
         (1, 11, 8200),  # K ≥ 8192: the long-row configuration (8 × 1024), ragged
     ],
@@ -73,3 +81,79 @@ def test_gathered_experts_read_the_chosen_ones(
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     scale = reference.abs().max().item()
     torch.testing.assert_close(out.double() / scale, reference / scale, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group"),
+    [
+        (1, 37, 96, 32),  # one row: N no multiple of its BLOCK_N (16), K short of its BLOCK_K (256)
+        (1, 5, 544, 32),  # one row, K past two blocks, the second ending inside a group
+        (1, 19, 384, 128),  # one row, a block of a whole group (128 columns)
+        (2, 33, 160, 32),  # the fewest rows of a check: channels one past BLOCK_N (32), K past BLOCK_K
+        (3, 20, 512, 256),  # a group of two blocks
+        (INT4_MAX_ROWS, 9, 256, 64),  # the most rows read as codes: a check pass of 16
+        (INT4_MAX_ROWS + 1, 9, 128, 32),  # one more: the dequantizing path
+        (4, 9, 96, 16),  # a group the kernel does not tile (< 32): the dequantizing path
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernel_matches_the_codes_product(
+    device: torch.device, rows: int, n: int, k: int, group: int, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=generator).to(device, dtype)
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
+    scales = (torch.rand(n, k // group, generator=generator) / 16).to(dtype)
+    zeros = (torch.randn(n, k // group, generator=generator) / 64).to(dtype)
+    # QuantizedLinear's layout for both kernels: [K / group, N, 2]
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(device)
+    packed = pack_int4(codes.to(device))
+    assert packed.shape == (n, k // 2) and torch.equal(unpack_int4(packed).cpu(), codes)
+    out = int4_matmul(x, packed, scales_and_zeros, group)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    grouped = (codes.double().view(n, -1, group) - 8) * scales.double()[..., None] + zeros.double()[..., None]
+    reference = x.double() @ grouped.view(n, k).to(device).T
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(out.double() / scale, reference / scale, rtol=0, atol=tolerance)
+
+
+def test_an_int4_kernel_that_is_none_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KERNEL_ENV, "fastest")
+    with pytest.raises(UsageError, match="LLMCLI_INT4_CUDA=fastest is not an int4 kernel: choose triton or"):
+        chosen_kernel()
+    monkeypatch.setenv(KERNEL_ENV, " TinyGemm ")
+    assert chosen_kernel() == "tinygemm"
+
+
+def test_a_bad_int4_kernel_name_is_refused_by_a_load_on_any_device(tiny_llama) -> None:
+    """Read wherever int4 codes are packed, not on CUDA alone: a CPU run that names none is told."""
+    proc = run_cli(
+        "generate", "-m", str(tiny_llama), "--quant", "int4", "--device", "cpu", "-n", "2", "hi",
+        env={KERNEL_ENV: "fastest"},
+    )  # fmt: skip
+    assert "LLMCLI_INT4_CUDA=fastest is not an int4 kernel" in one_error_line(proc, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_int4_kernel_reads_a_quantized_layer_as_torch_s_kernel_does(
+    device: torch.device, rows: int
+) -> None:
+    """The layer's own scales-and-zeros buffer (tinygemm's layout, built by from_codes) through
+    the Triton kernel, against torch's int4 kernel on the same layer: the two layouts agree."""
+    from llmcli.models.quantized import QuantizedLinear, _int4_mm_triton
+
+    generator = torch.Generator().manual_seed(rows)
+    n, k, group = 48, 256, 64
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=generator) / 16
+    zeros = torch.randn(n, k // group, generator=generator) / 64
+    torch_layer = QuantizedLinear.from_codes(codes, scales, zeros, None, group, torch.bfloat16)
+    ours = QuantizedLinear(
+        "int4", pack_int4(codes).to(device), torch_layer.scales.to(device), None, (n, k), group
+    )
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    expected = torch_layer(x).double()
+    got = _int4_mm_triton(x.to(device), ours).double().cpu()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got / scale, expected / scale, rtol=0, atol=2e-2)

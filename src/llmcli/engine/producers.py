@@ -143,6 +143,8 @@ def speculative(
     with, then its own. `budget`: tokens the consumer may take at most (drafts past it are
     waste). The first round has no draft: `logits` is the prefill's last row."""
     length, drafter = speculation.length, speculation.drafter
+    # A backend that pads its passes (the native one's graphs) says what each size really runs.
+    length.pass_rows = getattr(engine.backend, "pass_rows", length.pass_rows)
     base = len(engine.cached_ids)  # what the cache holds for sure
     keep = base  # what it must hold if the consumer stops now
     rows, fed, draft, proposal = logits, [], Draft([]), []

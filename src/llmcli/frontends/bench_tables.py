@@ -128,6 +128,8 @@ def render_speculative_table(report: SpeculativeBenchReport) -> str:
         f"--speculative {report.method}{draft} · greedy, ≤ {report.new_tokens} new tokens · "
         f"median of {report.runs} runs"
     )
+    if report.int4_cuda_kernel:
+        head += f" · int4 kernel {report.int4_cuda_kernel}"
     lines = [
         head,
         "",
@@ -150,14 +152,14 @@ def render_speculative_table(report: SpeculativeBenchReport) -> str:
         "",
         f"One pass of the model over K tokens after {report.context} cached (the cache cropped back):",
         "",
-        "| K | ms | × a decode step | ms per token |",
-        "|---:|---:|---:|---:|",
-        f"| 1 (decode step) | {step_ms:.2f} | 1.00 | {step_ms:.2f} |",
+        "| K | ms | × a decode step | ms per token | drafts pay above (acceptance per token) |",
+        "|---:|---:|---:|---:|---:|",
+        f"| 1 (decode step) | {step_ms:.2f} | 1.00 | {step_ms:.2f} | |",
     ]
     for count, seconds in report.check_s.items():
         lines.append(
             f"| {count} | {seconds * 1000:.2f} | {seconds / report.decode_step_s:.2f} | "
-            f"{seconds * 1000 / count:.2f} |"
+            f"{seconds * 1000 / count:.2f} | {report.break_even(count):.2f} |"
         )
     return "\n".join(lines)
 

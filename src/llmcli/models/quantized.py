@@ -4,8 +4,10 @@
 - int4: groups of `group` weights along the input, each with a float scale and zero point,
   w ≈ (q − 8) · scale + zero with q in [0, 15] (the convention of torch's tinygemm kernels).
 
-They run on torch's own kernels for these formats where torch has them: `_weight_int4pack_mm` on
-CUDA / `_weight_int4pack_mm_for_cpu` on a CPU, `_weight_int8pack_mm` on a CPU; int8 on CUDA runs
+They run on torch's own kernels for these formats where torch has them:
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` on a CPU. int4 on CUDA runs a Triton
+kernel of llmcli's own (`int4_cuda.py`: a speculative check's rows read the codes once, where
+tinygemm's cost grew with them; LLMCLI_INT4_CUDA=tinygemm keeps torch's); int8 on CUDA runs
 a small Triton GEMV of llmcli's own (`int8_cuda.py`), since torch has none there. Measured on this project's
 2-core CPU (avx512_bf16): those kernels are fast only with bf16 activations (a 3072×576 layer:
 fp32 dense 0.64 ms, int8 0.29 ms and int4 0.23 ms with bf16 inputs, but 2.3 and 4.0 ms with fp32
@@ -22,6 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from llmcli.models import int4_cuda
 from llmcli.models.block_linear import BlockLinear
 from llmcli.models.cpu_kernels import CpuKernels
 from llmcli.models.gguf_int4 import dequantize as dequantize_codes
@@ -50,7 +53,7 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
-        self._matmul = _kernel(kind, packed.device, self.in_features)
+        self._matmul = _kernel(kind, packed.device, self.in_features, packed.dtype)
         self._rows_in_out = bias is None  # rows in, the kernel's rows out: nothing to reshape or add
 
     @property
@@ -103,9 +106,12 @@ class QuantizedLinear(torch.nn.Module):
         """int4 from codes [N, K] in 0…15 and per-group scales and zeros [N, K / group], where
         w = (code − 8) · scale + zero. (A GGUF Q4_0/Q4_1 block maps onto this exactly.)"""
         device = codes.device
-        # [K / group, N, 2]: the layout both tinygemm kernels read.
+        # [K / group, N, 2]: the layout both tinygemm kernels read, and int4_cuda's.
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
-        if device.type == "cuda":
+        kernel = int4_cuda.chosen_kernel()  # read on every device: a bad name is refused anywhere
+        if device.type == "cuda" and kernel == "triton":
+            packed = int4_cuda.pack(codes)  # bytes [N, K / 2]: llmcli's kernel, one read for all rows
+        elif device.type == "cuda":
             pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs, CUDA_INNER_K_TILES)
         else:
@@ -192,6 +198,10 @@ def _int4_mm_cuda(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm(x, layer.packed, layer.group, layer.scales.to(x.dtype))
 
 
+def _int4_mm_triton(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    return int4_cuda.int4_matmul(x, layer.packed, layer.scales, layer.group)
+
+
 # torch's CPU int8 kernel reads its input in blocks of this many columns: on a narrower
 # remainder with 4 rows or more it crashes the process (a segfault: torch 2.x, bf16, 8 or 24
 # columns, measured), where a Gemma 4 tiny model's per-layer input is 8 wide.
@@ -199,10 +209,13 @@ INT8_KERNEL_COLUMNS = 16
 
 
 def _kernel(
-    kind: str, device: torch.device, in_features: int
+    kind: str, device: torch.device, in_features: int, packed_dtype: torch.dtype
 ) -> Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]:
+    if kind == "int4" and device.type == "cuda":
+        # Bytes: llmcli's own packing (int4_cuda.py); tinygemm's is int32.
+        return _int4_mm_triton if packed_dtype == torch.uint8 else _int4_mm_cuda
     if kind == "int4":
-        return _int4_mm_cuda if device.type == "cuda" else _int4_mm_cpu
+        return _int4_mm_cpu
     if device.type == "cuda":
         return _int8_mm_cuda  # torch has no CUDA int8 kernel: llmcli's own Triton GEMV
     if in_features % INT8_KERNEL_COLUMNS:

@@ -166,6 +166,11 @@ class NativeBackend:
             return self._bucket_step(bucket)
         return self.net.check_rows(self._tokens[:rows], self._positions[:rows], self.cache, bucket)
 
+    def pass_rows(self, count: int) -> int:
+        """The rows a pass of `count` tokens runs, padding included: what it costs (the
+        speculative draft length is chosen by it, schedule.py)."""
+        return self._graphed_rows(count) or count
+
     def _graphed_rows(self, count: int) -> int | None:
         """The padded row count a pass of `count` tokens replays, or None: run it eagerly."""
         if self.graphs is None or count < 2 or self.cache.shifts:

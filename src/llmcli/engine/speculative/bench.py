@@ -6,10 +6,17 @@ interleaved), and say whether the tokens were the same. Their speed-up depends o
 the model writes, so it means something with real weights only; with random weights
 (--config … --random-weights) the check-cost table is the figure that carries over: it says
 how many drafted tokens one pass can check before it costs more than the tokens it saves.
+
+Random weights write text that never repeats, so a lookup drafts nothing on it. To measure
+what speculation gains where the text does repeat (a copy-heavy prompt) on such a model, the
+replay rows draft the plain run's own tokens (`ReplayDrafter`), every one right or one in a
+few wrong: as free and as right as a lookup on a reply that copies its prompt, through the
+same check passes, graphs and draft-length rule.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,6 +29,8 @@ from llmcli.engine.loop import Engine
 from llmcli.models.load import LoadedModel
 
 CHECK_LENGTHS = (2, 4, 8, 16)
+# Replay rows: about one drafted token in this many is wrong (0: none), as lookups on copied text are.
+REPLAY_WRONG_EVERY = (0, 10, 4)
 
 
 @dataclass
@@ -53,14 +62,21 @@ class SpeculativeBenchReport:
     new_tokens: int
     random_weights: bool
     context: int  # tokens cached before the check passes are timed
+    int4_cuda_kernel: str | None = None  # which int4 kernel a CUDA int4 model ran (int4_cuda.py)
     decode_step_s: float = 0.0
     check_s: dict[int, float] = field(default_factory=dict)  # drafted tokens checked → seconds
     rows: list[SpeculativeRow] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # tasks whose prompt does not fit the context
 
+    def break_even(self, count: int) -> float:
+        """The acceptance per drafted token at which checking `count` tokens (count − 1 drafts and
+        the model's own) makes as many tokens a second as decode steps: below it drafts lose."""
+        return break_even_acceptance(count - 1, self.check_s[count] / self.decode_step_s)
+
     def as_dict(self) -> dict[str, Any]:
         record = asdict(self)
         record["check_s"] = {str(k): v for k, v in self.check_s.items()}
+        record["break_even"] = {str(k): self.break_even(k) for k in self.check_s}
         for row, out in zip(self.rows, record["rows"], strict=True):
             out["speedup"] = row.speedup
         return record
@@ -125,6 +141,57 @@ def check_costs(engine: Engine, context: list[int], runs: int) -> tuple[float, d
     return medians["1"], {k: medians[str(k)] for k in CHECK_LENGTHS}
 
 
+def _int4_cuda_kernel(loaded: LoadedModel) -> str | None:
+    if loaded.device.type != "cuda" or not loaded.quant.startswith("int4"):
+        return None
+    from llmcli.models.int4_cuda import chosen_kernel
+
+    return chosen_kernel()
+
+
+def _row(task: str, off: float, on: float, off_result: Any, on_result: Any) -> SpeculativeRow:
+    drafts = on_result.stats.speculative
+    return SpeculativeRow(
+        task=task,
+        tokens=len(on_result.token_ids),
+        off_tok_s=off,
+        on_tok_s=on,
+        drafted=drafts.drafted if drafts else 0,
+        accepted=drafts.accepted if drafts else 0,
+        same_tokens=on_result.token_ids == off_result.token_ids,
+    )
+
+
+def _replay_rows(
+    loaded: LoadedModel,
+    plain: Engine,
+    speculating: Engine,
+    ids: list[int],
+    budget: int,
+    runs: int,
+    reference: list[int],
+) -> list[SpeculativeRow]:
+    """The same prompt with drafts replayed from the plain run's tokens (ReplayDrafter), under
+    the draft-length rule the speculating engine was given."""
+    from llmcli.engine.speculative import Speculation
+    from llmcli.engine.speculative.schedule import DraftLength
+
+    asked = speculating.speculation
+    assert asked is not None
+    vocab = loaded.model.config.get_text_config().vocab_size
+    rows = []
+    try:
+        for wrong_every in REPLAY_WRONG_EVERY:
+            drafter = ReplayDrafter(len(ids), reference, wrong_every, vocab)
+            speculating.speculation = Speculation(drafter, DraftLength(asked.length.fixed))
+            wrong = f"1 in {wrong_every} wrong" if wrong_every else "all right"
+            task = f"replay: the plain run's tokens, {wrong} (copy-heavy stand-in)"
+            rows.append(_row(task, *compare(plain, speculating, ids, budget, runs, loaded.tokenizer)))
+    finally:
+        speculating.speculation = asked
+    return rows
+
+
 def run_speculative_bench(
     loaded: LoadedModel,
     plain: Engine,
@@ -152,26 +219,65 @@ def run_speculative_bench(
         new_tokens=new_tokens,
         random_weights=loaded.tokenizer is None,
         context=prompt_length,
+        int4_cuda_kernel=_int4_cuda_kernel(loaded),
     )
     for task, ids in tasks_for(loaded, prompt_length, tasks):
         if len(ids) + 2 > loaded.context_length:
             report.skipped.append(f"{task} ({len(ids)} tokens; the context holds {loaded.context_length})")
             continue
         budget = min(new_tokens, loaded.context_length - len(ids) - 1)
-        off, on, off_result, on_result = compare(plain, speculating, ids, budget, runs, loaded.tokenizer)
-        drafts = on_result.stats.speculative
-        report.rows.append(
-            SpeculativeRow(
-                task=task,
-                tokens=len(on_result.token_ids),
-                off_tok_s=off,
-                on_tok_s=on,
-                drafted=drafts.drafted if drafts else 0,
-                accepted=drafts.accepted if drafts else 0,
-                same_tokens=on_result.token_ids == off_result.token_ids,
-            )
-        )
+        measured = compare(plain, speculating, ids, budget, runs, loaded.tokenizer)
+        report.rows.append(_row(task, *measured))
+        if report.random_weights and drafter.method == "lookup":  # its stand-in on copied text
+            report.rows += _replay_rows(loaded, plain, speculating, ids, budget, runs, measured[2].token_ids)
     vocab = loaded.model.config.get_text_config().vocab_size
     context = prompt_of(max(prompt_length, max(CHECK_LENGTHS)), vocab)
     report.decode_step_s, report.check_s = check_costs(plain, context, runs)
     return report
+
+
+def break_even_acceptance(drafts: int, cost: float) -> float:
+    """The a at which 1 + a + … + a^drafts = cost (a pass of drafts + 1 tokens against a step),
+    by bisection; 1.0 where even every draft accepted does not pay."""
+    if drafts <= 0 or cost >= drafts + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        middle = (low + high) / 2
+        if sum(middle**i for i in range(drafts + 1)) < cost:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+class ReplayDrafter:
+    """Drafts the tokens a plain run wrote after the same prompt, about one in `wrong_every`
+    made wrong (0: none): a stand-in for lookup on a reply that copies its prompt, where the model's
+    weights are random and its text never repeats. Free, like a lookup."""
+
+    method = "lookup"
+    free = True
+
+    def __init__(self, prompt_length: int, reference: list[int], wrong_every: int, vocab_size: int) -> None:
+        self.prompt_length, self.reference, self.vocab_size = prompt_length, reference, vocab_size
+        # Wrong at random places (seeded): at fixed intervals the draft-length rule would learn
+        # where drafts break and stop just before, which no real text allows.
+        chance = random.Random(wrong_every)
+        self.wrong = {i for i in range(len(reference)) if wrong_every and chance.random() * wrong_every < 1}
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], limit: int, params: Any, generator: Any) -> Any:
+        from llmcli.engine.speculative.drafters import Draft
+
+        written = len(context) - self.prompt_length
+        tokens = self.reference[written : written + max(limit, 0)]
+        return Draft([self._spoiled(written + i, token) for i, token in enumerate(tokens)])
+
+    def _spoiled(self, index: int, token: int) -> int:
+        return (token + 1) % self.vocab_size if index in self.wrong else token
+
+    def restore_consistency(self) -> None:
+        pass
