@@ -1,0 +1,141 @@
+"""The GGUF block GEMVs (llmcli.models.gguf_cuda.matmul) on a config's layer shapes, against the
+device's copy bandwidth: what share of it a decode step's products reach when every weight is a
+file's blocks, read as stored. Prints one JSON object; where the kernels are not in this checkout,
+{"status": "not built"} and why (exit 0: the lease goes on).
+
+    python scripts/gpu_kquant.py --config configs/llama-3.1-8b.json [--types Q4_K,Q6_K]
+
+Speed does not depend on the values, so the blocks are random bytes with their fp16 scales made
+small finite numbers (random bytes are NaN or infinite scales now and then). On CUDA each product
+is timed as CALLS launches in one CUDA graph (median of replays, runs interleaved), as
+scripts/bench_kernels.py times the int8 and int4 GEMVs; elsewhere (Triton's interpreter) once.
+A step's share counts each shape as often as a step reads it: every layer's, and the head once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmcli.engine.bench import interleaved_times, measure_bandwidth
+
+CALLS = 20
+# Per type: (values a block stands for, bytes a block takes, byte offsets of its fp16 scales) —
+# llama.cpp's ggml-common.h (block_q8_0: d then qs; block_q4_K/q5_K: d, dmin first; block_q6_K:
+# d last; block_iq4_xs: d first).
+BLOCKS = {
+    "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+    "Q8_0": (32, 34, (0,)),
+    "IQ4_XS": (256, 136, (0,)),
+}
+
+
+def layer_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, int]], int]:
+    """({name: (out, in)} of one decoder layer's matrices and the head, as a GGUF file stores
+    them (q, k, v, gate and up each its own tensor), the number of layers)."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    inner = config["intermediate_size"]
+    shapes = {
+        "attn_q": (heads * head_dim, hidden),
+        "attn_k": (kv * head_dim, hidden),
+        "attn_v": (kv * head_dim, hidden),
+        "attn_output": (hidden, heads * head_dim),
+        "ffn_gate": (inner, hidden),
+        "ffn_up": (inner, hidden),
+        "ffn_down": (hidden, inner),
+        "output": (config["vocab_size"], hidden),
+    }
+    return shapes, config["num_hidden_layers"]
+
+
+def random_blocks(type_name: str, out: int, width: int, device: torch.device) -> torch.Tensor:
+    """uint8 [out, bytes a row]: random codes, each fp16 scale a small positive number."""
+    values, nbytes, scales = BLOCKS[type_name]
+    blocks = torch.randint(0, 256, (out, width // values, nbytes), dtype=torch.uint8, device=device)
+    for offset in scales:  # 0x1000 | 10 random mantissa bits: between 2^-11 and 2^-10
+        low = torch.randint(0, 256, (out, width // values), dtype=torch.uint8, device=device)
+        blocks[..., offset] = low
+        blocks[..., offset + 1] = 0x10 | (low & 0x03)
+    return blocks.reshape(out, -1)
+
+
+def seconds_per_call(fn: Callable[[], object], device: torch.device, runs: int) -> float:
+    if device.type != "cuda":
+        return statistics.median(interleaved_times({"call": fn}, runs, device)["call"])
+    fn()  # compiles the kernel outside the capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    return statistics.median(interleaved_times({"graph": graph.replay}, runs, device)["graph"]) / CALLS
+
+
+def measure_type(
+    matmul: Callable[..., torch.Tensor],
+    type_name: str,
+    shapes: dict[str, tuple[int, int]],
+    layers: int,
+    device: torch.device,
+    runs: int,
+) -> dict[str, Any]:
+    per_shape: dict[str, dict[str, float]] = {}
+    step_bytes = step_seconds = 0.0
+    for name, (out, width) in shapes.items():
+        blocks = random_blocks(type_name, out, width, device)
+        x = torch.randn(
+            1, width, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device
+        )
+        seconds = seconds_per_call(
+            lambda x=x, blocks=blocks, width=width: matmul(x, blocks, type_name, width), device, runs
+        )
+        moved = blocks.numel() + x.numel() * x.element_size()
+        per_shape[name] = {"out": out, "in": width, "us": seconds * 1e6, "gb_s": moved / seconds / 1e9}
+        count = 1 if name == "output" else layers
+        step_bytes += count * moved
+        step_seconds += count * seconds
+        del blocks
+    return {"gb_s": step_bytes / step_seconds / 1e9, "step_ms": step_seconds * 1e3, "shapes": per_shape}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a config.json: its layer shapes")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--types", default=",".join(BLOCKS), help="comma-separated GGUF types")
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    try:
+        from llmcli.models.gguf_cuda import matmul
+    except ImportError as error:
+        print(json.dumps({"status": "not built", "why": f"llmcli.models.gguf_cuda: {error}"}))
+        return
+    device = torch.device(args.device)
+    shapes, layers = layer_shapes(json.loads(Path(args.config).read_text()))
+    bandwidth = measure_bandwidth(device)
+    record: dict[str, Any] = {"status": "measured", "device": str(device), "bandwidth_gb_s": bandwidth}
+    record["config"], record["types"], record["failed"] = args.config, {}, {}
+    for type_name in args.types.split(","):
+        try:
+            measured = measure_type(matmul, type_name, shapes, layers, device, args.runs)
+        except (ValueError, RuntimeError, ImportError) as error:  # refused, or not runnable here
+            record["failed"][type_name] = f"{type(error).__name__}: {error}"
+            continue
+        measured["pct_of_bandwidth"] = 100 * measured["gb_s"] / bandwidth
+        record["types"][type_name] = measured
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
