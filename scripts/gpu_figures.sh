@@ -24,14 +24,17 @@
 #   streams-1b         1B, 8 streams ÷ one; one ÷ ceiling-1b-bf16's decode    30     75
 #   streams-8b         8B, 16 streams ÷ one; one ÷ ceiling-8b-bf16's decode   45    100
 #   kquant-gemv        K-quant GEMVs on 8B shapes ÷ copy bandwidth            10     45
-#   kquant-decode      a Q4_K_M file's decode ÷ ceiling-8b-int4's decode      40     90
+#   kquant-decode      a Q4_K_M file's decode ÷ ceiling-8b-int4's decode      60    120
 #   spec-8b-lookup     lookup ÷ plain decode, 8B bf16, same tokens            40     90
 #   first-token-1b     one-shot `generate`, page cache: first byte, breakdown 25     60
 #   first-token-8b     the same for 8B (16 GB written to FIGURES_SCRATCH)     70    120
 #   gpu-tests          pytest -m gpu (tests/), time-boxed                     90    100
-#   total                                                                 ~465 s ≤ 480
-# kquant-decode needs a Q4_K_M file of the 8B's shapes (FIGURES_GGUF=path): no writer of
-# K-quant blocks runs on the GPU machine today (see the step), else its row says why not.
+#   total                                       ~485 s: the last steps are cut to fit 480 s
+# kquant-decode writes a Q4_K_M file of the 8B's shapes, random blocks (scripts/random_gguf.py,
+# 4.6 GB in FIGURES_SCRATCH), or takes FIGURES_GGUF. It needs the gguf package, which the GPU
+# image lacks: carry its wheel (/work/.library/device/README.md: `pip download --no-deps
+# --only-binary=:all: -d .whl gguf==0.19.0`, installed there with --target /tmp/site and put on
+# PYTHONPATH); without it the row says so. llmcli needs gguf to read any GGUF file.
 #
 # Environment: PYTHON (python3), RUNS (5: the long steps), LEASE_RUNS (3), FIGURES_TOKENS (128
 # new tokens), FIGURES_DEVICE (cuda), FIGURES_1B / FIGURES_8B (the configs), FIGURES_SECONDS,
@@ -157,17 +160,23 @@ print(json.dumps(record))
 EOF
 }
 
-kquant_decode() { # a Q4_K_M file of the 8B's shapes, if one is given, decoded as its int4's step is
+kquant_decode() { # a Q4_K_M file of the 8B's shapes (FIGURES_GGUF, else random blocks), benched
+    local file=${FIGURES_GGUF:-$scratch/random-q4_k_m.gguf}
     if [[ -z ${FIGURES_GGUF:-} ]]; then
-        echo '{"status": "not measured", "why": "no Q4_K_M file: set FIGURES_GGUF to one of the 8B shapes (gguf cannot write K-quant blocks; llama-quantize is not on the GPU machine)"}'
-        return 0
+        "$py" scripts/random_gguf.py --config "$large" --out "$file"
+        local made=$?
+        ((made == 3)) && return 0 # no gguf package: its JSON says so
+        ((made == 0)) || return $made
     fi
-    "$py" -m llmcli bench -m "$FIGURES_GGUF" --device "$device" --prompt-lengths 128 -n "$tokens" \
+    "$py" -m llmcli bench -m "$file" --device "$device" --prompt-lengths 128 -n "$tokens" \
         --runs "$lease_runs" --no-generate --no-compiled --json
+    local rc=$?
+    [[ -z ${FIGURES_GGUF:-} ]] && rm -f "$file"
+    return $rc
 }
 
 # --- the lease: the targets first, by what they are worth ---
-export py device tokens lease_runs
+export py device tokens lease_runs large scratch
 export -f card kquant_decode # run by `timeout` through bash
 step card lease 30 bash -c card
 measure ceiling-8b-bf16 90 "$large" --no-generate --no-compiled
@@ -177,7 +186,7 @@ streams streams-1b 75 "$small" 8
 streams streams-8b 100 "$large" 16
 step kquant-gemv lease 45 "$py" scripts/gpu_kquant.py --config "$large" --device "$device" \
     --types "${FIGURES_KQUANT_TYPES:-Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS}"
-step kquant-decode lease 90 bash -c kquant_decode
+step kquant-decode lease 120 bash -c kquant_decode
 measure spec-8b-lookup 90 "$large" --speculative lookup
 step first-token-1b lease 60 "$py" scripts/gpu_first_token.py --config "$small" --device "$device" \
     --scratch "$scratch"
