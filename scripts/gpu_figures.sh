@@ -192,7 +192,8 @@ step first-token-1b lease 60 "$py" scripts/gpu_first_token.py --config "$small" 
     --scratch "$scratch"
 step first-token-8b lease 120 "$py" scripts/gpu_first_token.py --config "$large" --device "$device" \
     --scratch "$scratch"
-step gpu-tests lease 100 "$py" -m pytest -m gpu -v -rfE -p no:cacheprovider ${FIGURES_TESTS:-tests}
+step gpu-tests lease 100 "$py" -m pytest -m gpu -v -rfE -p no:cacheprovider --continue-on-collection-errors \
+    ${FIGURES_TESTS:-tests}
 
 # --- the longer steps of earlier issues, by name or group ---
 if wants gpu-tests-all tests; then

@@ -54,6 +54,11 @@ def save_random_model(config: str, device: str, folder: Path) -> None:
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder)
     word_tokenizer(model.config.get_text_config().vocab_size).save_pretrained(folder)
+    del loaded, model
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()  # the one-shots after it load their own copy on the same card
 
 
 def one_shot(folder: Path, device: str, new_tokens: int) -> dict[str, float]:

@@ -52,6 +52,22 @@ def tiny_config(path: Path) -> Path:
     return path
 
 
+# pytest's step on a folder of its own: one GPU-marked test that passes, one that fails, and a
+# file that does not collect (a package the GPU image lacks).
+MARKED = """import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_passes():
+    pass
+
+
+def test_fails():
+    assert False
+"""
+
+
 def figures(out: Path, steps: list[str], **env: str) -> subprocess.CompletedProcess[str]:
     settings = {
         "PYTHON": sys.executable,
@@ -59,7 +75,6 @@ def figures(out: Path, steps: list[str], **env: str) -> subprocess.CompletedProc
         "FIGURES_TOKENS": "16",
         "LEASE_RUNS": "1",
         "FIGURES_KQUANT_TYPES": "Q4_K",
-        "FIGURES_TESTS": "tests/test_gpu.py",
         "FIGURES_SCRATCH": str(out.parent / "scratch"),
     }
     return subprocess.run(
@@ -95,7 +110,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = tiny_config(folder / "tiny.json")
     out = folder / "out"
     archive = folder / "figures.tgz"
+    tests = folder / "marked"
+    tests.mkdir()
+    (tests / "test_marked.py").write_text(MARKED)
+    (tests / "test_uncollected.py").write_text("import a_package_not_there\n")
     tiny = {"FIGURES_1B": str(config), "FIGURES_8B": str(config), "FIGURES_ARCHIVE": str(archive)}
+    tiny["FIGURES_TESTS"] = str(tests)
     printed = figures(out, STEPS, **tiny).stdout
     assert "| target | measured | ratio | met? |" in printed  # the run ends with the table
     figures(out, ["streams-8b"], **tiny | {"FIGURES_8B": str(folder / "missing.json")})
@@ -141,8 +161,9 @@ def test_what_was_not_measured_says_why(run: Path) -> None:
     else:  # the kernels are in this checkout: Triton's interpreter ran them
         share = kquant["types"]["Q4_K"]["pct_of_bandwidth"]
         assert rows["K-quant GEMV ≥ 70 % of copy bandwidth on 8B shapes (Q4_K)"][1] == f"{share:.1f} %"
-    measured, _, met = rows["pytest -m gpu: every test passes"]
-    assert "skipped" in measured and met == "—"  # no GPU here: nothing passed, nothing judged
+    measured, ratio, met = rows["pytest -m gpu: every test passes"]
+    assert measured == "1 passed, 1 failed; did not collect: test_uncollected.py"
+    assert (ratio, met) == ("1 failed", "**missed**")
 
 
 def test_the_card_is_named_and_a_cut_lease_keeps_its_table(run: Path, tmp_path: Path) -> None:
