@@ -21,21 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from llmcli.engine.bench import interleaved_times, measure_bandwidth
+from random_gguf import BLOCKS, random_blocks
 
 CALLS = 20
-# Per type: (values a block stands for, bytes a block takes, byte offsets of its fp16 scales) —
-# llama.cpp's ggml-common.h (block_q8_0: d then qs; block_q4_K/q5_K: d, dmin first; block_q6_K:
-# d last; block_iq4_xs: d first).
-BLOCKS = {
-    "Q4_K": (256, 144, (0, 2)),
-    "Q5_K": (256, 176, (0, 2)),
-    "Q6_K": (256, 210, (208,)),
-    "Q8_0": (32, 34, (0,)),
-    "IQ4_XS": (256, 136, (0,)),
-}
 
 
 def layer_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, int]], int]:
@@ -59,17 +51,6 @@ def layer_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, int]], in
     return shapes, config["num_hidden_layers"]
 
 
-def random_blocks(type_name: str, out: int, width: int, device: torch.device) -> torch.Tensor:
-    """uint8 [out, bytes a row]: random codes, each fp16 scale a small positive number."""
-    values, nbytes, scales = BLOCKS[type_name]
-    blocks = torch.randint(0, 256, (out, width // values, nbytes), dtype=torch.uint8, device=device)
-    for offset in scales:  # 0x1000 | 10 random mantissa bits: between 2^-11 and 2^-10
-        low = torch.randint(0, 256, (out, width // values), dtype=torch.uint8, device=device)
-        blocks[..., offset] = low
-        blocks[..., offset + 1] = 0x10 | (low & 0x03)
-    return blocks.reshape(out, -1)
-
-
 def seconds_per_call(fn: Callable[[], object], device: torch.device, runs: int) -> float:
     if device.type != "cuda":
         return statistics.median(interleaved_times({"call": fn}, runs, device)["call"])
@@ -91,9 +72,10 @@ def measure_type(
     runs: int,
 ) -> dict[str, Any]:
     per_shape: dict[str, dict[str, float]] = {}
+    rng = np.random.default_rng(0)
     step_bytes = step_seconds = 0.0
     for name, (out, width) in shapes.items():
-        blocks = random_blocks(type_name, out, width, device)
+        blocks = torch.from_numpy(random_blocks(type_name, out, width, rng)).to(device)
         x = torch.randn(
             1, width, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device
         )

@@ -25,8 +25,16 @@ from typing import Any
 import numpy as np
 
 Q4_K_M = 15  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M (general.file_type)
-# (values a block stands for, bytes a block takes, byte offsets of its fp16 scales): ggml-common.h.
-BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
+# Per type: (values a block stands for, bytes a block takes, byte offsets of its fp16 scales) —
+# llama.cpp's ggml-common.h (block_q8_0: d then qs; block_q4_K/q5_K: d, dmin first; block_q6_K:
+# d last; block_iq4_xs: d first).
+BLOCKS = {
+    "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+    "Q8_0": (32, 34, (0,)),
+    "IQ4_XS": (256, 136, (0,)),
+}
 
 
 def byte_symbols() -> list[str]:
@@ -57,7 +65,8 @@ def tokenizer_metadata(vocab_size: int) -> dict[str, Any]:
 
 
 def random_blocks(type_name: str, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, bytes a row]: random codes, each fp16 scale between 2^-11 and 2^-10."""
+    """uint8 [rows, bytes a row]: random codes, each fp16 scale between 2^-11 and 2^-10 (random
+    bytes would make some scales NaN or infinite)."""
     values, nbytes, scales = BLOCKS[type_name]
     blocks = rng.integers(0, 256, (rows, width // values, nbytes), dtype=np.uint8)
     for offset in scales:

@@ -33,22 +33,16 @@ STEPS = [
 ]
 
 
+# A Llama of K-quant-friendly widths (multiples of 256), two layers: seconds a step.
+TINY_LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "vocab_size": 512}
+TINY_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+
+
 def tiny_config(path: Path) -> Path:
-    """A Llama of K-quant-friendly widths (multiples of 256), two layers: seconds a step."""
     from transformers import LlamaConfig
 
-    LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=2,
-        vocab_size=512,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        architectures=["LlamaForCausalLM"],
-    ).to_json_file(path)
+    shape = TINY_LLAMA | TINY_HEADS | {"max_position_embeddings": 1024, "tie_word_embeddings": True}
+    LlamaConfig(**shape, architectures=["LlamaForCausalLM"]).to_json_file(path)
     return path
 
 
