@@ -12,10 +12,12 @@
 # On a lent machine, from the repository root (OUTDIR off $OUT: only 8 files come back):
 #   FIGURES_ARCHIVE=$OUT/figures.tgz scripts/gpu_figures.sh /tmp/figures 2>&1 | tee $OUT/log.txt
 #
-# The lease's budget (seconds on an H100, from docs/benchmarks.md's H100 figures: 8B bf16 decode
-# 7.4 ms a token, int4 4.1 ms, 1B bf16 1.9 ms; building 8B random weights on the GPU ~15 s; the
-# limit is each step's own, and no step runs past FIGURES_SECONDS, 480 by default, less the
-# pytest step's 100 kept for the end):
+# The lease's budget in seconds on an H100. The decoding is docs/benchmarks.md's H100 figures (8B
+# bf16 7.4 ms a token, int4 4.1 ms, 1B bf16 1.9 ms, graph capture 1–2 s, checks of K tokens
+# 1.1× a step); the starts (imports ~5 s, random 8B weights built on the GPU ~15 s, int4
+# quantizing ~20 s, 16 GB saved ~30 s) are guesses no GPU has checked yet: each step's NAME.rc
+# gives its real seconds. The limit is each step's own, and no step runs past FIGURES_SECONDS
+# (480 by default for the lease) less the 100 kept for the pytest step at the end:
 #   step               what it gives                                    estimate  limit
 #   card               the card, torch, driver                                 5     30
 #   ceiling-8b-bf16    8B bf16 batch-1 decode ÷ its linear-layers ceiling     40     90
@@ -43,10 +45,14 @@
 # A dry run on a CPU with a tiny config (what tests/test_gpu_figures.py does):
 #   FIGURES_DEVICE=cpu FIGURES_1B=tiny.json FIGURES_8B=tiny.json scripts/gpu_figures.sh OUT lease
 set -u
-cd "$(dirname "$0")/.." || exit 1
-out=${1:-gpu-figures}
+out=$(realpath -m "${1:-gpu-figures}")
 shift
 wanted=" ${*:-lease} "
+# Paths given relative to where the script was called from, the defaults relative to the checkout.
+[[ -n ${FIGURES_1B:-} ]] && FIGURES_1B=$(realpath -m "$FIGURES_1B")
+[[ -n ${FIGURES_8B:-} ]] && FIGURES_8B=$(realpath -m "$FIGURES_8B")
+[[ -n ${FIGURES_GGUF:-} ]] && FIGURES_GGUF=$(realpath -m "$FIGURES_GGUF")
+cd "$(dirname "$0")/.." || exit 1
 py=${PYTHON:-python3}
 runs=${RUNS:-5}
 lease_runs=${LEASE_RUNS:-3}
