@@ -88,7 +88,7 @@ summarize() { # the one table so far, and the archive a cut lease keeps
 allowed() { # allowed LIMIT RESERVE: LIMIT cut to what the budget leaves beyond RESERVE seconds
     local limit=$1 reserve=$2
     ((budget > 0)) || { echo "$limit"; return; }
-    local left=$((budget - SECONDS - reserve))
+    local left=$((budget - SECONDS - reserve - 10)) # 10: timeout's grace before it kills
     echo $((left < limit ? left : limit))
 }
 
@@ -110,7 +110,7 @@ step() { # step NAME GROUP SECONDS COMMAND...: stdout to NAME.out, stderr to NAM
         return 0
     fi
     local start=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.out" 2>"$out/$name.err"
+    timeout -k 10 "$limit" "$@" >"$out/$name.out" 2>"$out/$name.err" # then killed, if it lingers
     local rc=$?
     echo "$rc $((SECONDS - start)) $limit" >"$out/$name.rc"
     echo "   rc=$rc in $((SECONDS - start)) s (limit $limit)"
