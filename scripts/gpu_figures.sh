@@ -41,7 +41,7 @@
 # Environment: PYTHON (python3), RUNS (5: the long steps), LEASE_RUNS (3), FIGURES_TOKENS (128
 # new tokens), FIGURES_DEVICE (cuda), FIGURES_1B / FIGURES_8B (the configs), FIGURES_SECONDS,
 # FIGURES_SCRATCH (folders of saved weights), FIGURES_TESTS (pytest's paths), FIGURES_ARCHIVE (a
-# .tgz of OUTDIR, rewritten after every step), FIGURES_KQUANT_TYPES, FIGURES_GGUF.
+# .tgz of OUTDIR, rewritten after every step), FIGURES_KQUANT_TYPES and _SHAPES, FIGURES_GGUF.
 # A dry run on a CPU with a tiny config (what tests/test_gpu_figures.py does):
 #   FIGURES_DEVICE=cpu FIGURES_1B=tiny.json FIGURES_8B=tiny.json scripts/gpu_figures.sh OUT lease
 set -u
@@ -191,7 +191,7 @@ measure ceiling-8b-int4 90 "$large" --quant int4 --no-generate --no-compiled
 streams streams-1b 75 "$small" 8
 streams streams-8b 100 "$large" 16
 step kquant-gemv lease 45 "$py" scripts/gpu_kquant.py --config "$large" --device "$device" \
-    --types "${FIGURES_KQUANT_TYPES:-Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS}"
+    --types "${FIGURES_KQUANT_TYPES:-Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS}" ${FIGURES_KQUANT_SHAPES:+--shapes "$FIGURES_KQUANT_SHAPES"}
 step kquant-decode lease 120 bash -c kquant_decode
 measure spec-8b-lookup 90 "$large" --speculative lookup
 step first-token-1b lease 60 "$py" scripts/gpu_first_token.py --config "$small" --device "$device" \

@@ -7,8 +7,8 @@ file's blocks, read as stored. Prints one JSON object; where the kernels are not
 
 Speed does not depend on the values, so the blocks are random bytes with their fp16 scales made
 small finite numbers (random bytes are NaN or infinite scales now and then). On CUDA each product
-is timed as CALLS launches in one CUDA graph (median of replays, runs interleaved), as
-scripts/bench_kernels.py times the int8 and int4 GEMVs; elsewhere (Triton's interpreter) once.
+is timed as CALLS launches in one CUDA graph (median of --runs replays), as scripts/bench_kernels.py
+times the int8 and int4 GEMVs; elsewhere (Triton's interpreter: a dry run) once.
 A step's share counts each shape as often as a step reads it: every layer's, and the head once.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmcli.engine.bench import interleaved_times, measure_bandwidth
+from llmcli.engine.bench import interleaved_times, measure_bandwidth, timed
 from random_gguf import BLOCKS, random_blocks
 
 CALLS = 20
@@ -52,8 +52,8 @@ def layer_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, int]], in
 
 
 def seconds_per_call(fn: Callable[[], object], device: torch.device, runs: int) -> float:
-    if device.type != "cuda":
-        return statistics.median(interleaved_times({"call": fn}, runs, device)["call"])
+    if device.type != "cuda":  # Triton's interpreter: nothing to compile, each call ~0.5 s
+        return timed(fn, device)
     fn()  # compiles the kernel outside the capture
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--types", default=",".join(BLOCKS), help="comma-separated GGUF types")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--shapes", help="comma-separated tensor names (attn_q, …, output; default: all)")
     args = parser.parse_args()
     try:
         from llmcli.models.gguf_cuda import matmul
@@ -105,6 +106,8 @@ def main() -> None:
         return
     device = torch.device(args.device)
     shapes, layers = layer_shapes(json.loads(Path(args.config).read_text()))
+    if args.shapes:  # a dry run's few (Triton's interpreter takes ~0.5 s a call)
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
     bandwidth = measure_bandwidth(device)
     record: dict[str, Any] = {"status": "measured", "device": str(device), "bandwidth_gb_s": bandwidth}
     record["config"], record["types"], record["failed"] = args.config, {}, {}

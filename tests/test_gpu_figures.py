@@ -68,7 +68,8 @@ def figures(out: Path, steps: list[str], **env: str) -> subprocess.CompletedProc
         "FIGURES_DEVICE": "cpu",
         "FIGURES_TOKENS": "16",
         "LEASE_RUNS": "1",
-        "FIGURES_KQUANT_TYPES": "Q4_K",
+        "FIGURES_KQUANT_TYPES": "Q4_K",  # under Triton's interpreter where the kernels exist
+        "FIGURES_KQUANT_SHAPES": "attn_k,output",
         "FIGURES_SCRATCH": str(out.parent / "scratch"),
     }
     return subprocess.run(
