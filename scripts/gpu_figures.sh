@@ -9,8 +9,11 @@
 #   (Gemma-3-4B, Phi-4-mini, gpt-oss-20b and Qwen3-30B-A3B shapes in bf16; then bench_families on
 #   cuda), all (every step: more than an hour) — or one step by its name (ceiling-8b-bf16,
 #   streams-1b, gpu-tests, gemma-3-4b, families-cuda, …).
-# On a lent machine, from the repository root (OUTDIR off $OUT: only 8 files come back):
-#   FIGURES_ARCHIVE=$OUT/figures.tgz scripts/gpu_figures.sh /tmp/figures 2>&1 | tee $OUT/log.txt
+# On a lent machine, from the repository root (OUTDIR off $OUT: only 8 files come back), with the
+# gguf wheel carried in .whl (below), timeout_s 540:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site; FIGURES_ARCHIVE=$OUT/figures.tgz scripts/gpu_figures.sh \
+#   /tmp/figures 2>&1 | tee $OUT/log.txt
 #
 # The lease's budget in seconds on an H100. The decoding is docs/benchmarks.md's H100 figures (8B
 # bf16 7.4 ms a token, int4 4.1 ms, 1B bf16 1.9 ms, graph capture 1–2 s, checks of K tokens
@@ -34,9 +37,10 @@
 #   total                                       ~485 s: the last steps are cut to fit 480 s
 # kquant-decode writes a Q4_K_M file of the 8B's shapes, random blocks (scripts/random_gguf.py,
 # 4.6 GB in FIGURES_SCRATCH), or takes FIGURES_GGUF. It needs the gguf package, which the GPU
-# image lacks: carry its wheel (/work/.library/device/README.md: `pip download --no-deps
-# --only-binary=:all: -d .whl gguf==0.19.0`, installed there with --target /tmp/site and put on
-# PYTHONPATH); without it the row says so. llmcli needs gguf to read any GGUF file.
+# image lacks: carry its wheel (118 kB, pure Python; its needs numpy, pyyaml, requests and tqdm
+# are there): `echo /.whl/ >>.git/info/exclude; pip download --no-deps --only-binary=:all: -d
+# .whl gguf==0.19.0`. Without it the row says so (llmcli needs gguf to read any GGUF file, and
+# test files that import it do not collect: their tests are named apart in the pytest row).
 #
 # Environment: PYTHON (python3), RUNS (5: the long steps), LEASE_RUNS (3), FIGURES_TOKENS (128
 # new tokens), FIGURES_DEVICE (cuda), FIGURES_1B / FIGURES_8B (the configs), FIGURES_SECONDS,
