@@ -11,6 +11,7 @@ import torch
 
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.batched import BatchedDecode, batch_bucket
+from llmcli.engine.native.forward import Transformer
 from test_native import CASES, CONTEXT, GPT_OSS, build, prompt
 
 # Rows multiplied together in one GEMM, alone in a GEMV: another order of summation (as
@@ -34,42 +35,60 @@ def joined_at(step: int) -> list[int]:
     return [s for s in going if not (s == 1 and step >= 12)]
 
 
+def decode_joining(
+    batched: BatchedDecode, context: int, prompts: list[list[int]], steps: int = 16
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """The sequences decoded greedily through `batched` as `joined_at` says, each cache made as
+    its sequence joins (the fifth once the steps have made the scratch slot: it takes that slot,
+    and the next step makes another): each sequence's tokens, and its logits at each step."""
+    net, pool = batched.net, batched.pool
+    together: list[NativeBackend] = []
+    tokens: list[list[int]] = []
+    logits: list[list[torch.Tensor]] = []
+    for step in range(steps):
+        going = joined_at(step)
+        while len(tokens) <= max(going):
+            together.append(NativeBackend(None, context, net=net, pool=pool))
+            tokens.append([int(together[-1].prefill(prompts[len(tokens)]).argmax())])
+            logits.append([])
+        feed = torch.tensor([tokens[s][-1] for s in going], device=net.device)
+        rows = batched.step(feed, [together[s].cache for s in going])
+        if batched.fixed:
+            assert pool.slots == pool.held + 1  # the scratch slot past every sequence's
+        for row, sequence in enumerate(going):
+            logits[sequence].append(rows[row : row + 1].clone())
+            tokens[sequence].append(int(rows[row].argmax()))
+    assert [backend.length for backend in together] == [
+        len(ids) + len(steps_taken) for ids, steps_taken in zip(prompts, logits, strict=True)
+    ]
+    return tokens, logits
+
+
+def assert_each_as_alone(
+    net: Transformer, prompts: list[list[int]], tokens: list[list[int]], logits: list[list[torch.Tensor]]
+) -> None:
+    """Each sequence's tokens and logits step by step what it gives decoded alone (exact length)."""
+    for ids, got_tokens, got_logits in zip(prompts, tokens, logits, strict=True):
+        alone = NativeBackend(None, CONTEXT, net=net)
+        expected = [int(alone.prefill(ids).argmax())]
+        for got in got_logits:
+            step = alone.decode(torch.tensor([expected[-1]]))
+            torch.testing.assert_close(got, step, rtol=0, atol=ATOL)
+            expected.append(int(step.argmax()))
+        assert got_tokens == expected
+
+
 @pytest.mark.parametrize("case", list(BATCHED_CASES))
 @torch.inference_mode()
 def test_sequences_through_the_padded_step_each_equal_it_alone(case: str) -> None:
     """Five sequences of unlike lengths: every row's logits within ATOL of its sequence decoded
     alone and the greedy tokens the same, step after step, through batch buckets 4 → 4 → 8 → 4
-    and the length bucket 256 → 512 (the fourth joining at 470 tokens, the first passing 256).
-    The fifth sequence's cache is made once the steps have made the scratch slot: it takes that
-    slot, and the next step makes another."""
-    model = build(*BATCHED_CASES[case])
-    net = NativeBackend(model, CONTEXT).net
-    pool = net.new_pool(CONTEXT)
-    batched = BatchedDecode(net, pool, graphs=False, static_shapes=True)
+    and the length bucket 256 → 512 (the fourth joining at 470 tokens, the first passing 256)."""
+    net = NativeBackend(build(*BATCHED_CASES[case]), CONTEXT).net
+    batched = BatchedDecode(net, net.new_pool(CONTEXT), graphs=False, static_shapes=True)
     assert batched.fixed and batched.eager_reason is None
-    together: list[NativeBackend] = []
-    alone = [NativeBackend(None, CONTEXT, net=net) for _ in LENGTHS]
     prompts = [prompt(length, seed=70 + index) for index, length in enumerate(LENGTHS)]
-    tokens: list[int] = []
-    for step in range(16):
-        going = joined_at(step)
-        while len(tokens) <= max(going):
-            sequence = len(tokens)
-            together.append(NativeBackend(None, CONTEXT, net=net, pool=pool))
-            expected = alone[sequence].prefill(prompts[sequence])
-            prefilled = together[sequence].prefill(prompts[sequence])
-            torch.testing.assert_close(prefilled, expected, rtol=0, atol=1e-5)
-            tokens.append(int(expected.argmax()))
-        rows = batched.step(torch.tensor([tokens[s] for s in going]), [together[s].cache for s in going])
-        assert pool.slots == pool.held + 1  # the scratch slot past every sequence's
-        for row, sequence in enumerate(going):
-            expected = alone[sequence].decode(torch.tensor([tokens[sequence]]))
-            torch.testing.assert_close(rows[row : row + 1], expected, rtol=0, atol=ATOL)
-            assert int(rows[row].argmax()) == int(expected.argmax())
-            tokens[sequence] = int(expected.argmax())
-    assert [backend.length for backend in together] == [
-        length + sum(s in joined_at(step) for step in range(16)) for s, length in enumerate(LENGTHS)
-    ]
+    assert_each_as_alone(net, prompts, *decode_joining(batched, CONTEXT, prompts))
 
 
 def test_batch_buckets_are_powers_of_two() -> None:
@@ -80,22 +99,12 @@ def test_batch_buckets_are_powers_of_two() -> None:
 def test_a_model_with_rings_keeps_the_eager_batched_step() -> None:
     """Gemma 3's sliding layers keep a ring per sequence, outside the pool: the fixed shapes are
     not taken, the reason is said, and the step still gives each row its sequence's logits."""
-    model = build(*CASES["gemma3-window-8-shorter-than-the-prompt"])
-    net = NativeBackend(model, CONTEXT).net
+    net = NativeBackend(build(*CASES["gemma3-window-8-shorter-than-the-prompt"]), CONTEXT).net
     pool = net.new_pool(CONTEXT)
     batched = BatchedDecode(net, pool, graphs=False, static_shapes=True)
     assert not batched.fixed
     assert batched.eager_reason == "its sliding-window layers keep a ring per sequence"
-    together = [NativeBackend(None, CONTEXT, net=net, pool=pool) for _ in range(3)]
-    alone = [NativeBackend(None, CONTEXT, net=net) for _ in range(3)]
-    prompts = [prompt(length, seed=90 + length) for length in (120, 100, 140)]
-    tokens = [int(a.prefill(ids).argmax()) for a, ids in zip(alone, prompts, strict=True)]
-    for backend, ids in zip(together, prompts, strict=True):
-        backend.prefill(ids)
-    for _ in range(4):
-        rows = batched.step(torch.tensor(tokens), [backend.cache for backend in together])
-        assert pool.slots == 3  # no scratch slot: the padded step never ran
-        for sequence in range(3):
-            expected = alone[sequence].decode(torch.tensor([tokens[sequence]]))
-            torch.testing.assert_close(rows[sequence : sequence + 1], expected, rtol=0, atol=ATOL)
-            tokens[sequence] = int(expected.argmax())
+    prompts = [prompt(length, seed=90 + index) for index, length in enumerate(LENGTHS)]
+    tokens, logits = decode_joining(batched, CONTEXT, prompts, steps=10)
+    assert pool.slots == len(LENGTHS)  # no scratch slot: the padded step never ran
+    assert_each_as_alone(net, prompts, tokens, logits)

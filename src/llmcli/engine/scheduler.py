@@ -37,6 +37,7 @@ import torch
 from llmcli.engine.image_markers import chunk_ends
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import GRAPHED_ROWS, NativeBackend
+from llmcli.engine.native.batched import BatchedDecode
 from llmcli.engine.native.pool import SlotPool
 from llmcli.errors import KVMemoryFull
 
@@ -78,6 +79,9 @@ class ComputeThread(Executor):
         self._first_pass_at = 0.0
         self._stopping = False
         self.on_step: Callable[[int], None] | None = None  # told each decode step's sequence count
+        # The decode step of several sequences of Slots' pool (batched.py: fixed shapes, a CUDA
+        # graph per shape, where the engine takes them); None: Transformer.decode_sequences.
+        self.batched: BatchedDecode | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -187,7 +191,7 @@ class ComputeThread(Executor):
             _settle(only, lambda: only.backend.decode(only.token))
         elif decodes:
             try:
-                rows = _decode_together(decodes)
+                rows = _decode_together(decodes, self.batched)
             except BaseException as error:
                 for wanted in decodes:
                     wanted.error = error
@@ -206,11 +210,13 @@ def _settle(wanted: _Pass, call: Callable[[], Any]) -> None:
     wanted.done.set()
 
 
-def _decode_together(decodes: list[_Pass]) -> torch.Tensor:
+def _decode_together(decodes: list[_Pass], batched: BatchedDecode | None) -> torch.Tensor:
     backends = [wanted.backend for wanted in decodes]
     assert all(backend is not None for backend in backends)
     caches = [backend.cache for backend in backends]  # type: ignore[union-attr]
     tokens = torch.cat([wanted.token.view(1) for wanted in decodes])  # type: ignore[union-attr]
+    if batched is not None:
+        return batched.step(tokens, caches)
     return backends[0].net.decode_sequences(tokens, caches)  # type: ignore[union-attr]
 
 
@@ -315,14 +321,27 @@ class Slots:
         self.engines: list[Engine] = [first]
         self.prefixes = first.prefixes  # one store: a conversation may come back in any slot
         self.prefixes.attach(first)
+        self.batched: BatchedDecode | None = None
         if count > 1:
+            # Every slot's steps take the first's shapes: a CUDA graph per bucket where it has
+            # them (a lone sequence's step as fast as one generation at a time), else eager.
+            graphed, fixed = backend.graphs is not None, backend.static_shapes
             context = first.context_length
             self.pool = backend.net.new_pool(context)
             backend.cache = backend.net.new_cache(context, self.pool)  # its first slot
             first.cached_ids = []
             first.backend = TakingTurns(backend, compute)
+            self.batched = BatchedDecode(backend.net, self.pool, graphs=graphed, static_shapes=fixed)
+            compute.batched = self.batched
         for _ in range(count - 1):
-            more = NativeBackend(None, first.context_length, net=backend.net, pool=self.pool)
+            more = NativeBackend(
+                None,
+                first.context_length,
+                net=backend.net,
+                pool=self.pool,
+                graphs=graphed,
+                static_shapes=fixed,
+            )
             engine = Engine(TakingTurns(more, compute), first.eos_token_ids, first.context_length)
             engine.prefixes = self.prefixes
             self.prefixes.attach(engine)
@@ -395,6 +414,8 @@ class Slots:
         assert self.pool is not None
         backend = self.engines[0].backend.inner  # type: ignore[attr-defined]
         cache = backend.cache
+        if self.batched is not None and self.batched.fixed:
+            slots += 1  # the scratch slot past them, where a padded step's spare rows write
         slots = max(slots, self.pool.slots)
         capacity = max(self.pool.capacity, cache.bucket_for(positions))
         return self.pool.bytes_for(slots, capacity) + slots * cache.bytes_beside_pool()
