@@ -20,36 +20,43 @@ ATOL = 3e-5
 BATCHED_CASES = {
     **{name: CASES[name] for name in ("llama-gqa2", "qwen3-qk-norm", "qwen3-moe-k2", "phi3-fused")},
     # A window shorter than the context but too long for a ring (kvcache.ring_size): the layers
-    # live in the pool and the step masks each row to its window (the fourth sequence passes it).
+    # live in the pool and the step masks each row to its window (the fifth sequence passes it).
     "mistral-window-480": ("mistral", {"sliding_window": 480}),
     # Sinks, scored by hand (attention.py), every layer in the pool.
     "gpt-oss-sinks-no-ring": ("gpt_oss", {**GPT_OSS, "sliding_window": 1024}),
 }
-LENGTHS = (250, 40, 130, 470, 9)
+LENGTHS = (250, 40, 130, 9, 475)
+
+
+# From which step which sequences decode together: three (a batch of 4 rows), the fourth joins
+# (4), the second sits a few steps out as a straggler would (3 rows: 4), it comes back and the
+# fifth joins (8 rows), the second leaves (4).
+SCHEDULE = ((0, [0, 1, 2]), (4, [0, 1, 2, 3]), (8, [0, 2, 3]), (12, [0, 1, 2, 3, 4]), (16, [0, 2, 3, 4]))
+STEPS = 20
 
 
 def joined_at(step: int) -> list[int]:
-    """The sequences in step `step`: three (a batch of 4 rows), the fourth joins (4), the fifth
-    (8 rows), then the second leaves (4 again)."""
-    going = [0, 1, 2] + ([3] if step >= 4 else []) + ([4] if step >= 8 else [])
-    return [s for s in going if not (s == 1 and step >= 12)]
+    return next(going for start, going in reversed(SCHEDULE) if step >= start)
 
 
 def decode_joining(
-    batched: BatchedDecode, context: int, prompts: list[list[int]], steps: int = 16
+    batched: BatchedDecode, context: int, prompts: list[list[int]], steps: int = STEPS
 ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """The sequences decoded greedily through `batched` as `joined_at` says, each cache made as
-    its sequence joins (the fifth once the steps have made the scratch slot: it takes that slot,
-    and the next step makes another): each sequence's tokens, and its logits at each step."""
+    """The sequences decoded greedily through `batched` as `joined_at` says, their caches slots
+    of its pool: the first four made at once (the steps make the scratch slot at the fourth's
+    index before it joins), the fifth as it joins (after the scratch slot was made at its
+    index). Each takes its slot as it joins, and the next step makes the scratch slot past it.
+    Returns each sequence's tokens, and its logits at each step."""
     net, pool = batched.net, batched.pool
-    together: list[NativeBackend] = []
+    together = [NativeBackend(None, context, net=net, pool=pool) for _ in prompts[:4]]
     tokens: list[list[int]] = []
     logits: list[list[torch.Tensor]] = []
     for step in range(steps):
         going = joined_at(step)
         while len(tokens) <= max(going):
-            together.append(NativeBackend(None, context, net=net, pool=pool))
-            tokens.append([int(together[-1].prefill(prompts[len(tokens)]).argmax())])
+            if len(together) == len(tokens):
+                together.append(NativeBackend(None, context, net=net, pool=pool))
+            tokens.append([int(together[len(tokens)].prefill(prompts[len(tokens)]).argmax())])
             logits.append([])
         feed = torch.tensor([tokens[s][-1] for s in going], device=net.device)
         rows = batched.step(feed, [together[s].cache for s in going])
@@ -82,8 +89,9 @@ def assert_each_as_alone(
 @torch.inference_mode()
 def test_sequences_through_the_padded_step_each_equal_it_alone(case: str) -> None:
     """Five sequences of unlike lengths: every row's logits within ATOL of its sequence decoded
-    alone and the greedy tokens the same, step after step, through batch buckets 4 → 4 → 8 → 4
-    and the length bucket 256 → 512 (the fourth joining at 470 tokens, the first passing 256)."""
+    alone and the greedy tokens the same, step after step, through batch buckets 4 → 8 → 4
+    (SCHEDULE) and the length bucket 256 → 512 (the first passing 256, the fifth joining at
+    475 tokens)."""
     net = NativeBackend(build(*BATCHED_CASES[case]), CONTEXT).net
     batched = BatchedDecode(net, net.new_pool(CONTEXT), graphs=False, static_shapes=True)
     assert batched.fixed and batched.eager_reason is None
@@ -105,6 +113,6 @@ def test_a_model_with_rings_keeps_the_eager_batched_step() -> None:
     assert not batched.fixed
     assert batched.eager_reason == "its sliding-window layers keep a ring per sequence"
     prompts = [prompt(length, seed=90 + index) for index, length in enumerate(LENGTHS)]
-    tokens, logits = decode_joining(batched, CONTEXT, prompts, steps=10)
+    tokens, logits = decode_joining(batched, CONTEXT, prompts, steps=14)
     assert pool.slots == len(LENGTHS)  # no scratch slot: the padded step never ran
     assert_each_as_alone(net, prompts, tokens, logits)

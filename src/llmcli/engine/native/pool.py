@@ -89,7 +89,8 @@ class SlotPool:
     def scratch_slot(self) -> int:
         """A slot no sequence's cache holds, with room made: one past the highest that does.
         The padding rows of a fixed-shape batched step write there (plans.PaddedRows). A cache
-        attached later may take it (its first `ensure` binds it); then the next is made."""
+        that has not asked for room yet may sit at its index, holding no views (`_grow`); once
+        it asks, it is bound there and the next scratch slot is made past it."""
         self._grow(max(self.slots, self.held + 1), self.capacity)
         return self.held
 
@@ -110,7 +111,9 @@ class SlotPool:
                     new[: self.slots, :, : self.capacity] = old
                     store[layer] = new
         self.slots, self.capacity = slots, capacity
-        for cache in self.caches:
+        # Only the caches that asked for room: one that has not may be attached at the scratch
+        # slot's index, and must not hold views of what padding rows write.
+        for cache in self.caches[: self.held]:
             cache.bind_pool()
         return True
 
