@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcli.config.settings import SamplingParams
+from llmcli.config.settings import LoadSettings, SamplingParams
 from test_batched_step import LENGTHS, decode_joining
 from test_gpu import fp32_engines
 from test_native import prompt
@@ -75,3 +75,21 @@ def test_a_lone_sequence_on_a_batching_server_replays_the_single_stream_graph(ti
     assert tokens == expected.result.token_ids
     assert engine.backend.inner.graphs.captures >= 1
     assert slots.batched.graphs.captures == 0
+
+
+@pytest.mark.parametrize(("fast", "batches"), [(None, True), (False, False)])
+def test_a_gpu_server_batches_by_default_where_its_steps_are_graphed(
+    tiny_llama: Path, fast: bool | None, batches: bool
+) -> None:
+    """`serve` without --parallel on a GPU: several generations at once (as many whole contexts
+    as the KV memory holds, at most 16) where the steps replay graphs; one with --no-fast."""
+    from llmcli.engine.loop import Engine
+    from llmcli.frontends.serve import DEFAULT_PARALLEL_GPU, ServeRequest, _parallel, kv_memory_default
+
+    loaded, _ = fp32_engines(tiny_llama)
+    engine = Engine.for_loaded(dataclasses.replace(loaded, engine="native", fast=fast))
+    request = ServeRequest(
+        model=None, host="127.0.0.1", port=0, api_key=None, load=LoadSettings(device="cuda")
+    )
+    count = _parallel(request, engine, kv_memory_default(engine.device))
+    assert count == (DEFAULT_PARALLEL_GPU if batches else 1)

@@ -7,9 +7,11 @@ Every forward pass runs on one compute thread (`ComputeThread`), the one that lo
 torch's parallel ops on a second thread start a second OpenMP team, whose workers sleep between
 regions (2× slower decoding measured on 2 cores, frontends/serve.py). When every generation in
 progress waits for a pass, the compute thread runs the waiting prefills one by one, then one
-decode step for all the waiting tokens together (plans.SequencesStep: the weights read once for
-every row, attention per sequence over its own cache), and hands each its logits. A generation
-joins at the next step and leaves when it ends.
+decode step for all the waiting tokens together (native/batched.py: the weights read once for
+every row; on a GPU one CUDA graph per batch bucket and length bucket), and hands each its
+logits; one waiting alone takes its own step (its own graph). A generation joins at the next
+step and leaves when it ends; one whose step ran out of memory beside others is preempted
+(ComputeThread._decode).
 
 Each generation has an engine of its own (`Slots`): its own cache over the shared weights, so a
 row's logits are what it would get alone (tests/test_native.py holds them within 1e-5). The
@@ -24,6 +26,7 @@ more than it saves: docs/benchmarks.md).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -82,6 +85,10 @@ class ComputeThread(Executor):
         # The decode step of several sequences of Slots' pool (batched.py: fixed shapes, a CUDA
         # graph per shape, where the engine takes them); None: Transformer.decode_sequences.
         self.batched: BatchedDecode | None = None
+        # Out of memory in a step of several sequences (_decode): the newest is preempted.
+        self._joined: dict[int, int] = {}  # id(backend) → when its running generation took it
+        self._joins = itertools.count()
+        self._fits: int | None = None  # sequences a step held when one last fitted after running out
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -119,8 +126,13 @@ class ComputeThread(Executor):
                 yield
             finally:
                 self.active -= 1
+                self._fits = None  # fewer sequences now: a full step may fit again
                 with self._changed:
                     self._changed.notify()  # a step may have been waiting for this one
+
+    def joined(self, backend: NativeBackend) -> None:
+        """A generation starts on `backend` (Slots.take): the newest, the first preempted."""
+        self._joined[id(backend)] = next(self._joins)
 
     def run(self, wanted: _Pass) -> Any:
         """Wait for a pass, giving up the turn meanwhile (called holding it)."""
@@ -185,21 +197,63 @@ class ComputeThread(Executor):
                 _settle(wanted, wanted.call)
         if decodes and self.on_step is not None:
             self.on_step(len(decodes))
-        if len(decodes) == 1:  # alone: its own step (a CUDA graph where it has one)
-            only = decodes[0]
-            assert only.backend is not None and only.token is not None
-            _settle(only, lambda: only.backend.decode(only.token))
-        elif decodes:
+        if decodes:
+            self._decode(decodes)
+
+    def _decode(self, decodes: list[_Pass]) -> None:
+        """One step for these sequences' tokens; one alone takes its own step (a CUDA graph
+        where it has one). An out-of-memory error in it (on a GPU: a cache
+        growing, a graph captured for a new shape, an eager step's activations) preempts the
+        newest sequence: the caches are set back to their lengths before the step, the memory
+        the step took is given back, and the step runs again without it; the preempted one is
+        requeued behind it, its own step run alone once the others' is done (if that runs out
+        too, the error is its alone). Until a generation ends, steps hold at most as many
+        sequences as the last that fitted. The others never see the error. The pool is one
+        tensor for every slot: a running sequence's keys and values cannot be given back alone
+        (a paged pool's blocks could). A model with recurrent states is not stepped again: a
+        state a failed step has moved on cannot be set back."""
+        order = sorted(decodes, key=lambda wanted: self._joined.get(id(wanted.backend), -1))
+        fits = len(order) if self._fits is None else max(1, self._fits)
+        together, requeued = order[:fits], order[fits:]
+        while len(together) > 1:
+            caches = [wanted.backend.cache for wanted in together]  # type: ignore[union-attr]
+            lengths = [cache.length for cache in caches]
             try:
-                rows = _decode_together(decodes, self.batched)
+                rows = _decode_together(together, self.batched)
+            except torch.OutOfMemoryError as error:
+                if together[0].backend.net.recurrent:  # type: ignore[union-attr]
+                    _fail(together, error)
+                    return
+                for cache, length in zip(caches, lengths, strict=True):
+                    cache.length = length
+                _give_back_memory(caches[0].device)
+                requeued.insert(0, together.pop())
+                self._fits = len(together)
+                continue
             except BaseException as error:
-                for wanted in decodes:
-                    wanted.error = error
-                    wanted.done.set()
-                return
-            for index, wanted in enumerate(decodes):
+                _fail(together, error)
+                together = []
+                break
+            for index, wanted in enumerate(together):
                 wanted.result = rows[index : index + 1].clone()
                 wanted.done.set()
+            together = []
+        for wanted in together + requeued:  # alone: each its own step, as one sequence's is
+            backend, token = wanted.backend, wanted.token
+            assert backend is not None and token is not None
+            _settle(wanted, lambda backend=backend, token=token: backend.decode(token))
+
+
+def _fail(passes: list[_Pass], error: BaseException) -> None:
+    for wanted in passes:
+        wanted.error = error
+        wanted.done.set()
+
+
+def _give_back_memory(device: torch.device) -> None:
+    """The memory a failed step took, back to the device (the allocator keeps it cached)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _settle(wanted: _Pass, call: Callable[[], Any]) -> None:
@@ -365,6 +419,8 @@ class Slots:
             self._reserve(best, min(wanted, best.context_length))
         self.free.remove(best)
         self.prefixes.running(best, busy=True)
+        if isinstance(best.backend, TakingTurns):
+            self.compute.joined(best.backend.inner)
         return best
 
     def _keyed(self, prompt_ids: list[int], cache_key: str | None) -> Engine:
