@@ -6,7 +6,9 @@ a server's generations are: scheduler.Slots) are prefilled with their own prompt
 together, one step for all of them (batched.BatchedDecode, what `llmcli serve --parallel` runs:
 on CUDA a graph per batch bucket and length bucket; one sequence alone its own step's graph).
 Only the decode steps are timed; the levels' runs are interleaved so drift in machine speed
-hits them alike. Reported per level: the aggregate tok/s (tokens of every sequence over the
+hits them alike, and with them one sequence on the engine's own step and cache (what a server
+running one generation at a time decodes), which C = 1 (a batching server's lone sequence) is
+reported against. Reported per level: the aggregate tok/s (tokens of every sequence over the
 steps' wall time), its ratio to C = 1, what one sequence sees, and the KV memory the C caches
 hold at the end beside the tokens they hold. What a server adds (HTTP, one thread per request)
 is not here: scripts/bench_concurrency.py measures that through real clients.
@@ -48,6 +50,14 @@ class ConcurrencyReport:
     new_tokens: int
     runs: int
     kv_bytes_per_token: int
+    # How the steps ran: "CUDA graphs", "fixed shapes, eager" (--fast on a CPU) or "eager"; and
+    # why several sequences' step took no fixed shapes where it did not (batched.eager_reason).
+    steps: str = "eager"
+    batched_eager_reason: str | None = None
+    # One sequence on the engine's own step and cache (what one generation at a time runs), and
+    # the C = 1 level (one sequence in a slot of the pool, as a batching server's lone one) ÷ it.
+    single_stream_tok_s: float = 0.0
+    lone_versus_single_stream: float = 0.0
     levels: list[ConcurrencyLevel] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -90,14 +100,21 @@ def run_concurrency_bench(
         new_tokens=new_tokens,
         runs=runs,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
+        steps="CUDA graphs" if graphed else "fixed shapes, eager" if fixed else "eager",
+        batched_eager_reason=batched.eager_reason,
     )
     seconds: dict[int, list[float]] = {level: [] for level in levels}
+    single: list[float] = []
     held: dict[int, tuple[int, int]] = {}
     # Two warm-ups, not counted: the first grows the pool level by level, which moves every
     # cache (so a graph captured at a lower level is captured again); the second captures them
     # on the tensors the counted runs use.
     warm_ups = 2
     for run in range(runs + warm_ups):
+        elapsed = _decode_together([first], prompts, new_tokens, batched)
+        first.reset()
+        if run >= warm_ups:
+            single.append(elapsed)
         for level in levels:
             taking = backends[:level]
             elapsed = _decode_together(taking, prompts, new_tokens, batched)
@@ -107,6 +124,8 @@ def run_concurrency_bench(
             for backend in taking:
                 backend.reset()
     one = statistics.median(new_tokens / elapsed for elapsed in seconds[1])
+    report.single_stream_tok_s = statistics.median(new_tokens / elapsed for elapsed in single)
+    report.lone_versus_single_stream = one / report.single_stream_tok_s
     for level in levels:
         rates = [level * new_tokens / elapsed for elapsed in seconds[level]]
         aggregate = statistics.median(rates)
