@@ -229,10 +229,14 @@ def test_bandwidth_counts_the_bytes_a_decode_step_reads() -> None:
         assert weight_bytes_read(model, stored) / 2e9 == pytest.approx(billions, abs=0.01), name
 
 
-def test_bench_concurrency_reports_each_level_beside_one_alone(tiny_llama: Path) -> None:
+@pytest.mark.parametrize(("fast", "steps"), [("--no-fast", "eager"), ("--fast", "fixed shapes, eager")])
+def test_bench_concurrency_reports_each_level_beside_one_alone(
+    tiny_llama: Path, fast: str, steps: str
+) -> None:
+    """`--fast` on a CPU: the fixed-shape steps a GPU's graphs replay, run eagerly."""
     proc = run_cli(
         "bench", "-m", str(tiny_llama), "--concurrency", "3", "--prompt-lengths", "20", "-n", "6",
-        "--runs", "2", "--device", "cpu", "--json",
+        "--runs", "2", "--device", "cpu", "--json", fast,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr.decode()
     report = json.loads(proc.stdout)
@@ -247,6 +251,10 @@ def test_bench_concurrency_reports_each_level_beside_one_alone(tiny_llama: Path)
     assert levels[1]["versus_one"] == 1.0
     three, one = levels[3]["aggregate_tok_s"], levels[1]["aggregate_tok_s"]
     assert levels[3]["versus_one"] == pytest.approx(three / one)
+    # Beside them, one sequence on the engine's own step and cache (one generation at a time).
+    assert report["steps"] == steps and report["batched_eager_reason"] is None
+    single = report["single_stream_tok_s"]
+    assert single > 0 and report["lone_versus_single_stream"] == pytest.approx(one / single)
 
 
 def test_bench_concurrency_is_refused_on_an_engine_that_decodes_one_sequence(tiny_llama: Path) -> None:

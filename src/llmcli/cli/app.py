@@ -616,8 +616,10 @@ def serve(
         int | None,
         typer.Option(
             "--parallel",
-            help="Generations at once, their decode steps batched (native engine). Default: 4 on "
-            "a CPU, 1 on a GPU or with --speculative draft.",
+            help="Generations at once, their decode steps batched (native engine). Default: as "
+            "many whole contexts as --kv-memory holds, at most 4 on a CPU and 16 on a GPU (its "
+            "batched steps in CUDA graphs); 1 with --speculative draft, --no-fast on a GPU, or "
+            "a model whose batched step cannot be graphed.",
             show_default=False,
         ),
     ] = None,

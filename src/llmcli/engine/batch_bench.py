@@ -3,9 +3,12 @@ level beside one sequence alone in the same run.
 
 At each level C, C sequences (each its own cache over the shared weights, slots of one pool, as
 a server's generations are: scheduler.Slots) are prefilled with their own prompt, then decoded greedily
-together, one step for all of them (plans.SequencesStep, what `llmcli serve --parallel` runs).
+together, one step for all of them (batched.BatchedDecode, what `llmcli serve --parallel` runs:
+on CUDA a graph per batch bucket and length bucket; one sequence alone its own step's graph).
 Only the decode steps are timed; the levels' runs are interleaved so drift in machine speed
-hits them alike. Reported per level: the aggregate tok/s (tokens of every sequence over the
+hits them alike, and with them one sequence on the engine's own step and cache (what a server
+running one generation at a time decodes), which C = 1 (a batching server's lone sequence) is
+reported against. Reported per level: the aggregate tok/s (tokens of every sequence over the
 steps' wall time), its ratio to C = 1, what one sequence sees, and the KV memory the C caches
 hold at the end beside the tokens they hold. What a server adds (HTTP, one thread per request)
 is not here: scripts/bench_concurrency.py measures that through real clients.
@@ -22,6 +25,7 @@ import torch
 from llmcli.engine.bench import low_high, prompt_of, synchronize, timed
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
+from llmcli.engine.native.batched import BatchedDecode
 from llmcli.models.load import LoadedModel
 
 
@@ -46,6 +50,14 @@ class ConcurrencyReport:
     new_tokens: int
     runs: int
     kv_bytes_per_token: int
+    # How the steps ran: "CUDA graphs", "fixed shapes, eager" (--fast on a CPU) or "eager"; and
+    # why several sequences' step took no fixed shapes where it did not (batched.eager_reason).
+    steps: str = "eager"
+    batched_eager_reason: str | None = None
+    # One sequence on the engine's own step and cache (what one generation at a time runs), and
+    # the C = 1 level (one sequence in a slot of the pool, as a batching server's lone one) ÷ it.
+    single_stream_tok_s: float = 0.0
+    lone_versus_single_stream: float = 0.0
     levels: list[ConcurrencyLevel] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,9 +80,16 @@ def run_concurrency_bench(
     vocab = first.net.embedding.shape[0]
     # One backend per sequence at the highest level, sharing the weights, their caches slots of
     # one pool as a server's are; each level uses the first C.
+    # Their steps take the first's shapes, as a server's slots do: on CUDA a graph per bucket for
+    # one sequence alone and per (batch bucket, length bucket) for several (batched.py).
     context = first.cache.context_length
     pool = first.net.new_pool(context)
-    backends = [NativeBackend(None, context, net=first.net, pool=pool) for _ in range(max(levels))]
+    graphed, fixed = first.graphs is not None, first.static_shapes
+    backends = [
+        NativeBackend(None, context, net=first.net, pool=pool, graphs=graphed, static_shapes=fixed)
+        for _ in range(max(levels))
+    ]
+    batched = BatchedDecode(first.net, pool, graphs=graphed, static_shapes=fixed)
     prompts = [prompt_of(prompt_length + index, vocab)[:prompt_length] for index in range(len(backends))]
     report = ConcurrencyReport(
         model=loaded.name,
@@ -81,19 +100,32 @@ def run_concurrency_bench(
         new_tokens=new_tokens,
         runs=runs,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
+        steps="CUDA graphs" if graphed else "fixed shapes, eager" if fixed else "eager",
+        batched_eager_reason=batched.eager_reason,
     )
     seconds: dict[int, list[float]] = {level: [] for level in levels}
+    single: list[float] = []
     held: dict[int, tuple[int, int]] = {}
-    for run in range(runs + 1):  # the first is a warm-up, not counted
+    # Two warm-ups, not counted: the first grows the pool level by level, which moves every
+    # cache (so a graph captured at a lower level is captured again); the second captures them
+    # on the tensors the counted runs use.
+    warm_ups = 2
+    for run in range(runs + warm_ups):
+        elapsed = _decode_together([first], prompts, new_tokens, batched)
+        first.reset()
+        if run >= warm_ups:
+            single.append(elapsed)
         for level in levels:
             taking = backends[:level]
-            elapsed = _decode_together(taking, prompts, new_tokens)
-            if run:
+            elapsed = _decode_together(taking, prompts, new_tokens, batched)
+            if run >= warm_ups:
                 seconds[level].append(elapsed)
             held[level] = (sum(b.cache.nbytes() for b in taking), sum(b.cache.length for b in taking))
             for backend in taking:
                 backend.reset()
     one = statistics.median(new_tokens / elapsed for elapsed in seconds[1])
+    report.single_stream_tok_s = statistics.median(new_tokens / elapsed for elapsed in single)
+    report.lone_versus_single_stream = one / report.single_stream_tok_s
     for level in levels:
         rates = [level * new_tokens / elapsed for elapsed in seconds[level]]
         aggregate = statistics.median(rates)
@@ -112,10 +144,12 @@ def run_concurrency_bench(
 
 
 @torch.inference_mode()
-def _decode_together(backends: list[NativeBackend], prompts: list[list[int]], new_tokens: int) -> float:
+def _decode_together(
+    backends: list[NativeBackend], prompts: list[list[int]], new_tokens: int, batched: BatchedDecode
+) -> float:
     """Prefill each sequence, then time `new_tokens` greedy steps of all of them together."""
     logits = torch.cat([backend.prefill(ids) for backend, ids in zip(backends, prompts, strict=False)])
-    net, caches = backends[0].net, [backend.cache for backend in backends]
+    caches = [backend.cache for backend in backends]
     device = backends[0].device
 
     def steps() -> None:
@@ -125,7 +159,7 @@ def _decode_together(backends: list[NativeBackend], prompts: list[list[int]], ne
             if len(backends) == 1:  # alone, as a server runs one sequence: its own decode step
                 logits = backends[0].decode(tokens)
                 continue
-            logits = net.decode_sequences(tokens, caches)
+            logits = batched.step(tokens, caches)
 
     synchronize(device)
     return timed(steps, device)

@@ -7,9 +7,11 @@ Every forward pass runs on one compute thread (`ComputeThread`), the one that lo
 torch's parallel ops on a second thread start a second OpenMP team, whose workers sleep between
 regions (2× slower decoding measured on 2 cores, frontends/serve.py). When every generation in
 progress waits for a pass, the compute thread runs the waiting prefills one by one, then one
-decode step for all the waiting tokens together (plans.SequencesStep: the weights read once for
-every row, attention per sequence over its own cache), and hands each its logits. A generation
-joins at the next step and leaves when it ends.
+decode step for all the waiting tokens together (native/batched.py: the weights read once for
+every row; on a GPU one CUDA graph per batch bucket and length bucket), and hands each its
+logits; one waiting alone takes its own step (its own graph). A generation joins at the next
+step and leaves when it ends; one whose step ran out of memory beside others is preempted
+(ComputeThread._decode).
 
 Each generation has an engine of its own (`Slots`): its own cache over the shared weights, so a
 row's logits are what it would get alone (tests/test_native.py holds them within 1e-5). The
@@ -24,6 +26,7 @@ more than it saves: docs/benchmarks.md).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +40,7 @@ import torch
 from llmcli.engine.image_markers import chunk_ends
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import GRAPHED_ROWS, NativeBackend
+from llmcli.engine.native.batched import BatchedDecode
 from llmcli.engine.native.pool import SlotPool
 from llmcli.errors import KVMemoryFull
 
@@ -78,6 +82,13 @@ class ComputeThread(Executor):
         self._first_pass_at = 0.0
         self._stopping = False
         self.on_step: Callable[[int], None] | None = None  # told each decode step's sequence count
+        # The decode step of several sequences of Slots' pool (batched.py: fixed shapes, a CUDA
+        # graph per shape, where the engine takes them); None: Transformer.decode_sequences.
+        self.batched: BatchedDecode | None = None
+        # Out of memory in a step of several sequences (_decode): the newest is preempted.
+        self._joined: dict[int, int] = {}  # id(backend) → when its running generation took it
+        self._joins = itertools.count()
+        self._fits: int | None = None  # sequences a step held when one last fitted after running out
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -115,8 +126,13 @@ class ComputeThread(Executor):
                 yield
             finally:
                 self.active -= 1
+                self._fits = None  # fewer sequences now: a full step may fit again
                 with self._changed:
                     self._changed.notify()  # a step may have been waiting for this one
+
+    def joined(self, backend: NativeBackend) -> None:
+        """A generation starts on `backend` (Slots.take): the newest, the first preempted."""
+        self._joined[id(backend)] = next(self._joins)
 
     def run(self, wanted: _Pass) -> Any:
         """Wait for a pass, giving up the turn meanwhile (called holding it)."""
@@ -181,21 +197,63 @@ class ComputeThread(Executor):
                 _settle(wanted, wanted.call)
         if decodes and self.on_step is not None:
             self.on_step(len(decodes))
-        if len(decodes) == 1:  # alone: its own step (a CUDA graph where it has one)
-            only = decodes[0]
-            assert only.backend is not None and only.token is not None
-            _settle(only, lambda: only.backend.decode(only.token))
-        elif decodes:
+        if decodes:
+            self._decode(decodes)
+
+    def _decode(self, decodes: list[_Pass]) -> None:
+        """One step for these sequences' tokens; one alone takes its own step (a CUDA graph
+        where it has one). An out-of-memory error in it (on a GPU: a cache
+        growing, a graph captured for a new shape, an eager step's activations) preempts the
+        newest sequence: the caches are set back to their lengths before the step, the memory
+        the step took is given back, and the step runs again without it; the preempted one is
+        requeued behind it, its own step run alone once the others' is done (if that runs out
+        too, the error is its alone). Until a generation ends, steps hold at most as many
+        sequences as the last that fitted. The others never see the error. The pool is one
+        tensor for every slot: a running sequence's keys and values cannot be given back alone
+        (a paged pool's blocks could). A model with recurrent states is not stepped again: a
+        state a failed step has moved on cannot be set back."""
+        order = sorted(decodes, key=lambda wanted: self._joined.get(id(wanted.backend), -1))
+        fits = len(order) if self._fits is None else max(1, self._fits)
+        together, requeued = order[:fits], order[fits:]
+        while len(together) > 1:
+            caches = [wanted.backend.cache for wanted in together]  # type: ignore[union-attr]
+            lengths = [cache.length for cache in caches]
             try:
-                rows = _decode_together(decodes)
+                rows = _decode_together(together, self.batched)
+            except torch.OutOfMemoryError as error:
+                if together[0].backend.net.recurrent:  # type: ignore[union-attr]
+                    _fail(together, error)
+                    return
+                for cache, length in zip(caches, lengths, strict=True):
+                    cache.length = length
+                _give_back_memory(caches[0].device)
+                requeued.insert(0, together.pop())
+                self._fits = len(together)
+                continue
             except BaseException as error:
-                for wanted in decodes:
-                    wanted.error = error
-                    wanted.done.set()
-                return
-            for index, wanted in enumerate(decodes):
+                _fail(together, error)
+                together = []
+                break
+            for index, wanted in enumerate(together):
                 wanted.result = rows[index : index + 1].clone()
                 wanted.done.set()
+            together = []
+        for wanted in together + requeued:  # alone: each its own step, as one sequence's is
+            backend, token = wanted.backend, wanted.token
+            assert backend is not None and token is not None
+            _settle(wanted, lambda backend=backend, token=token: backend.decode(token))
+
+
+def _fail(passes: list[_Pass], error: BaseException) -> None:
+    for wanted in passes:
+        wanted.error = error
+        wanted.done.set()
+
+
+def _give_back_memory(device: torch.device) -> None:
+    """The memory a failed step took, back to the device (the allocator keeps it cached)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _settle(wanted: _Pass, call: Callable[[], Any]) -> None:
@@ -206,11 +264,13 @@ def _settle(wanted: _Pass, call: Callable[[], Any]) -> None:
     wanted.done.set()
 
 
-def _decode_together(decodes: list[_Pass]) -> torch.Tensor:
+def _decode_together(decodes: list[_Pass], batched: BatchedDecode | None) -> torch.Tensor:
     backends = [wanted.backend for wanted in decodes]
     assert all(backend is not None for backend in backends)
     caches = [backend.cache for backend in backends]  # type: ignore[union-attr]
     tokens = torch.cat([wanted.token.view(1) for wanted in decodes])  # type: ignore[union-attr]
+    if batched is not None:
+        return batched.step(tokens, caches)
     return backends[0].net.decode_sequences(tokens, caches)  # type: ignore[union-attr]
 
 
@@ -315,14 +375,27 @@ class Slots:
         self.engines: list[Engine] = [first]
         self.prefixes = first.prefixes  # one store: a conversation may come back in any slot
         self.prefixes.attach(first)
+        self.batched: BatchedDecode | None = None
         if count > 1:
+            # Every slot's steps take the first's shapes: a CUDA graph per bucket where it has
+            # them (a lone sequence's step as fast as one generation at a time), else eager.
+            graphed, fixed = backend.graphs is not None, backend.static_shapes
             context = first.context_length
             self.pool = backend.net.new_pool(context)
             backend.cache = backend.net.new_cache(context, self.pool)  # its first slot
             first.cached_ids = []
             first.backend = TakingTurns(backend, compute)
+            self.batched = BatchedDecode(backend.net, self.pool, graphs=graphed, static_shapes=fixed)
+            compute.batched = self.batched
         for _ in range(count - 1):
-            more = NativeBackend(None, first.context_length, net=backend.net, pool=self.pool)
+            more = NativeBackend(
+                None,
+                first.context_length,
+                net=backend.net,
+                pool=self.pool,
+                graphs=graphed,
+                static_shapes=fixed,
+            )
             engine = Engine(TakingTurns(more, compute), first.eos_token_ids, first.context_length)
             engine.prefixes = self.prefixes
             self.prefixes.attach(engine)
@@ -346,6 +419,8 @@ class Slots:
             self._reserve(best, min(wanted, best.context_length))
         self.free.remove(best)
         self.prefixes.running(best, busy=True)
+        if isinstance(best.backend, TakingTurns):
+            self.compute.joined(best.backend.inner)
         return best
 
     def _keyed(self, prompt_ids: list[int], cache_key: str | None) -> Engine:
@@ -395,6 +470,8 @@ class Slots:
         assert self.pool is not None
         backend = self.engines[0].backend.inner  # type: ignore[attr-defined]
         cache = backend.cache
+        if self.batched is not None and self.batched.fixed:
+            slots += 1  # the scratch slot past them, where a padded step's spare rows write
         slots = max(slots, self.pool.slots)
         capacity = max(self.pool.capacity, cache.bucket_for(positions))
         return self.pool.bytes_for(slots, capacity) + slots * cache.bytes_beside_pool()

@@ -167,9 +167,11 @@ def render_speculative_table(report: SpeculativeBenchReport) -> str:
 def render_concurrency_table(report: ConcurrencyReport) -> str:
     head = (
         f"{report.model} · {report.device} · {report.dtype} · quant {report.quant} · "
-        f"{report.prompt_length}-token prompts, {report.new_tokens} greedy steps, eager (no CUDA "
-        f"graphs) · median of {report.runs} runs (lowest–highest)"
+        f"{report.prompt_length}-token prompts, {report.new_tokens} greedy steps, {report.steps} · "
+        f"median of {report.runs} runs (lowest–highest)"
     )
+    if report.batched_eager_reason is not None and report.steps != "eager":
+        head += f" · several sequences' step eager: {report.batched_eager_reason}"
     lines = [
         head,
         "",
@@ -184,6 +186,8 @@ def render_concurrency_table(report: ConcurrencyReport) -> str:
         )
     lines += [
         "",
+        f"One sequence on the engine's own step and cache: {report.single_stream_tok_s:.1f} tok/s; "
+        f"one alone in a slot of the pool (above, 1) {report.lone_versus_single_stream:.3f}× that.",
         f"KV bytes per token: {format_bytes(report.kv_bytes_per_token)}; the caches grow in "
         "buckets (a power of two ≥ 256 tokens), so KV held is what they reserve.",
     ]

@@ -39,6 +39,9 @@ DEFAULT_PORT = 8471
 # the demo (2 cores), and more add less (the step alone: 8 at 3.5×, 4 at 2.8×) while each waits
 # longer per token.
 DEFAULT_PARALLEL = 4
+# On a GPU, up to the largest batch the graphed step takes (engine/native/batched.py): a step
+# reads the weights once for every row, and a batch-1 step is bound by reading them.
+DEFAULT_PARALLEL_GPU = 16
 T = TypeVar("T")
 
 
@@ -325,25 +328,32 @@ def _small_ops_alone() -> None:
 
 
 def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
-    """How many generations run at once: --parallel, else where the native engine runs the
-    model on a CPU as many whole contexts as `kv_memory` holds, at most 4, and 1 elsewhere (a
-    GPU's decode steps of several sequences are not graphed yet, nor measured)."""
+    """How many generations run at once: --parallel, else where the native engine batches its
+    decode steps by default as many whole contexts as `kv_memory` holds, up to a cap: on a CPU
+    (at most DEFAULT_PARALLEL), and on a GPU where the batched step replays as CUDA graphs
+    (at most DEFAULT_PARALLEL_GPU; a lone sequence there replays its own step's graph, as fast
+    as one at a time). Elsewhere 1: transformers' engine, a drafter holding one cache, and on a
+    GPU without graphs (--no-fast) or a model whose batched step cannot take fixed shapes
+    (batched.eager_reason), whose eager steps of several sequences are not measured there."""
     from llmcli.engine.native.backend import NativeBackend
 
     native = isinstance(engine.backend, NativeBackend)
     one_cache = request.speculative.method in ("draft", "mtp")  # a drafter that holds one cache
     if request.parallel is None:
-        alone = not native or engine.device.type != "cpu" or one_cache
-        if alone:
+        most = _default_parallel(engine) if native and not one_cache else 1
+        if most == 1:
             if request.kv_memory is not None:
                 raise UsageError(
                     "--kv-memory bounds the caches of generations run at once, and this server runs "
                     "one at a time by default here",
-                    "add --parallel N (the native engine on a CPU runs several by default)",
+                    "add --parallel N (the native engine runs several by default on a CPU, and on a "
+                    "GPU with graphs)",
                 )
             return 1
         whole_contexts = kv_memory // engine.backend.kv_bytes_for(engine.context_length)
-        return max(1, min(DEFAULT_PARALLEL, whole_contexts))
+        if _fixed_batches(engine):
+            whole_contexts -= 1  # the scratch slot the padded step's spare rows write (batched.py)
+        return max(1, min(most, whole_contexts))
     if request.parallel > 1 and not native:
         raise UsageError(
             f"--parallel {request.parallel} needs the native engine; this model runs on transformers'",
@@ -357,6 +367,22 @@ def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
             "use --speculative lookup, or leave --parallel out",
         )
     return request.parallel
+
+
+def _default_parallel(engine: Any) -> int:
+    """The most generations the native engine runs at once by default on its device: 1 where it
+    does not batch them by default."""
+    if engine.device.type == "cpu":
+        return DEFAULT_PARALLEL
+    return DEFAULT_PARALLEL_GPU if engine.backend.graphs is not None and _fixed_batches(engine) else 1
+
+
+def _fixed_batches(engine: Any) -> bool:
+    """Whether the native engine's steps of several sequences take fixed shapes (batched.py)."""
+    from llmcli.engine.native.batched import eager_reason
+
+    net = engine.backend.net
+    return engine.backend.static_shapes and eager_reason(net, net.new_pool(engine.context_length)) is None
 
 
 def kv_memory_default(device: Any) -> int:

@@ -141,6 +141,22 @@ class Attention:
         out = out.view(shape.kv_heads, groups, rows, shape.head_dim).permute(2, 0, 1, 3)
         return out.reshape(rows, -1)
 
+    def attend_batch(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One query for each of B sequences, q [heads, B, d], row b over its own keys and values
+        [B, kv_heads, S, d] where mask[b] [1, 1, S] allows: [B, heads × d]. One call for them
+        all, each sequence laid out as in `attend` (its G query heads of a KV head as G query
+        positions)."""
+        shape, count = self.shape, q.shape[1]
+        queries = q.transpose(0, 1).reshape(count, shape.kv_heads, -1, shape.head_dim)
+        if self.scored:
+            sinks = self.sinks.view(1, shape.kv_heads, -1) if self.sinks is not None else None
+            out = _scored_attention(queries, keys, values, mask, self.scale, sinks, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        return out.reshape(count, -1)
+
     def attend_causal(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, both_ways: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -24,6 +24,7 @@ from llmcli.engine.native.plans import (
     BucketStep,
     CausalChunk,
     ExactDecode,
+    PaddedRows,
     PerRowCheck,
     Plan,
     RowsInOneCall,
@@ -207,6 +208,13 @@ class Transformer:
             cache.ensure(cache.length + 1)
         steps = [ExactDecode(cache, cache.length, self.device) for cache in caches]
         return self.forward(tokens, SequencesStep(steps))
+
+    def decode_padded(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: SlotPool, bucket: int
+    ) -> torch.Tensor:
+        """The fixed-shape step of several sequences in one pool (plans.PaddedRows): token b at
+        positions[b] of slot slots[b]; logits [B, vocab]. The caller moves the lengths on."""
+        return self.forward(tokens, PaddedRows(pool, positions, slots, bucket))
 
     def verify(self, ids: torch.Tensor, cache: KVCache, buckets: bool) -> torch.Tensor:
         """Run `ids` [T] after what `cache` holds; logits [T, vocab], row i exactly what the

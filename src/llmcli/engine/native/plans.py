@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from llmcli.engine.image_rows import PassImages
 from llmcli.engine.native.attention import Attention
@@ -301,10 +300,8 @@ class PooledRows:
         self.rows = None if rows == list(range(self.span)) else torch.tensor(rows, device=device)
         newest = torch.zeros(self.span, dtype=torch.long, device=device)
         newest[torch.tensor(rows, device=device)] = positions
-        self.newest = newest.view(-1, 1)
-        self.index = torch.arange(self.seen, device=device)
-        self.mask = (self.index <= self.newest).view(self.span, 1, 1, self.seen)
-        self._windowed: dict[int, torch.Tensor] = {}
+        mask = (torch.arange(self.seen, device=device) <= newest.view(-1, 1)).view(self.span, 1, 1, self.seen)
+        self.masks = StepMasks(mask, newest)
 
     @classmethod
     def of(cls, caches: list[KVCache], positions: torch.Tensor) -> PooledRows | None:
@@ -330,28 +327,60 @@ class PooledRows:
         assert keys is not None and values is not None
         keys[self.slots, :, self.positions] = k.transpose(0, 1)
         values[self.slots, :, self.positions] = v.transpose(0, 1)
-        shape, count = attention.shape, q.shape[1]
-        queries = q.transpose(0, 1).reshape(count, shape.kv_heads, -1, shape.head_dim)
         if self.rows is not None:
-            spread = queries.new_zeros(self.span, *queries.shape[1:])
-            spread[self.rows] = queries
-            queries = spread
+            spread = q.new_zeros(q.shape[0], self.span, q.shape[2])
+            spread[:, self.rows] = q
+            q = spread
         span = slice(self.low, self.low + self.span)
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys[span, :, : self.seen],
-            values[span, :, : self.seen],
-            attn_mask=self._mask(attention.window),
-            scale=attention.scale,
-        )
-        if self.rows is not None:
-            out = out[self.rows]
-        return out.reshape(count, -1)
+        mask = self.masks.within(attention.window)
+        out = attention.attend_batch(q, keys[span, :, : self.seen], values[span, :, : self.seen], mask)
+        return out if self.rows is None else out[self.rows]
 
-    def _mask(self, window: int | None) -> torch.Tensor:
+
+class StepMasks:
+    """A step's attention mask [B, 1, 1, S] (row b's slots up to positions[b]) and, made once
+    a pass for each window a layer has, that mask within the window."""
+
+    def __init__(self, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        self.mask, self.positions = mask, positions
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    def within(self, window: int | None) -> torch.Tensor:
         if window is None:
             return self.mask
         if window not in self._windowed:
-            inside = (self.index > self.newest - window).view(self.span, 1, 1, self.seen)
-            self._windowed[window] = self.mask & inside
+            self._windowed[window] = windowed(self.mask, self.positions, window)
         return self._windowed[window]
+
+
+class PaddedRows:
+    """The decode step of several sequences with fixed shapes, for a CUDA graph per (batch
+    bucket, length bucket) (batched.py): row b is the token at positions[b] of the pool's slot
+    slots[b], both device tensors (a graph reads them from fixed buffers). Each layer writes
+    every row's key and value in one indexed store and attends in one call, each row over the
+    first `bucket` positions of its own slot (copied out by slot index: a graph cannot take a
+    slice that depends on which slots step) masked to its own positions, within a sliding
+    window where the layer has one. Rows that only pad the batch to its bucket write a slot
+    no sequence holds (SlotPool.scratch_slot) and their logits are dropped. The caller moves
+    the caches' lengths on. Every attention layer must live in the pool: rings and recurrent
+    states are per cache, at addresses a graph of this step cannot follow (batched.py)."""
+
+    last_only = False
+    rope_positions = None  # the batched step is not taken after an image moved positions
+
+    def __init__(self, pool: SlotPool, positions: torch.Tensor, slots: torch.Tensor, bucket: int) -> None:
+        self.pool, self.positions, self.slots, self.bucket = pool, positions, slots, bucket
+        index = torch.arange(bucket, device=positions.device)
+        self.masks = StepMasks((index <= positions.view(-1, 1)).view(-1, 1, 1, bucket), positions)
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.pool.keys[attention.layer], self.pool.values[attention.layer]
+        assert keys is not None and values is not None, "a layer the pool does not hold"
+        keys[self.slots, :, self.positions] = k.transpose(0, 1)
+        values[self.slots, :, self.positions] = v.transpose(0, 1)
+        own_keys = keys[:, :, : self.bucket].index_select(0, self.slots)
+        own_values = values[:, :, : self.bucket].index_select(0, self.slots)
+        return attention.attend_batch(q, own_keys, own_values, self.masks.within(attention.window))
+
+    def finish(self) -> None:
+        pass

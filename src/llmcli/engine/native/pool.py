@@ -23,9 +23,14 @@ whatever the text's length, and its layers attend per sequence.
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import torch
+
+# Every layout of a pool's tensors gets a version no other had: a graph of the batched step
+# (batched.py) recorded their addresses and is captured again once they move.
+_STORAGE_VERSIONS = itertools.count(1)
 
 
 class PooledCache(Protocol):
@@ -65,6 +70,8 @@ class SlotPool:
             self._empty(0, 0, i) if p else None for i, p in enumerate(pooled)
         ]
         self.caches: list[PooledCache] = []  # attached, their slot their index
+        self.held = 0  # one past the highest slot a cache has asked room for
+        self.storage_version = next(_STORAGE_VERSIONS)
 
     def attach(self, cache: PooledCache) -> int:
         self.caches.append(cache)
@@ -72,19 +79,43 @@ class SlotPool:
 
     def ensure(self, slot: int, capacity: int) -> None:
         """Make room for `slot` and `capacity` positions in every slot, keeping what each holds."""
-        slots, capacity = max(self.slots, slot + 1), max(self.capacity, capacity)
+        self.held = max(self.held, slot + 1)
+        moved = self._grow(max(self.slots, slot + 1), max(self.capacity, capacity))
+        if not moved and slot < len(self.caches):
+            # The slot was made before its cache asked (as the scratch slot, below): it holds
+            # no views of it yet.
+            self.caches[slot].bind_pool()
+
+    def scratch_slot(self) -> int:
+        """A slot no sequence's cache holds, with room made: one past the highest that does.
+        The padding rows of a fixed-shape batched step write there (plans.PaddedRows). A cache
+        that has not asked for room yet may sit at its index, holding no views (`_grow`); once
+        it asks, it is bound there and the next scratch slot is made past it."""
+        self._grow(max(self.slots, self.held + 1), self.capacity)
+        return self.held
+
+    def _grow(self, slots: int, capacity: int) -> bool:
+        """Whether the tensors moved to hold `slots` × `capacity`. Every layer's new tensor is
+        made before any is swapped in: an out-of-memory error part way leaves the pool as it
+        was (the caches' views keep the old tensors alive until they are bound again anyway)."""
         if slots == self.slots and capacity == self.capacity:
-            return
-        for store in (self.keys, self.values):
-            for layer, old in enumerate(store):
-                if old is None:
-                    continue
-                new = self._empty(slots, capacity, layer)
-                new[: self.slots, :, : self.capacity] = old
-                store[layer] = new  # one layer at a time: the old tensor goes before the next is made
+            return False
+        self.storage_version = next(_STORAGE_VERSIONS)
+        grown = [
+            [None if old is None else self._empty(slots, capacity, layer) for layer, old in enumerate(store)]
+            for store in (self.keys, self.values)
+        ]
+        for store, news in zip((self.keys, self.values), grown, strict=True):
+            for layer, (old, new) in enumerate(zip(store, news, strict=True)):
+                if old is not None and new is not None:
+                    new[: self.slots, :, : self.capacity] = old
+                    store[layer] = new
         self.slots, self.capacity = slots, capacity
-        for cache in self.caches:
+        # Only the caches that asked for room: one that has not may be attached at the scratch
+        # slot's index, and must not hold views of what padding rows write.
+        for cache in self.caches[: self.held]:
             cache.bind_pool()
+        return True
 
     def view(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer], self.values[layer]
