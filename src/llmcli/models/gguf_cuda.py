@@ -1,0 +1,152 @@
+"""GGUF blocks multiplied on a GPU as the file stores them: Triton kernels that decode Q8_0, Q4_0,
+Q4_K, Q5_K, Q6_K and IQ4_XS blocks in registers, with no requantized copy of the weights.
+
+A layer is held as BlockLinear holds it on the CPU: uint8 [out_features, bytes per row], each row
+a whole number of blocks. Every type is read a tile of 256 values at a time (one K-quant
+super-block, or eight 32-value blocks of Q8_0/Q4_0), laid out as [rows, groups, group length]
+with one scale (and minimum) per group, as llama.cpp's ggml-common.h defines the blocks. Each
+type's decoding is one small `@triton.jit` function of the tile; the dequantizing kernel and the
+GEMV are each written once and call it.
+
+Decoded values are bit-equal to gguf's `dequantize` in fp32: every product of a block's scales
+and codes is exact in fp32 (an fp16 scale has 11 significant bits, a sub-block scale at most 8,
+a code at most 7: 24 bits at most), so the one rounding is the last one, whether or not the GPU
+compiler fuses the minimum's subtraction into a fused multiply-add.
+
+A decode step (and a speculative check) has a few rows of activations: the GEMV gives each
+program BLOCK_N output channels and all the rows, streams its channels' blocks once and decodes
+each in registers once for every row. More rows (prefill) are compute-bound: the weights are
+dequantized by the same decoding into the activations' dtype and multiplied by one torch matmul
+(the tensor cores on a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Up to this many rows go through the GEMV. Its program holds every row's partial sums beside the
+# decoded tile (rows × BLOCK_N × 256 products a step), so registers, not bandwidth, bound it; one
+# decode step is one row and a speculative check up to 8 (the longest draft llmcli asks for), and
+# past 8 rows the weights' bytes are no longer the cost a dequantized tensor-core product avoids.
+# To be measured on a GPU (scripts/bench_gguf_cuda.py prints the crossover).
+GEMV_MAX_ROWS = 8
+
+TILE = 256  # values decoded at a time along a row: one super-block, or 8 blocks of 32
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One GGUF block type: `code` selects its decoding in the kernels."""
+
+    code: int
+    values: int  # values a block stands for
+    nbytes: int  # bytes a block takes
+
+
+# Bytes and values per block: llama.cpp's ggml-common.h (block_q8_0, block_q4_K, ...).
+_TYPES = {
+    "Q8_0": BlockType(0, 32, 34),
+    "Q4_0": BlockType(1, 32, 18),
+    "Q4_K": BlockType(2, 256, 144),
+    "Q5_K": BlockType(3, 256, 176),
+    "Q6_K": BlockType(4, 256, 210),
+    "IQ4_XS": BlockType(5, 256, 136),
+}
+TYPES: frozenset[str] = frozenset(_TYPES)
+
+# IQ4_NL's non-linear codebook (IQ4_XS's too): llama.cpp's kvalues_iq4nl.
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def dequantize(blocks: torch.Tensor, type_name: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values `blocks` [out, bytes per row] stand for, [out, in_features] in `dtype`."""
+    kind, blocks = _checked(blocks, type_name, in_features)
+    out_features = blocks.shape[0]
+    out = torch.empty(out_features, in_features, dtype=dtype, device=blocks.device)
+    block_n = 4
+    grid = (-(-out_features // block_n), -(-in_features // TILE))
+    _kernels()[0][grid](
+        blocks,
+        _codebook(blocks.device),
+        out,
+        out_features,
+        in_features,
+        blocks.shape[1],
+        TYPE=kind.code,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+    """x [M, in_features] @ the blocks' weights [out, in_features].T → [M, out] in x's dtype."""
+    kind, blocks = _checked(blocks, type_name, in_features)
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"{type_name} product: x is {tuple(x.shape)}, not [rows, {in_features}]")
+    rows = x.shape[0]
+    if rows > GEMV_MAX_ROWS:
+        return F.linear(x, dequantize(blocks, type_name, in_features, x.dtype))
+    x = x.contiguous()
+    out_features = blocks.shape[0]
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_n = 4
+    grid = (-(-out_features // block_n),)
+    _kernels()[1][grid](
+        x,
+        blocks,
+        _codebook(blocks.device),
+        out,
+        rows,
+        out_features,
+        in_features,
+        blocks.shape[1],
+        TYPE=kind.code,
+        BLOCK_M=max(1, 1 << (rows - 1).bit_length()),
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+def _checked(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[BlockType, torch.Tensor]:
+    """The type's layout and `blocks` as the kernels read them (contiguous rows); ValueError for
+    a type they do not decode or a tensor that is not whole rows of its blocks."""
+    kind = _TYPES.get(type_name)
+    if kind is None:
+        raise ValueError(f"no GPU kernel reads GGUF type {type_name} (these do: {', '.join(sorted(TYPES))})")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(
+            f"{type_name} blocks must be a 2-D uint8 tensor, not {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    if in_features <= 0 or in_features % kind.values:
+        raise ValueError(
+            f"{type_name} rows hold whole blocks of {kind.values} values: {in_features} is not a multiple"
+        )
+    row_bytes = in_features // kind.values * kind.nbytes
+    if blocks.shape[1] != row_bytes:
+        raise ValueError(
+            f"{type_name} rows of {in_features} values take {row_bytes} bytes, not {blocks.shape[1]}"
+        )
+    return kind, blocks.contiguous()  # a view of other rows is copied: the kernels step by whole rows
+
+
+@functools.cache
+def _codebook(device: torch.device) -> torch.Tensor:
+    """IQ4_XS's 16 values, one small tensor per device (a tensor's device names its index), read
+    through the cache by the kernels."""
+    return torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:  # (dequantize, gemv) triton.JITFunctions; triton imported only here
+    from llmcli.models import gguf_cuda_kernels
+
+    return gguf_cuda_kernels.gguf_dequantize, gguf_cuda_kernels.gguf_gemv

@@ -1,0 +1,187 @@
+"""The Triton side of gguf_cuda.py: each GGUF type's decoding of a 256-value tile, and the two
+kernels written once over them (a dequantization, a GEMV). Imported only when a kernel first runs,
+so that triton is imported only where a kernel is used; Triton resolves the helpers a kernel calls
+among its module's globals, hence a module of their own."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def half(pointers, mask):
+    """The little-endian fp16 at each of `pointers` (bytes), as fp32."""
+    low = tl.load(pointers, mask=mask, other=0).to(tl.uint16)
+    high = tl.load(pointers + 1, mask=mask, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def spread(per_group, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, LENGTH: tl.constexpr):
+    """[BLOCK_N, GROUPS] → [BLOCK_N, GROUPS, LENGTH]: a group's scale beside each of its values."""
+    return tl.broadcast_to(per_group[:, :, None], (BLOCK_N, GROUPS, LENGTH))
+
+
+@triton.jit
+def flat(values, BLOCK_N: tl.constexpr):
+    return tl.reshape(values, (BLOCK_N, 256))
+
+
+@triton.jit
+def decode_32(row, tile, live, codebook, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+    """Q8_0 (d, 32 int8) or Q4_0 (d, 16 bytes of nibbles: value j low, j + 16 high) blocks
+    8·tile … 8·tile + 7 of each row; `live` [BLOCK_N, 8] masks rows and blocks past the end."""
+    group = tl.arange(0, 8)
+    at = tl.arange(0, 32)
+    nbytes: tl.constexpr = 34 if TYPE == 0 else 18
+    block = row[:, None] + (tile * 8 + group)[None, :] * nbytes  # [BLOCK_N, 8]
+    d = half(block, live)
+    inside = live[:, :, None] & (at < 32)[None, None, :]
+    if TYPE == 0:
+        codes = tl.load(block[:, :, None] + 2 + at[None, None, :], mask=inside, other=0)
+        q = codes.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        codes = tl.load(block[:, :, None] + 2 + (at % 16)[None, None, :], mask=inside, other=0)
+        shift = ((at // 16) * 4).to(tl.uint8)
+        q = (((codes >> shift[None, None, :]) & 15).to(tl.int32) - 8).to(tl.float32)
+    return flat(q * spread(d, BLOCK_N, 8, 32), BLOCK_N)
+
+
+@triton.jit
+def k_scales(block, live):
+    """Q4_K/Q5_K's eight 6-bit scales and minimums, packed in 12 bytes after d and dmin."""
+    group = tl.arange(0, 8)
+    low = group < 4
+    first = tl.load(block[:, None] + 4 + group[None, :], mask=live[:, None], other=0)  # byte g
+    second = tl.load(block[:, None] + 8 + group[None, :], mask=live[:, None], other=0)  # byte g + 4
+    below = tl.where(low, group, group - 4)
+    third = tl.load(block[:, None] + 4 + below[None, :], mask=live[:, None], other=0)  # byte g - 4
+    scale = tl.where(low[None, :], first & 63, (second & 15) | ((third >> 6) << 4))
+    minimum = tl.where(low[None, :], second & 63, (second >> 4) | ((first >> 6) << 4))
+    return scale.to(tl.float32), minimum.to(tl.float32)
+
+
+@triton.jit
+def decode_k(row, tile, live, codebook, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+    """Q4_K (d, dmin, scales, 128 bytes of nibbles) or Q5_K (the same and 32 bytes of fifth
+    bits) super-block `tile` of each row: group g is the low (g even) or high nibbles of
+    bytes 32·(g // 2) …, and Q5_K's bit g of byte j its value j's fifth bit."""
+    nbytes: tl.constexpr = 144 if TYPE == 2 else 176
+    codes_at: tl.constexpr = 16 if TYPE == 2 else 48
+    block = row + tile * nbytes  # [BLOCK_N]
+    d = half(block, live)
+    dmin = half(block + 2, live)
+    scale, minimum = k_scales(block, live)
+    group = tl.arange(0, 8)
+    at = tl.arange(0, 32)
+    inside = live[:, None, None] & (group < 8)[None, :, None] & (at < 32)[None, None, :]
+    offset = ((group // 2) * 32)[:, None] + at[None, :]  # [8, 32]
+    codes = tl.load(block[:, None, None] + codes_at + offset[None, :, :], mask=inside, other=0)
+    shift = ((group % 2) * 4).to(tl.uint8)
+    q = (codes >> shift[None, :, None]) & 15
+    if TYPE == 3:
+        high = tl.load(block[:, None, None] + 16 + at[None, None, :], mask=inside, other=0)
+        q = q | (((high >> group.to(tl.uint8)[None, :, None]) & 1) << 4)
+    scaled = spread(d[:, None] * scale, BLOCK_N, 8, 32)
+    shifted = spread(dmin[:, None] * minimum, BLOCK_N, 8, 32)
+    return flat(scaled * q.to(tl.float32) - shifted, BLOCK_N)
+
+
+@triton.jit
+def decode_q6_k(row, tile, live, codebook, BLOCK_N: tl.constexpr):
+    """Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d): value p's
+    low nibble is byte 64·(p // 128) + p % 64's (high nibble from p % 128 ≥ 64), its high
+    bits byte 128 + 32·(p // 128) + p % 32's pair (p % 128) // 32; scale p // 16."""
+    block = row + tile * 210
+    d = half(block + 208, live)
+    group = tl.arange(0, 16)
+    scale = tl.load(block[:, None] + 192 + group[None, :], mask=live[:, None], other=0)
+    scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
+    p = group[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16]
+    inside = live[:, None, None] & (p < 256)[None, :, :]
+    low = tl.load(block[:, None, None] + (64 * (p // 128) + p % 64)[None, :, :], mask=inside, other=0)
+    low = (low >> (((p % 128) // 64) * 4).to(tl.uint8)[None, :, :]) & 15
+    high = tl.load(block[:, None, None] + (128 + 32 * (p // 128) + p % 32)[None, :, :], mask=inside, other=0)
+    high = (high >> (((p % 128) // 32) * 2).to(tl.uint8)[None, :, :]) & 3
+    q = ((low | (high << 4)).to(tl.int32) - 32).to(tl.float32)
+    return flat(spread(d[:, None] * scale, BLOCK_N, 16, 16) * q, BLOCK_N)
+
+
+@triton.jit
+def decode_iq4_xs(row, tile, live, codebook, BLOCK_N: tl.constexpr):
+    """IQ4_XS (d, 16 bits of scales' high pairs, 4 bytes of their low nibbles, 128 bytes of
+    codebook indices): group g's scale is (nibble g of the 4 bytes | pair g << 4) - 32, its
+    value j the low (j < 16) or high nibble of byte 16·g + j % 16."""
+    block = row + tile * 136
+    d = half(block, live)
+    group = tl.arange(0, 8)
+    pairs = (tl.load(block + 2, mask=live, other=0).to(tl.int32)) | (
+        tl.load(block + 3, mask=live, other=0).to(tl.int32) << 8
+    )
+    nibbles = tl.load(block[:, None] + 4 + (group // 2)[None, :], mask=live[:, None], other=0).to(tl.int32)
+    low = (nibbles >> ((group % 2) * 4)[None, :]) & 15
+    scale = (low | (((pairs[:, None] >> (2 * group)[None, :]) & 3) << 4)) - 32
+    at = tl.arange(0, 32)
+    inside = live[:, None, None] & (group < 8)[None, :, None] & (at < 32)[None, None, :]
+    offset = (group * 16)[:, None] + (at % 16)[None, :]
+    codes = tl.load(block[:, None, None] + 8 + offset[None, :, :], mask=inside, other=0)
+    index = (codes >> ((at // 16) * 4).to(tl.uint8)[None, None, :]) & 15
+    q = tl.load(codebook + index.to(tl.int32))
+    return flat(spread(d[:, None] * scale.to(tl.float32), BLOCK_N, 8, 32) * q, BLOCK_N)
+
+
+@triton.jit
+def decode(w, channels, tile, N, K, row_bytes, codebook, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+    """Values tile·256 … tile·256 + 255 of rows `channels`, [BLOCK_N, 256] in fp32; rows
+    past N and values past K read as 0."""
+    live = channels < N
+    row = w + channels.to(tl.int64) * row_bytes
+    if TYPE <= 1:
+        blocks_live = live[:, None] & ((tile * 8 + tl.arange(0, 8)) * 32 < K)[None, :]
+        values = decode_32(row, tile, blocks_live, codebook, BLOCK_N, TYPE)
+    elif TYPE <= 3:
+        values = decode_k(row, tile, live, codebook, BLOCK_N, TYPE)
+    elif TYPE == 4:
+        values = decode_q6_k(row, tile, live, codebook, BLOCK_N)
+    else:
+        values = decode_iq4_xs(row, tile, live, codebook, BLOCK_N)
+    return values
+
+
+@triton.jit
+def stored(values, dtype: tl.constexpr):
+    """fp32 `values` in the output's dtype, bf16 rounded to nearest even as torch rounds it: by
+    hand, because Triton's interpreter truncates (on a GPU the same bits as its own conversion)."""
+    if dtype == tl.bfloat16:
+        bits = values.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return values.to(dtype)
+
+
+@triton.jit
+def gguf_dequantize(w, codebook, out, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(1)
+    values = decode(w, channels, tile, N, K, row_bytes, codebook, BLOCK_N, TYPE)
+    columns = tile * 256 + tl.arange(0, 256)
+    inside = (channels < N)[:, None] & (columns < K)[None, :]
+    target = out + channels.to(tl.int64)[:, None] * K + columns[None, :]
+    tl.store(target, stored(values, out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def gguf_gemv(
+    x, w, codebook, out, M, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tile in range(0, tl.cdiv(K, 256)):
+        values = decode(w, channels, tile, N, K, row_bytes, codebook, BLOCK_N, TYPE)
+        columns = tile * 256 + tl.arange(0, 256)
+        inside = (rows < M)[:, None] & (columns < K)[None, :]
+        xs = tl.load(x + rows[:, None] * K + columns[None, :], mask=inside, other=0.0).to(tl.float32)
+        acc += tl.sum(values[None, :, :] * xs[:, None, :], axis=2)
+    target = out + rows[:, None] * N + channels[None, :]
+    tl.store(target, stored(acc, out.dtype.element_ty), mask=(rows < M)[:, None] & (channels < N)[None, :])

@@ -1,0 +1,136 @@
+"""The GGUF block kernels for the GPU (models/gguf_cuda.py) against gguf's own reading of the
+blocks: every type's values bit for bit in fp32, every product against a float64 reference over
+shapes that cross the kernels' tiles; on the GPU where there is one, else on CPU tensors under
+Triton's interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmcli.models.gguf_cuda import GEMV_MAX_ROWS, TYPES, dequantize, matmul
+from llmcli.models.gguf_finite import BLOCK_SCALES
+from triton_kernels import kernel_device
+
+gguf = pytest.importorskip("gguf")
+
+QUANTIZABLE = {"Q8_0", "Q4_0"}  # the ones gguf's Python package can quantize (not the K-quants, nor IQ4_XS)
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    return kernel_device()
+
+
+def _block_size(type_name: str) -> tuple[int, int]:
+    """(values, bytes) a block of the type."""
+    return gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+
+
+def _blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [rows, bytes per row] of the type: gguf's quantization of random weights where it
+    has one, else random bytes (every bit pattern of the codes and sub-block scales) with each
+    fp16 scale made finite (below 2 in magnitude, subnormals and signs kept)."""
+    rng = np.random.default_rng(seed)
+    if type_name in QUANTIZABLE:
+        weights = rng.standard_normal((rows, k)).astype(np.float32)
+        return np.ascontiguousarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType[type_name])).view(
+            np.uint8
+        )
+    values, nbytes = _block_size(type_name)
+    blocks = rng.integers(0, 256, (rows * k // values, nbytes), dtype=np.uint8)
+    block_bytes, scales = BLOCK_SCALES[type_name]
+    assert block_bytes == nbytes
+    for offset, _ in scales:
+        blocks[:, offset + 1] &= 0xBF  # the exponent's top bit cleared: never all ones
+    return blocks.reshape(rows, -1)
+
+
+def _reference(blocks: np.ndarray, type_name: str, k: int) -> np.ndarray:
+    values = gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType[type_name])
+    return values.reshape(blocks.shape[0], k)
+
+
+@pytest.mark.parametrize("type_name", sorted(TYPES))
+def test_blocks_read_back_bit_equal_to_gguf(device: torch.device, type_name: str) -> None:
+    """Three super-blocks' width (a tile boundary crossed; 24 blocks of Q8_0/Q4_0) over rows that
+    end inside a program's channels."""
+    values, _ = _block_size(type_name)
+    k = 768 if values == 256 else 32 * 13  # Q8_0, Q4_0: a row ending inside the second tile
+    blocks = _blocks(type_name, 6, k, seed=len(type_name))
+    expected = _reference(blocks, type_name, k)
+    got = dequantize(torch.from_numpy(blocks).to(device), type_name, k, torch.float32)
+    assert got.shape == (6, k) and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.cpu().numpy(), expected)
+    halves = dequantize(torch.from_numpy(blocks).to(device), type_name, k, torch.bfloat16)
+    assert torch.equal(halves.cpu(), torch.from_numpy(expected).bfloat16())
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "blocks"),
+    [
+        (1, 37, 1),  # one row; out_features no multiple of BLOCK_N; one block (less than a Q8_0 tile)
+        (3, 4, 2),  # exactly one program's channels; two super-blocks (a 256-value boundary)
+        (GEMV_MAX_ROWS, 9, 3),  # the most rows the GEMV takes
+        (GEMV_MAX_ROWS + 1, 9, 2),  # one more: dequantized, one torch matmul
+        (2, 5, 11),  # Q8_0/Q4_0: 352 values, the second tile cut short (K-quants: one super-block)
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", sorted(TYPES))
+def test_products_match_a_float64_reference(
+    device: torch.device, type_name: str, rows: int, n: int, blocks: int, dtype: torch.dtype
+) -> None:
+    values, _ = _block_size(type_name)
+    k = values * (
+        blocks if values == 32 or blocks <= 3 else 1
+    )  # 11 super-blocks: interpreter time, no new boundary
+    weights = _blocks(type_name, n, k, seed=rows * n + blocks)
+    generator = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    out = matmul(x.to(device), torch.from_numpy(weights).to(device), type_name, k)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    reference = x.double() @ torch.from_numpy(_reference(weights, type_name, k)).double().T
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the result (and prefill's weights) rounded
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(out.cpu().double() / scale, reference / scale, rtol=0, atol=tolerance)
+
+
+def test_views_are_read_as_the_values_they_show(device: torch.device) -> None:
+    """Every other row of the blocks, and a transposed input: copied to whole rows, never read
+    with the wrong stride."""
+    k = 512
+    weights = _blocks("Q4_K", 10, k, seed=3)
+    every_other = torch.from_numpy(weights).to(device)[::2]
+    x = torch.randn(k, 2).to(device).T  # [2, k], not contiguous
+    out = matmul(x, every_other, "Q4_K", k)
+    reference = x.cpu().double() @ torch.from_numpy(_reference(weights[::2], "Q4_K", k)).double().T
+    torch.testing.assert_close(
+        out.cpu().double(), reference, rtol=0, atol=1e-5 * reference.abs().max().item()
+    )
+
+
+@pytest.mark.parametrize(
+    ("type_name", "in_features", "row_bytes", "message"),
+    [
+        ("Q2_K", 256, 84, "no GPU kernel reads GGUF type Q2_K"),
+        ("Q8_0", 100, 34 * 3, "not a multiple"),
+        ("Q4_K", 512, 144, "take 288 bytes, not 144"),
+    ],
+)
+def test_shapes_the_kernels_do_not_cover_are_refused(
+    device: torch.device, type_name: str, in_features: int, row_bytes: int, message: str
+) -> None:
+    blocks = torch.zeros(3, row_bytes, dtype=torch.uint8, device=device)
+    x = torch.zeros(1, in_features, device=device)
+    for call in (lambda: dequantize(blocks, type_name, in_features, torch.float32),
+                 lambda: matmul(x, blocks, type_name, in_features)):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_an_input_of_the_wrong_width_is_refused(device: torch.device) -> None:
+    blocks = torch.zeros(3, 34, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"not \[rows, 32\]"):
+        matmul(torch.zeros(1, 64, device=device), blocks, "Q8_0", 32)
