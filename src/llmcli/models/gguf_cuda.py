@@ -59,9 +59,6 @@ _TYPES = {
 }
 TYPES: frozenset[str] = frozenset(_TYPES)
 
-# IQ4_NL's non-linear codebook (IQ4_XS's too): llama.cpp's kvalues_iq4nl.
-_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
 
 def dequantize(blocks: torch.Tensor, type_name: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """The values `blocks` [out, bytes per row] stand for, [out, in_features] in `dtype`."""
@@ -72,7 +69,6 @@ def dequantize(blocks: torch.Tensor, type_name: str, in_features: int, dtype: to
     grid = (-(-out_features // block_n), -(-in_features // TILE))
     _kernels()[0][grid](
         blocks,
-        _codebook(blocks.device),
         out,
         out_features,
         in_features,
@@ -102,7 +98,6 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, in_features: i
     _kernels()[1][grid](
         x,
         blocks,
-        _codebook(blocks.device),
         out,
         rows,
         out_features,
@@ -136,13 +131,6 @@ def _checked(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[Bl
             f"{type_name} rows of {in_features} values take {row_bytes} bytes, not {blocks.shape[1]}"
         )
     return kind, blocks.contiguous()  # a view of other rows is copied: the kernels step by whole rows
-
-
-@functools.cache
-def _codebook(device: torch.device) -> torch.Tensor:
-    """IQ4_XS's 16 values, one small tensor per device (a tensor's device names its index), read
-    through the cache by the kernels."""
-    return torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=device)
 
 
 @functools.cache

@@ -27,7 +27,7 @@ def flat(values, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def decode_32(row, tile, live, codebook, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+def decode_32(row, tile, live, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
     """Q8_0 (d, 32 int8) or Q4_0 (d, 16 bytes of nibbles: value j low, j + 16 high) blocks
     8·tile … 8·tile + 7 of each row; `live` [BLOCK_N, 8] masks rows and blocks past the end."""
     group = tl.arange(0, 8)
@@ -61,7 +61,7 @@ def k_scales(block, live):
 
 
 @triton.jit
-def decode_k(row, tile, live, codebook, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+def decode_k(row, tile, live, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
     """Q4_K (d, dmin, scales, 128 bytes of nibbles) or Q5_K (the same and 32 bytes of fifth
     bits) super-block `tile` of each row: group g is the low (g even) or high nibbles of
     bytes 32·(g // 2) …, and Q5_K's bit g of byte j its value j's fifth bit."""
@@ -87,7 +87,7 @@ def decode_k(row, tile, live, codebook, BLOCK_N: tl.constexpr, TYPE: tl.constexp
 
 
 @triton.jit
-def decode_q6_k(row, tile, live, codebook, BLOCK_N: tl.constexpr):
+def decode_q6_k(row, tile, live, BLOCK_N: tl.constexpr):
     """Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d): value p's
     low nibble is byte 64·(p // 128) + p % 64's (high nibble from p % 128 ≥ 64), its high
     bits byte 128 + 32·(p // 128) + p % 32's pair (p % 128) // 32; scale p // 16."""
@@ -106,10 +106,23 @@ def decode_q6_k(row, tile, live, codebook, BLOCK_N: tl.constexpr):
     return flat(spread(d[:, None] * scale, BLOCK_N, 16, 16) * q, BLOCK_N)
 
 
+# IQ4_NL's codebook (llama.cpp's kvalues_iq4nl: -127, -104, … 89, 113) as int8 bytes packed in two
+# 64-bit words, value i byte i % 8 of word i // 8: decoded in registers, with no table in memory.
+IQ4_LOW: tl.constexpr = -0x91522304052677F  # bytes 81 98 AD BF CF DD EA F6, lowest first
+IQ4_HIGH: tl.constexpr = 0x7159453526190D01  # bytes 01 0D 19 26 35 45 59 71
+
+
 @triton.jit
-def decode_iq4_xs(row, tile, live, codebook, BLOCK_N: tl.constexpr):
+def iq4_value(index):
+    """IQ4_NL's value number `index` (0…15, int64), as fp32."""
+    word = tl.where(index < 8, IQ4_LOW, IQ4_HIGH)
+    return ((word >> ((index % 8) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
+
+
+@triton.jit
+def decode_iq4_xs(row, tile, live, BLOCK_N: tl.constexpr):
     """IQ4_XS (d, 16 bits of scales' high pairs, 4 bytes of their low nibbles, 128 bytes of
-    codebook indices): group g's scale is (nibble g of the 4 bytes | pair g << 4) - 32, its
+    indices into IQ4_NL's 16 values): group g's scale is (nibble g of the 4 bytes | pair g << 4) - 32, its
     value j the low (j < 16) or high nibble of byte 16·g + j % 16."""
     block = row + tile * 136
     d = half(block, live)
@@ -125,25 +138,25 @@ def decode_iq4_xs(row, tile, live, codebook, BLOCK_N: tl.constexpr):
     offset = (group * 16)[:, None] + (at % 16)[None, :]
     codes = tl.load(block[:, None, None] + 8 + offset[None, :, :], mask=inside, other=0)
     index = (codes >> ((at // 16) * 4).to(tl.uint8)[None, None, :]) & 15
-    q = tl.load(codebook + index.to(tl.int32))
+    q = iq4_value(index.to(tl.int64))
     return flat(spread(d[:, None] * scale.to(tl.float32), BLOCK_N, 8, 32) * q, BLOCK_N)
 
 
 @triton.jit
-def decode(w, channels, tile, N, K, row_bytes, codebook, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+def decode(w, channels, tile, N, K, row_bytes, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
     """Values tile·256 … tile·256 + 255 of rows `channels`, [BLOCK_N, 256] in fp32; rows
     past N and values past K read as 0."""
     live = channels < N
     row = w + channels.to(tl.int64) * row_bytes
     if TYPE <= 1:
         blocks_live = live[:, None] & ((tile * 8 + tl.arange(0, 8)) * 32 < K)[None, :]
-        values = decode_32(row, tile, blocks_live, codebook, BLOCK_N, TYPE)
+        values = decode_32(row, tile, blocks_live, BLOCK_N, TYPE)
     elif TYPE <= 3:
-        values = decode_k(row, tile, live, codebook, BLOCK_N, TYPE)
+        values = decode_k(row, tile, live, BLOCK_N, TYPE)
     elif TYPE == 4:
-        values = decode_q6_k(row, tile, live, codebook, BLOCK_N)
+        values = decode_q6_k(row, tile, live, BLOCK_N)
     else:
-        values = decode_iq4_xs(row, tile, live, codebook, BLOCK_N)
+        values = decode_iq4_xs(row, tile, live, BLOCK_N)
     return values
 
 
@@ -160,10 +173,10 @@ def stored(values, dtype: tl.constexpr):
 
 
 @triton.jit
-def gguf_dequantize(w, codebook, out, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def gguf_dequantize(w, out, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tile = tl.program_id(1)
-    values = decode(w, channels, tile, N, K, row_bytes, codebook, BLOCK_N, TYPE)
+    values = decode(w, channels, tile, N, K, row_bytes, BLOCK_N, TYPE)
     columns = tile * 256 + tl.arange(0, 256)
     inside = (channels < N)[:, None] & (columns < K)[None, :]
     target = out + channels.to(tl.int64)[:, None] * K + columns[None, :]
@@ -172,13 +185,13 @@ def gguf_dequantize(w, codebook, out, N, K, row_bytes, TYPE: tl.constexpr, BLOCK
 
 @triton.jit
 def gguf_gemv(
-    x, w, codebook, out, M, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    x, w, out, M, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(0, tl.cdiv(K, 256)):
-        values = decode(w, channels, tile, N, K, row_bytes, codebook, BLOCK_N, TYPE)
+        values = decode(w, channels, tile, N, K, row_bytes, BLOCK_N, TYPE)
         columns = tile * 256 + tl.arange(0, 256)
         inside = (rows < M)[:, None] & (columns < K)[None, :]
         xs = tl.load(x + rows[:, None] * K + columns[None, :], mask=inside, other=0.0).to(tl.float32)
