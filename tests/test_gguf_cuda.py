@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_fixtures_dir import fixture
 from llmcli.models.gguf_cuda import GEMV_MAX_ROWS, TYPES, dequantize, matmul
 from llmcli.models.gguf_finite import BLOCK_SCALES
+from test_gguf_fixtures import load, logits_on
 from triton_kernels import kernel_device
 
 gguf = pytest.importorskip("gguf")
@@ -70,7 +72,7 @@ def test_blocks_read_back_bit_equal_to_gguf(device: torch.device, type_name: str
 @pytest.mark.parametrize(
     ("rows", "n", "blocks"),
     [
-        (1, 37, 1),  # one row; out_features no multiple of BLOCK_N; one block (less than a Q8_0 tile)
+        (1, 37, 1),  # one row; out_features no multiple of BLOCK_N (4; 32 interpreted); one block
         (3, 4, 2),  # exactly one program's channels; two super-blocks (a 256-value boundary)
         (GEMV_MAX_ROWS, 9, 3),  # the most rows the GEMV takes
         (GEMV_MAX_ROWS + 1, 9, 2),  # one more: dequantized, one torch matmul
@@ -134,3 +136,50 @@ def test_an_input_of_the_wrong_width_is_refused(device: torch.device) -> None:
     blocks = torch.zeros(3, 34, dtype=torch.uint8, device=device)
     with pytest.raises(ValueError, match=r"not \[rows, 32\]"):
         matmul(torch.zeros(1, 64, device=device), blocks, "Q8_0", 32)
+
+
+def test_a_gguf_file_on_a_gpu_keeps_its_blocks_for_these_kernels() -> None:
+    """Under --quant auto a GGUF file read in place onto a GPU keeps every layer of a type these
+    kernels decode in its blocks (the load's choice, made without a GPU); --quant int4 named
+    still asks for llmcli's requantized layers."""
+    import dataclasses
+
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.gguf_cuda import KERNELS
+    from llmcli.models.load import _block_kernels
+    from llmcli.models.load_plan import block_types, plan_load
+    from llmcli.models.resolve import resolve_model
+
+    checkpoint = resolve_model(str(fixture("Q4_K_M")))
+    assert block_types(checkpoint, "auto", "cuda") == TYPES
+    assert block_types(checkpoint, "int4", "cuda") == frozenset()
+    settings = LoadSettings(device="cpu")
+    on_gpu = dataclasses.replace(plan_load(checkpoint, settings), device=torch.device("cuda"))
+    assert _block_kernels(checkpoint, settings, on_gpu) is KERNELS
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_K_M", "IQ4_XS"])
+def test_a_mixed_file_runs_on_these_kernels_each_layer_in_its_type(device: torch.device, kind: str) -> None:
+    """llama.cpp's files quantized as load.py quantizes them for a GPU (these kernels on the
+    blocks): every layer of the file's types in its own blocks (Q4_K beside Q6_K, Q5_K beside
+    Q6_K, IQ4_XS beside a Q6_K head), run on the kernels — on CPU tensors under the interpreter
+    here — and the logits those of the same file dequantized by gguf, in fp32."""
+    from llmcli.models.block_linear import BlockLinear
+    from llmcli.models.gguf_cuda import KERNELS
+    from llmcli.models.quantized import quantize_model
+    from llmcli.models.resolve import resolve_model
+
+    path = fixture(kind)
+    if device.type == "cuda":
+        pytest.skip("built on the CPU here; the GPU's own load is test_gpu.py's")
+    ids = np.load(path.with_name(f"fixture-{kind}.reference.npz"))["ids"][:6]  # six rows: the GEMV
+    reference = logits_on(load(path, dtype="fp32", quant="none"), ids)
+    loaded = load(path, dtype="fp32", quant="none")
+    quant = quantize_model(loaded.model, "int4", 32, resolve_model(str(path)).exact_codes(), KERNELS)
+    assert quant == "gguf-blocks"
+    layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
+    assert {layer.type_name for layer in layers} == {kind.removesuffix("_M"), "Q6_K"}
+    assert all(layer.kernels is KERNELS for layer in layers)
+    logits = logits_on(loaded, ids)
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(logits / scale, reference / scale, rtol=0, atol=1e-5)

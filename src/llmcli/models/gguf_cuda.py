@@ -23,6 +23,7 @@ dequantized by the same decoding into the activations' dtype and multiplied by o
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ def dequantize(blocks: torch.Tensor, type_name: str, in_features: int, dtype: to
     kind, blocks = _checked(blocks, type_name, in_features)
     out_features = blocks.shape[0]
     out = torch.empty(out_features, in_features, dtype=dtype, device=blocks.device)
-    block_n = 4
+    block_n = _block_n(blocks.device)
     grid = (-(-out_features // block_n), -(-in_features // TILE))
     _kernels()[0][grid](
         blocks,
@@ -82,18 +83,31 @@ def dequantize(blocks: torch.Tensor, type_name: str, in_features: int, dtype: to
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
     """x [M, in_features] @ the blocks' weights [out, in_features].T → [M, out] in x's dtype."""
-    kind, blocks = _checked(blocks, type_name, in_features)
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"{type_name} product: x is {tuple(x.shape)}, not [rows, {in_features}]")
-    rows = x.shape[0]
-    if rows > GEMV_MAX_ROWS:
+    if x.shape[0] > GEMV_MAX_ROWS:
         return F.linear(x, dequantize(blocks, type_name, in_features, x.dtype))
+    return gemv(x, blocks, type_name, in_features)
+
+
+def gemv(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    type_name: str,
+    in_features: int,
+    block_n: int | None = None,
+    warps: int = 4,
+) -> torch.Tensor:
+    """matmul's GEMV, whatever the rows (matmul gives it up to GEMV_MAX_ROWS). `block_n`, `warps`:
+    a program's channels and warps, for scripts/bench_gguf_cuda.py to sweep."""
+    kind, blocks = _checked(blocks, type_name, in_features)
+    rows = x.shape[0]
     x = x.contiguous()
     out_features = blocks.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_n = 4
+    block_n = block_n or _block_n(blocks.device)
     grid = (-(-out_features // block_n),)
     _kernels()[1][grid](
         x,
@@ -106,9 +120,43 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, in_features: i
         TYPE=kind.code,
         BLOCK_M=max(1, 1 << (rows - 1).bit_length()),
         BLOCK_N=block_n,
-        num_warps=4,
+        num_warps=warps,
     )
     return out
+
+
+class TritonKernels:
+    """These kernels behind the calls BlockLinear makes (block_linear.BlockKernels): a GGUF
+    layer held in its blocks on a GPU."""
+
+    level = "triton"
+    types = TYPES
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_name: str, rows: int) -> torch.Tensor:
+        return matmul(x, blocks, type_name, x.shape[1])
+
+    def dequantized(
+        self, blocks: torch.Tensor, type_name: str, rows: int, k: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return dequantize(blocks, type_name, k, dtype)
+
+    def dequantize(self, blocks: torch.Tensor, type_name: str, rows: int, k: int) -> torch.Tensor:
+        return dequantize(blocks, type_name, k, torch.float32)
+
+
+KERNELS = TritonKernels()
+
+
+def available() -> bool:
+    """Whether triton is installed (torch's CUDA wheels bring it on Linux): the kernels' one need."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _block_n(device: torch.device) -> int:
+    """Output channels a program takes: 4 on a GPU, as the int8 GEMV found best for 8B's shapes
+    (the most loads in flight; scripts/bench_gguf_cuda.py measures these kernels). Under Triton's
+    interpreter (CPU tensors: the tests) a program costs Python's time, not the memory's: 32."""
+    return 4 if device.type == "cuda" else 32
 
 
 def _checked(blocks: torch.Tensor, type_name: str, in_features: int) -> tuple[BlockType, torch.Tensor]:
