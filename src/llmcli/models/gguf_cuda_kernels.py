@@ -1,7 +1,12 @@
 """The Triton side of gguf_cuda.py: each GGUF type's decoding of a 256-value tile, and the two
 kernels written once over them (a dequantization, a GEMV). Imported only when a kernel first runs,
 so that triton is imported only where a kernel is used; Triton resolves the helpers a kernel calls
-among its module's globals, hence a module of their own."""
+among its module's globals, hence a module of their own.
+
+Values stay [channels, groups, group length] from their decoding to the store or the sum: a
+group's scale broadcasts along the last axis, and nothing is reshaped (a reshape may cost a trip
+through shared memory on a GPU). The GEMV sums products element-wise and reduces once at the end,
+as the int8 GEMV does, rather than across the program at every tile."""
 
 import triton
 import triton.language as tl
@@ -16,18 +21,7 @@ def half(pointers, mask):
 
 
 @triton.jit
-def spread(per_group, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, LENGTH: tl.constexpr):
-    """[BLOCK_N, GROUPS] → [BLOCK_N, GROUPS, LENGTH]: a group's scale beside each of its values."""
-    return tl.broadcast_to(per_group[:, :, None], (BLOCK_N, GROUPS, LENGTH))
-
-
-@triton.jit
-def flat(values, BLOCK_N: tl.constexpr):
-    return tl.reshape(values, (BLOCK_N, 256))
-
-
-@triton.jit
-def decode_32(row, tile, live, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+def decode_32(row, tile, live, TYPE: tl.constexpr):
     """Q8_0 (d, 32 int8) or Q4_0 (d, 16 bytes of nibbles: value j low, j + 16 high) blocks
     8·tile … 8·tile + 7 of each row; `live` [BLOCK_N, 8] masks rows and blocks past the end."""
     group = tl.arange(0, 8)
@@ -43,7 +37,7 @@ def decode_32(row, tile, live, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
         codes = tl.load(block[:, :, None] + 2 + (at % 16)[None, None, :], mask=inside, other=0)
         shift = ((at // 16) * 4).to(tl.uint8)
         q = (((codes >> shift[None, None, :]) & 15).to(tl.int32) - 8).to(tl.float32)
-    return flat(q * spread(d, BLOCK_N, 8, 32), BLOCK_N)
+    return q * d[:, :, None]
 
 
 @triton.jit
@@ -61,7 +55,7 @@ def k_scales(block, live):
 
 
 @triton.jit
-def decode_k(row, tile, live, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
+def decode_k(row, tile, live, TYPE: tl.constexpr):
     """Q4_K (d, dmin, scales, 128 bytes of nibbles) or Q5_K (the same and 32 bytes of fifth
     bits) super-block `tile` of each row: group g is the low (g even) or high nibbles of
     bytes 32·(g // 2) …, and Q5_K's bit g of byte j its value j's fifth bit."""
@@ -81,13 +75,13 @@ def decode_k(row, tile, live, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
     if TYPE == 3:
         high = tl.load(block[:, None, None] + 16 + at[None, None, :], mask=inside, other=0)
         q = q | (((high >> group.to(tl.uint8)[None, :, None]) & 1) << 4)
-    scaled = spread(d[:, None] * scale, BLOCK_N, 8, 32)
-    shifted = spread(dmin[:, None] * minimum, BLOCK_N, 8, 32)
-    return flat(scaled * q.to(tl.float32) - shifted, BLOCK_N)
+    scaled = (d[:, None] * scale)[:, :, None]
+    shifted = (dmin[:, None] * minimum)[:, :, None]
+    return scaled * q.to(tl.float32) - shifted
 
 
 @triton.jit
-def decode_q6_k(row, tile, live, BLOCK_N: tl.constexpr):
+def decode_q6_k(row, tile, live):
     """Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d): value p's
     low nibble is byte 64·(p // 128) + p % 64's (high nibble from p % 128 ≥ 64), its high
     bits byte 128 + 32·(p // 128) + p % 32's pair (p % 128) // 32; scale p // 16."""
@@ -103,7 +97,7 @@ def decode_q6_k(row, tile, live, BLOCK_N: tl.constexpr):
     high = tl.load(block[:, None, None] + (128 + 32 * (p // 128) + p % 32)[None, :, :], mask=inside, other=0)
     high = (high >> (((p % 128) // 32) * 2).to(tl.uint8)[None, :, :]) & 3
     q = ((low | (high << 4)).to(tl.int32) - 32).to(tl.float32)
-    return flat(spread(d[:, None] * scale, BLOCK_N, 16, 16) * q, BLOCK_N)
+    return (d[:, None] * scale)[:, :, None] * q
 
 
 # IQ4_NL's codebook (llama.cpp's kvalues_iq4nl: -127, -104, … 89, 113) as int8 bytes packed in two
@@ -120,7 +114,7 @@ def iq4_value(index):
 
 
 @triton.jit
-def decode_iq4_xs(row, tile, live, BLOCK_N: tl.constexpr):
+def decode_iq4_xs(row, tile, live):
     """IQ4_XS (d, 16 bits of scales' high pairs, 4 bytes of their low nibbles, 128 bytes of
     indices into IQ4_NL's 16 values): group g's scale is (nibble g of the 4 bytes | pair g << 4) - 32, its
     value j the low (j < 16) or high nibble of byte 16·g + j % 16."""
@@ -139,25 +133,34 @@ def decode_iq4_xs(row, tile, live, BLOCK_N: tl.constexpr):
     codes = tl.load(block[:, None, None] + 8 + offset[None, :, :], mask=inside, other=0)
     index = (codes >> ((at // 16) * 4).to(tl.uint8)[None, None, :]) & 15
     q = iq4_value(index.to(tl.int64))
-    return flat(spread(d[:, None] * scale.to(tl.float32), BLOCK_N, 8, 32) * q, BLOCK_N)
+    return (d[:, None] * scale.to(tl.float32))[:, :, None] * q
 
 
 @triton.jit
-def decode(w, channels, tile, N, K, row_bytes, BLOCK_N: tl.constexpr, TYPE: tl.constexpr):
-    """Values tile·256 … tile·256 + 255 of rows `channels`, [BLOCK_N, 256] in fp32; rows
-    past N and values past K read as 0."""
+def decode(w, channels, tile, N, K, row_bytes, TYPE: tl.constexpr):
+    """Values tile·256 … tile·256 + 255 of rows `channels` in fp32, as [BLOCK_N, groups, group
+    length] (tile_columns' layout); rows past N and values past K read as 0."""
     live = channels < N
     row = w + channels.to(tl.int64) * row_bytes
     if TYPE <= 1:
         blocks_live = live[:, None] & ((tile * 8 + tl.arange(0, 8)) * 32 < K)[None, :]
-        values = decode_32(row, tile, blocks_live, BLOCK_N, TYPE)
+        values = decode_32(row, tile, blocks_live, TYPE)
     elif TYPE <= 3:
-        values = decode_k(row, tile, live, BLOCK_N, TYPE)
+        values = decode_k(row, tile, live, TYPE)
     elif TYPE == 4:
-        values = decode_q6_k(row, tile, live, BLOCK_N)
+        values = decode_q6_k(row, tile, live)
     else:
-        values = decode_iq4_xs(row, tile, live, BLOCK_N)
+        values = decode_iq4_xs(row, tile, live)
     return values
+
+
+@triton.jit
+def tile_columns(tile, TYPE: tl.constexpr):
+    """[groups, group length]: the column of each decoded value — 16 groups of 16 for Q6_K (a
+    scale each), 8 of 32 for the others."""
+    GROUPS: tl.constexpr = 16 if TYPE == 4 else 8
+    LENGTH: tl.constexpr = 256 // GROUPS
+    return tile * 256 + tl.arange(0, GROUPS)[:, None] * LENGTH + tl.arange(0, LENGTH)[None, :]
 
 
 @triton.jit
@@ -176,10 +179,10 @@ def stored(values, dtype: tl.constexpr):
 def gguf_dequantize(w, out, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tile = tl.program_id(1)
-    values = decode(w, channels, tile, N, K, row_bytes, BLOCK_N, TYPE)
-    columns = tile * 256 + tl.arange(0, 256)
-    inside = (channels < N)[:, None] & (columns < K)[None, :]
-    target = out + channels.to(tl.int64)[:, None] * K + columns[None, :]
+    values = decode(w, channels, tile, N, K, row_bytes, TYPE)
+    columns = tile_columns(tile, TYPE)
+    inside = (channels < N)[:, None, None] & (columns < K)[None, :, :]
+    target = out + channels.to(tl.int64)[:, None, None] * K + columns[None, :, :]
     tl.store(target, stored(values, out.dtype.element_ty), mask=inside)
 
 
@@ -187,14 +190,18 @@ def gguf_dequantize(w, out, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_N: tl.con
 def gguf_gemv(
     x, w, out, M, N, K, row_bytes, TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
+    """Every row of x against BLOCK_N channels: each tile decoded once for all rows, the products
+    summed element-wise and reduced once at the end (no reduction across the program per tile)."""
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    GROUPS: tl.constexpr = 16 if TYPE == 4 else 8
+    acc = tl.zeros((BLOCK_M, BLOCK_N, GROUPS, 256 // GROUPS), dtype=tl.float32)
     for tile in range(0, tl.cdiv(K, 256)):
-        values = decode(w, channels, tile, N, K, row_bytes, BLOCK_N, TYPE)
-        columns = tile * 256 + tl.arange(0, 256)
-        inside = (rows < M)[:, None] & (columns < K)[None, :]
-        xs = tl.load(x + rows[:, None] * K + columns[None, :], mask=inside, other=0.0).to(tl.float32)
-        acc += tl.sum(values[None, :, :] * xs[:, None, :], axis=2)
+        values = decode(w, channels, tile, N, K, row_bytes, TYPE)
+        columns = tile_columns(tile, TYPE)
+        inside = (rows < M)[:, None, None] & (columns < K)[None, :, :]
+        xs = tl.load(x + rows[:, None, None] * K + columns[None, :, :], mask=inside, other=0.0).to(tl.float32)
+        acc += values[None, :, :, :] * xs[:, None, :, :]
+    total = tl.sum(tl.sum(acc, axis=3), axis=2)
     target = out + rows[:, None] * N + channels[None, :]
-    tl.store(target, stored(acc, out.dtype.element_ty), mask=(rows < M)[:, None] & (channels < N)[None, :])
+    tl.store(target, stored(total, out.dtype.element_ty), mask=(rows < M)[:, None] & (channels < N)[None, :])
