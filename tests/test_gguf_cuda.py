@@ -183,3 +183,27 @@ def test_a_mixed_file_runs_on_these_kernels_each_layer_in_its_type(device: torch
     logits = logits_on(loaded, ids)
     scale = reference.abs().max().item()
     torch.testing.assert_close(logits / scale, reference / scale, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS + 1, 33])  # the GEMV, dequantized, BlockLinear's prefill
+def test_a_block_layer_on_these_kernels_multiplies_any_rows(device: torch.device, rows: int) -> None:
+    """A layer of llama.cpp's own Q6_K blocks (a projection of the Q4_K_M file) held as
+    BlockLinear holds it on a GPU: decode, a check pass and a prefill (which BlockLinear sends
+    to `dequantized` and one matmul) all give x times gguf's reading of the blocks."""
+    from llmcli.models.block_linear import BlockLinear
+    from llmcli.models.gguf_cuda import KERNELS
+    from llmcli.models.resolve import resolve_model
+
+    exact = resolve_model(str(fixture("Q4_K_M"))).exact_codes()
+    names = [f"model.layers.{i}.{m}" for i in (0, 1) for m in ("mlp.down_proj", "self_attn.v_proj")]
+    name = next(name for name in names if exact.block_type(name) == "Q6_K")
+    blocks, type_name = exact.blocks(name), "Q6_K"
+    k = blocks.shape[1] // 210 * 256
+    weights = torch.from_numpy(_reference(blocks.numpy(), type_name, k))
+    layer = BlockLinear(KERNELS, blocks.to(device), type_name, k, None, torch.float32)
+    x = torch.randn(1, rows, k, generator=torch.Generator().manual_seed(rows))
+    out = layer(x.to(device))
+    assert out.shape == (1, rows, blocks.shape[0])
+    reference = x.double() @ weights.double().T
+    scale = reference.abs().max().item()
+    torch.testing.assert_close(out.cpu().double() / scale, reference / scale, rtol=0, atol=1e-5)

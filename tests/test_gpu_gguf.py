@@ -67,9 +67,12 @@ def test_a_k_quant_file_on_a_gpu_runs_its_blocks_as_the_cpu_reads_them(kind: str
     """Loaded onto the GPU under --quant auto, every layer stays in the file's blocks there
     (`gguf-blocks`, nothing requantized to int4); in fp32 its logits are the CPU's exact reading
     of the same file (gguf's dequantization, no quantization), its greedy tokens the same through
-    the CUDA graphs; in bf16 (the default) within bf16's noise of them."""
+    the CUDA graphs; in bf16 (the default) within bf16's noise of them, its size what `models
+    show` estimates."""
     from llmcli.engine.loop import Engine
     from llmcli.models.block_linear import BlockLinear
+    from llmcli.models.load_plan import settled_load
+    from llmcli.models.resolve import resolve_model
 
     path = fixture(kind)
     ids = [int(i) for i in np.load(path.with_name(f"fixture-{kind}.reference.npz"))["ids"][:48]]
@@ -90,5 +93,8 @@ def test_a_k_quant_file_on_a_gpu_runs_its_blocks_as_the_cpu_reads_them(kind: str
         assert graphed.complete(ids[:12], params).token_ids == expected
     halves = _load(kind, "cuda")
     assert halves.quant == "gguf-blocks" and halves.dtype == torch.bfloat16
+    device, dtype, label, estimate = settled_load(resolve_model(str(path)))  # what `models show` says
+    assert (device, dtype, label) == ("cuda", "bf16", "gguf-blocks")
+    assert abs(estimate / halves.weight_bytes - 1) < 0.03, (estimate, halves.weight_bytes)
     kl, top1 = kl_and_top1(reference.numpy(), _logits(halves, ids))
     assert kl < 5e-3 and top1 >= 0.85, (kl, top1)  # the CPU bf16 path's bounds (test_gguf_fixtures.py)
