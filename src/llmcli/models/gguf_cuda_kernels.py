@@ -102,8 +102,9 @@ def decode_q6_k(row, tile, live):
 
 # IQ4_NL's codebook (llama.cpp's kvalues_iq4nl: -127, -104, … 89, 113) as int8 bytes packed in two
 # 64-bit words, value i byte i % 8 of word i // 8: decoded in registers, with no table in memory.
-IQ4_LOW: tl.constexpr = -0x91522304052677F  # bytes 81 98 AD BF CF DD EA F6, lowest first
-IQ4_HIGH: tl.constexpr = 0x7159453526190D01  # bytes 01 0D 19 26 35 45 59 71
+# (Triton reads a global only as a tl.constexpr object.)
+IQ4_LOW = tl.constexpr(-0x91522304052677F)  # bytes 81 98 AD BF CF DD EA F6, lowest first
+IQ4_HIGH = tl.constexpr(0x7159453526190D01)  # bytes 01 0D 19 26 35 45 59 71
 
 
 @triton.jit
