@@ -28,7 +28,7 @@ SHAPES = {  # (out, in)
     "14336×4096": (14336, 4096),
     "4096×14336": (4096, 14336),
 }
-CONFIGS = [(2, 4), (4, 4), (8, 4), (16, 8)]  # (BLOCK_N, warps)
+CONFIGS = [(4, 4), (8, 4), (16, 8), (32, 8)]  # (BLOCK_N, warps): 16 × 8 is gguf_cuda's choice
 CROSSOVER_ROWS = [1, 2, 4, 8, 12, 16, 32]
 
 
