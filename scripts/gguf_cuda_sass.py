@@ -4,6 +4,9 @@ shape: registers, spills, and the GEMV's loop as machine code — its instructio
 instructions it issues per weight byte, its barriers. An H100 issues about 30 T thread
 instructions a second (132 SMs × 4 schedulers × 32 lanes × ~1.8 GHz): at 3 TB/s of copy
 bandwidth, a GEMV issuing more than ~10 per byte is bound by its instructions, not the memory.
+Not every instruction costs one issue slot's share of its pipe: the last column weighs them by
+an SM's throughput per clock (CUDA's table for sm_90: fp32 128, integer and logic 64, memory
+~32, conversions 16), in fp32-operation slots per byte — 128 a clock an SM, ~30 T a second.
 
     python scripts/gguf_cuda_sass.py           # the table
     python scripts/gguf_cuda_sass.py --check   # every kernel compiles, none spills (the tests run this)
@@ -78,6 +81,18 @@ def loop_body(cubin: bytes) -> list[str]:
     return [line for line in lines if (at := address.search(line)) and start <= int(at.group(1), 16) <= end]
 
 
+def _slots(line: str) -> int:
+    """An instruction's cost in fp32-operation slots: 128 over its throughput per SM per clock."""
+    operation = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line).group(1)
+    if operation.startswith(("FFMA", "FADD", "FMUL", "HADD2", "HFMA2", "FSEL", "FMNMX")):
+        return 1
+    if operation.startswith(("I2F", "F2I", "F2F", "I2FP", "F2FP", "MUFU")):
+        return 8
+    if operation.startswith(("LDG", "STG", "LDS", "STS", "LDSM", "SHFL", "BAR")):
+        return 4
+    return 2
+
+
 def check() -> int:
     """Every kernel of every type compiles for sm_90 in the shapes gguf_cuda launches, unspilled."""
     failures = []
@@ -103,8 +118,9 @@ def _cuda() -> object:
 
 
 def table() -> None:
-    print("| type | rows | BLOCK_N × warps | registers | loop instructions | per weight byte | barriers |")
-    print("|---|---|---|---|---|---|---|")
+    columns = ["type", "rows", "BLOCK_N × warps", "registers", "loop instructions", "per weight byte"]
+    print("| " + " | ".join([*columns, "barriers", "weighted"]) + " |")
+    print("|---|---|---|---|---|---|---|---|")
     for type_name in sorted(gguf_cuda.TYPES):
         kind = gguf_cuda._TYPES[type_name]
         tile_bytes = kind.nbytes * 256 // kind.values
@@ -114,8 +130,10 @@ def table() -> None:
             body = loop_body(cubin)
             per_byte = len(body) * 32 * warps / (block_n * tile_bytes)
             barriers = sum("BAR.SYNC" in line for line in body)
+            weighted = sum(_slots(line) for line in body) * 32 * warps / (block_n * tile_bytes)
             shape = f"{block_n} × {warps}"
             cells = [type_name, rows, shape, registers, len(body), f"{per_byte:.1f}", barriers]
+            cells.append(f"{weighted:.1f}")
             print("| " + " | ".join(str(cell) for cell in cells) + " |", flush=True)
 
 

@@ -20,6 +20,17 @@ def half(pointers, mask):
     return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+TWO_23 = tl.constexpr(0x4B000000)  # 2^23's bits as an fp32: its mantissa holds any integer below 2^23
+
+
+@triton.jit
+def exact_float(q, offset: tl.constexpr):
+    """q - offset as fp32, exactly, for an unsigned integer q below 2^23: q set into the mantissa
+    of 2^23 (the float 2^23 + q), then 2^23 + offset subtracted. An OR and an add, each issued
+    at the full rate, where a conversion (I2F) issues at a fraction of it."""
+    return (q.to(tl.uint32) | TWO_23).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+
 @triton.jit
 def decode_32(row, tile, live, TYPE: tl.constexpr):
     """Q8_0 (d, 32 int8) or Q4_0 (d, 16 bytes of nibbles: value j low, j + 16 high) blocks
@@ -32,11 +43,11 @@ def decode_32(row, tile, live, TYPE: tl.constexpr):
     inside = live[:, :, None] & (at < 32)[None, None, :]
     if TYPE == 0:
         codes = tl.load(block[:, :, None] + 2 + at[None, None, :], mask=inside, other=0)
-        q = codes.to(tl.int8, bitcast=True).to(tl.float32)
+        q = exact_float(codes ^ 0x80, 128)  # the int8 biased by 128
     else:
         codes = tl.load(block[:, :, None] + 2 + (at % 16)[None, None, :], mask=inside, other=0)
         shift = ((at // 16) * 4).to(tl.uint8)
-        q = (((codes >> shift[None, None, :]) & 15).to(tl.int32) - 8).to(tl.float32)
+        q = exact_float((codes >> shift[None, None, :]) & 15, 8)
     return q * d[:, :, None]
 
 
@@ -77,7 +88,7 @@ def decode_k(row, tile, live, TYPE: tl.constexpr):
         q = q | (((high >> group.to(tl.uint8)[None, :, None]) & 1) << 4)
     scaled = (d[:, None] * scale)[:, :, None]
     shifted = (dmin[:, None] * minimum)[:, :, None]
-    return scaled * q.to(tl.float32) - shifted
+    return scaled * exact_float(q, 0) - shifted
 
 
 @triton.jit
@@ -96,7 +107,7 @@ def decode_q6_k(row, tile, live):
     low = (low >> (((p % 128) // 64) * 4).to(tl.uint8)[None, :, :]) & 15
     high = tl.load(block[:, None, None] + (128 + 32 * (p // 128) + p % 32)[None, :, :], mask=inside, other=0)
     high = (high >> (((p % 128) // 32) * 2).to(tl.uint8)[None, :, :]) & 3
-    q = ((low | (high << 4)).to(tl.int32) - 32).to(tl.float32)
+    q = exact_float(low | (high << 4), 32)
     return (d[:, None] * scale)[:, :, None] * q
 
 
@@ -111,7 +122,7 @@ IQ4_HIGH = tl.constexpr(0x7159453526190D01)  # bytes 01 0D 19 26 35 45 59 71
 def iq4_value(index):
     """IQ4_NL's value number `index` (0…15, int64), as fp32."""
     word = tl.where(index < 8, IQ4_LOW, IQ4_HIGH)
-    return ((word >> ((index % 8) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
+    return exact_float(((word >> ((index % 8) * 8)) & 0xFF) ^ 0x80, 128)  # the int8 biased by 128
 
 
 @triton.jit
