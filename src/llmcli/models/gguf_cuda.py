@@ -30,11 +30,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Up to this many rows go through the GEMV. Its program holds every row's partial sums beside the
-# decoded tile (rows × BLOCK_N × 256 products a step), so registers, not bandwidth, bound it; one
-# decode step is one row and a speculative check up to 8 (the longest draft llmcli asks for), and
-# past 8 rows the weights' bytes are no longer the cost a dequantized tensor-core product avoids.
-# To be measured on a GPU (scripts/bench_gguf_cuda.py prints the crossover).
+# Up to this many rows go through the GEMV. Its program decodes each tile once for all rows and
+# holds every row's products beside it (rows × BLOCK_N × 256 a step): compiled for an H100, 8 rows
+# take 200-240 registers a thread (scripts/gguf_cuda_sass.py), so more rows would cut the programs
+# in flight. A decode step is one row; a speculative check is its draft plus one (the schedule
+# starts at 3 drafted tokens, speculative/schedule.py, and allows up to 16): those of up to 7
+# drafted tokens stay on the GEMV, longer ones dequantize into one tensor-core matmul. Where the
+# two cross is for a GPU to measure: scripts/bench_gguf_cuda.py prints both by rows.
 GEMV_MAX_ROWS = 8
 
 TILE = 256  # values decoded at a time along a row: one super-block, or 8 blocks of 32
