@@ -1,23 +1,42 @@
 """A linear layer kept as a GGUF file's own blocks, multiplied by llmcli's compiled CPU kernels
 (cpu_kernels.py) as llama.cpp multiplies them: each row of the input quantized once to the 8-bit
 block format llama.cpp pairs with the weights' type, integer dot products on the blocks as the
-file stores them. The weights held are the file's bytes: nothing is dequantized or requantized."""
+file stores them. The weights held are the file's bytes: nothing is dequantized or requantized.
+On a GPU the same layer holds its blocks in GPU memory and gguf_cuda.py's Triton kernels
+multiply them (BlockKernels: either set of kernels)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from llmcli.models.cpu_kernels import CpuKernels, kernel_threads
+from llmcli.models.cpu_kernels import kernel_threads
 
 # From this many rows on, a product dequantizes the matrix (in the model's dtype) and runs torch's
 # GEMM: the block products decode each block once per row, a GEMM once per matrix. Measured on
 # one thread here: at 16 rows the block products lead (Q4_K 0.81 ms against 0.93), at 64 the GEMM
 # (Q4_K 1.41 ms against 3.24; Q8_0 1.43 against 4.25); at 512, 3-4x.
 GEMM_ROWS = 32
+
+
+class BlockKernels(Protocol):
+    """What multiplies a layer's blocks: cpu_kernels.CpuKernels on a CPU, gguf_cuda.TritonKernels
+    on a GPU. `rows`: the matrix's out_features; `k`: its in_features."""
+
+    @property
+    def types(self) -> frozenset[str]: ...
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, type_name: str, rows: int) -> torch.Tensor: ...
+
+    def dequantized(
+        self, blocks: torch.Tensor, type_name: str, rows: int, k: int, dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+    def dequantize(self, blocks: torch.Tensor, type_name: str, rows: int, k: int) -> torch.Tensor: ...
 
 
 @contextlib.contextmanager
@@ -37,7 +56,7 @@ def torch_threads(threads: int) -> Iterator[None]:
 class BlockLinear(torch.nn.Module):
     def __init__(
         self,
-        kernels: CpuKernels,
+        kernels: BlockKernels,
         blocks: torch.Tensor,
         type_name: str,
         in_features: int,
@@ -54,7 +73,7 @@ class BlockLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     @classmethod
-    def of_weight(cls, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
+    def of_weight(cls, kernels: BlockKernels, weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
         """A 16-bit weight [out, in] as the kernels' F16 or BF16 rows: its own bytes, not a copy."""
         type_name = {torch.float16: "F16", torch.bfloat16: "BF16"}[weight.dtype]
         blocks = weight.detach().contiguous().view(torch.uint8)
@@ -72,8 +91,10 @@ class BlockLinear(torch.nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()  # fp32, bf16 and fp16 are read and written as they are
         if rows.shape[0] >= GEMM_ROWS:  # a prefill: the matrix read once, multiplied by torch's GEMM
-            # bf16 where the model computes in it; fp32 otherwise (torch has no fast fp16 GEMM on a CPU)
+            # bf16 where the model computes in it; fp32 otherwise (torch has no fast fp16 GEMM on a
+            # CPU); a GPU's tensor cores take the rows' own dtype
             dtype = torch.bfloat16 if rows.dtype == torch.bfloat16 else torch.float32
+            dtype = rows.dtype if rows.is_cuda else dtype
             weight = self.kernels.dequantized(self.blocks, self.type_name, *self.shape, dtype)
             with torch_threads(kernel_threads()):  # torch keeps one thread between the kernels' calls
                 out = F.linear(rows.to(weight.dtype), weight).to(x.dtype)

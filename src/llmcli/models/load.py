@@ -34,8 +34,8 @@ from llmcli.models.memory import (
 from llmcli.models.vision.load import VisionSource, vision_source
 
 if TYPE_CHECKING:
+    from llmcli.models.block_linear import BlockKernels
     from llmcli.models.built import Built
-    from llmcli.models.cpu_kernels import CpuKernels
     from llmcli.models.quantized import ExactCodes
 
 
@@ -120,7 +120,7 @@ def load_model(
         kernels = _block_kernels(checkpoint, settings, plan, width)
         if kernels is not None:
             quant, quant_backend = _quantized(built.model, "blocks", None, None, kernels), "native"
-    if quant.startswith("gguf-blocks"):  # its steps are the kernels' products
+    if quant.startswith("gguf-blocks") and plan.device.type == "cpu":  # its steps are the kernels' products
         from llmcli.models.cpu_kernels import run_on_kernels
 
         run_on_kernels(torch.get_num_threads())
@@ -200,16 +200,20 @@ _FILE_WIDTHS = {torch.float16: "F16", torch.bfloat16: "BF16"}
 
 def _block_kernels(
     checkpoint: Checkpoint, settings: LoadSettings, plan: LoadPlan, type_name: str | None = None
-) -> CpuKernels | None:
-    """llmcli's compiled kernels, where they multiply a GGUF file's layers in its own blocks (on a
-    CPU, for --quant auto: int4 or int8 named asks for llmcli's requantized layers), for the files
-    load_plan.block_types says; `type_name`: only where they take that type (a 16-bit file's F16
-    or BF16, held in the file's width)."""
+) -> BlockKernels | None:
+    """llmcli's compiled kernels (on a GPU, gguf_cuda's Triton ones), where they multiply a GGUF
+    file's layers in its own blocks (for --quant auto: int4 or int8 named asks for llmcli's
+    requantized layers), for the files load_plan.block_types says; `type_name`: only where they
+    take that type (a 16-bit file's F16 or BF16, held in the file's width)."""
     from llmcli.models.load_plan import block_types
 
     types = block_types(checkpoint, settings.quant, plan.device.type)
     if not types or (type_name is not None and type_name not in types):
         return None
+    if plan.device.type == "cuda":
+        from llmcli.models.gguf_cuda import KERNELS
+
+        return KERNELS
     from llmcli.models.cpu_kernels import kernels
 
     return kernels()
@@ -220,7 +224,7 @@ def _quantized(
     kind: str,
     group: int | None = None,
     exact: ExactCodes | None = None,
-    kernels: CpuKernels | None = None,
+    kernels: BlockKernels | None = None,
 ) -> str:
     """`model` quantized in place by llmcli's own int8/int4; the label. A GGUF file's 4-bit
     layers take its own blocks (`exact`), not requantized weights, and its wider ones int8 (read

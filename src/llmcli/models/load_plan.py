@@ -242,10 +242,17 @@ def _linear_types(shapes: dict[str, Any]) -> set[str | None]:
 
 
 def block_types(checkpoint: Checkpoint, quant: str, device_type: str) -> frozenset[str]:
-    """The GGUF types a load of `checkpoint` keeps in the file's own blocks, multiplied by llmcli's
-    compiled kernels: on a CPU, a file read in place, --quant auto (load.py's _block_kernels), where
-    cpu_kernels.takes_file says the kernels take a file of these types."""
-    if checkpoint.source != "gguf" or quant != "auto" or device_type != "cpu" or not checkpoint.read_in_place:
+    """The GGUF types a load of `checkpoint` keeps in the file's own blocks (load.py's
+    _block_kernels), for a file read in place under --quant auto: on a GPU, every type gguf_cuda's
+    Triton kernels decode (each layer in its own type, the others int8 or int4 as before); on a
+    CPU, those of llmcli's compiled kernels where cpu_kernels.takes_file says they take the file."""
+    if checkpoint.source != "gguf" or quant != "auto" or not checkpoint.read_in_place:
+        return frozenset()
+    if device_type == "cuda":
+        from llmcli.models import gguf_cuda
+
+        return gguf_cuda.TYPES if gguf_cuda.available() else frozenset()
+    if device_type != "cpu":
         return frozenset()
     from llmcli.models.cpu_kernels import kernels, takes_file
 

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcli.models import int4_cuda
-from llmcli.models.block_linear import BlockLinear
-from llmcli.models.cpu_kernels import CpuKernels
+from llmcli.models.block_linear import BlockKernels, BlockLinear
 from llmcli.models.gguf_int4 import dequantize as dequantize_codes
 from llmcli.models.quant import pick_int4_group
 
@@ -279,7 +278,7 @@ def quantize_model(
     kind: str,
     group: int | None = None,
     exact: ExactCodes | None = None,
-    kernels: CpuKernels | None = None,
+    kernels: BlockKernels | None = None,
 ) -> str:
     """Replace every linear layer with its quantized form, in place, one layer at a time (so the
     peak is the model plus one layer). q/k/v and gate/up become one matrix each (see
@@ -289,8 +288,9 @@ def quantize_model(
     codes to use as they are, by module name, instead of quantizing the weights (a GGUF file's
     4-bit blocks), and the layers int8 holds even when `kind` is int4 (`exact.wider`: a GGUF
     file's layers of more than 4 bits; their fused siblings are not fused with them).
-    `kernels`: llmcli's compiled CPU kernels, which multiply a GGUF file's layers in their own
-    blocks (block_linear.py) wherever they have the layer's type; the other layers as above.
+    `kernels`: llmcli's compiled CPU kernels (or, on a GPU, gguf_cuda's), which multiply a GGUF
+    file's layers in their own blocks (block_linear.py) wherever they have the layer's type; the
+    other layers as above.
     `kind` "blocks": a model of fp16 or bf16 weights (a 16-bit GGUF file's) keeps them, each
     linear layer multiplied by the kernels on its own bytes (stacked experts stay as they are).
     Returns the label."""
@@ -382,7 +382,11 @@ def quantize_model(
 
 
 def _file_blocks(
-    kernels: CpuKernels, exact: ExactCodes, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
+    kernels: BlockKernels,
+    exact: ExactCodes,
+    names: list[str],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> BlockLinear | None:
     """`names` (one layer, or parts fused into one) as the file's blocks, where all are stored
     in one type the compiled kernels multiply; None otherwise."""
@@ -391,7 +395,7 @@ def _file_blocks(
     if type_name is None or type_name not in kernels.types:
         return None
     parts = [exact.blocks(name) for name in names]
-    blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+    blocks = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(weight.device)  # the GPU's, there
     return BlockLinear(kernels, blocks, type_name, weight.shape[1], bias, weight.dtype)
 
 

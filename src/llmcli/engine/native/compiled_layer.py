@@ -134,6 +134,8 @@ class CompiledLayer:
         kernels = matrices[0].kernels
         if any(m.kernels is not kernels or m.type_name not in kernels.types for m in matrices):
             return None
+        if not isinstance(kernels, CpuKernels):  # a GPU's blocks (gguf_cuda.py): torch's calls run them
+            return None
         shape = attention.shape
         if shape.head_dim > MAX_HEAD_DIM:  # layer.c rotates a head in a buffer of this many values
             return None
