@@ -177,6 +177,13 @@ def test_a_key_found_with_other_tokens_is_not_shared(monkeypatch: pytest.MonkeyP
     assert pool.share_prefix([1] * 5).length == 4
 
 
+def test_a_block_with_an_unknown_token_is_not_shared_nor_any_after_it() -> None:
+    pool = BlockPool(8, SIZE)
+    _filled(pool, [1, 2, 3, 4, 5, -1, 7, 8, 9, 10, 11, 12, 0])
+    assert pool.share_prefix([1, 2, 3, 4, 5, -1, 7, 8, 9, 10, 11, 12, 0]).length == 4
+    assert pool.kept() == [] and len(pool.cached) == 1
+
+
 def test_a_pool_without_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="needs blocks"):
         BlockPool(0, SIZE)

@@ -25,7 +25,9 @@ of the sequence's own (copy-on-write), as does a write into the partial last blo
 When no block can be had, `OutOfBlocks` is raised before anything changed: a scheduler catches
 it, preempts a sequence (releases its table) and asks again. Two texts that differ in what
 their token ids do not say (an image under the same placeholder ids) must not share blocks:
-their tables are given different `seed`s, which start their hash chains.
+their tables are given different `seed`s, which start their hash chains. A block holding a
+negative id (a position whose token was not told, or an image's marker, which a later image may
+reuse) is never shared, nor any block after it in its table.
 """
 
 from __future__ import annotations
@@ -164,14 +166,20 @@ class BlockPool:
         """Enter the table's full blocks under their keys, for other sequences to share: call it
         once their keys and values are written (a pass that failed half way publishes nothing,
         and its crop frees what it had). A key another block was entered under first keeps that
-        block; this one stays the sequence's own."""
+        block; this one stays the sequence's own. A negative id (a position whose token is not
+        known, an image's marker) stops it there: that block and every later one stay the
+        table's own."""
         for index in range(table.published, len(table.keys)):
             key, block = table.keys[index], table.blocks[index]
+            start = index * self.block_size
+            tokens = tuple(table.tokens[start : start + self.block_size])
+            if min(tokens) < 0:
+                table.published = index
+                return
             if key not in self.cached and self._writable(block):
                 self.cached[key] = block
                 self._blocks[block].key = key
-                start = index * self.block_size
-                self._blocks[block].tokens = tuple(table.tokens[start : start + self.block_size])
+                self._blocks[block].tokens = tokens
         table.published = len(table.keys)
 
     def crop(self, table: BlockTable, length: int) -> None:

@@ -1,0 +1,179 @@
+"""The native engine over a paged KV cache (engine/native/paged_kvcache.py) against the same
+engine over its contiguous cache, on tiny random models in fp32: the same greedy tokens, and
+logits within rounding, for one sequence and for sequences that share their first blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmcli.config.settings import SamplingParams
+from llmcli.engine.loop import Engine
+from llmcli.engine.native.backend import NativeBackend
+from llmcli.engine.native.blocks import OutOfBlocks
+from llmcli.engine.native.paged_kvcache import PagedBackend, PagedStore
+from llmcli.errors import KVMemoryFull, LlmcliError
+from test_native import CASES, CONTEXT, build, prompt
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    return build(*CASES["llama-gqa2"])
+
+
+def _store(backend: NativeBackend, blocks: int = 64) -> PagedStore:
+    return PagedStore.for_net(backend.net, blocks, BLOCK)
+
+
+def _greedy(backend: NativeBackend, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The greedy tokens after `ids` and the logits each was taken from."""
+    logits = [backend.prefill(ids)]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(steps - 1):
+        logits.append(backend.decode(torch.tensor([tokens[-1]])))
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def _same(paged: list[torch.Tensor], contiguous: list[torch.Tensor]) -> None:
+    for ours, theirs in zip(paged, contiguous, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case", ["llama-gqa2", "qwen3-qk-norm", "gemma3-window-8-shorter-than-the-prompt", "gpt-oss-k2-window-8"]
+)
+@torch.inference_mode()
+def test_greedy_tokens_equal_the_contiguous_cache_s(case: str) -> None:
+    """A 37-token prompt (two blocks and five positions) and 40 steps, across two block ends;
+    sliding windows (attention masked, every position kept) and sinks included."""
+    model = build(*CASES[case])
+    contiguous = NativeBackend(model, CONTEXT)
+    paged = PagedBackend(None, CONTEXT, net=contiguous.net, store=_store(contiguous))
+    ids = prompt(37, seed=7)
+    expected, expected_logits = _greedy(contiguous, ids, 40)
+    tokens, logits = _greedy(paged, ids, 40)
+    assert tokens == expected and len(set(expected)) > 5
+    _same(logits, expected_logits)
+    assert len(paged.cache.table.blocks) == -(-(37 + 39) // BLOCK)
+
+
+@torch.inference_mode()
+def test_two_sequences_sharing_a_prompt_s_head_share_its_blocks_and_each_equal_it_alone(llama) -> None:
+    """The second sequence's prompt starts with the first's 40 tokens: it holds the first's two
+    full blocks (computed once) and prefills the rest; both go on decoding, each equal to a
+    contiguous cache's sequence alone, the shared blocks unchanged by either."""
+    alone = [NativeBackend(llama, CONTEXT) for _ in range(2)]
+    store = _store(alone[0])
+    paged = [PagedBackend(None, CONTEXT, net=alone[0].net, store=store) for _ in range(2)]
+    head = prompt(40, seed=8)
+    prompts = [head, head + prompt(13, seed=9)]
+    first, _ = _greedy(paged[0], prompts[0], 6)
+    expected, _ = _greedy(alone[0], prompts[0], 6)
+    assert first == expected
+    second_logits = paged[1].prefill(prompts[1])
+    torch.testing.assert_close(second_logits, alone[1].prefill(prompts[1]), rtol=0, atol=1e-5)
+    assert paged[1].cache.table.blocks[:2] == paged[0].cache.table.blocks[:2]
+    assert [store.blocks.refs(block) for block in paged[0].cache.table.blocks[:2]] == [2, 2]
+    tokens = [first[-1], int(second_logits.argmax())]
+    for _ in range(20):  # the two in turn, past the next block ends
+        for sequence in (0, 1):
+            step = torch.tensor([tokens[sequence]])
+            ours, theirs = paged[sequence].decode(step), alone[sequence].decode(step)
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+            assert int(ours.argmax()) == int(theirs.argmax())
+            tokens[sequence] = int(theirs.argmax())
+
+
+@torch.inference_mode()
+def test_a_released_prompt_s_blocks_are_found_by_the_next_request(llama) -> None:
+    contiguous = NativeBackend(llama, CONTEXT)
+    store = _store(contiguous)
+    ids = prompt(50, seed=10)
+    earlier = PagedBackend(None, CONTEXT, net=contiguous.net, store=store)
+    earlier.prefill(ids)
+    held = list(earlier.cache.table.blocks[:3])
+    earlier.cache.release()
+    assert sorted(store.blocks.kept()) == sorted(held)
+    later = PagedBackend(None, CONTEXT, net=contiguous.net, store=store)
+    expected, expected_logits = _greedy(contiguous, ids, 12)
+    tokens, logits = _greedy(later, ids, 12)
+    assert later.cache.table.blocks[:3] == held and tokens == expected
+    _same(logits, expected_logits)
+
+
+@torch.inference_mode()
+def test_a_check_pass_a_crop_and_a_new_turn_equal_the_contiguous_cache_s(llama) -> None:
+    """Speculation's check (rows scored after the cache, then cropped back), chat's /undo into
+    a shared block (copied before it is written) and a turn after it."""
+    contiguous = NativeBackend(llama, CONTEXT)
+    store = _store(contiguous)
+    paged = PagedBackend(None, CONTEXT, net=contiguous.net, store=store)
+    ids = prompt(70, seed=11)
+    for backend in (contiguous, paged):
+        backend.prefill(ids[:40])
+    torch.testing.assert_close(paged.score(ids[40:47]), contiguous.score(ids[40:47]), rtol=0, atol=1e-5)
+    published = paged.cache.table.blocks[1]  # positions 16-31, published with the prefill
+    for backend in (contiguous, paged):
+        backend.crop(20)
+    assert paged.length == 20
+    torch.testing.assert_close(paged.prefill(ids[20:70]), contiguous.prefill(ids[20:70]), rtol=0, atol=1e-5)
+    assert paged.cache.table.blocks[1] != published  # written after the crop: a copy
+    again = PagedBackend(None, CONTEXT, net=contiguous.net, store=store)
+    assert again.cache.share_prefix(ids[:40]) == 32  # the original still shared
+
+
+@torch.inference_mode()
+def test_save_restore_and_copy_prefix_hold_what_the_contiguous_cache_holds(llama) -> None:
+    """The prefix store's three ways of bringing a text back: a host copy restored (the same
+    SavedCache the contiguous cache saves), and another sequence's head copied (its blocks
+    held, not copied)."""
+    contiguous = NativeBackend(llama, CONTEXT)
+    store = _store(contiguous)
+    paged = PagedBackend(None, CONTEXT, net=contiguous.net, store=store)
+    ids = prompt(45, seed=12)
+    contiguous.prefill(ids)
+    paged.prefill(ids)
+    saved = paged.save()
+    expected = contiguous.save()
+    assert saved.length == expected.length == 45
+    for ours, theirs in zip(saved.keys + saved.values, expected.keys + expected.values, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    restored = PagedBackend(None, CONTEXT, net=contiguous.net, store=store)
+    restored.restore(expected)  # the contiguous cache's copy into blocks
+    step = torch.tensor([3])
+    reference = contiguous.decode(step)
+    torch.testing.assert_close(restored.decode(step), reference, rtol=0, atol=1e-5)
+    copied = PagedBackend(None, CONTEXT, net=contiguous.net, store=store)
+    assert copied.copy_prefix(paged, 45) == 45
+    assert copied.cache.table.blocks == paged.cache.table.blocks
+    torch.testing.assert_close(copied.decode(step), reference, rtol=0, atol=1e-5)
+    assert copied.cache.table.blocks[2] != paged.cache.table.blocks[2]  # the partial block copied
+    assert copied.copy_prefix(contiguous, 45) == 0  # another kind of cache: prefilled instead
+
+
+@torch.inference_mode()
+def test_a_pool_too_small_refuses_before_anything_changes_and_an_engine_generates_within_it(llama) -> None:
+    contiguous = NativeBackend(llama, CONTEXT)
+    paged = PagedBackend(None, CONTEXT, net=contiguous.net, store=_store(contiguous, blocks=3))
+    with pytest.raises(OutOfBlocks) as raised:
+        paged.prefill(prompt(49, seed=13))  # four blocks
+    assert isinstance(raised.value, KVMemoryFull) and paged.length == 0
+    assert paged.store.blocks.available() == 3
+    engine = Engine(paged, frozenset(), CONTEXT)
+    reference = Engine(contiguous, frozenset(), CONTEXT)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    ours, theirs = (
+        engine.generate(prompt(20, seed=14), params, None),
+        reference.generate(prompt(20, seed=14), params, None),
+    )
+    list(ours), list(theirs)
+    assert ours.result.token_ids == theirs.result.token_ids
+
+
+def test_a_model_with_recurrent_layers_is_refused_in_one_line() -> None:
+    model = build("qwen3_5_text", {"num_hidden_layers": 4})  # linear-attention layers among them
+    with pytest.raises(LlmcliError, match="recurrent or shared-KV layers"):
+        PagedBackend(model, CONTEXT)
