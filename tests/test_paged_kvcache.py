@@ -9,11 +9,15 @@ import torch
 
 from llmcli.config.settings import SamplingParams
 from llmcli.engine.loop import Engine
+from llmcli.engine.native import paged_cpu, paged_cuda
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.blocks import OutOfBlocks
-from llmcli.engine.native.paged_kvcache import PagedBackend, PagedStore
+from llmcli.engine.native.paged_backend import PagedBackend
+from llmcli.engine.native.paged_kvcache import PagedStore
+from llmcli.engine.native.paged_step import decode_sequences
 from llmcli.errors import KVMemoryFull, LlmcliError
 from test_native import CASES, CONTEXT, build, prompt
+from triton_kernels import kernel_device
 
 BLOCK = 16
 
@@ -32,7 +36,7 @@ def _greedy(backend: NativeBackend, ids: list[int], steps: int) -> tuple[list[in
     logits = [backend.prefill(ids)]
     tokens = [int(logits[-1].argmax())]
     for _ in range(steps - 1):
-        logits.append(backend.decode(torch.tensor([tokens[-1]])))
+        logits.append(backend.decode(torch.tensor([tokens[-1]], device=backend.device)))
         tokens.append(int(logits[-1].argmax()))
     return tokens, logits
 
@@ -177,3 +181,62 @@ def test_a_model_with_recurrent_layers_is_refused_in_one_line() -> None:
     model = build("qwen3_5_text", {"num_hidden_layers": 4})  # linear-attention layers among them
     with pytest.raises(LlmcliError, match="recurrent or shared-KV layers"):
         PagedBackend(model, CONTEXT)
+
+
+# The decode step's attention read in place, each way it can be: torch's gathering (the
+# reference), llmcli's compiled CPU kernel (paged_cpu), the Triton kernel (paged_cuda: on CPU
+# tensors under Triton's interpreter here).
+KERNELS = {
+    "gathered": paged_cpu.gathered_attention,
+    "compiled": paged_cpu.paged_attention,
+    "triton": paged_cuda.paged_attention,
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", ["llama-gqa2", "gpt-oss-k2-window-8"])
+@torch.inference_mode()
+def test_a_batched_step_over_unlike_lengths_reads_the_blocks_in_place_each_row_as_alone(
+    case: str, kernel: str
+) -> None:
+    """Three sequences (5, 16 and 33 tokens: inside a block, at its end, one past two) decoded in
+    one step per token, one kernel call per layer; every row's logits as the same sequence's on
+    a contiguous cache alone, token after token (sinks and a window of 8 in gpt-oss)."""
+    if kernel == "triton" and kernel_device().type == "cuda":
+        pytest.skip("CPU tensors are gathered where Triton is not interpreting: the GPU test runs it")
+    model = build(*CASES[case])
+    alone = [NativeBackend(model, CONTEXT) for _ in range(3)]
+    store = _store(alone[0])
+    paged = [PagedBackend(None, CONTEXT, net=alone[0].net, store=store) for _ in range(3)]
+    prompts = [prompt(length, seed=20 + length) for length in (5, 16, 33)]
+    firsts = [backend.prefill(ids) for backend, ids in zip(alone, prompts, strict=True)]
+    _same([backend.prefill(ids) for backend, ids in zip(paged, prompts, strict=True)], firsts)
+    tokens = [int(logits.argmax()) for logits in firsts]
+    for _ in range(14):
+        caches = [backend.cache for backend in paged]
+        rows = decode_sequences(alone[0].net, torch.tensor(tokens), caches, KERNELS[kernel])
+        for sequence in range(3):
+            expected = alone[sequence].decode(torch.tensor([tokens[sequence]]))
+            torch.testing.assert_close(rows[sequence : sequence + 1], expected, rtol=0, atol=5e-5)
+            tokens[sequence] = int(expected.argmax())
+            assert int(rows[sequence].argmax()) == tokens[sequence]
+    assert [backend.length for backend in paged] == [5 + 14, 16 + 14, 33 + 14]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_a_gpu_the_paged_engine_s_greedy_tokens_equal_the_contiguous_one_s() -> None:
+    """On cuda, fp32: the decode step through the Triton kernel, two sequences sharing a head."""
+    model = build(*CASES["llama-gqa2"]).to("cuda")
+    alone = [NativeBackend(model, CONTEXT) for _ in range(2)]
+    store = _store(alone[0])
+    assert store.device.type == "cuda"
+    paged = [PagedBackend(None, CONTEXT, net=alone[0].net, store=store) for _ in range(2)]
+    head = prompt(40, seed=30)
+    for sequence, ids in enumerate((head, head + prompt(9, seed=31))):
+        expected, expected_logits = _greedy(alone[sequence], ids, 30)
+        tokens, logits = _greedy(paged[sequence], ids, 30)
+        assert tokens == expected
+        _same(logits, expected_logits)
+    assert paged[1].cache.table.blocks[:2] == paged[0].cache.table.blocks[:2]

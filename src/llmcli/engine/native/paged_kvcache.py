@@ -6,16 +6,15 @@ prefix store and the scheduler use either without knowing which.
 d], the layout paged_cpu.py and paged_cuda.py read in place, and the bookkeeping of which
 sequence holds which blocks (blocks.BlockPool: full blocks shared by content, kept after their
 sequences end, copied before a shared one is written). `PagedKVCache` is one sequence's table
-of blocks in it. `PagedBackend` is the native backend over such a cache: it tells the cache the
-token ids of each pass (their blocks' content keys), and a prefill from an empty cache starts
-with the blocks another sequence published for the same first tokens.
+of blocks in it; paged_backend.PagedBackend is the native backend over one.
 
-Attention here is the reference path: the plans' writes scatter keys and values into the
-blocks, and what they attend over is each layer's positions gathered into one tensor, scored by
-attention.py as for the contiguous cache. That is exact (a test compares greedy tokens with the
-contiguous cache's in fp32) but costs a copy per layer and step; a GPU reads the blocks in place
-instead (paged_cuda.paged_attention, over `paged_kv`), which needs a plan of its own: the next
-step, with CUDA graphs over the block tables.
+A decode step reads the blocks in place (paged_step.py: one kernel call per layer for all of
+a step's sequences). Every other pass (a prefill, a speculative check) takes the reference
+path: the plans' writes scatter keys and values into the blocks, and what they attend over is
+each layer's positions gathered into one tensor, scored by attention.py as for the contiguous
+cache. That is exact (tests compare greedy tokens with the contiguous cache's in fp32) but costs
+a copy per layer and chunk; a prefill kernel that reads the blocks in place is the next step
+on a GPU, with CUDA graphs over the block tables.
 
 Not held here yet (refused or said): sliding-window layers keep every position (correct, as a
 window is masked; a ring would bound their memory), a model with recurrent layers or layers that
@@ -27,14 +26,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.blocks import BLOCK_SIZE, BlockPool, BlockTable, Copy
 from llmcli.engine.native.kvcache import KVCache, SavedCache
-from llmcli.engine.native.paged_cpu import PagedKV
 from llmcli.engine.native.pool import position_bytes
 from llmcli.errors import LlmcliError
 
@@ -203,12 +199,6 @@ class PagedKVCache:
         used = self._blocks[: -(-positions // self.store.block_size)]
         return store[used].flatten(0, 1)[:positions].transpose(0, 1)
 
-    def paged_kv(self, layer: int) -> PagedKV:
-        """This sequence's view of a layer's pool, for paged_cpu/paged_cuda.paged_attention."""
-        lengths = torch.tensor([self.length], dtype=torch.int32, device=self.device)
-        table = self._blocks.to(torch.int32).view(1, -1)
-        return PagedKV(self.store.keys[layer], self.store.values[layer], table, lengths)
-
     def resumable(self, length: int) -> int:
         return length
 
@@ -279,30 +269,3 @@ class PagedKVCache:
 
     def _sync_table(self) -> None:
         self._blocks = torch.tensor(self.table.blocks, dtype=torch.long, device=self.device)
-
-
-class PagedBackend(NativeBackend):
-    """The native backend over a paged cache in `store` (a pool made for the model holding one
-    context, where None): each pass's token ids told to the cache first, and a prefill from an
-    empty cache starting with the blocks published for its first tokens."""
-
-    def __init__(
-        self, model: Any, context_length: int, *, store: PagedStore | None = None, net: Any = None
-    ) -> None:
-        super().__init__(model, context_length, net=net)
-        self.store = store or PagedStore.for_net(self.net, -(-context_length // BLOCK_SIZE))
-        self.cache = PagedKVCache(self.store, context_length)  # type: ignore[assignment]
-
-    def prefill(self, ids: list[int], ends_prompt: bool = True) -> torch.Tensor:
-        if self.cache.length == 0 and ids:
-            ids = ids[self.cache.share_prefix(ids) :]
-        self.cache.expect(ids)
-        return super().prefill(ids, ends_prompt)
-
-    def score(self, ids: list[int]) -> torch.Tensor:
-        self.cache.expect(ids)
-        return super().score(ids)
-
-    def decode(self, token: torch.Tensor) -> torch.Tensor:
-        self.cache.expect(token.view(-1).tolist())  # a sync on a GPU: its graphed step is to come
-        return super().decode(token)

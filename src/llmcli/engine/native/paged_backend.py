@@ -1,0 +1,54 @@
+"""The native backend over a paged KV cache (paged_kvcache.py): it tells the cache the token
+ids of each pass (their blocks' content keys), starts a prefill from an empty cache with the
+blocks another sequence published for the same first tokens, and decodes through paged_step.py
+(attention read from the blocks in place). Every other pass is NativeBackend's own.
+
+Not yet chosen by anything: the CPU keeps its contiguous slots (pool.py; issue 28 measured
+why), and a GPU server takes this once its decode step is graphed over the block tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llmcli.engine.native.backend import NativeBackend
+from llmcli.engine.native.blocks import BLOCK_SIZE
+from llmcli.engine.native.paged_kvcache import PagedKVCache, PagedStore
+from llmcli.engine.native.paged_step import PagedAttention, decode_sequences
+
+
+class PagedBackend(NativeBackend):
+    """The native backend over a paged cache in `store` (a pool made for the model holding one
+    context, where None): each pass's token ids told to the cache first, a prefill from an empty
+    cache starting with the blocks published for its first tokens, and each decode step reading
+    the blocks in place (paged_step.py) through `attend` (by default the device's kernel)."""
+
+    def __init__(
+        self,
+        model: Any,
+        context_length: int,
+        *,
+        store: PagedStore | None = None,
+        net: Any = None,
+        attend: PagedAttention | None = None,
+    ) -> None:
+        super().__init__(model, context_length, net=net)
+        self.store = store or PagedStore.for_net(self.net, -(-context_length // BLOCK_SIZE))
+        self.cache = PagedKVCache(self.store, context_length)  # type: ignore[assignment]
+        self.attend = attend
+
+    def prefill(self, ids: list[int], ends_prompt: bool = True) -> torch.Tensor:
+        if self.cache.length == 0 and ids:
+            ids = ids[self.cache.share_prefix(ids) :]
+        self.cache.expect(ids)
+        return super().prefill(ids, ends_prompt)
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        self.cache.expect(ids)
+        return super().score(ids)
+
+    @torch.inference_mode()
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        return decode_sequences(self.net, token.view(1), [self.cache], self.attend)  # type: ignore[list-item]
