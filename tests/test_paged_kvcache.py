@@ -183,6 +183,30 @@ def test_a_model_with_recurrent_layers_is_refused_in_one_line() -> None:
         PagedBackend(model, CONTEXT)
 
 
+@torch.inference_mode()
+def test_a_step_that_runs_out_of_blocks_preempts_one_sequence_and_the_other_goes_on(llama) -> None:
+    """Two sequences of a full block each in a pool of three: their next step needs two more.
+    The step raises before anything is written; the newest sequence is let go (preempted), and
+    the other's step, retried with another token, equals its contiguous twin's, its block keyed
+    by the token it was given last."""
+    alone = NativeBackend(llama, CONTEXT)
+    store = _store(alone, blocks=3)
+    paged = [PagedBackend(None, CONTEXT, net=alone.net, store=store) for _ in range(2)]
+    ids = prompt(16, seed=15)
+    first = alone.prefill(ids)
+    for backend, tail in zip(paged, ([], [1]), strict=True):
+        backend.prefill(ids[: 16 - len(tail)] + tail)
+    with pytest.raises(OutOfBlocks):
+        decode_sequences(alone.net, torch.tensor([5, 6]), [backend.cache for backend in paged])
+    assert [backend.length for backend in paged] == [16, 16]
+    paged[1].cache.release()  # preempted: requeued by the scheduler, its blocks free
+    token = int(first.argmax())
+    assert token != 5
+    rows = decode_sequences(alone.net, torch.tensor([token]), [paged[0].cache])
+    torch.testing.assert_close(rows, alone.decode(torch.tensor([token])), rtol=0, atol=5e-5)
+    assert paged[0].cache.table.tokens == [*ids, token]
+
+
 # The decode step's attention read in place, each way it can be: torch's gathering (the
 # reference), llmcli's compiled CPU kernel (paged_cpu), the Triton kernel (paged_cuda: on CPU
 # tensors under Triton's interpreter here).

@@ -165,6 +165,11 @@ class PagedKVCache:
         self.written = max(self.written, positions)
         if positions > self.context_length:
             raise ValueError(f"{positions} positions do not fit a {self.context_length}-token cache")
+        if self.table.length > self.length:
+            # Room a pass was given and did not fill (it failed, or a batched step ran out of
+            # blocks for another sequence): its ids may not be this pass's.
+            self.store.blocks.crop(self.table, self.length)
+            self._sync_table()
         more = positions - self.table.length
         if more <= 0:
             return
