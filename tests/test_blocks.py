@@ -108,6 +108,21 @@ def test_released_blocks_are_kept_and_a_later_text_takes_them_back() -> None:
     assert [pool.refs(block) for block in held[:2]] == [1, 1]
 
 
+def test_a_text_cropped_to_a_block_s_end_takes_back_the_blocks_that_followed() -> None:
+    pool = BlockPool(8, SIZE)
+    tokens = list(range(13))
+    table = _filled(pool, tokens)
+    held = list(table.blocks)
+    pool.crop(table, 4)
+    pool.extend(table, [9] * 5)  # another text after the first block
+    pool.publish(table)
+    pool.crop(table, 6)
+    assert pool.share_more(table, tokens[6:]) == 0  # not at a block's end
+    pool.crop(table, 4)
+    assert pool.share_more(table, tokens[4:], limit=8) == 8
+    assert table.blocks == held[:3] and table.tokens == tokens[:12]
+
+
 def test_blocks_are_evicted_released_longest_ago_first_each_text_s_end_before_its_head() -> None:
     pool = BlockPool(6, SIZE)
     old = _filled(pool, [1] * 12 + [0])  # three full blocks + one

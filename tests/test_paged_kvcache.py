@@ -130,6 +130,27 @@ def test_a_check_pass_a_crop_and_a_new_turn_equal_the_contiguous_cache_s(llama) 
 
 
 @torch.inference_mode()
+def test_an_engine_s_earlier_text_comes_back_from_the_pool_s_kept_blocks(llama) -> None:
+    """An engine (the loop and its prefix store, unchanged) on a paged cache: a prompt, then
+    another that keeps only its first block, then the first again: its later blocks, kept in
+    the pool since the crop, are held again rather than computed, and every reply equals a
+    contiguous cache's engine's."""
+    contiguous = NativeBackend(llama, CONTEXT)
+    paged = PagedBackend(None, CONTEXT, net=contiguous.net, store=_store(contiguous))
+    engines = [Engine(backend, frozenset(), CONTEXT) for backend in (paged, contiguous)]
+    first, other = prompt(50, seed=16), prompt(50, seed=16)[:16] + prompt(30, seed=17)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    blocks = []
+    for ids in (first, other, first):
+        replies = [engine.generate(ids, params, None) for engine in engines]
+        for reply in replies:
+            list(reply)
+        assert replies[0].result.token_ids == replies[1].result.token_ids
+        blocks.append(list(paged.cache.table.blocks))
+    assert blocks[2][:3] == blocks[0][:3] and blocks[1][1] != blocks[0][1]
+
+
+@torch.inference_mode()
 def test_save_restore_and_copy_prefix_hold_what_the_contiguous_cache_holds(llama) -> None:
     """The prefix store's three ways of bringing a text back: a host copy restored (the same
     SavedCache the contiguous cache saves), and another sequence's head copied (its blocks

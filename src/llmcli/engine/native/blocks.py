@@ -117,10 +117,22 @@ class BlockPool:
         its logits: pass len(tokens) − 1). Its length says how much was found; `extend` it with
         the rest."""
         table = BlockTable(seed)
+        self.share_more(table, tokens, limit)
+        return table
+
+    def share_more(self, table: BlockTable, tokens: Sequence[int], limit: int | None = None) -> int:
+        """Add to `table` the entered blocks that hold `tokens` next, at most `limit` of them;
+        the count of `tokens` held now. Only where the table ends at a block's end and all its
+        blocks' keys were offered (a text cropped back to a block's end, then continued as a
+        text before it was): else 0."""
+        size = self.block_size
+        if table.length % size or table.published != len(table.keys):
+            return 0
         limit = len(tokens) if limit is None else min(limit, len(tokens))
-        previous = seed
-        for start in range(0, limit - self.block_size + 1, self.block_size):
-            chunk = tuple(tokens[start : start + self.block_size])
+        previous = table.keys[-1] if table.keys else table.seed
+        added = 0
+        while added + size <= limit:
+            chunk = tuple(tokens[added : added + size])
             key = block_key(previous, chunk)
             block = self.cached.get(key)
             if block is None or self._blocks[block].tokens != chunk:
@@ -130,8 +142,9 @@ class BlockPool:
             table.tokens.extend(chunk)
             table.keys.append(key)
             previous = key
-        table.published = len(table.blocks)
-        return table
+            added += size
+        table.published = len(table.keys)
+        return added
 
     def extend(self, table: BlockTable, tokens: Sequence[int]) -> list[Copy]:
         """Room in `table` for `tokens` after its last position: blocks added as needed, the last

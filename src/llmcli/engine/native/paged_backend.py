@@ -1,6 +1,7 @@
 """The native backend over a paged KV cache (paged_kvcache.py): it tells the cache the token
-ids of each pass (their blocks' content keys), starts a prefill from an empty cache with the
-blocks another sequence published for the same first tokens, and decodes through paged_step.py
+ids of each pass (their blocks' content keys), starts a prefill with the blocks another sequence
+published for the same tokens after the same text (from an empty cache, or one cropped back to a
+block's end), and decodes through paged_step.py
 (attention read from the blocks in place). Every other pass is NativeBackend's own.
 
 Not yet chosen by anything: the CPU keeps its contiguous slots (pool.py; issue 28 measured
@@ -21,8 +22,8 @@ from llmcli.engine.native.paged_step import PagedAttention, decode_sequences
 
 class PagedBackend(NativeBackend):
     """The native backend over a paged cache in `store` (a pool made for the model holding one
-    context, where None): each pass's token ids told to the cache first, a prefill from an empty
-    cache starting with the blocks published for its first tokens, and each decode step reading
+    context, where None): each pass's token ids told to the cache first, a prefill starting with the
+    blocks published for its tokens, and each decode step reading
     the blocks in place (paged_step.py) through `attend` (by default the device's kernel)."""
 
     def __init__(
@@ -40,7 +41,7 @@ class PagedBackend(NativeBackend):
         self.attend = attend
 
     def prefill(self, ids: list[int], ends_prompt: bool = True) -> torch.Tensor:
-        if self.cache.length == 0 and ids:
+        if ids:
             ids = ids[self.cache.share_prefix(ids) :]
         self.cache.expect(ids)
         return super().prefill(ids, ends_prompt)

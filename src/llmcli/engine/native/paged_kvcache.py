@@ -150,14 +150,15 @@ class PagedKVCache:
         self._pending = list(ids)
 
     def share_prefix(self, ids: Sequence[int]) -> int:
-        """From an empty cache: hold the published blocks `ids` begin with (all but its last
-        token's, which a prefill must compute). Returns the positions held now."""
-        assert self.length == 0
-        self.store.blocks.release(self.table)
-        self.table = self.store.blocks.share_prefix(ids, limit=len(ids) - 1)
-        self._sync_table()
-        self._length = self.table.length
-        return self._length
+        """Hold the published blocks that hold `ids` next (all but the last id's, which a
+        prefill must compute): where the cache ends at a block's end, from empty or cropped
+        back to one. Returns how many of `ids` are held now."""
+        self._drop_unfilled()
+        added = self.store.blocks.share_more(self.table, ids, limit=len(ids) - 1)
+        if added:
+            self._sync_table()
+            self._length += added
+        return added
 
     def ensure(self, positions: int) -> None:
         """Room for `positions` tokens, keeping the first `length`; blocks.OutOfBlocks (a
@@ -165,11 +166,7 @@ class PagedKVCache:
         self.written = max(self.written, positions)
         if positions > self.context_length:
             raise ValueError(f"{positions} positions do not fit a {self.context_length}-token cache")
-        if self.table.length > self.length:
-            # Room a pass was given and did not fill (it failed, or a batched step ran out of
-            # blocks for another sequence): its ids may not be this pass's.
-            self.store.blocks.crop(self.table, self.length)
-            self._sync_table()
+        self._drop_unfilled()
         more = positions - self.table.length
         if more <= 0:
             return
@@ -179,6 +176,13 @@ class PagedKVCache:
         del self._pending[:more]
         self.store.copy(copies)
         self._sync_table()
+
+    def _drop_unfilled(self) -> None:
+        """Let go of room a pass was given and did not fill (it failed, or a batched step ran
+        out of blocks for another sequence): the ids it was told may not be the next pass's."""
+        if self.table.length > self.length:
+            self.store.blocks.crop(self.table, self.length)
+            self._sync_table()
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [kv_heads, T, d] at positions length … length + T − 1; return the layer's
