@@ -42,12 +42,13 @@ The choice against an existing kernel from the package index (checked with pip, 
   (nvcc needed) or come from a separate flashinfer-cubin package of prebuilt binaries; it
   takes paged KV (its "NHD" layout is this one), GQA, soft caps, windows and sinks.
 So Triton (already what llmcli's GPU kernels use, installed with torch on CUDA) is the default.
-What the first GPU must compare (scripts/gpu_figures.sh should carry it): this kernel against
-the contiguous cache's decode attention (attention.py's SDPA / split path) at 1, 8 and 16
-sequences of 300–8k tokens, Llama-8B shapes (32 heads over 8, d = 128), block size 16 against 32;
-and, where flashinfer-python + flashinfer-cubin install on that machine without touching torch,
-its BatchDecodeWithPagedKVCacheWrapper on the same pool. Adopt flashinfer only if it is
-clearly faster and installs as an optional extra.
+What the first GPU must compare: `python scripts/bench_paged_cuda.py` (this kernel against the
+contiguous cache's SDPA and against gathering, 1/8/16 sequences of 512–8k tokens, Llama-8B,
+Llama-1B and Gemma-3-4B heads, blocks of 16 and 32, each in a CUDA graph), and `pytest -m gpu
+tests/test_paged_cuda.py tests/test_paged_kvcache.py` (the kernel on cuda, captured in a graph
+and replayed on changed tables; the paged engine's greedy tokens). The script also times
+flashinfer's BatchDecodeWithPagedKVCacheWrapper on the same pool where flashinfer is installed;
+adopt it only if it is clearly faster and installs as an optional extra.
 """
 
 from __future__ import annotations
@@ -77,15 +78,15 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, rules: AttentionRules) -> torc
     kv_heads = kv.keys.shape[2]
     groups = heads // kv_heads
     q = q.contiguous()
-    tables = kv.block_tables if kv.block_tables.dtype == torch.int32 else kv.block_tables.to(torch.int32)
-    lengths = kv.lengths if kv.lengths.dtype == torch.int32 else kv.lengths.to(torch.int32)
+    tables = kv.block_tables.to(torch.int32).contiguous()  # itself where it is so already
+    lengths = kv.lengths.to(torch.int32).contiguous()
     sinks = rules.sinks.float().contiguous() if rules.sinks is not None else q  # q: an unread stand-in
     out = torch.empty_like(q)
     group_pad = _power_of_two(groups)
     dim_pad = _power_of_two(head_dim)
     tile = max(8, min(64, _TILE_ELEMENTS // (group_pad * dim_pad)))
     _kernel()[(batch * q_tokens, kv_heads)](
-        q, kv.keys, kv.values, tables.contiguous(), lengths.contiguous(), sinks, out,
+        q, kv.keys, kv.values, tables, lengths, sinks, out,
         q_tokens, kv.keys.shape[1], tables.stride(0),
         kv.keys.stride(0), kv.keys.stride(1), kv.keys.stride(2),
         kv.values.stride(0), kv.values.stride(1), kv.values.stride(2),
