@@ -228,6 +228,22 @@ def test_a_step_that_runs_out_of_blocks_preempts_one_sequence_and_the_other_goes
     assert paged[0].cache.table.tokens == [*ids, token]
 
 
+@torch.inference_mode()
+def test_room_a_failed_step_left_is_not_shared_when_another_sequence_copies_the_text(llama) -> None:
+    """A step given a sequence room for its 16th token, then failing on another's: a copy of
+    the sequence's text made after it publishes no block holding that unwritten position."""
+    alone = NativeBackend(llama, CONTEXT)
+    store = _store(alone, blocks=2)
+    paged = [PagedBackend(None, CONTEXT, net=alone.net, store=store) for _ in range(3)]
+    ids = prompt(16, seed=18)
+    paged[0].prefill(ids[:15])
+    paged[1].prefill(prompt(16, seed=19))  # the second block: the pool is full
+    with pytest.raises(OutOfBlocks):
+        decode_sequences(alone.net, torch.tensor([ids[15], 1]), [paged[0].cache, paged[1].cache])
+    assert paged[2].copy_prefix(paged[0], 15) == 15
+    assert store.blocks.share_prefix([*ids, 0]).length == 0
+
+
 # The decode step's attention read in place, each way it can be: torch's gathering (the
 # reference), llmcli's compiled CPU kernel (paged_cpu), the Triton kernel (paged_cuda: on CPU
 # tensors under Triton's interpreter here).

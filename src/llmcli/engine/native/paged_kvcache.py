@@ -255,6 +255,7 @@ class PagedKVCache:
             return 0
         length = min(length, source.length)
         self.crop(0)
+        source._drop_unfilled()  # fork publishes the source's full blocks: written ones only
         self.table = self.store.blocks.fork(source.table)
         self.store.blocks.crop(self.table, length)
         self._sync_table()
