@@ -41,9 +41,9 @@ def _greedy(backend: NativeBackend, ids: list[int], steps: int) -> tuple[list[in
     return tokens, logits
 
 
-def _same(paged: list[torch.Tensor], contiguous: list[torch.Tensor]) -> None:
+def _same(paged: list[torch.Tensor], contiguous: list[torch.Tensor], atol: float = 1e-5) -> None:
     for ours, theirs in zip(paged, contiguous, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize(
@@ -299,5 +299,5 @@ def test_on_a_gpu_the_paged_engine_s_greedy_tokens_equal_the_contiguous_one_s() 
         expected, expected_logits = _greedy(alone[sequence], ids, 30)
         tokens, logits = _greedy(paged[sequence], ids, 30)
         assert tokens == expected
-        _same(logits, expected_logits)
+        _same(logits, expected_logits, atol=1e-4)  # cuda's SDPA may pick another kernel per layout
     assert paged[1].cache.table.blocks[:2] == paged[0].cache.table.blocks[:2]
