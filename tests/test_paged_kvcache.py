@@ -14,7 +14,7 @@ from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.blocks import OutOfBlocks
 from llmcli.engine.native.paged_backend import PagedBackend
 from llmcli.engine.native.paged_kvcache import PagedStore
-from llmcli.engine.native.paged_step import decode_sequences
+from llmcli.engine.native.paged_step import PagedSteps, decode_sequences
 from llmcli.errors import KVMemoryFull, LlmcliError
 from test_native import CASES, CONTEXT, build, prompt
 from triton_kernels import kernel_device
@@ -282,6 +282,44 @@ def test_a_batched_step_over_unlike_lengths_reads_the_blocks_in_place_each_row_a
             tokens[sequence] = int(expected.argmax())
             assert int(rows[sequence].argmax()) == tokens[sequence]
     assert [backend.length for backend in paged] == [5 + 14, 16 + 14, 33 + 14]
+
+
+def _fixed_shape_steps(graphs: bool, device: str, atol: float) -> PagedSteps:
+    """Three sequences (5, 16 and 33 tokens) decoded by PagedSteps, padded to four rows (the
+    fourth writes and reads the scratch block), then two after the second leaves: every row as
+    the same sequence decoded alone on a contiguous cache."""
+    model = build(*CASES["gpt-oss-k2-window-8"]).to(device)
+    alone = [NativeBackend(model, CONTEXT) for _ in range(3)]
+    store = _store(alone[0])
+    paged = [PagedBackend(None, CONTEXT, net=alone[0].net, store=store) for _ in range(3)]
+    steps = PagedSteps(alone[0].net, store, CONTEXT, graphs=graphs)
+    prompts = [prompt(length, seed=40 + length) for length in (5, 16, 33)]
+    tokens = [int(backend.prefill(ids).argmax()) for backend, ids in zip(alone, prompts, strict=True)]
+    for backend, ids in zip(paged, prompts, strict=True):
+        backend.prefill(ids)
+    for step in range(12):
+        going = [0, 1, 2] if step < 6 else [0, 2]
+        rows = steps.decode([tokens[s] for s in going], [paged[s].cache for s in going])
+        for row, sequence in enumerate(going):
+            expected = alone[sequence].decode(torch.tensor([tokens[sequence]], device=device))
+            torch.testing.assert_close(rows[row : row + 1], expected, rtol=0, atol=atol)
+            tokens[sequence] = int(expected.argmax())
+    assert [backend.length for backend in paged] == [5 + 12, 16 + 6, 33 + 12]
+    return steps
+
+
+@torch.inference_mode()
+def test_fixed_shape_steps_padded_to_a_batch_size_equal_each_sequence_alone() -> None:
+    """The step a CUDA graph replays, run eagerly: its inputs in fixed buffers, padded rows."""
+    _fixed_shape_steps(graphs=False, device="cpu", atol=5e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_a_gpu_graphed_paged_steps_equal_each_sequence_alone_one_graph_per_batch_size() -> None:
+    steps = _fixed_shape_steps(graphs=True, device="cuda", atol=1e-4)
+    assert steps.graphs is not None and steps.graphs.captures == 2  # four rows, then two
 
 
 @pytest.mark.gpu

@@ -54,6 +54,9 @@ class PagedStore:
     ) -> None:
         """`shapes`: each layer's (KV heads, head width)."""
         self.blocks = BlockPool(num_blocks, block_size)
+        # One block past the pool's, never handed out: what a padded row of a graphed step
+        # writes and reads (paged_step.StepInputs), so it touches no sequence's keys.
+        self.scratch = num_blocks
         self.shapes, self.dtype, self.device = shapes, dtype, device
         with torch.inference_mode():  # as the contiguous cache's: every pass writes in that mode
             self.keys = [self._empty(*shape) for shape in shapes]
@@ -85,7 +88,7 @@ class PagedStore:
                 store[copy.destination].copy_(store[copy.source])
 
     def _empty(self, kv_heads: int, head_dim: int) -> torch.Tensor:
-        size = (self.blocks.num_blocks, self.block_size, kv_heads, head_dim)
+        size = (self.blocks.num_blocks + 1, self.block_size, kv_heads, head_dim)  # + the scratch block
         return torch.zeros(size, dtype=self.dtype, device=self.device)
 
 
