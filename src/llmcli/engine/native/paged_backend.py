@@ -1,11 +1,12 @@
 """The native backend over a paged KV cache (paged_kvcache.py): it tells the cache the token
 ids of each pass (their blocks' content keys), starts a prefill with the blocks another sequence
 published for the same tokens after the same text (from an empty cache, or one cropped back to a
-block's end), and decodes through paged_step.py
-(attention read from the blocks in place). Every other pass is NativeBackend's own.
+block's end), and decodes through paged_step.py (attention read from the blocks in place).
+Every other pass is NativeBackend's own.
 
-Not yet chosen by anything: the CPU keeps its contiguous slots (pool.py; issue 28 measured
-why), and a GPU server takes this once its decode step is graphed over the block tables.
+Not yet chosen by anything: the CPU keeps its contiguous slots (pool.py; issue 28 measured why),
+and a GPU server is to take it once the scheduler steps its sequences through
+paged_step.PagedSteps (graphed) and preempts on blocks.OutOfBlocks.
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ a step's sequences). Every other pass (a prefill, a speculative check) takes the
 path: the plans' writes scatter keys and values into the blocks, and what they attend over is
 each layer's positions gathered into one tensor, scored by attention.py as for the contiguous
 cache. That is exact (tests compare greedy tokens with the contiguous cache's in fp32) but costs
-a copy per layer and chunk; a prefill kernel that reads the blocks in place is the next step
-on a GPU, with CUDA graphs over the block tables.
+a copy per layer and chunk; a prefill kernel that reads the blocks in place is the next step on
+a GPU. The graphed decode step is paged_step.PagedSteps (one graph per batch size).
 
 Not held here yet (refused or said): sliding-window layers keep every position (correct, as a
 window is masked; a ring would bound their memory), a model with recurrent layers or layers that
-keep no keys and values of their own (Qwen3.5, Gemma 4's shared KV) is refused, and there are
-no fixed-shape (graphed) steps. A sequence's decode steps batched with others' go row by row.
+keep no keys and values of their own (Qwen3.5, Gemma 4's shared KV) is refused, and the
+contiguous cache's own batched step (forward.decode_sequences) takes paged caches row by row:
+paged_step.decode_sequences is theirs.
 """
 
 from __future__ import annotations
