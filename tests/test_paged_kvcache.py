@@ -151,6 +151,24 @@ def test_an_engine_s_earlier_text_comes_back_from_the_pool_s_kept_blocks(llama) 
 
 
 @torch.inference_mode()
+def test_positions_an_image_moved_are_the_decode_step_s_rope_positions_as_on_the_contiguous_cache(
+    llama,
+) -> None:
+    """After an image whose rows span fewer RoPE positions than rows (Qwen's multimodal RoPE),
+    text positions move back (KVCache.shifts): the paged step rotates by the moved ones."""
+    contiguous = NativeBackend(llama, CONTEXT)
+    paged = PagedBackend(None, CONTEXT, net=contiguous.net, store=_store(contiguous))
+    ids = prompt(20, seed=21)
+    for backend in (contiguous, paged):
+        backend.prefill(ids)
+        backend.cache.shift_from(20, -6)
+    assert paged.cache.rope_shift == -6
+    for token in prompt(4, seed=22):
+        step = torch.tensor([token])
+        torch.testing.assert_close(paged.decode(step), contiguous.decode(step), rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
 def test_save_restore_and_copy_prefix_hold_what_the_contiguous_cache_holds(llama) -> None:
     """The prefix store's three ways of bringing a text back: a host copy restored (the same
     SavedCache the contiguous cache saves), and another sequence's head copied (its blocks
@@ -326,12 +344,13 @@ def test_on_a_gpu_graphed_paged_steps_equal_each_sequence_alone_one_graph_per_ba
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_a_gpu_the_paged_engine_s_greedy_tokens_equal_the_contiguous_one_s() -> None:
-    """On cuda, fp32: the decode step through the Triton kernel, two sequences sharing a head."""
+    """On cuda, fp32: the decode step through the Triton kernel, replayed from a CUDA graph,
+    two sequences sharing a head."""
     model = build(*CASES["llama-gqa2"]).to("cuda")
     alone = [NativeBackend(model, CONTEXT) for _ in range(2)]
     store = _store(alone[0])
     assert store.device.type == "cuda"
-    paged = [PagedBackend(None, CONTEXT, net=alone[0].net, store=store) for _ in range(2)]
+    paged = [PagedBackend(None, CONTEXT, net=alone[0].net, store=store, graphs=True) for _ in range(2)]
     head = prompt(40, seed=30)
     for sequence, ids in enumerate((head, head + prompt(9, seed=31))):
         expected, expected_logits = _greedy(alone[sequence], ids, 30)

@@ -18,7 +18,7 @@ import torch
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.blocks import BLOCK_SIZE
 from llmcli.engine.native.paged_kvcache import PagedKVCache, PagedStore
-from llmcli.engine.native.paged_step import PagedAttention, decode_sequences
+from llmcli.engine.native.paged_step import PagedAttention, PagedSteps, decode_sequences
 
 
 class PagedBackend(NativeBackend):
@@ -35,11 +35,15 @@ class PagedBackend(NativeBackend):
         store: PagedStore | None = None,
         net: Any = None,
         attend: PagedAttention | None = None,
+        graphs: bool = False,
     ) -> None:
+        """`graphs`: replay the decode step from a CUDA graph (paged_step.PagedSteps: one for
+        every length, the block table read from a fixed buffer)."""
         super().__init__(model, context_length, net=net)
         self.store = store or PagedStore.for_net(self.net, -(-context_length // BLOCK_SIZE))
         self.cache = PagedKVCache(self.store, context_length)  # type: ignore[assignment]
         self.attend = attend
+        self.steps = PagedSteps(self.net, self.store, context_length, graphs=graphs, attend=attend)
 
     def prefill(self, ids: list[int], ends_prompt: bool = True) -> torch.Tensor:
         if ids:
@@ -53,4 +57,7 @@ class PagedBackend(NativeBackend):
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
-        return decode_sequences(self.net, token.view(1), [self.cache], self.attend)  # type: ignore[list-item]
+        ids = token.view(-1).tolist()  # a sync on a GPU: the token's id keys its block
+        if self.cache.shifts:  # an image moved text positions: the eager step takes them
+            return decode_sequences(self.net, token.view(1), [self.cache], self.attend)  # type: ignore[list-item]
+        return self.steps.decode(ids, [self.cache])  # type: ignore[list-item]
