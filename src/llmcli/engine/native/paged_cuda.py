@@ -40,7 +40,7 @@ The choice against an existing kernel from the package index (checked with pip, 
   installing it would replace the user's torch. Far too heavy a dependency for one kernel.
 - flashinfer-python 0.7.2: a pure-Python wheel whose CUDA kernels are compiled at first use
   (nvcc needed) or come from a separate flashinfer-cubin package of prebuilt binaries; it
-  takes paged KV (its "NHD" layout is this one), GQA, soft caps, windows and sinks.
+  takes paged KV (its "NHD" layout is this one), GQA, soft caps and windows (sinks not checked).
 So Triton (already what llmcli's GPU kernels use, installed with torch on CUDA) is the default.
 What the first GPU must compare: `python scripts/bench_paged_cuda.py` (this kernel against the
 contiguous cache's SDPA and against gathering, 1/8/16 sequences of 512–8k tokens, Llama-8B,
