@@ -491,7 +491,10 @@ class Slots:
         if paged:
             graphed = backend.graphs is not None
             context = first.context_length
-            self.paged = PagedSlots(backend.net, context, kv_limit, graphs=graphed)
+            # At most every slot's whole context: more would only keep ended requests' blocks,
+            # and a pool is allocated whole (on a CPU, `kv_limit` defaults to half its memory).
+            whole = count * backend.kv_bytes_for(context)
+            self.paged = PagedSlots(backend.net, context, min(kv_limit or whole, whole), graphs=graphed)
             # What host copies would keep, the pool keeps as blocks shared by content.
             self.prefixes.budget_bytes = 0
             backend = self.paged.backend(backend.net)
