@@ -28,6 +28,7 @@ from llmcli.engine.bench import low_high, prompt_of, synchronize, timed
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.batched import BatchedDecode
+from llmcli.engine.native.blocks import BLOCK_SIZE
 from llmcli.engine.native.paged_slots import PagedSlots
 from llmcli.models.load import LoadedModel
 
@@ -92,8 +93,8 @@ def run_concurrency_bench(
     graphed, fixed = first.graphs is not None, first.static_shapes
     backends: list[NativeBackend]
     batched: BatchedDecode | PagedSlots
-    if paged:  # room for every sequence's whole context: the bench measures steps, not preemption
-        room = first.kv_bytes_for(context) * max(levels)
+    if paged:  # room for what every sequence fills: the bench measures steps, not preemption
+        room = first.kv_bytes_for(prompt_length + new_tokens + BLOCK_SIZE) * max(levels)  # + rounding
         paged_slots = PagedSlots(first.net, context, room, graphs=graphed)
         backends = [paged_slots.backend(first.net) for _ in range(max(levels))]
         batched = paged_slots
