@@ -21,9 +21,10 @@ slots share one prefix store (prefix.py), which answers where a prompt starts fr
 takes the free slot whose cache shares the most with its prompt; as its generation starts, what
 it crops is set aside in host memory, a conversation set aside comes back into it, or, where a
 running generation's cache shares more (requests with one system prompt, a request's n
-choices), that prefix is copied from it, a memory copy rather than a prefill (a KV cache in
-blocks shared by content would hold it once; on a CPU the attention over gathered blocks cost
-more than it saves: docs/benchmarks.md).
+choices), that prefix is copied from it, a memory copy rather than a prefill. Over a paged pool
+(`Slots(paged=True)`, a GPU's default) such a prefix is held once, its blocks shared by content,
+and kept after its generation ends (on a CPU the attention over gathered blocks cost more than
+it saves: docs/benchmarks.md).
 """
 
 from __future__ import annotations
