@@ -144,12 +144,11 @@ measure() { # measure NAME SECONDS CONFIG [extra args]: one lease step of `llmcl
         --device "$device" --prompt-lengths 128 -n "$tokens" --runs "$lease_runs" --json "$@"
 }
 
-# The streams rows' command: `llmcli bench --concurrency 1,N` (what `serve --parallel` runs, as
-# bench_batch measures it today). When the batched CUDA graphs land with an option of their own,
-# change this function alone; gpu_table.py reads its --json (levels: sequences, aggregate_tok_s,
-# versus_one).
+# The streams rows' command: `llmcli bench --concurrency 1,N` over the KV layout a GPU server
+# takes by default (`serve --kv-layout paged`: one paged pool, a CUDA graph per batch size);
+# gpu_table.py reads its --json (levels: sequences, aggregate_tok_s, versus_one).
 streams() { # streams NAME SECONDS CONFIG SEQUENCES
-    measure "$1" "$2" "$3" --concurrency "1,$4"
+    measure "$1" "$2" "$3" --concurrency "1,$4" --kv-layout paged
 }
 
 card() { # the card the table names

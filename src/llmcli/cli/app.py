@@ -92,6 +92,14 @@ CHAT_TOOLS = Only("functions", "yes", "tool_choice", "mcp", "mcp_timeout", "mcp_
 # small model, and a server's --parallel is far lower.
 MAX_BENCH_CONCURRENCY = 64
 DEFAULT_BENCH_PROMPT_LENGTHS = "128,512,2048"
+# Where a server's generations keep their keys and values (engine/native/paged_slots.py).
+KV_LAYOUT_OPTION = typer.Option(
+    "--kv-layout",
+    help="paged: blocks of one pool, shared by content across requests (a system prompt computed "
+    "once), read in place; slots: a contiguous cache per generation. Default: paged on a GPU, "
+    "slots on a CPU.",
+    show_default=False,
+)
 BENCH_LOADING = Only("device", "dtype", "threads", "quant", "quant_type", "context_length", "fast", "engine")
 
 
@@ -464,6 +472,7 @@ def bench(
             show_default=False,
         ),
     ] = None,
+    kv_layout: Annotated[str | None, KV_LAYOUT_OPTION] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
     load: Annotated[LoadSettings, BENCH_LOADING],
     speculative: SpeculativeSettings,
@@ -492,6 +501,9 @@ def bench(
     effective = _effective(model, SamplingSettings(), PromptSettings(), load, SpeculativeSettings())
     speculation = SpeculativeSettings.from_values(flag_values(speculative))
     levels = _concurrency_levels(concurrency, context_fill, compiled, baseline, speculation)
+    check_kv_layout(kv_layout)
+    if kv_layout is not None and levels is None:
+        raise UsageError("--kv-layout measures the steps of --concurrency: add --concurrency 1,2,4,8")
     one_length = None  # the modes that measure at one prompt length
     if levels is not None or speculation.method != "off":
         one_length = "--concurrency" if levels is not None else "--speculative"
@@ -517,9 +529,15 @@ def bench(
             load=measured,
             speculative=speculation,
             concurrency=levels,
+            kv_layout=kv_layout,
         )
     )
     raise typer.Exit(code)
+
+
+def check_kv_layout(layout: str | None) -> None:
+    if layout is not None and layout not in ("paged", "slots"):
+        raise UsageError(f"--kv-layout must be paged or slots, got {layout!r}")
 
 
 def _concurrency_levels(
@@ -633,6 +651,7 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    kv_layout: Annotated[str | None, KV_LAYOUT_OPTION] = None,
     models_max: Annotated[
         int,
         typer.Option(
@@ -665,6 +684,7 @@ def serve(
         raise UsageError(f"--models-max must be at least 1, got {models_max}")
     if parallel is not None and parallel < 1:
         raise UsageError(f"--parallel must be at least 1, got {parallel}")
+    check_kv_layout(kv_layout)
     kv_memory_bytes = bytes_of_size(kv_memory, "--kv-memory") if kv_memory is not None else None
     if kv_memory is not None and parallel == 1:
         raise UsageError(
@@ -689,6 +709,7 @@ def serve(
             max_queue=max_queue,
             parallel=parallel,
             kv_memory=kv_memory_bytes,
+            kv_layout=kv_layout,
             quiet=quiet,
             idle_exit_s=idle_exit_s,
             models_max=models_max,

@@ -11,7 +11,9 @@ running one generation at a time decodes), which C = 1 (a batching server's lone
 reported against. Reported per level: the aggregate tok/s (tokens of every sequence over the
 steps' wall time), its ratio to C = 1, what one sequence sees, and the KV memory the C caches
 hold at the end beside the tokens they hold. What a server adds (HTTP, one thread per request)
-is not here: scripts/bench_concurrency.py measures that through real clients.
+is not here: scripts/bench_concurrency.py measures that through real clients. With `paged` the
+C caches are sequences of one paged pool instead, stepped by paged_slots.PagedSlots (`serve
+--kv-layout paged`, a GPU server's default: one graph per batch size for every length).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from llmcli.engine.bench import low_high, prompt_of, synchronize, timed
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import NativeBackend
 from llmcli.engine.native.batched import BatchedDecode
+from llmcli.engine.native.blocks import BLOCK_SIZE
+from llmcli.engine.native.paged_slots import PagedSlots
 from llmcli.models.load import LoadedModel
 
 
@@ -53,6 +57,7 @@ class ConcurrencyReport:
     # How the steps ran: "CUDA graphs", "fixed shapes, eager" (--fast on a CPU) or "eager"; and
     # why several sequences' step took no fixed shapes where it did not (batched.eager_reason).
     steps: str = "eager"
+    kv_layout: str = "slots"  # the C caches: slots of a contiguous pool, or one paged pool
     batched_eager_reason: str | None = None
     # One sequence on the engine's own step and cache (what one generation at a time runs), and
     # the C = 1 level (one sequence in a slot of the pool, as a batching server's lone one) ÷ it.
@@ -72,6 +77,7 @@ def run_concurrency_bench(
     prompt_length: int,
     new_tokens: int,
     runs: int,
+    paged: bool = False,
 ) -> ConcurrencyReport:
     first = engine.backend
     if not isinstance(first, NativeBackend):
@@ -85,11 +91,19 @@ def run_concurrency_bench(
     context = first.cache.context_length
     pool = first.net.new_pool(context)
     graphed, fixed = first.graphs is not None, first.static_shapes
-    backends = [
-        NativeBackend(None, context, net=first.net, pool=pool, graphs=graphed, static_shapes=fixed)
-        for _ in range(max(levels))
-    ]
-    batched = BatchedDecode(first.net, pool, graphs=graphed, static_shapes=fixed)
+    backends: list[NativeBackend]
+    batched: BatchedDecode | PagedSlots
+    if paged:  # room for what every sequence fills: the bench measures steps, not preemption
+        room = first.kv_bytes_for(prompt_length + new_tokens + BLOCK_SIZE) * max(levels)  # + rounding
+        paged_slots = PagedSlots(first.net, context, room, graphs=graphed)
+        backends = [paged_slots.backend(first.net) for _ in range(max(levels))]
+        batched = paged_slots
+    else:
+        backends = [
+            NativeBackend(None, context, net=first.net, pool=pool, graphs=graphed, static_shapes=fixed)
+            for _ in range(max(levels))
+        ]
+        batched = BatchedDecode(first.net, pool, graphs=graphed, static_shapes=fixed)
     prompts = [prompt_of(prompt_length + index, vocab)[:prompt_length] for index in range(len(backends))]
     report = ConcurrencyReport(
         model=loaded.name,
@@ -101,7 +115,8 @@ def run_concurrency_bench(
         runs=runs,
         kv_bytes_per_token=loaded.kv_bytes_per_token,
         steps="CUDA graphs" if graphed else "fixed shapes, eager" if fixed else "eager",
-        batched_eager_reason=batched.eager_reason,
+        kv_layout="paged" if paged else "slots",
+        batched_eager_reason=None if paged else batched.eager_reason,  # type: ignore[union-attr]
     )
     seconds: dict[int, list[float]] = {level: [] for level in levels}
     single: list[float] = []
@@ -145,7 +160,10 @@ def run_concurrency_bench(
 
 @torch.inference_mode()
 def _decode_together(
-    backends: list[NativeBackend], prompts: list[list[int]], new_tokens: int, batched: BatchedDecode
+    backends: list[NativeBackend],
+    prompts: list[list[int]],
+    new_tokens: int,
+    batched: BatchedDecode | PagedSlots,
 ) -> float:
     """Prefill each sequence, then time `new_tokens` greedy steps of all of them together."""
     logits = torch.cat([backend.prefill(ids) for backend, ids in zip(backends, prompts, strict=False)])

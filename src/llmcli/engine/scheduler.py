@@ -11,7 +11,9 @@ decode step for all the waiting tokens together (native/batched.py: the weights 
 every row; on a GPU one CUDA graph per batch bucket and length bucket), and hands each its
 logits; one waiting alone takes its own step (its own graph). A generation joins at the next
 step and leaves when it ends; one whose step ran out of memory beside others is preempted
-(ComputeThread._decode).
+(ComputeThread._decode). Over a paged KV pool (native/paged_slots.py) the newest sequence is
+preempted when a step or a prefill finds no free block: its keys and values set aside in host
+memory, its blocks let go, its pass parked until there is room again (ComputeThread._park).
 
 Each generation has an engine of its own (`Slots`): its own cache over the shared weights, so a
 row's logits are what it would get alone (tests/test_native.py holds them within 1e-5). The
@@ -19,9 +21,10 @@ slots share one prefix store (prefix.py), which answers where a prompt starts fr
 takes the free slot whose cache shares the most with its prompt; as its generation starts, what
 it crops is set aside in host memory, a conversation set aside comes back into it, or, where a
 running generation's cache shares more (requests with one system prompt, a request's n
-choices), that prefix is copied from it, a memory copy rather than a prefill (a KV cache in
-blocks shared by content would hold it once; on a CPU the attention over gathered blocks cost
-more than it saves: docs/benchmarks.md).
+choices), that prefix is copied from it, a memory copy rather than a prefill. Over a paged pool
+(`Slots(paged=True)`, a GPU's default) such a prefix is held once, its blocks shared by content,
+and kept after its generation ends (on a CPU the attention over gathered blocks cost more than
+it saves: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from llmcli.engine.image_markers import chunk_ends
 from llmcli.engine.loop import Engine
 from llmcli.engine.native.backend import GRAPHED_ROWS, NativeBackend
 from llmcli.engine.native.batched import BatchedDecode
+from llmcli.engine.native.paged_backend import PagedBackend
+from llmcli.engine.native.paged_slots import PagedSlots
 from llmcli.engine.native.pool import SlotPool
 from llmcli.errors import KVMemoryFull
 
@@ -62,6 +67,7 @@ class _Pass:
     backend: NativeBackend | None = None  # a decode step of this backend's sequence
     token: torch.Tensor | None = None
     call: Callable[[], Any] | None = None  # a prefill, a check, a warm-up: run alone
+    owner: NativeBackend | None = None  # the sequence a call writes (a prefill, a check)
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -82,13 +88,19 @@ class ComputeThread(Executor):
         self._first_pass_at = 0.0
         self._stopping = False
         self.on_step: Callable[[int], None] | None = None  # told each decode step's sequence count
+        self.on_preempt: Callable[[], None] | None = None  # told each sequence preempted for blocks
         # The decode step of several sequences of Slots' pool (batched.py: fixed shapes, a CUDA
         # graph per shape, where the engine takes them); None: Transformer.decode_sequences.
-        self.batched: BatchedDecode | None = None
+        self.batched: BatchedDecode | PagedSlots | None = None
         # Out of memory in a step of several sequences (_decode): the newest is preempted.
         self._joined: dict[int, int] = {}  # id(backend) → when its running generation took it
         self._joins = itertools.count()
         self._fits: int | None = None  # sequences a step held when one last fitted after running out
+        # Passes of sequences preempted for want of a paged pool's blocks, the first preempted
+        # first: run once they have room again (_readmit), tried at each step and as a
+        # generation ends (`_room_freed`).
+        self._parked: list[_Pass] = []
+        self._room_freed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -128,6 +140,7 @@ class ComputeThread(Executor):
                 self.active -= 1
                 self._fits = None  # fewer sequences now: a full step may fit again
                 with self._changed:
+                    self._room_freed = True  # its blocks let go: a parked sequence may fit
                     self._changed.notify()  # a step may have been waiting for this one
 
     def joined(self, backend: NativeBackend) -> None:
@@ -156,17 +169,21 @@ class ComputeThread(Executor):
         with torch.inference_mode():  # as every generation runs; thread-local, so set here
             while True:
                 with self._changed:
-                    while not (self._stopping or self._calls or self._step_ready()):
+                    while not (self._stopping or self._calls or self._step_ready() or self._retry()):
                         self._changed.wait(timeout=self._wait_s())
                     if self._stopping and not self._passes:
+                        _fail(self._parked, RuntimeError("the server stopped"))
                         return
                     calls, self._calls = self._calls, []
                     passes = self._passes if self._step_ready() else []
                     if passes:
                         self._passes = []
+                    retry, self._room_freed = self._retry(), False
                 for future, call in calls:
                     if future.set_running_or_notify_cancel():
                         self._run_call(future, call)
+                if retry or (passes and self._parked):
+                    passes = self._readmit(margin=len(passes)) + passes
                 if passes:
                     self._step(passes)
 
@@ -175,7 +192,12 @@ class ComputeThread(Executor):
         enough."""
         if not self._passes:
             return False
-        return len(self._passes) >= self.active or time.monotonic() - self._first_pass_at >= STRAGGLER_WAIT_S
+        waiting = len(self._passes) + len(self._parked)
+        return waiting >= self.active or time.monotonic() - self._first_pass_at >= STRAGGLER_WAIT_S
+
+    def _retry(self) -> bool:
+        """A generation ended while others were parked: their room may be free now."""
+        return self._room_freed and bool(self._parked)
 
     def _wait_s(self) -> float | None:
         return STRAGGLER_WAIT_S if self._passes else None
@@ -194,7 +216,7 @@ class ComputeThread(Executor):
         decodes = [wanted for wanted in passes if wanted.backend is not None]
         for wanted in passes:
             if wanted.call is not None:
-                _settle(wanted, wanted.call)
+                self._alone(wanted, wanted.call)
         if decodes and self.on_step is not None:
             self.on_step(len(decodes))
         if decodes:
@@ -230,6 +252,9 @@ class ComputeThread(Executor):
                 requeued.insert(0, together.pop())
                 self._fits = len(together)
                 continue
+            except KVMemoryFull as error:  # a paged pool's blocks: room made before any write
+                self._park(together.pop(), error)
+                continue
             except BaseException as error:
                 _fail(together, error)
                 together = []
@@ -241,7 +266,66 @@ class ComputeThread(Executor):
         for wanted in together + requeued:  # alone: each its own step, as one sequence's is
             backend, token = wanted.backend, wanted.token
             assert backend is not None and token is not None
-            _settle(wanted, lambda backend=backend, token=token: backend.decode(token))
+            self._alone(wanted, lambda backend=backend, token=token: backend.decode(token))
+
+    def _alone(self, wanted: _Pass, call: Callable[[], Any]) -> None:
+        """`wanted`'s pass on its own; one that finds no free block in a paged pool parked."""
+        try:
+            wanted.result = call()
+        except KVMemoryFull as error:
+            self._park(wanted, error)  # parked, or the error told
+            return
+        except BaseException as error:
+            wanted.error = error
+        wanted.done.set()
+
+    def _park(self, wanted: _Pass, error: KVMemoryFull) -> bool:
+        """Preempt the sequence of a pass that found no free block of a paged pool (its keys and
+        values copied to host memory, its blocks let go) and park the pass until there is room:
+        True. Where no other sequence holds a block to wait for (the sequence alone does not fit
+        the pool), or the pool is not paged, the error is the pass's, told to it: False."""
+        backend = wanted.owner or wanted.backend
+        if not isinstance(backend, PagedBackend) or not _others_hold_blocks(backend):
+            wanted.error = error
+            wanted.done.set()
+            return False
+        backend.preempt()
+        self._parked.append(wanted)
+        if self.on_preempt is not None:
+            self.on_preempt()
+        return True
+
+    def _readmit(self, margin: int) -> list[_Pass]:
+        """The parked passes whose sequences fit the pool again, held again (the first preempted
+        first, none past one that does not fit). Beside running sequences, one is tried only
+        where `margin` more blocks (one per running sequence's next step) stay free after it, so
+        a sequence brought back is not preempted again at once."""
+        back: list[_Pass] = []
+        while self._parked:
+            wanted = self._parked[0]
+            backend = wanted.owner or wanted.backend
+            assert isinstance(backend, PagedBackend) and backend.preempted is not None
+            others = _others_hold_blocks(backend)
+            blocks = backend.store.blocks
+            need = -(-(backend.preempted.length + 1) // blocks.block_size)
+            if others and blocks.available() < need + margin:
+                break
+            try:
+                backend.readmit()
+            except KVMemoryFull as error:
+                if others:
+                    break
+                self._parked.pop(0)  # nothing left to wait for: it does not fit alone
+                _fail([wanted], error)
+                continue
+            back.append(self._parked.pop(0))
+        return back
+
+
+def _others_hold_blocks(backend: PagedBackend) -> bool:
+    """Whether sequences besides `backend`'s hold blocks of its pool (kept ones held by none)."""
+    blocks = backend.store.blocks
+    return blocks.num_blocks - blocks.available() > backend.holds_blocks_alone()
 
 
 def _fail(passes: list[_Pass], error: BaseException) -> None:
@@ -264,7 +348,7 @@ def _settle(wanted: _Pass, call: Callable[[], Any]) -> None:
     wanted.done.set()
 
 
-def _decode_together(decodes: list[_Pass], batched: BatchedDecode | None) -> torch.Tensor:
+def _decode_together(decodes: list[_Pass], batched: BatchedDecode | PagedSlots | None) -> torch.Tensor:
     backends = [wanted.backend for wanted in decodes]
     assert all(backend is not None for backend in backends)
     caches = [backend.cache for backend in backends]  # type: ignore[union-attr]
@@ -308,12 +392,16 @@ class TakingTurns:
                 if self._joins
                 else (lambda piece=piece: self.inner.prefill(piece))
             )
-            logits = self.compute.run(_Pass(call=call))
+            logits = self.compute.run(_Pass(call=call, owner=self._owner()))
         assert logits is not None, "a prefill of nothing"
         return logits
 
     def score(self, ids: list[int]) -> torch.Tensor:
-        return self.compute.run(_Pass(call=lambda: self.inner.score(ids)))
+        return self.compute.run(_Pass(call=lambda: self.inner.score(ids), owner=self._owner()))
+
+    def _owner(self) -> NativeBackend | None:
+        """The sequence a call writes, preempted where it runs out of a paged pool's blocks."""
+        return self.inner if self._joins else None
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         if not self._joins:
@@ -324,13 +412,26 @@ class TakingTurns:
         return self.compute.run(_Pass(call=self.inner.warm_up))
 
     def crop(self, length: int) -> None:
+        if isinstance(self.inner, PagedBackend):  # blocks let go: the pool's bookkeeping, shared
+            self.compute.run(_Pass(call=lambda: self.inner.crop(length)))
+            return
         self.inner.crop(length)
 
     def resumable(self, length: int) -> int:
         return self.inner.resumable(length)
 
     def reset(self) -> None:
+        if isinstance(self.inner, PagedBackend):
+            self.compute.run(_Pass(call=self.inner.reset))
+            return
         self.inner.reset()
+
+    def share_prefix(self, ids: list[int]) -> int:
+        """A paged sequence, from empty, holding the blocks published for `ids`: how many it holds."""
+        return self.compute.run(_Pass(call=lambda: self.inner.share_prefix(ids)))
+
+    def release(self) -> None:
+        self.compute.run(_Pass(call=self.inner.release))
 
     # On the compute thread too: a cache in a pool may grow, and a pool that grows moves every
     # slot's tensors, which no pass of another sequence may be using then.
@@ -357,14 +458,25 @@ class Slots:
     generations' caches). A generation reserves, as it starts, the positions its prompt and
     max_tokens may fill, so the pool never grows past the limit part way through a step and
     nothing running needs preempting; one whose reservation does not fit is refused
-    (KVMemoryFull), and the running ones go on."""
+    (KVMemoryFull), and the running ones go on.
+
+    With `paged` the caches are sequences of one paged pool of `kv_limit` bytes instead
+    (native/paged_slots.py): nothing is reserved, a sequence takes blocks as it grows (one that
+    finds none is preempted: ComputeThread._park), and a generation that ends lets its blocks go,
+    kept for their content: a later prompt starting with the same text holds them again (`take`)."""
 
     def __init__(
-        self, first: Engine, count: int, compute: ComputeThread, kv_limit: int | None = None
+        self,
+        first: Engine,
+        count: int,
+        compute: ComputeThread,
+        kv_limit: int | None = None,
+        *,
+        paged: bool = False,
     ) -> None:
         """With `count` 1 the engine is left as it is: its one generation at a time runs on
         the compute thread itself (as a call), with nothing to hand over per token, and its
-        cache grows as far as the context (no `kv_limit`)."""
+        cache grows as far as the context (no `kv_limit`; `paged`: a pool of one context)."""
         backend = first.backend
         assert isinstance(backend, NativeBackend) or count == 1
         assert kv_limit is None or count > 1
@@ -375,8 +487,23 @@ class Slots:
         self.engines: list[Engine] = [first]
         self.prefixes = first.prefixes  # one store: a conversation may come back in any slot
         self.prefixes.attach(first)
-        self.batched: BatchedDecode | None = None
-        if count > 1:
+        self.batched: BatchedDecode | PagedSlots | None = None
+        self.paged: PagedSlots | None = None
+        if paged:
+            graphed = backend.graphs is not None
+            context = first.context_length
+            # At most every slot's whole context: more would only keep ended requests' blocks,
+            # and a pool is allocated whole (on a CPU, `kv_limit` defaults to half its memory).
+            whole = count * backend.kv_bytes_for(context)
+            self.paged = PagedSlots(backend.net, context, min(kv_limit or whole, whole), graphs=graphed)
+            # What host copies would keep, the pool keeps as blocks shared by content.
+            self.prefixes.budget_bytes = 0
+            backend = self.paged.backend(backend.net)
+            first.cached_ids = []
+            first.backend = TakingTurns(backend, compute) if count > 1 else backend
+            if count > 1:
+                self.batched = compute.batched = self.paged
+        elif count > 1:
             # Every slot's steps take the first's shapes: a CUDA graph per bucket where it has
             # them (a lone sequence's step as fast as one generation at a time), else eager.
             graphed, fixed = backend.graphs is not None, backend.static_shapes
@@ -388,13 +515,17 @@ class Slots:
             self.batched = BatchedDecode(backend.net, self.pool, graphs=graphed, static_shapes=fixed)
             compute.batched = self.batched
         for _ in range(count - 1):
-            more = NativeBackend(
-                None,
-                first.context_length,
-                net=backend.net,
-                pool=self.pool,
-                graphs=graphed,
-                static_shapes=fixed,
+            more = (
+                self.paged.backend(backend.net)
+                if self.paged is not None
+                else NativeBackend(
+                    None,
+                    first.context_length,
+                    net=backend.net,
+                    pool=self.pool,
+                    graphs=graphed,
+                    static_shapes=fixed,
+                )
             )
             engine = Engine(TakingTurns(more, compute), first.eos_token_ids, first.context_length)
             engine.prefixes = self.prefixes
@@ -413,11 +544,16 @@ class Slots:
         `longest`: the positions the generation may fill at most (default: the context), which
         it reserves. `cache_key` (a client's prompt_cache_key): see _keyed."""
         best = self._keyed(prompt_ids, cache_key)
-        if self.kv_limit is not None:
+        if self.kv_limit is not None and self.paged is None:
             # Room for a speculative check's rows past the last token too (cropped after it).
             wanted = (longest + GRAPHED_ROWS[-1]) if longest is not None else best.context_length
             self._reserve(best, min(wanted, best.context_length))
-        self.free.remove(best)
+        self.free.remove(best)  # before the turn is given up below: no other request takes it
+        if self.paged is not None and isinstance(best.backend, TakingTurns):
+            # Its blocks were let go as its last generation ended: the ones published for this
+            # prompt's text are held again, the prefix the prompt need not prefill (prefix.py
+            # sees them as the engine's own cache).
+            best.cached_ids = list(prompt_ids[: best.backend.share_prefix(prompt_ids)])
         self.prefixes.running(best, busy=True)
         if isinstance(best.backend, TakingTurns):
             self.compute.joined(best.backend.inner)
@@ -477,6 +613,11 @@ class Slots:
         return self.pool.bytes_for(slots, capacity) + slots * cache.bytes_beside_pool()
 
     def give_back(self, engine: Engine) -> None:
+        if self.paged is not None and isinstance(engine.backend, TakingTurns):
+            # Kept for their content (blocks.py) rather than held by an idle slot: evicted only
+            # when memory is needed, and shared with any prompt that starts with the same text.
+            engine.backend.release()
+            engine.cached_ids = []
         self.reserved.pop(id(engine), None)
         self.prefixes.running(engine, busy=False)
         self.free.append(engine)

@@ -33,6 +33,7 @@ class BenchRequest:
     load: LoadSettings
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     concurrency: list[int] | None = None  # sequences at once, 1 among them; None: the usual bench
+    kv_layout: str | None = None  # their caches: "paged" or "slots" (None: a server's default)
 
 
 def run(request: BenchRequest) -> int:
@@ -119,6 +120,12 @@ def _run_concurrency(request: BenchRequest, loaded: LoadedModel, engine) -> int:
             f"--concurrency measures the native engine's batched step; this model runs on the "
             f"{engine.name} engine, which decodes one sequence per step"
         )
+    from llmcli.engine.native.paged_slots import default_layout, paged_refusal
+
+    layout = request.kv_layout or default_layout(engine.device)
+    refusal = paged_refusal(engine.backend) if layout == "paged" else None
+    if refusal is not None and request.kv_layout is not None:
+        raise UsageError(refusal)
     length = request.prompt_lengths[0]
     if length + request.new_tokens > loaded.context_length:
         raise UsageError(
@@ -133,6 +140,7 @@ def _run_concurrency(request: BenchRequest, loaded: LoadedModel, engine) -> int:
             prompt_length=length,
             new_tokens=request.new_tokens,
             runs=request.runs,
+            paged=layout == "paged" and refusal is None,
         )
     text = json.dumps(report.as_dict()) if request.json else render_concurrency_table(report)
     sys.stdout.write(text + "\n")

@@ -60,6 +60,7 @@ class ServeRequest:
     max_queue: int = 16  # generations waiting for the worker, at most
     parallel: int | None = None  # generations at once (None: _parallel's default)
     kv_memory: int | None = None  # bytes their caches may hold together (None: kv_memory_default)
+    kv_layout: str | None = None  # "paged" or "slots" (None: _kv_layout's default)
     quiet: bool = False  # no access log
     idle_exit_s: float | None = None  # stop after this long without a request (keep-alive servers)
     models_max: int = 1  # models held at once: a request naming another swaps the idle one out
@@ -234,7 +235,9 @@ def _serve_model(
     engine.prefixes = PrefixStore(kept_budget(loaded.kv_bytes_per_token, loaded.context_length))
     attach_disk_cache(engine, loaded, request.load)  # a restarted server resumes its conversations
     kv_memory = request.kv_memory or kv_memory_default(engine.device)
-    parallel = _parallel(request, engine, kv_memory)
+    paged = _kv_layout(request, engine) == "paged"
+    parallel = _parallel(request, engine, kv_memory, paged)
+    paged = paged and (parallel > 1 or request.kv_layout == "paged")
     served = dataclasses.replace(
         server,
         loaded=loaded,
@@ -263,8 +266,9 @@ def _serve_model(
             speculation_with_feedback, loaded, model_spec, speculative, request.load, engine
         ).result()
     served.speculative = speculative.method
-    served.slots = Slots(engine, parallel, worker, kv_memory if parallel > 1 else None)
+    served.slots = Slots(engine, parallel, worker, kv_memory if parallel > 1 else None, paged=paged)
     worker.on_step = served.metrics.step_sequences.observe
+    worker.on_preempt = served.metrics.preempted.inc
     # One at a time: each generation runs on the compute thread itself, as before batching.
     if parallel > 1:
         served.generations = ThreadPoolExecutor(parallel, "llmcli-generation", initializer=_small_ops_alone)
@@ -327,20 +331,41 @@ def _small_ops_alone() -> None:
     torch.set_num_threads(1)
 
 
-def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
+def _kv_layout(request: ServeRequest, engine: Any) -> str:
+    """Where the generations' keys and values live (native/paged_slots.py): --kv-layout, else
+    paged on a GPU where the model takes it, else slots. One asked for and not honoured here is
+    refused in one line."""
+    from llmcli.engine.native.paged_slots import default_layout, paged_refusal
+
+    asked = request.kv_layout
+    if asked == "slots" or (asked is None and default_layout(engine.device) == "slots"):
+        return "slots"
+    refusal = paged_refusal(engine.backend)
+    if refusal is None and request.speculative.method in ("draft", "mtp"):
+        refusal = f"--kv-layout paged and --speculative {request.speculative.method} do not combine"
+    if refusal is not None and asked is not None:
+        raise UsageError(refusal)
+    return "slots" if refusal is not None else "paged"
+
+
+def _parallel(request: ServeRequest, engine: Any, kv_memory: int, paged: bool = False) -> int:
     """How many generations run at once: --parallel, else where the native engine batches its
     decode steps by default as many whole contexts as `kv_memory` holds, up to a cap: on a CPU
     (at most DEFAULT_PARALLEL), and on a GPU where the batched step replays as CUDA graphs
     (at most DEFAULT_PARALLEL_GPU; a lone sequence there replays its own step's graph, as fast
     as one at a time). Elsewhere 1: transformers' engine, a drafter holding one cache, and on a
     GPU without graphs (--no-fast) or a model whose batched step cannot take fixed shapes
-    (batched.eager_reason), whose eager steps of several sequences are not measured there."""
+    (batched.eager_reason), whose eager steps of several sequences are not measured there.
+    `paged`: the generations' blocks share `kv_memory` as they grow (a sequence that finds none
+    preempted), so it bounds no count of whole contexts; a paged step takes at most
+    paged_slots.MOST_SEQUENCES."""
     from llmcli.engine.native.backend import NativeBackend
+    from llmcli.engine.native.paged_slots import MOST_SEQUENCES
 
     native = isinstance(engine.backend, NativeBackend)
     one_cache = request.speculative.method in ("draft", "mtp")  # a drafter that holds one cache
     if request.parallel is None:
-        most = _default_parallel(engine) if native and not one_cache else 1
+        most = _default_parallel(engine, paged) if native and not one_cache else 1
         if most == 1:
             if request.kv_memory is not None:
                 raise UsageError(
@@ -350,6 +375,8 @@ def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
                     "GPU with graphs)",
                 )
             return 1
+        if paged:
+            return min(most, MOST_SEQUENCES)
         whole_contexts = kv_memory // engine.backend.kv_bytes_for(engine.context_length)
         if _fixed_batches(engine):
             whole_contexts -= 1  # the scratch slot the padded step's spare rows write (batched.py)
@@ -366,15 +393,21 @@ def _parallel(request: ServeRequest, engine: Any, kv_memory: int) -> int:
             f"--parallel and --speculative {method} do not combine: {holder} holds one cache",
             "use --speculative lookup, or leave --parallel out",
         )
+    if paged and request.parallel > MOST_SEQUENCES:
+        raise UsageError(
+            f"--parallel {request.parallel}: a paged step takes at most {MOST_SEQUENCES} sequences",
+            f"ask for --parallel {MOST_SEQUENCES} or fewer, or --kv-layout slots",
+        )
     return request.parallel
 
 
-def _default_parallel(engine: Any) -> int:
+def _default_parallel(engine: Any, paged: bool) -> int:
     """The most generations the native engine runs at once by default on its device: 1 where it
-    does not batch them by default."""
+    does not batch them by default (a paged step is graphed for any model the paged pool takes)."""
     if engine.device.type == "cpu":
         return DEFAULT_PARALLEL
-    return DEFAULT_PARALLEL_GPU if engine.backend.graphs is not None and _fixed_batches(engine) else 1
+    graphed = engine.backend.graphs is not None
+    return DEFAULT_PARALLEL_GPU if graphed and (paged or _fixed_batches(engine)) else 1
 
 
 def _fixed_batches(engine: Any) -> bool:

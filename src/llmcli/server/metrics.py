@@ -2,8 +2,8 @@
 
 `/metrics` is Prometheus's text format (prometheus_client, its own registry per app): requests
 by route and status, prompt / completion / cached tokens, time to first token and decode speed
-as histograms, the sequences each decode step ran for, requests waiting for the worker, and
-requests whose client left before the end.
+as histograms, the sequences each decode step ran for, requests waiting for the worker,
+requests whose client left before the end, and sequences preempted for want of KV blocks.
 The access log is one line per request on stderr (method, route, status, tokens, ms), a
 request whose client left included (status 499, as nginx logs it); `serve --quiet` turns it off.
 """
@@ -55,6 +55,11 @@ class Metrics:
             "llmcli_decode_step_sequences",
             "Sequences each decode step ran for (continuous batching).",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=registry,
+        )
+        self.preempted = Counter(
+            "llmcli_preemptions",
+            "Sequences set aside until a paged KV pool had room for them again (--kv-layout paged).",
             registry=registry,
         )
         self.cancelled = Counter(
