@@ -33,8 +33,9 @@ openai = pytest.importorskip("openai")
 
 
 class Server:
-    def __init__(self, process: subprocess.Popen[bytes], url: str, runtime: Path) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], url: str, runtime: Path, said: str = "") -> None:
         self.process, self.url, self.runtime = process, url, runtime
+        self.said = said  # the line it started with: "Serving NAME at URL/v1 (…)."
         self.host, self.port = url.removeprefix("http://").split(":")
 
     def client(self, **options: object) -> openai.OpenAI:
@@ -100,7 +101,7 @@ def start_server(model: Path, runtime: Path, *extra: str, aliases: dict[str, Pat
         process.kill()
         raise AssertionError(f"the server did not start: {line}{process.stderr.read().decode()}")
     url = line.split(" at ", 1)[1].split("/v1", 1)[0]
-    return Server(process, url, runtime)
+    return Server(process, url, runtime, line)
 
 
 def served(

@@ -174,7 +174,7 @@ def _load_and_serve(
     )
     fleet.add(model_spec, first, set(names_of_spec(model_spec)))
     # Its name and file kept, not the model: once swapped out, nothing here holds its memory.
-    name, weights_file = first.model_id, first.loaded.weights_file
+    name, weights_file, at_once = first.model_id, first.loaded.weights_file, _at_once(first.slots)
     del first
     app = fleet.tracking(create_app(fleet, server))
     clock = ActivityClock(app if weights_file is None else WatchedFile(app, weights_file))
@@ -194,7 +194,7 @@ def _load_and_serve(
     if idle_exit is not None:
         threading.Thread(target=_stop_when_idle, args=(uvicorn_server, clock, idle_exit), daemon=True).start()
         stops = f"stops after {idle_exit:g} s without a request"
-    terminal.note(f"Serving {name} at {url}/v1 ({stops}).")
+    terminal.note(f"Serving {name} at {url}/v1 ({stops}; {at_once}).")
     try:
         uvicorn_server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -280,6 +280,16 @@ def _serve_model(
             "lookup": speculation_with_feedback(loaded, model_spec, lookup, request.load),
         }
     return served
+
+
+def _at_once(slots: Any) -> str:
+    """How many generations the first model runs at once, and where their keys and values live:
+    the defaults depend on the device and the model (_parallel, _kv_layout), so the start says."""
+    count = len(slots.engines)
+    if count == 1:
+        return "one generation at a time"
+    layout = "paged blocks shared by content" if slots.paged is not None else "contiguous slots"
+    return f"{count} generations at once, their keys and values in {layout}"
 
 
 def request_catalog() -> Any:
