@@ -81,12 +81,13 @@ def decode_k(row, tile, live, TYPE: tl.constexpr):
     inside = live[:, None, None] & (group < 8)[None, :, None] & (at < 32)[None, None, :]
     offset = ((group // 2) * 32)[:, None] + at[None, :]  # [8, 32]
     codes = tl.load(block[:, None, None] + codes_at + offset[None, :, :], mask=inside, other=0)
-    shift = ((group % 2) * 4).to(tl.uint8)
-    q = (codes >> shift[None, :, None]) & 15
+    odd = group % 2 == 1  # high nibbles: kept in place, as 16 × the code (no shift per value)
+    q = codes & tl.where(odd, 0xF0, 0x0F).to(tl.uint8)[None, :, None]
     if TYPE == 3:
         high = tl.load(block[:, None, None] + 16 + at[None, None, :], mask=inside, other=0)
-        q = q | (((high >> group.to(tl.uint8)[None, :, None]) & 1) << 4)
-    scaled = (d[:, None] * scale)[:, :, None]
+        fifth = ((high >> group.to(tl.uint8)[None, :, None]) & 1).to(tl.uint32)
+        q = q.to(tl.uint32) | (fifth << tl.where(odd, 8, 4)[None, :, None])
+    scaled = (d[:, None] * scale * tl.where(odd, 0.0625, 1.0))[:, :, None]  # exact: a power of 2
     shifted = (dmin[:, None] * minimum)[:, :, None]
     return scaled * exact_float(q, 0) - shifted
 
