@@ -44,11 +44,14 @@ def decode_32(row, tile, live, TYPE: tl.constexpr):
     if TYPE == 0:
         codes = tl.load(block[:, :, None] + 2 + at[None, None, :], mask=inside, other=0)
         q = exact_float(codes ^ 0x80, 128)  # the int8 biased by 128
+        scale = d[:, :, None]
     else:
         codes = tl.load(block[:, :, None] + 2 + (at % 16)[None, None, :], mask=inside, other=0)
-        shift = ((at // 16) * 4).to(tl.uint8)
-        q = exact_float((codes >> shift[None, None, :]) & 15, 8)
-    return q * d[:, :, None]
+        high = at >= 16  # kept in place as 16 × the code, the 1/16 folded into the scale (exact)
+        bits = (codes & tl.where(high, 0xF0, 0x0F).to(tl.uint8)[None, None, :]).to(tl.uint32) | TWO_23
+        q = bits.to(tl.float32, bitcast=True) - tl.where(high, 8388608.0 + 128, 8388608.0 + 8)[None, None, :]
+        scale = d[:, :, None] * tl.where(high, 0.0625, 1.0)[None, None, :]
+    return q * scale
 
 
 @triton.jit
