@@ -107,11 +107,13 @@ def decode_q6_k(row, tile, live):
     scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
     p = group[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16]
     inside = live[:, None, None] & (p < 256)[None, :, :]
+    # Shifted as 32-bit words: shifts of bytes keep them packed four to a register, and unpacking
+    # them costs byte permutations (PRMT) at every step.
     low = tl.load(block[:, None, None] + (64 * (p // 128) + p % 64)[None, :, :], mask=inside, other=0)
-    low = (low >> (((p % 128) // 64) * 4).to(tl.uint8)[None, :, :]) & 15
+    low = (low.to(tl.uint32) >> (((p % 128) // 64) * 4).to(tl.uint32)[None, :, :]) & 15
     high = tl.load(block[:, None, None] + (128 + 32 * (p // 128) + p % 32)[None, :, :], mask=inside, other=0)
-    high = (high >> (((p % 128) // 32) * 2).to(tl.uint8)[None, :, :]) & 3
-    q = exact_float(low | (high << 4), 32)
+    high = ((high.to(tl.uint32) << 4) >> (((p % 128) // 32) * 2).to(tl.uint32)[None, :, :]) & 0x30
+    q = exact_float(low | high, 32)
     return (d[:, None] * scale)[:, :, None] * q
 
 
