@@ -88,8 +88,8 @@ def decode_k(row, tile, live, TYPE: tl.constexpr):
     q = codes & tl.where(odd, 0xF0, 0x0F).to(tl.uint8)[None, :, None]
     if TYPE == 3:
         high = tl.load(block[:, None, None] + 16 + at[None, None, :], mask=inside, other=0)
-        fifth = ((high >> group.to(tl.uint8)[None, :, None]) & 1).to(tl.uint32)
-        q = q.to(tl.uint32) | (fifth << tl.where(odd, 8, 4)[None, :, None])
+        fifth = high.to(tl.uint32) << tl.where(odd, 8, 4)[None, :, None] >> group[None, :, None]
+        q = q.to(tl.uint32) | (fifth & tl.where(odd, 0x100, 0x10)[None, :, None])
     scaled = (d[:, None] * scale * tl.where(odd, 0.0625, 1.0))[:, :, None]  # exact: a power of 2
     shifted = (dmin[:, None] * minimum)[:, :, None]
     return scaled * exact_float(q, 0) - shifted
