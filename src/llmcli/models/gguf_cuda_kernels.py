@@ -85,8 +85,11 @@ def decode_k(row, tile, live, TYPE: tl.constexpr):
     offset = ((group // 2) * 32)[:, None] + at[None, :]  # [8, 32]
     codes = tl.load(block[:, None, None] + codes_at + offset[None, :, :], mask=inside, other=0)
     odd = group % 2 == 1  # high nibbles: kept in place, as 16 × the code (no shift per value)
-    q = codes & tl.where(odd, 0xF0, 0x0F).to(tl.uint8)[None, :, None]
-    if TYPE == 3:
+    # Masked as 32-bit words for Q4_K, as bytes for Q5_K: what issues fewest (gguf_cuda_sass.py).
+    if TYPE == 2:
+        q = codes.to(tl.uint32) & tl.where(odd, 0xF0, 0x0F).to(tl.uint32)[None, :, None]
+    else:
+        q = codes & tl.where(odd, 0xF0, 0x0F).to(tl.uint8)[None, :, None]
         high = tl.load(block[:, None, None] + 16 + at[None, None, :], mask=inside, other=0)
         fifth = high.to(tl.uint32) << tl.where(odd, 8, 4)[None, :, None] >> group[None, :, None]
         q = q.to(tl.uint32) | (fifth & tl.where(odd, 0x100, 0x10)[None, :, None])
