@@ -19,7 +19,7 @@ copy bandwidth: every type is still bound by its instructions on the GEMV.
     | Q4_K   | 20.2 → 16.8           | 35.7 → 31.6            |
     | Q5_K   | 29.1 → 20.8           | 41.1 → 32.8            |
     | Q6_K   | 31.1 → 26.2           | 40.9 → 36.3            |
-    | Q4_0   | 31.0 → 29.7           | 46.1 → 44.4            |
+    | Q4_0   | 31.0 → 26.2           | 46.1 → 40.8            |
     | Q8_0   | 14.9 (unchanged)      | 22.9 (unchanged)       |
     | IQ4_XS | 35.9 (unchanged)      | 52.0 (unchanged)       |
 
@@ -68,7 +68,7 @@ def decode_32(row, tile, live, TYPE: tl.constexpr):
     else:
         codes = tl.load(block[:, :, None] + 2 + (at % 16)[None, None, :], mask=inside, other=0)
         high = at >= 16  # kept in place as 16 × the code, the 1/16 folded into the scale (exact)
-        bits = (codes & tl.where(high, 0xF0, 0x0F).to(tl.uint8)[None, None, :]).to(tl.uint32) | TWO_23
+        bits = (codes.to(tl.uint32) & tl.where(high, 0xF0, 0x0F).to(tl.uint32)[None, None, :]) | TWO_23
         q = bits.to(tl.float32, bitcast=True) - tl.where(high, 8388608.0 + 128, 8388608.0 + 8)[None, None, :]
         scale = d[:, :, None] * tl.where(high, 0.0625, 1.0)[None, None, :]
     return q * scale
