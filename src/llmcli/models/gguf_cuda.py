@@ -158,8 +158,8 @@ def available() -> bool:
 def _block_n(device: torch.device) -> int:
     """Output channels a program takes: 16 on a GPU (with 8 warps, _WARPS). Compiled for an H100
     on the CPU (scripts/gguf_cuda_sass.py), 16 × 8 issues a third fewer instructions per weight
-    byte in the GEMV's loop than 4 × 4 for the K-quants at 1 and 8 rows (Q4_K 19.8 against 29.6),
-    with 64-109 registers at one row and the fewest barriers; 32 × 8 issues a little fewer with
+    byte in the GEMV's loop than 4 × 4 for the K-quants at 1 and 8 rows (Q4_K 16.8 against 25.8),
+    with 59-103 registers at one row and the fewest barriers; 32 × 8 issues a little fewer with
     more registers. To be measured on a GPU: scripts/bench_gguf_cuda.py sweeps them. Under
     Triton's interpreter (CPU tensors: the tests) a program costs Python's time, not the memory's:
     32."""
