@@ -199,8 +199,9 @@ gpu_tests() { # the gpu-tests step: pytest's -v lines, one run after another, in
         return
     fi
     local rest=(tests/test_gpu.py tests/test_quant.py) file failed=0
+    local named=" $(echo $new_gpu_tests $kernel_tests) " # one space between names, not newlines
     for file in tests/test_*.py; do
-        [[ " $new_gpu_tests $kernel_tests ${rest[*]} " == *" $file "* ]] || rest+=("$file")
+        [[ "$named${rest[*]} " == *" $file "* ]] || rest+=("$file")
     done
     "${pytest[@]}" -m gpu $new_gpu_tests || failed=1
     "${pytest[@]}" -m "not gpu" $kernel_tests || failed=1 # their gpu-marked tests ran just before
