@@ -33,7 +33,7 @@
 #   spec-8b-lookup     lookup ÷ plain decode, 8B bf16, same tokens            40     90
 #   first-token-1b     one-shot `generate`, page cache: first byte, breakdown 25     60
 #   first-token-8b     the same for 8B (16 GB written to FIGURES_SCRATCH)     70    120
-#   gpu-tests          pytest -m gpu (tests/), time-boxed                     90    100
+#   gpu-tests          new GPU and kernel tests first, then -m gpu's rest     90    100
 #   total                                       ~485 s: the last steps are cut to fit 480 s
 # kquant-decode writes a Q4_K_M file of the 8B's shapes, random blocks (scripts/random_gguf.py,
 # 4.6 GB in FIGURES_SCRATCH), or takes FIGURES_GGUF. It needs the gguf package, which the GPU
@@ -184,9 +184,34 @@ kquant_decode() { # a Q4_K_M file of the 8B's shapes (FIGURES_GGUF, else random 
     return $rc
 }
 
+# The tests no GPU has run yet come first, so a cut at the time box loses the least news: the new
+# GPU-marked tests, then the kernel tests (unmarked: under Triton's interpreter on a CPU, compiled
+# on the card here), then the GPU-marked rest, test_gpu.py and test_quant.py (run on an H100
+# before) first. FIGURES_TESTS names other paths: `pytest -m gpu` on them alone.
+new_gpu_tests="tests/test_gpu_batched.py tests/test_gpu_gguf.py tests/test_gpu_paged_serve.py
+    tests/test_paged_cuda.py tests/test_paged_kvcache.py tests/test_speculative_schedule.py"
+kernel_tests="tests/test_gguf_cuda.py tests/test_triton_kernels.py tests/test_paged_cuda.py
+    tests/test_paged_kvcache.py"
+gpu_tests() { # the gpu-tests step: pytest's -v lines, one run after another, into one output
+    local pytest=("$py" -m pytest -v -rfE -p no:cacheprovider --continue-on-collection-errors)
+    if [[ -n ${FIGURES_TESTS:-} ]]; then
+        "${pytest[@]}" -m gpu $FIGURES_TESTS
+        return
+    fi
+    local rest=(tests/test_gpu.py tests/test_quant.py) file failed=0
+    local named=" $(echo $new_gpu_tests $kernel_tests) " # one space between names, not newlines
+    for file in tests/test_*.py; do
+        [[ "$named${rest[*]} " == *" $file "* ]] || rest+=("$file")
+    done
+    "${pytest[@]}" -m gpu $new_gpu_tests || failed=1
+    "${pytest[@]}" -m "not gpu" $kernel_tests || failed=1 # their gpu-marked tests ran just before
+    "${pytest[@]}" -m gpu "${rest[@]}" || failed=1
+    return $failed
+}
+
 # --- the lease: the targets first, by what they are worth ---
-export py device tokens lease_runs large scratch
-export -f card kquant_decode # run by `timeout` through bash
+export py device tokens lease_runs large scratch new_gpu_tests kernel_tests
+export -f card kquant_decode gpu_tests # run by `timeout` through bash
 step card lease 30 bash -c card
 measure ceiling-8b-bf16 90 "$large" --no-generate --no-compiled
 measure ceiling-1b-bf16 60 "$small" --no-generate --no-compiled
@@ -201,8 +226,7 @@ step first-token-1b lease 60 "$py" scripts/gpu_first_token.py --config "$small" 
     --scratch "$scratch"
 step first-token-8b lease 120 "$py" scripts/gpu_first_token.py --config "$large" --device "$device" \
     --scratch "$scratch"
-step gpu-tests lease 100 "$py" -m pytest -m gpu -v -rfE -p no:cacheprovider --continue-on-collection-errors \
-    ${FIGURES_TESTS:-tests}
+step gpu-tests lease 100 bash -c gpu_tests
 
 # --- the longer steps of earlier issues, by name or group ---
 if wants gpu-tests-all tests; then

@@ -263,3 +263,30 @@ def test_bench_concurrency_is_refused_on_an_engine_that_decodes_one_sequence(tin
     )
     assert proc.returncode != 0
     assert "decodes one sequence per step" in proc.stderr.decode()
+
+
+def test_the_ceiling_counts_a_gguf_files_block_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file read in place on the compiled kernels keeps its layers in their blocks
+    (BlockLinear): the ceiling times them too, every byte they hold, and leaves nothing out."""
+    from gguf_fixtures_dir import fixture
+    from llmcli.config.settings import LoadSettings
+    from llmcli.engine.bench import ceiling_layers, linear_ceiling
+    from llmcli.models.block_linear import BlockLinear
+    from llmcli.models.load import load_model
+    from llmcli.models.quantized import QuantizedLinear
+    from llmcli.models.resolve import resolve_model
+
+    loaded_kernels = cpu_kernels.kernels()
+    if loaded_kernels is None:
+        pytest.skip("llmcli was built without its compiled kernels")
+    monkeypatch.setenv(cpu_kernels.ENV, loaded_kernels.level)
+    path = fixture("Q4_K_M")
+    model = load_model(resolve_model(str(path)), LoadSettings(device="cpu"), lean=True).model
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear, BlockLinear))]
+    assert any(isinstance(m, BlockLinear) for m in linears)
+    held = sum(t.numel() * t.element_size() for m in linears for t in (*m.parameters(), *m.buffers()))
+    layers = ceiling_layers(model)
+    assert layers.bytes == held and layers.left_out == []
+    assert len(layers.calls) == len(linears)
+    seconds, _ = linear_ceiling(model, runs=1)
+    assert seconds > 0

@@ -225,3 +225,32 @@ def test_every_kernel_compiles_for_an_h100_without_spilling(tmp_path: Path) -> N
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().endswith("every kernel compiles for sm_90 unspilled")
+
+
+def test_the_fit_check_sizes_a_gguf_files_blocks_as_a_gpu_holds_them() -> None:
+    """The memory check before a load on a GPU asks the estimate `models show` gives (one
+    estimate): a file read in place keeps these kernels' types in their blocks there, so its
+    layers count at the blocks' real bytes, not as int4 codes. Asked for cuda without loading;
+    the blocks are those quantize_model keeps for a GPU, built on the CPU."""
+    from llmcli.config.settings import LoadSettings
+    from llmcli.models.block_linear import BlockLinear
+    from llmcli.models.gguf_cuda import KERNELS
+    from llmcli.models.load_plan import plan_load, planned_weight_bytes
+    from llmcli.models.memory import estimate_weight_bytes, is_native_linear, native_mode
+    from llmcli.models.quantized import quantize_model
+    from llmcli.models.resolve import resolve_model
+
+    path = fixture("Q4_K_M")
+    checkpoint = resolve_model(str(path))
+    plan = plan_load(checkpoint, LoadSettings(device="cpu"))
+    shapes = checkpoint.shapes
+    mode = native_mode(plan.native_quant, plan.group, shapes)
+    estimate = planned_weight_bytes(checkpoint, LoadSettings(), mode, 2, "cuda")
+    loaded = load(path, dtype="bf16", quant="none")
+    quant = quantize_model(loaded.model, "int4", plan.group, checkpoint.exact_codes(), KERNELS)
+    assert quant == "gguf-blocks"
+    blocks = sum(m.blocks.nbytes for m in loaded.model.modules() if isinstance(m, BlockLinear))
+    rest = sum(t.count * 2 for name, t in shapes.items() if not is_native_linear(name, t.shape))
+    assert estimate == blocks + rest
+    as_int4 = estimate_weight_bytes(shapes, 2, mode, device_type="cuda")  # the codes: not what loads
+    assert estimate != as_int4

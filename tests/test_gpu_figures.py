@@ -184,3 +184,25 @@ def test_a_spent_budget_skips_the_steps_and_says_so(tmp_path: Path) -> None:
     figures(out, ["lease"], FIGURES_SECONDS="1")
     rows = table_rows(out)
     assert all("skipped: the run's time budget was spent" in measured for measured, _, _ in rows.values())
+
+
+def test_the_lease_tests_no_gpu_has_run_first(tmp_path: Path) -> None:
+    """The pytest step's order, read from pytest itself collecting (a python that adds
+    --collect-only: running the suite is not this test's job): the new GPU-marked tests, then the
+    kernel tests, then the GPU-marked rest with test_gpu.py and test_quant.py, which an H100 ran
+    before, first among them — a cut at the time box loses the least that no GPU has shown."""
+    collecting = tmp_path / "python"
+    collecting.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@" --collect-only -qq\n')
+    collecting.chmod(0o755)
+    out = tmp_path / "out"
+    figures(out, ["gpu-tests"], PYTHON=str(collecting), FIGURES_TESTS="")
+    tests = [line for line in (out / "gpu-tests.out").read_text().splitlines() if "::" in line]
+    names = [Path(file).name for file in dict.fromkeys(test.split("::")[0] for test in tests)]
+    new_gpu = {"test_gpu_batched.py", "test_gpu_gguf.py", "test_gpu_paged_serve.py"}
+    new_gpu.add("test_speculative_schedule.py")
+    kernels = {"test_gguf_cuda.py", "test_triton_kernels.py"}
+    first_old = names.index("test_gpu.py")
+    assert new_gpu | kernels <= set(names[:first_old])
+    assert names.index("test_gpu.py") < names.index("test_quant.py")
+    assert max(names.index(name) for name in new_gpu) < min(names.index(name) for name in kernels)
+    assert len(tests) == len(set(tests))  # no test twice: each run leaves out the ones before

@@ -145,6 +145,7 @@ def fit_request(folder: Path, budget: int, quant: str = "none", context: int = 1
         dtype_name="bf16",
         quant=quant,
         double_quant=True,
+        weight_bytes=estimate_weight_bytes(shapes, 2, quant, True, "cuda"),
         kv_per_token=kv_bytes_per_token(config, 2),
         context=context,
         context_given=given,

@@ -242,13 +242,15 @@ class LoadSettings:
         help="Accept pickled *.bin/*.pt weights, which can run code.",
         panel=LOADING,
     )
-    # auto (a GGUF's 4/8-bit weights stay int4/int8, else none), none, int8, int4 (native where it
-    # runs, else bitsandbytes), nf4, fp4 (bitsandbytes)
+    # auto (a GGUF's layers in its blocks where kernels take them, else int4/int8; else none), none,
+    # int8, int4 (native where it runs, else bitsandbytes), nf4, fp4 (bitsandbytes)
     quant: str = setting(
         "auto",
         help="Quantize on load: int8 or int4 (llmcli's own kernels on the native engine, else "
-        "bitsandbytes), nf4 or fp4 (bitsandbytes), none, or auto: a GGUF file's 4-bit weights "
-        "stay int4 and its 8-bit ones int8, anything else loads as it is.",
+        "bitsandbytes), nf4 or fp4 (bitsandbytes), none, or auto: a GGUF file's layers stay in its "
+        "own blocks where llmcli's kernels multiply them (on a GPU: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, "
+        "IQ4_XS; on a CPU: where its compiled kernels take the file), its other 4-bit ones int4 and the rest "
+        "int8; anything else loads as it is.",
         panel=LOADING,
         choices=QUANTS,
     )

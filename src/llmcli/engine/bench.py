@@ -67,6 +67,8 @@ class BenchReport:
     speedup_vs_compiled: float | None = None
     ceiling_tok_s: float | None = None  # the linear layers alone, one GEMV each, one graph
     ceiling_pct: float | None = None
+    ceiling_bytes: int | None = None  # the weight bytes the ceiling's pass reads
+    ceiling_left_out: list[str] = field(default_factory=list)  # layers of a kind it cannot time
     # Each figure's lowest and highest run, beside its median: "ttft_s", "decode_tok_s",
     # "generate_decode_tok_s", "prefill_tok_s@512", …
     spread: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -195,17 +197,39 @@ def weight_bytes_read(model: Any, weight_bytes: int) -> float:
     return read - stored * (1 - chosen / experts)
 
 
-def linear_ceiling(model: Any, runs: int) -> float:
-    """Seconds for one pass over every linear layer's weights as matrix-vector products: what
-    a batch-1 decode step of these weights costs when nothing else runs. One CUDA graph on CUDA
-    (no launch gaps), plain calls elsewhere. A sparse MoE's layers count k experts each, the
-    first k (a token reads k, whichever they are)."""
-    from llmcli.models.quantized import QuantizedLinear
+@dataclass
+class CeilingLayers:
+    """What the ceiling multiplies: each linear layer as a call on a one-row input of its width,
+    the bytes those calls read, and the linear-looking layers of a kind it has no call for (named
+    in the report, never silently left out)."""
 
-    device, dtype = model.device, model.dtype
-    # Dense layers as bare matrix products; llmcli's quantized ones through their own kernels.
-    layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
-    widths: list[int] = []
+    calls: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)
+    bytes: int = 0
+    left_out: list[str] = field(default_factory=list)
+
+    def add(
+        self, call: Callable[[torch.Tensor], torch.Tensor], width: int, tensors: list[torch.Tensor]
+    ) -> None:
+        self.calls.append(call)
+        self.widths.append(width)
+        self.bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
+
+
+def held_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def ceiling_layers(model: Any) -> CeilingLayers:
+    """Every linear layer of the model, whatever holds its weights: dense ones as bare matrix
+    products, llmcli's quantized ones (int8/int4 codes) and a GGUF file's layers kept in their
+    blocks (block_linear.py: the compiled CPU kernels, gguf_cuda's on a GPU) through their own
+    forward. A sparse MoE's layers count k experts each, the first k (a token reads k,
+    whichever they are). A slice of a fused layer is its whole's, counted once."""
+    from llmcli.models.block_linear import BlockLinear
+    from llmcli.models.quantized import QuantizedLinear, QuantizedSlice
+
+    layers = CeilingLayers()
     sparse = experts_read_per_token(model)
     inside_experts: set[int] = set()
     chosen = sparse[0] if sparse else 0
@@ -214,25 +238,34 @@ def linear_ceiling(model: Any, runs: int) -> float:
         stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.numel()]
         for weight in stacked:  # [experts, a, b] in either layout: a GEMV reads all of a slice
             for expert in range(chosen):
-                layers.append(functools.partial(torch.nn.functional.linear, weight=weight[expert]))
-                widths.append(weight.shape[-1])
+                call = functools.partial(torch.nn.functional.linear, weight=weight[expert])
+                layers.add(call, weight.shape[-1], [weight[expert]])
         for group in (m for m in module.children() if isinstance(m, torch.nn.ModuleList)):
             for layer in list(group)[:chosen]:  # --quant's experts: one layer each
-                layers.append(layer.forward)
-                widths.append(layer.in_features)
-    for module in model.modules():
-        if id(module) in inside_experts:
+                layers.add(layer.forward, layer.in_features, held_tensors(layer))
+    for name, module in model.named_modules():
+        if id(module) in inside_experts or isinstance(module, QuantizedSlice):
             continue
         if isinstance(module, torch.nn.Linear):
-            layers.append(functools.partial(torch.nn.functional.linear, weight=module.weight))
-            widths.append(module.in_features)
-        elif isinstance(module, QuantizedLinear):
-            layers.append(module.forward)
-            widths.append(module.in_features)
-    inputs = [torch.randn(1, width, dtype=dtype, device=device) for width in widths]
+            call = functools.partial(torch.nn.functional.linear, weight=module.weight)
+            layers.add(call, module.in_features, [module.weight])
+        elif isinstance(module, (QuantizedLinear, BlockLinear)):
+            layers.add(module.forward, module.in_features, held_tensors(module))
+        elif hasattr(module, "in_features") and hasattr(module, "out_features"):
+            layers.left_out.append(f"{name} ({type(module).__name__})")
+    return layers
+
+
+def linear_ceiling(model: Any, runs: int) -> tuple[float, CeilingLayers]:
+    """Seconds for one pass over every linear layer's weights as matrix-vector products: what
+    a batch-1 decode step of these weights costs when nothing else runs. One CUDA graph on CUDA
+    (no launch gaps), plain calls elsewhere. Beside it, the layers it timed (ceiling_layers)."""
+    device, dtype = model.device, model.dtype
+    layers = ceiling_layers(model)
+    inputs = [torch.randn(1, width, dtype=dtype, device=device) for width in layers.widths]
 
     def one_pass() -> None:
-        for x, layer in zip(inputs, layers, strict=True):
+        for x, layer in zip(inputs, layers.calls, strict=True):
             layer(x)
 
     with torch.inference_mode():
@@ -243,7 +276,7 @@ def linear_ceiling(model: Any, runs: int) -> float:
             with torch.cuda.graph(graph):
                 one_pass()
             step = graph.replay
-        return interleaved_medians({"ceiling": step}, max(runs, 5), device)["ceiling"]
+        return interleaved_medians({"ceiling": step}, max(runs, 5), device)["ceiling"], layers
 
 
 def prompt_of(length: int, vocab_size: int) -> list[int]:
@@ -309,7 +342,9 @@ def run_bench(
         report.speedup_vs_generate = report.decode_tok_s / report.generate_decode_tok_s
     if report.compiled_decode_tok_s:
         report.speedup_vs_compiled = report.decode_tok_s / report.compiled_decode_tok_s
-    report.ceiling_tok_s = 1 / linear_ceiling(loaded.model, runs)
+    seconds, layers = linear_ceiling(loaded.model, runs)
+    report.ceiling_tok_s = 1 / seconds
+    report.ceiling_bytes, report.ceiling_left_out = layers.bytes, layers.left_out
     report.ceiling_pct = 100 * report.decode_tok_s / report.ceiling_tok_s
     report.peak_memory_bytes = peak_memory(device)
     return report

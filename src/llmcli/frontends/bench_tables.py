@@ -101,6 +101,8 @@ def render_table(report: BenchReport) -> str:
             f"ceiling (the linear layers alone, one GEMV each{', one CUDA graph' if report.graphs else ''}): "
             f"{report.ceiling_tok_s:.1f} tok/s; llmcli reaches {report.ceiling_pct:.0f} % of it"
         )
+        if report.ceiling_left_out:  # said, never silently left out of the ceiling
+            lines.append(f"the ceiling leaves out: {', '.join(report.ceiling_left_out)}")
     if report.speedup_vs_generate is not None:
         lines.append(f"llmcli decodes {report.speedup_vs_generate:.2f}× as fast as model.generate")
     if report.speedup_vs_compiled is not None:

@@ -129,6 +129,7 @@ def plan_context(
     if budget is None or not shapes:
         return context, None
     dtype_bytes = dtype.itemsize
+    quant = native_mode(*native, shapes) if native else estimate_mode(settings, config)
     return fits(
         FitRequest(
             name=checkpoint.name,
@@ -136,8 +137,9 @@ def plan_context(
             shapes=shapes,
             dtype_bytes=dtype_bytes,
             dtype_name=DTYPE_NAMES.get(dtype, str(dtype)),
-            quant=native_mode(*native, shapes) if native else estimate_mode(settings, config),
+            quant=quant,
             double_quant=settings.double_quant,
+            weight_bytes=planned_weight_bytes(checkpoint, settings, quant, dtype_bytes, device.type),
             kv_per_token=kv_bytes_per_token(config, dtype_bytes),
             context=context,
             context_given=settings.context_length is not None,
@@ -196,7 +198,7 @@ def settled_load(checkpoint: Checkpoint, quant: str = "auto") -> tuple[str, str,
     """How `-m` with `--quant quant` and no other flags would load this model here, without
     loading it: (device, dtype, quant label, estimated weight bytes) — the figures `models show`
     gives for this machine."""
-    from llmcli.models.memory import estimate_weight_bytes, native_mode
+    from llmcli.models.memory import native_mode
 
     config = checkpoint.config
     device_type, dtype = _auto_device_and_dtype()
@@ -218,9 +220,26 @@ def settled_load(checkpoint: Checkpoint, quant: str = "auto") -> tuple[str, str,
     else:
         label = (stored or "none") if mode in ("none", "stored") else mode
     blocks = block_types(checkpoint, quant, device_type) if native else frozenset()
-    itemsize = _ITEMSIZE[dtype]
-    weight_bytes = estimate_weight_bytes(shapes, itemsize, mode, device_type=device_type, block_types=blocks)
+    weight_bytes = planned_weight_bytes(
+        checkpoint, LoadSettings(quant=quant), mode, _ITEMSIZE[dtype], device_type
+    )
     return device_type, dtype, _blocks_label(shapes, blocks, label), weight_bytes
+
+
+def planned_weight_bytes(
+    checkpoint: Checkpoint, settings: LoadSettings, mode: str, dtype_bytes: int, device_type: str
+) -> int:
+    """The weights' bytes once loaded, as `mode` (estimate_weight_bytes's) holds them on
+    `device_type`, a GGUF file's layers of the types block_types names at their blocks' own size:
+    the one estimate that the fit check before a load and `models show` both give."""
+    from llmcli.models.memory import estimate_weight_bytes
+
+    blocks = (
+        block_types(checkpoint, settings.quant, device_type) if mode.startswith("native-") else frozenset()
+    )
+    return estimate_weight_bytes(
+        checkpoint.shapes, dtype_bytes, mode, settings.double_quant, device_type, block_types=blocks
+    )
 
 
 def _blocks_label(shapes: dict[str, Any], blocks: frozenset[str], label: str) -> str:

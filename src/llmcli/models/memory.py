@@ -266,6 +266,7 @@ class FitRequest:
     dtype_name: str
     quant: str
     double_quant: bool
+    weight_bytes: int  # the weights' estimate (load_plan.planned_weight_bytes): models show's too
     kv_per_token: int
     context: int  # the context wanted: --ctx, else the model's
     context_given: bool  # the user asked for this context explicitly
@@ -278,10 +279,7 @@ def fits(request: FitRequest) -> tuple[int, str | None]:
     A context the user did not ask for is lowered to what fits; one they asked for is not.
     """
     budget = int(request.budget * (1 - _HEADROOM))
-    device_type = request.device.split(":")[0]
-    weights = estimate_weight_bytes(
-        request.shapes, request.dtype_bytes, request.quant, request.double_quant, device_type
-    )
+    weights = request.weight_bytes
     kv = request.kv_per_token * request.context
     if weights + kv <= budget:
         return request.context, None
