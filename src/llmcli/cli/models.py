@@ -202,7 +202,11 @@ def _checkpoint(summary: dict[str, Any], source: str, read_in_place: bool) -> st
         kind = summary.get("gguf_type")
         stored = f"GGUF {kind}" if kind else "GGUF"
         if read_in_place:
-            return f"{stored}, read from the file (4-bit blocks as int4 codes, wider blocks as int8)"
+            # Which layers keep their blocks depends on the device: the "loads as" line says.
+            return (
+                f"{stored}, read from the file (its blocks kept where llmcli's kernels multiply them, "
+                "else 4-bit blocks as int4 codes and wider blocks as int8)"
+            )
         return f"{stored}, converted to fp16 safetensors (4-bit blocks kept as int4 codes)"
     return summary["quantization"] or "not quantized"
 
